@@ -1,0 +1,5 @@
+import sys
+
+from vramguard.cli import main
+
+sys.exit(main())

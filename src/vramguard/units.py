@@ -1,0 +1,61 @@
+"""Size strings ("12 MiB", "1.5GB", "3%") in and out, so markers and options read like pytest-memray's."""
+
+from __future__ import annotations
+
+import re
+
+from vramguard.errors import UsageError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([+-]?\d+(?:\.\d*)?|[+-]?\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int | float) -> int:
+    """Bytes from ``"12 MiB"`` / ``"1.5GB"`` / ``4096``; raises UsageError on anything else."""
+    if isinstance(text, bool):
+        raise UsageError(f"not a size: {text!r}")
+    if isinstance(text, (int, float)):
+        if text < 0:
+            raise UsageError(f"a size cannot be negative: {text!r}")
+        return int(text)
+    m = _SIZE.match(str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UsageError(f"not a size: {text!r} (use e.g. '512 KiB', '12 MiB', '1.5 GiB')")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value < 0:
+        raise UsageError(f"a size cannot be negative: {text!r}")
+    return int(round(value))
+
+
+def parse_percent(text: str | float) -> float:
+    """A fraction from ``"3%"`` (0.03) or a plain number taken as a fraction (``0.03``)."""
+    s = str(text).strip()
+    try:
+        value = float(s[:-1]) / 100.0 if s.endswith("%") else float(s)
+    except ValueError:
+        raise UsageError(f"not a percentage: {text!r} (use e.g. '3%')") from None
+    if value < 0:
+        raise UsageError(f"a percentage cannot be negative: {text!r}")
+    return value
+
+
+def format_bytes(n: float, signed: bool = False) -> str:
+    """Human size in binary units, e.g. ``1.50 MiB``; ``signed`` adds ``+`` to positive deltas."""
+    sign = "-" if n < 0 else ("+" if signed and n > 0 else "")
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,407 @@
+"""``vramguard bisect``: find the release of one package where memory or gradients changed.
+
+Only the bisected package varies: each version is installed once into a cached overlay
+(:mod:`vramguard.overlay`) put first on ``PYTHONPATH``, so torch and everything else stay the current
+environment's. Verdicts follow ``git bisect run`` (0 good, 125 skip, other non-zero or timeout bad);
+the search itself is :mod:`vramguard.bisect_search`. Named ``bisect`` inside the package only: every
+import here is absolute, so the stdlib ``bisect`` is never shadowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+from rich.console import Console
+
+from vramguard.bisect_search import Bisection, EndpointError, State, probe_bound
+from vramguard.errors import UsageError
+from vramguard.overlay import InstallError, Overlay, OverlayCache, default_cache_dir, python_tag
+from vramguard.pkgindex import IndexOptions, available_versions, select_range, sort_versions
+from vramguard.units import format_bytes, parse_size
+
+SKIP_CODE = 125
+TAIL_LINES = 20
+INSTALL_TIMEOUT_S = 1800.0
+EXIT_AMBIGUOUS = 3
+
+# Run in the probe's environment before the probe: is the overlay really what gets imported?
+_IMPORT_CHECK = r"""
+import importlib, importlib.metadata as md, os, sys
+from packaging.version import Version
+pkg, ver, root, *names = sys.argv[1:]
+root = os.path.realpath(root)
+try:
+    got = md.version(pkg)
+except md.PackageNotFoundError:
+    print(f"no metadata for {pkg} on sys.path"); sys.exit(3)
+if Version(got) != Version(ver):
+    print(f"{pkg} {got} is seen instead of {ver}: the overlay is shadowed"); sys.exit(3)
+for name in names:
+    try:
+        mod = importlib.import_module(name)
+    except BaseException as exc:
+        print(f"import {name} failed: {type(exc).__name__}: {exc}"); sys.exit(4)
+    where = getattr(mod, "__file__", None) or next(iter(getattr(mod, "__path__", [])), "")
+    if not os.path.realpath(where).startswith(root + os.sep):
+        print(f"{name} was imported from {where}, not from the overlay"); sys.exit(5)
+print(f"{pkg} {got} from {root}")
+"""
+
+
+@dataclass
+class Probe:
+    """One probe of one version: what the JSON log records."""
+
+    version: str
+    verdict: str  # good | bad | skip
+    exit_code: int | None
+    duration_s: float
+    overlay: str = "cached"  # cached | installed | install-failed
+    install_s: float = 0.0
+    reason: str = ""
+    output_tail: list[str] = field(default_factory=list)
+
+
+def verdict_for(exit_code: int | None) -> str:
+    """``git bisect run`` semantics; ``None`` (timed out) is bad."""
+    if exit_code == 0:
+        return "good"
+    if exit_code == SKIP_CODE:
+        return "skip"
+    return "bad"
+
+
+def probe_env(overlay: Path, package: str, version: str) -> dict[str, str]:
+    """The current environment with the overlay first on PYTHONPATH (before site-packages and .pth)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(overlay), env.get("PYTHONPATH", "")) if p)
+    env["VRAMGUARD_BISECT_PACKAGE"] = package
+    env["VRAMGUARD_BISECT_VERSION"] = version
+    env.pop("PYTHONSAFEPATH", None)
+    env.pop("PYTHONNOUSERSITE", None)
+    return env
+
+
+def run_command(cmd: Sequence[str], env: dict[str, str], timeout: float | None) -> tuple[int | None, list[str]]:
+    """Exit code (None on timeout, the whole process group killed) and the last lines of output."""
+    with tempfile.TemporaryFile(mode="w+b") as out:
+        try:
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as exc:
+            return 127, [f"cannot run {cmd[0]!r}: {exc}"]
+        try:
+            code: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        out.seek(0)
+        lines = out.read().decode(errors="replace").splitlines()
+    if code is None:
+        lines.append(f"[vramguard] probe timed out after {timeout} s")
+    return code, lines[-TAIL_LINES:]
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write to a temp file beside ``path`` then rename, so a reader never sees half a log."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class BisectRun:
+    """Installs, probes and records one bisection; ``search`` decides what to probe next."""
+
+    package: str
+    candidates: list[Version]
+    command: list[str]
+    cache: OverlayCache
+    index: IndexOptions
+    find_fix: bool = False
+    timeout: float | None = None
+    import_check: bool = True
+    log_path: Path | None = None
+    console: Console = field(default_factory=lambda: Console(stderr=True))
+    probes: list[Probe] = field(default_factory=list)
+    status: str = "running"
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        self.search = Bisection(len(self.candidates))
+        self.started = time.time()
+        self.bad_word, self.good_word = "bad", "good"
+
+    # -- one probe --------------------------------------------------------------------------------
+    def _overlay(self, version: str) -> tuple[Overlay | None, str, float]:
+        start = time.monotonic()
+        try:
+            with self.console.status(f"installing {self.package} {version} ..."):
+                overlay = self.cache.get(self.package, version, self.index.pip_args(), INSTALL_TIMEOUT_S)
+        except InstallError as exc:
+            return None, f"install failed: {exc}", time.monotonic() - start
+        return overlay, "", time.monotonic() - start
+
+    def probe(self, version: str) -> Probe:
+        """Install (or reuse) the overlay, check it is what gets imported, run the command."""
+        overlay, reason, install_s = self._overlay(version)
+        if overlay is None:
+            return Probe(version, "skip", None, 0.0, "install-failed", round(install_s, 3), reason)
+        env = probe_env(overlay.path, self.package, version)
+        how = "installed" if overlay.installed_now else "cached"
+        start = time.monotonic()
+        with self.console.status(f"probing {self.package} {version} ..."):
+            if self.import_check:
+                check = [sys.executable, "-c", _IMPORT_CHECK, self.package, version, str(overlay.path)]
+                code, tail = run_command(check + list(overlay.import_names), env, self.timeout)
+                if code != 0:
+                    why = tail[-1] if tail else f"exit {code}"
+                    return Probe(version, "skip", code, round(time.monotonic() - start, 3),
+                                 how, round(install_s, 3),
+                                 reason=f"import check failed: {why}", output_tail=tail)
+            code, tail = run_command(self.command, env, self.timeout)
+        reason = "timeout" if code is None else ""
+        return Probe(version, verdict_for(code), code, round(time.monotonic() - start, 3),
+                     how, round(install_s, 3), reason,
+                     output_tail=tail)
+
+    def state_of(self, verdict: str) -> State:
+        if verdict == "skip":
+            return State.SKIP
+        is_old = (verdict == "good") != self.find_fix
+        return State.OLD if is_old else State.NEW
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Probe until the search is done; endpoint contradictions raise UsageError (log written first)."""
+        bound = probe_bound(len(self.candidates))
+        try:
+            while (index := self.search.next_index()) is not None:
+                version = str(self.candidates[index])
+                result = self.probe(version)
+                self.probes.append(result)
+                try:
+                    self.search.record(index, self.state_of(result.verdict))
+                finally:
+                    self._progress(result, bound)
+                    self.write_log()
+        except EndpointError as exc:
+            self.status, self.error = "endpoint_error", self._endpoint_message(exc)
+            self.write_log()
+            raise UsageError(self.error) from None
+        except KeyboardInterrupt:
+            self.status = "interrupted"
+            self.write_log()
+            raise
+        self.status = "found" if len(self.search.candidates()) == 1 else "ambiguous"
+        self.write_log()
+
+    def _endpoint_message(self, exc: EndpointError) -> str:
+        probe = self.probes[-1]
+        flag = "--good" if (exc.index == 0) != self.find_fix else "--bad"
+        claimed = "good" if flag == "--good" else "bad"
+        if exc.got is State.SKIP:
+            return f"{flag} {probe.version} cannot be tested ({probe.reason or 'probe exited 125'})"
+        how = "timed out" if probe.exit_code is None else f"exited {probe.exit_code}"
+        return f"{flag} {probe.version} is not {claimed}: the probe {how} on it, so there is nothing to bisect"
+
+    def _progress(self, p: Probe, bound: int) -> None:
+        lo, hi = self.candidates[self.search.lo], self.candidates[self.search.hi]
+        colour = {"good": "green", "bad": "red", "skip": "yellow"}[p.verdict]
+        how = "timeout" if p.reason == "timeout" else f"exit {p.exit_code}"
+        src = f"installed in {p.install_s:.1f} s" if p.overlay == "installed" else p.overlay
+        self.console.print(
+            f"[bold]step {len(self.probes)}[/] (≤ {bound}): {self.package} {p.version} -> "
+            f"[{colour}]{p.verdict}[/] ({how}, {p.duration_s:.1f} s, {src})"
+            + (f" - {p.reason}" if p.reason and p.reason != "timeout" else "")
+            + f"  [dim]range {lo} .. {hi}[/]",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+    # -- results --------------------------------------------------------------------------------------
+    def result(self) -> dict[str, Any]:
+        """First changed version, last unchanged one, skipped ones; keys named after the mode."""
+        first, last = ("first_fixed", "last_bad") if self.find_fix else ("first_bad", "last_good")
+        cands = [str(self.candidates[i]) for i in self.search.candidates()]
+        return {
+            first: cands[-1] if len(cands) == 1 else None,
+            last: str(self.candidates[self.search.last_old()]),
+            "possible": cands,
+            "skipped": [p.version for p in self.probes if p.verdict == "skip"],
+        }
+
+    def log(self) -> dict[str, Any]:
+        n = len(self.candidates)
+        return {
+            "tool": "vramguard bisect",
+            "package": self.package,
+            "mode": "find-fix" if self.find_fix else "find-regression",
+            "command": self.command,
+            "python_tag": python_tag(),
+            "cache_dir": str(self.cache.root),
+            "candidates": [str(v) for v in self.candidates],
+            "status": self.status,
+            "error": self.error,
+            "result": self.result() if self.status in ("found", "ambiguous") else None,
+            "probe_count": len(self.probes),
+            "probe_bound": probe_bound(n),
+            "installs": sum(1 for p in self.probes if p.overlay == "installed"),
+            "started_at": self.started,
+            "elapsed_s": round(time.time() - self.started, 3),
+            "probes": [asdict(p) for p in self.probes],
+        }
+
+    def write_log(self) -> None:
+        if self.log_path is not None:
+            write_json_atomic(self.log_path, self.log())
+
+    def summary(self) -> str:
+        res = self.result()
+        n = len(self.candidates)
+        first_key, last_key = ("first_fixed", "last_bad") if self.find_fix else ("first_bad", "last_good")
+        first_label = "first fixed version" if self.find_fix else "first bad version"
+        last_label = "last bad version" if self.find_fix else "last good version"
+        lines = []
+        if res[first_key] is not None:
+            lines.append(f"{first_label}: {self.package} {res[first_key]}")
+        else:
+            lines.append(f"{first_label}: undetermined, one of {', '.join(res['possible'])} (the others were skipped)")
+        lines.append(f"{last_label}: {self.package} {res[last_key]}")
+        lines.append(f"skipped: {', '.join(res['skipped']) or 'none'}")
+        lines.append(f"probes: {len(self.probes)} for {n} candidates (bound {probe_bound(n)} + skips)")
+        if self.log_path is not None:
+            lines.append(f"log: {self.log_path}")
+        return "\n".join(lines)
+
+
+# -- CLI ----------------------------------------------------------------------------------------------
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"not a number of seconds: {text!r}") from None
+    if value <= 0:
+        raise UsageError(f"a timeout must be positive: {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises UsageError (one line, exit 2) instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--good", metavar="V", help="a version where the probe passes (required)")
+    p.add_argument("--bad", metavar="V", help="a version where the probe fails (required)")
+    p.add_argument("--find-fix", action="store_true", help="--bad is older than --good; find the first good")
+    p.add_argument("--versions", metavar="LIST", help="comma-separated candidates instead of asking the index")
+    p.add_argument("--pre", action="store_true", help="include pre-releases and dev releases")
+    p.add_argument("--index-url", metavar="URL", help="package index (default: pip's configuration)")
+    p.add_argument("--find-links", action="append", default=[], metavar="DIR",
+                   help="local wheel directory or page; alone, it means offline (--no-index)")
+    p.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
+                   help="seconds a probe may run; a timeout counts as bad (default: none)")
+    p.add_argument("--index-timeout", type=_positive_float, default=30.0, metavar="S",
+                   help="network timeout for the package index (default 30)")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="overlay cache (default $VRAMGUARD_CACHE or ~/.cache/vramguard/overlays)")
+    p.add_argument("--cache-max", default="10 GiB", metavar="SIZE", help="cache bound, LRU eviction (10 GiB)")
+    p.add_argument("--log", type=Path, default=None, metavar="PATH", help="JSON log of every probe")
+    p.add_argument("--no-import-check", dest="import_check", action="store_false",
+                   help="do not verify that the overlay version is the one imported")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``bisect``. argparse cannot mix a positional PACKAGE, options and ``-- COMMAND`` in a
+    subparser, so everything from PACKAGE on is taken raw and parsed again in :func:`_reparse`."""
+    p = subparsers.add_parser(
+        "bisect",
+        usage="vramguard bisect PACKAGE --good V1 --bad V2 [options] -- COMMAND...",
+        help="find the release of a package where a probe's result changed",
+        description="Find the first bad (or, with --find-fix, first fixed) release of PACKAGE. "
+        "COMMAND exits 0 for good, 125 to skip a version, anything else (or a timeout) for bad.",
+    )
+    _add_options(p)
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="PACKAGE [options] -- COMMAND")
+    p.set_defaults(func=run_bisect)
+
+
+def _reparse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
+    """Split ``rest`` at the first ``--``; parse what precedes it on top of what was parsed already."""
+    rest = list(args.rest)
+    before, command = (rest[: rest.index("--")], rest[rest.index("--") + 1 :]) if "--" in rest else (rest, [])
+    inner = _Parser(prog="vramguard bisect", add_help=False)
+    _add_options(inner)
+    inner.add_argument("package", metavar="PACKAGE")
+    ns = inner.parse_args(before, namespace=argparse.Namespace(**vars(args)))
+    for flag in ("good", "bad"):
+        if getattr(ns, flag) is None:
+            raise UsageError(f"the following arguments are required: --{flag}")
+    return ns, command
+
+
+def _candidates(args: argparse.Namespace, index: IndexOptions) -> list[Version]:
+    if args.versions is not None:
+        listed = [t for t in args.versions.split(",") if t.strip()]
+        versions = sort_versions(listed, pre=True)
+        if len(versions) != len({t.strip() for t in listed}):
+            raise UsageError(f"--versions has an entry that is not a version: {args.versions!r}")
+        versions = sort_versions(map(str, versions), pre=args.pre)
+        return select_range(versions, args.good, args.bad, args.find_fix, "--versions")
+    for link in args.find_links:
+        if "://" not in link and not Path(link).exists():
+            raise UsageError(f"--find-links {link}: no such directory")
+    versions = available_versions(args.package, index, pre=args.pre)
+    source = args.index_url or (", ".join(args.find_links) if args.find_links else "the package index")
+    return select_range(versions, args.good, args.bad, args.find_fix, source)
+
+
+def run_bisect(args: argparse.Namespace) -> int:
+    """Validate everything that can be validated before the first install, then bisect."""
+    args, command = _reparse(args)
+    if not command:
+        raise UsageError("missing COMMAND: give the probe after --, e.g. -- python -m pytest tests_grad/x.py")
+    if not canonicalize_name(args.package) or args.package.startswith("-"):
+        raise UsageError(f"not a package name: {args.package!r}")
+    max_bytes = parse_size(args.cache_max)
+    index = IndexOptions(args.index_url, tuple(args.find_links), args.index_timeout)
+    candidates = _candidates(args, index)
+    cache = OverlayCache(args.cache_dir or default_cache_dir(), max_bytes)
+    run = BisectRun(args.package, candidates, command, cache, index, args.find_fix, args.timeout,
+                    args.import_check, args.log)
+    run.console.print(
+        f"bisecting {args.package}: {len(candidates)} candidates {candidates[0]} .. {candidates[-1]}, "
+        f"at most {probe_bound(len(candidates))} probes (cache {cache.root}, {format_bytes(max_bytes)})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    run.run()
+    print(run.summary())
+    return 0 if run.status == "found" else EXIT_AMBIGUOUS

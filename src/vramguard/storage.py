@@ -1,0 +1,102 @@
+"""Storage identity and residency: the unit in which memory is counted, once.
+
+Memory is owned by storages, not tensors: views share one storage, and a saved view keeps the
+whole storage alive. Everything in vramguard therefore counts ``untyped_storage().nbytes()``
+per storage, keyed by the StorageImpl pointer (``_cdata``), which stays unique while the storage
+is alive on every device, meta included (where ``data_ptr()`` is always 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+StorageKey = int
+
+_MAX_DEPTH = 2
+
+
+def storage_key(t: torch.Tensor) -> StorageKey:
+    """Identity of the storage behind ``t`` (shared by all of its views)."""
+    return int(t.untyped_storage()._cdata)
+
+
+def storage_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the whole storage behind ``t``: what keeping ``t`` alive costs."""
+    return int(t.untyped_storage().nbytes())
+
+
+def tensors_in(obj: Any, depth: int = _MAX_DEPTH, _seen: set[int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors reachable from ``obj``: the object itself, items of tuples/lists/dicts, and
+    ``depth`` levels into plain objects' attributes (bitsandbytes' ``QuantState``, ``MatmulLtState``).
+
+    Yields ``(path, tensor)`` with ``path`` relative to ``obj``: ``""``, ``"[1]"``, ``".absmax"``,
+    ``".state2.code"``.
+    """
+    seen = _seen if _seen is not None else set()
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield "", obj
+        return
+    if isinstance(obj, (tuple, list)):
+        items: Iterator[tuple[str, Any]] = ((f"[{i}]", v) for i, v in enumerate(obj))
+    elif isinstance(obj, dict):
+        items = ((f"[{k!r}]", v) for k, v in obj.items())
+    elif depth > 0 and _is_plain_object(obj):
+        items = ((f".{k}", v) for k, v in list(vars(obj).items()))
+        depth -= 1
+    else:
+        return
+    for prefix, value in items:
+        if isinstance(value, torch.Tensor):
+            yield prefix, value
+        elif isinstance(value, (tuple, list, dict)) or (depth > 0 and _is_plain_object(value)):
+            for path, t in tensors_in(value, depth, seen):
+                yield prefix + path, t
+
+
+def _is_plain_object(obj: Any) -> bool:
+    """Objects worth looking into: user classes with a ``__dict__`` (not modules, not types)."""
+    return (
+        hasattr(obj, "__dict__")
+        and not isinstance(obj, (type, torch.nn.Module, torch.dtype, torch.device))
+        and not callable(obj)
+    )
+
+
+def resident_storages(model: torch.nn.Module) -> dict[StorageKey, str]:
+    """Storages that exist before any forward pass: parameters, buffers and the quantization state
+    hanging off them (``Params4bit.quant_state``, ``Int8Params.SCB``, ``Linear8bitLt.state``).
+
+    Maps storage key to the qualified name of its owner. Saving one of these for backward costs
+    nothing extra, so the ledger reports them as resident, never as saved.
+    """
+    owners: dict[StorageKey, str] = {}
+    for mod_name, module in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if tensor is None:
+                continue
+            owners.setdefault(storage_key(tensor), prefix + name)
+            for attr, value in _attributes(tensor).items():
+                for path, t in tensors_in(value):
+                    owners.setdefault(storage_key(t), f"{prefix}{name}.{attr}{path}")
+        for attr, value in list(vars(module).items()):
+            if attr.startswith("_") or isinstance(value, (torch.Tensor, torch.nn.Module)):
+                continue
+            if _is_plain_object(value) or isinstance(value, (tuple, list)):
+                for path, t in tensors_in(value):
+                    owners.setdefault(storage_key(t), f"{prefix}{attr}{path}")
+    return owners
+
+
+def _attributes(tensor: torch.Tensor) -> dict[str, Any]:
+    """Python attributes set on a parameter object (e.g. ``quant_state``), tensors' own internals aside."""
+    try:
+        return {k: v for k, v in vars(tensor).items() if not k.startswith("_")}
+    except TypeError:
+        return {}

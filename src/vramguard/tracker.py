@@ -180,12 +180,25 @@ class FrameStats:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def merge(self, call: FrameStats) -> None:
+        """Fold one call's stats into this aggregate."""
+        if self.calls == 0:
+            self.start_bytes = call.start_bytes
+        self.calls += call.calls
+        self.end_bytes = call.end_bytes
+        self.peak_bytes = max(self.peak_bytes, call.peak_bytes)
+        self.delta_bytes += call.delta_bytes
+        self.peak_above_start = max(self.peak_above_start, call.peak_above_start)
+        if call.reserved_peak_bytes is not None:
+            self.reserved_peak_bytes = max(self.reserved_peak_bytes or 0, call.reserved_peak_bytes)
+
 
 @dataclass
 class _Open:
     stats: FrameStats
     start: int
     peak: int
+    aggregate: FrameStats | None = None
 
 
 @dataclass
@@ -259,10 +272,11 @@ class MemoryTracker:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[FrameStats]:
-        stats = self.result.phases.setdefault(name, FrameStats(name))
-        self._push(stats)
+        """Measure a block; yields this call's stats (filled on exit), aggregated under ``name``."""
+        call = FrameStats(name)
+        self._push(call, self.result.phases.setdefault(name, FrameStats(name)))
         try:
-            yield stats
+            yield call
         finally:
             self._pop()
 
@@ -273,10 +287,10 @@ class MemoryTracker:
             frame.peak = max(frame.peak, peak)
         self.source.reset_peak()
 
-    def _push(self, stats: FrameStats) -> _Open:
+    def _push(self, stats: FrameStats, aggregate: FrameStats | None = None) -> _Open:
         self._fold()
         now = self.source.current()
-        frame = _Open(stats, now, now)
+        frame = _Open(stats, now, now, aggregate)
         self._open.append(frame)
         return frame
 
@@ -295,12 +309,14 @@ class MemoryTracker:
         s.peak_above_start = max(s.peak_above_start, frame.peak - frame.start)
         if isinstance(self.source, CudaAllocatorSource):
             s.reserved_peak_bytes = max(s.reserved_peak_bytes or 0, self.source.peak_reserved())
+        if frame.aggregate is not None:
+            frame.aggregate.merge(s)
         return s
 
     def _enter_module(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            stats = self.result.modules.setdefault(name, FrameStats(name))
-            self._module_calls.append((name, self._push(stats)))
+            aggregate = self.result.modules.setdefault(name, FrameStats(name))
+            self._module_calls.append((name, self._push(FrameStats(name), aggregate)))
 
         return hook
 

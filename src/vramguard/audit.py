@@ -1,0 +1,451 @@
+"""``vramguard audit``: train a small QLoRA model for a few steps and say where its memory went.
+
+The job: build the model (4-bit NF4 via transformers, LoRA via PEFT, random weights), run real
+steps under the live tracker, itemise one forward with the ledger, set the analytic budget next
+to the measurement and end with a verdict. Exit code 0 when the verdict is OK, 1 when it names a
+problem (weight copies saved for backward, retained memory growing across steps), 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vramguard import __version__, environment
+from vramguard.atomic import write_text_atomic
+from vramguard.budget import Budget, qlora_budget
+from vramguard.errors import UsageError
+from vramguard.ledger import LedgerReport, decoder_layer
+from vramguard.models import QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
+from vramguard.report import (
+    SCHEMA_VERSION,
+    AuditReport,
+    BudgetComparison,
+    LayerRow,
+    PhasePeak,
+    StepRow,
+    Totals,
+    Verdict,
+)
+from vramguard.storage import resident_storages, storage_nbytes
+from vramguard.tracker import MemoryTracker
+from vramguard.training import PHASES, StepResult, make_optimizer, run_steps
+from vramguard.units import format_bytes
+
+ACTIVATION_BAND = 0.10
+"""Measured activations within ±10 % of the analytic model count as agreeing."""
+
+Progress = Callable[[str, int, int], None]
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def run_audit(config: QLoRAConfig, steps: int = 3, progress: Progress | None = None, top: int = 3) -> AuditReport:
+    """Build, train ``steps`` steps, measure; pure apart from the compute (no printing)."""
+    if steps < 1:
+        raise UsageError(f"steps must be at least 1, got {steps}")
+    config.validate()
+    report_progress = progress or (lambda what, done, total: None)
+    t0 = time.perf_counter()
+    report_progress("building 4-bit model", 0, steps + 1)
+    q = build_qlora(config)
+    optimizer = make_optimizer(q)
+    budget = qlora_budget(
+        q.model,
+        q.spec,
+        batch=config.batch,
+        seq=config.seq_len,
+        rank=config.lora_rank,
+        compute_dtype=parse_dtype(config.compute_dtype),
+        double_quant=config.double_quant,
+        checkpointing=config.gradient_checkpointing,
+        attn_implementation=config.attn_implementation,
+    )
+    report_progress("step 1", 1, steps + 1)
+
+    def on_step(r: StepResult) -> None:
+        report_progress(f"step {r.step + 2}" if r.step + 1 < steps else "done", r.step + 2, steps + 1)
+
+    with MemoryTracker(config.device, model=q.model) as tracker:
+        results, ledger = run_steps(q, steps, tracker, optimizer=optimizer, ledger_step=0, on_step=on_step)
+    assert ledger is not None
+    return _assemble(q, config, budget, tracker, results, ledger, optimizer, top, time.perf_counter() - t0)
+
+
+def _lora_training_bytes(q: QLoRAModel, optimizer: torch.optim.Optimizer) -> int:
+    """LoRA weights + their gradients (same size, alive between backward and step) + optimizer state."""
+    params = q.trainable_parameters()
+    weights = sum(p.numel() * p.element_size() for p in params)
+    state = sum(
+        storage_nbytes(t) for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+    )
+    return 2 * weights + state
+
+
+def _frozen_resident_bytes(model: torch.nn.Module) -> int:
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    keep = {k for k, _ in resident_storages(model).items()}
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        tensors = [t for t in list(module._parameters.values()) + list(module._buffers.values()) if t is not None]
+        for t in tensors:
+            if id(t) in trainable:
+                continue
+            key = int(t.untyped_storage()._cdata)
+            if key in seen:
+                continue
+            seen.add(key)
+            total += storage_nbytes(t)
+            qs = getattr(t, "quant_state", None)
+            if qs is not None:
+                from vramguard.storage import tensors_in
+
+                for _, st in tensors_in(qs):
+                    k2 = int(st.untyped_storage()._cdata)
+                    if k2 not in seen and k2 in keep:
+                        seen.add(k2)
+                        total += storage_nbytes(st)
+    return total
+
+
+def _layers(ledger: LedgerReport, budget: Budget, top: int) -> list[LayerRow]:
+    groups = ledger.group(lambda r: decoder_layer(r.module))
+    rows: list[LayerRow] = []
+    for name in sorted(groups, key=lambda n: int(n.rsplit(".", 1)[1])):
+        records = groups[name]
+        index = int(name.rsplit(".", 1)[1])
+        by_module: dict[str, int] = defaultdict(int)
+        for r in records:
+            by_module[r.module.removeprefix(name).lstrip(".") or "(layer)"] += r.bytes
+        rows.append(
+            LayerRow(
+                name=name,
+                saved_bytes=sum(r.bytes for r in records),
+                activation_bytes=sum(r.bytes for r in records if r.kind == "activation"),
+                weight_copy_bytes=sum(r.bytes for r in records if r.kind == "weight-copy"),
+                analytic_bytes=budget.layer_bytes[index] if index < len(budget.layer_bytes) else 0,
+                top_modules=sorted(by_module.items(), key=lambda kv: -kv[1])[:top],
+            )
+        )
+    return rows
+
+
+def _assemble(
+    q: QLoRAModel,
+    config: QLoRAConfig,
+    budget: Budget,
+    tracker: MemoryTracker,
+    results: list[StepResult],
+    ledger: LedgerReport,
+    optimizer: torch.optim.Optimizer,
+    top: int,
+    elapsed: float,
+) -> AuditReport:
+    layers = _layers(ledger, budget, top)
+    in_layers = sum(row.saved_bytes for row in layers)
+    totals = Totals(
+        saved_bytes=ledger.saved_bytes,
+        hook_bytes=ledger.bytes_by("hook"),
+        ctx_bytes=ledger.bytes_by("ctx"),
+        activation_bytes=ledger.activation_bytes,
+        weight_copy_bytes=ledger.weight_copy_bytes,
+        resident_seen_bytes=ledger.resident_bytes,
+        model_resident_bytes=_frozen_resident_bytes(q.model),
+        outside_layers_bytes=ledger.saved_bytes - in_layers,
+    )
+    phases = {
+        name: PhasePeak(
+            peak_bytes=tracker.result.phases[name].peak_bytes,
+            peak_above_start=tracker.result.phases[name].peak_above_start,
+            reserved_peak_bytes=tracker.result.phases[name].reserved_peak_bytes,
+        )
+        for name in PHASES
+    }
+    comparison = BudgetComparison(
+        quantized_params=budget.quantized_params,
+        lora_params=budget.lora_params,
+        other_params=budget.other_params,
+        analytic_weights_bytes=budget.weights_bytes,
+        measured_weights_bytes=totals.model_resident_bytes,
+        analytic_lora_training_bytes=budget.lora_training_bytes,
+        measured_lora_training_bytes=_lora_training_bytes(q, optimizer),
+        analytic_activation_bytes=budget.activation_bytes,
+        measured_activation_bytes=ledger.saved_bytes,
+        analytic_logits_bytes=budget.logits_bytes,
+        analytic_outside_layers_bytes=budget.logits_bytes + budget.shared_bytes,
+        activation_ratio=ledger.saved_bytes / budget.activation_bytes if budget.activation_bytes else 0.0,
+    )
+    steps = [
+        StepRow(
+            step=r.step + 1,
+            loss=r.loss,
+            retained_bytes=r.retained_bytes,
+            retained_after_forward=r.after_forward_bytes - r.start_bytes,
+            peak_bytes=r.peak_bytes,
+        )
+        for r in results
+    ]
+    leak = max((s.retained_bytes for s in steps), default=0) - steps[0].retained_bytes if len(steps) > 1 else 0
+    verdict = _verdict(config, totals, comparison, steps, leak, q, ledger)
+    env = environment.collect(config.device).to_dict()
+    return AuditReport(
+        schema_version=SCHEMA_VERSION,
+        vramguard_version=__version__,
+        environment=env,
+        config=config.to_dict(),
+        device=tracker.result.device,
+        layers=layers,
+        totals=totals,
+        phases=phases,
+        budget=comparison,
+        steps=steps,
+        leak_bytes=leak,
+        verdict=verdict,
+        records=[r.to_dict() for r in ledger.records],
+        elapsed_s=round(elapsed, 3),
+    )
+
+
+def _leak_tolerance(device: str) -> int:
+    """Storage tracking is exact; the CUDA allocator may round a late workspace allocation."""
+    return 64 * 1024 if device.startswith("cuda") else 0
+
+
+def _verdict(
+    config: QLoRAConfig,
+    totals: Totals,
+    budget: BudgetComparison,
+    steps: list[StepRow],
+    leak: int,
+    q: QLoRAModel,
+    ledger: LedgerReport,
+) -> Verdict:
+    problems: list[str] = []
+    notes: list[str] = []
+    if totals.weight_copy_bytes:
+        worst = next(r for r in ledger.records if r.kind == "weight-copy")
+        problems.append(
+            f"{format_bytes(totals.weight_copy_bytes)} of weight copies saved for backward "
+            f"(largest: {worst.describe()})"
+        )
+    if leak > _leak_tolerance(config.device):
+        problems.append(f"retained memory grew by {format_bytes(leak)} over {len(steps)} steps (a leak)")
+    ratio = budget.activation_ratio
+    if abs(ratio - 1.0) > ACTIVATION_BAND:
+        notes.append(
+            f"saved activations are {ratio:.1%} of the analytic model "
+            f"({format_bytes(budget.measured_activation_bytes)} vs {format_bytes(budget.analytic_activation_bytes)})"
+        )
+    norm_dtypes = {p.dtype for n, p in q.model.named_parameters() if "norm" in n}
+    compute = parse_dtype(config.compute_dtype)
+    if compute != torch.float32 and torch.float32 in norm_dtypes:
+        notes.append(
+            "activations are fp32, not " + config.compute_dtype + ": prepare_model_for_kbit_training "
+            "upcast the norms, so the residual stream and everything after a norm is fp32 (2x the bytes)"
+        )
+    if config.lora_dropout > 0:
+        notes.append("LoRA dropout > 0: each adapter's dropped copy of its input is not in the analytic model")
+    if len(steps) < 2:
+        notes.append("one step only: growth across steps (a leak) was not checked")
+    if problems:
+        line = "PROBLEM: " + "; ".join(problems)
+    else:
+        checked = f"no growth across {len(steps)} steps" if len(steps) > 1 else "leak not checked"
+        line = (
+            f"OK: no weight copies saved for backward, {checked}; "
+            f"saved activations {ratio:.1%} of the analytic model"
+        )
+    return Verdict(ok=not problems, line=line, problems=problems, notes=notes)
+
+
+# -- presentation ---------------------------------------------------------------------------
+
+
+def render(report: AuditReport, console: Any) -> None:
+    """Print the report as rich tables."""
+    from rich.table import Table
+
+    fb = format_bytes
+    c = report.config
+    console.print(
+        f"[bold]vramguard audit[/] {c['model']} on {report.device}: batch {c['batch']} x seq {c['seq_len']}, "
+        f"LoRA r={c['lora_rank']}, {c['quant_type']}{' +double-quant' if c['double_quant'] else ''}, "
+        f"compute {c['compute_dtype']}, checkpointing {'on' if c['gradient_checkpointing'] else 'off'}, "
+        f"{len(report.steps)} steps"
+    )
+    env = report.environment.get("packages", {})
+    console.print(
+        "[dim]" + ", ".join(f"{k} {v}" for k, v in env.items() if v) + "[/]", highlight=False
+    )
+
+    t = Table(title="Saved for backward, per decoder layer (ledger: hooks + ctx walk)", title_justify="left")
+    for col in ("layer", "saved", "activations", "weight copies", "analytic", "top modules"):
+        t.add_column(col, justify="left" if col in ("layer", "top modules") else "right")
+    for row in report.layers:
+        tops = ", ".join(f"{m} {fb(b)}" for m, b in row.top_modules)
+        short = row.name[row.name.find("layers.") :] if "layers." in row.name else row.name
+        wc = f"[red]{fb(row.weight_copy_bytes)}[/]" if row.weight_copy_bytes else fb(0)
+        t.add_row(short, fb(row.saved_bytes), fb(row.activation_bytes), wc, fb(row.analytic_bytes), tops)
+    console.print(t)
+
+    tot = report.totals
+    b = report.budget
+    s = Table(title="Totals: measured vs the analytic model", title_justify="left")
+    s.add_column("what")
+    s.add_column("measured", justify="right")
+    s.add_column("analytic", justify="right")
+    s.add_column("note")
+    s.add_row(
+        "saved activations (all)",
+        fb(b.measured_activation_bytes),
+        fb(b.analytic_activation_bytes),
+        f"{b.activation_ratio:.1%}; hooks {fb(tot.hook_bytes)}, ctx attributes {fb(tot.ctx_bytes)}",
+    )
+    s.add_row(
+        "  outside decoder layers",
+        fb(tot.outside_layers_bytes),
+        fb(b.analytic_outside_layers_bytes),
+        f"fp32 logits 4*b*s*V = {fb(b.analytic_logits_bytes)}, final norm, loss",
+    )
+    s.add_row("  weight copies", fb(tot.weight_copy_bytes), fb(0), "dequantized weights kept for backward")
+    s.add_row(
+        "frozen weights (4-bit + absmax, others)",
+        fb(b.measured_weights_bytes),
+        fb(b.analytic_weights_bytes),
+        f"N={b.quantized_params:,} quantized, {b.other_params:,} unquantized",
+    )
+    s.add_row(
+        "LoRA weights + grads + Adam",
+        fb(b.measured_lora_training_bytes),
+        fb(b.analytic_lora_training_bytes),
+        f"M={b.lora_params:,} params x 16 B (+ Adam step counters)",
+    )
+    console.print(s)
+
+    p = Table(title="Peak live memory per phase (tracker)", title_justify="left")
+    p.add_column("phase")
+    p.add_column("peak", justify="right")
+    p.add_column("above phase start", justify="right")
+    has_reserved = any(v.reserved_peak_bytes is not None for v in report.phases.values())
+    if has_reserved:
+        p.add_column("reserved peak", justify="right")
+    for name, v in report.phases.items():
+        cells = [name, fb(v.peak_bytes), fb(v.peak_above_start)]
+        if has_reserved:
+            cells.append(fb(v.reserved_peak_bytes or 0))
+        p.add_row(*cells)
+    console.print(p)
+    note = "" if report.device.startswith("cuda") else " (CPU: bytes above the model's weights)"
+    console.print(
+        "retained after each step" + note + ": "
+        + ", ".join(fb(st.retained_bytes) for st in report.steps)
+        + f"; growth {fb(report.leak_bytes, signed=True)}",
+        highlight=False,
+    )
+    for n in report.verdict.notes:
+        console.print(f"[yellow]note:[/] {n}", highlight=False)
+    style = "bold green" if report.verdict.ok else "bold red"
+    console.print(f"[{style}]{report.verdict.line}[/]", highlight=False)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "audit",
+        help="train a small QLoRA model a few steps and account for its memory",
+        description=__doc__.splitlines()[0],
+    )
+    d = QLoRAConfig()
+    p.add_argument("--model", default=d.model, help="preset name (fixtures/models) or a JSON config path")
+    p.add_argument("--seq-len", type=_positive_int, default=d.seq_len)
+    p.add_argument("--batch", type=_positive_int, default=d.batch)
+    p.add_argument("--lora-rank", type=_positive_int, default=d.lora_rank)
+    p.add_argument("--lora-alpha", type=_positive_int, default=d.lora_alpha)
+    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
+    p.add_argument("--dtype", default=d.compute_dtype, help="compute dtype: bf16, fp16 or fp32")
+    p.add_argument("--quant-type", default=d.quant_type, choices=("nf4", "fp4"))
+    p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=d.double_quant)
+    p.add_argument(
+        "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing
+    )
+    p.add_argument("--attn", default=d.attn_implementation, choices=("sdpa", "eager"))
+    p.add_argument("--steps", type=_positive_int, default=3, help="training steps (>= 2 to check for leaks)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--top", type=_positive_int, default=3, help="modules listed per layer")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable report here")
+    p.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if args.json is not None and args.json.is_dir():
+        raise UsageError(f"--json {args.json} is a directory")
+    config = QLoRAConfig(
+        model=args.model,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        compute_dtype=args.dtype,
+        quant_type=args.quant_type,
+        double_quant=args.double_quant,
+        gradient_checkpointing=args.gradient_checkpointing,
+        attn_implementation=args.attn,
+        device=resolve_device(args.device),
+        seed=args.seed,
+    )
+    config.validate()
+    from vramguard.models import ModelSpec
+
+    ModelSpec.load(config.model)  # fail on a bad model before any heavy import
+    console = Console()
+    progress = Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+        disable=args.quiet,
+    )
+    with progress:
+        task = progress.add_task("audit", total=args.steps + 1)
+
+        def update(what: str, done: int, total: int) -> None:
+            progress.update(task, description=what, completed=done, total=total)
+
+        report = run_audit(config, steps=args.steps, progress=update, top=args.top)
+    if args.quiet:
+        console.print(report.verdict.line, highlight=False)
+    else:
+        render(report, console)
+    if args.json is not None:
+        write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
+        if not args.quiet:
+            console.print(f"report written to {args.json}", highlight=False)
+    return 0 if report.verdict.ok else 1

@@ -1,0 +1,213 @@
+"""The analytic memory model of a QLoRA step, itemised so a measurement can be held against it.
+
+Bytes, for N quantized parameters and M LoRA parameters (the brief's model, made exact):
+
+* 4-bit weights: N/2 packed bytes, plus the absmax of every ``blocksize`` block: 4 B (fp32) per
+  block, or with double quantization 1 B per block plus 4 B per 256 blocks (0.5625 and ~0.516
+  B/param at blocksize 64), plus small per-layer code tables (:func:`quantized_weight_bytes`);
+* LoRA: 16 M (fp32 weight 4, gradient 4, Adam's two moments 8);
+* parameters left unquantized (embeddings, norms, lm_head) at their own dtype;
+* activations per decoder layer, term by term (:func:`llama_layer_terms`);
+* fp32 logits kept by the loss's log-softmax: 4·b·s·vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from vramguard.models import ModelSpec
+
+QUANT_BLOCKSIZE = 64
+DOUBLE_QUANT_GROUP = 256
+
+
+def quantized_weight_bytes(n: int, blocksize: int = QUANT_BLOCKSIZE, double_quant: bool = True) -> int:
+    """Bytes of one 4-bit weight of ``n`` elements with its quantization state, exactly as
+    bitsandbytes stores it: packed nibbles, one absmax per block (fp32, or uint8 with double
+    quantization plus an fp32 absmax per 256 blocks, a 256-entry fp32 code and an fp32 offset),
+    and the 16-entry fp32 code of the 4-bit data type."""
+    blocks = -(-n // blocksize)
+    code = 16 * 4
+    if double_quant:
+        groups = -(-blocks // DOUBLE_QUANT_GROUP)
+        absmax = blocks * 1 + groups * 4 + DOUBLE_QUANT_GROUP * 4 + 4
+    else:
+        absmax = blocks * 4
+    return -(-n // 2) + absmax + code
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The sizes that decide a decoder layer's activations."""
+
+    batch: int
+    seq: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rank: int
+    act_bytes: int  # element size of the residual stream (fp32 when norms were upcast)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+def llama_layer_terms(
+    s: Shapes,
+    *,
+    input_requires_grad: bool = True,
+    checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+) -> dict[str, int]:
+    """Bytes one Llama decoder layer keeps for backward under QLoRA (LoRA on all 7 projections,
+    frozen 4-bit base, frozen norms), named by what keeps them.
+
+    With checkpointing only the layer input survives the forward. The 4-bit base layers keep
+    nothing activation-sized: their weight gradient is not needed and the input gradient is
+    computed from the resident packed weight. Exact on CPU with sdpa; on CUDA the attention
+    kernel's own state (rng, padded logsumexp) adds a little. LoRA dropout > 0 is not modelled:
+    each adapter then keeps its own dropped copy of the input and a mask.
+    """
+    T, h, i, e = s.tokens, s.hidden, s.intermediate, s.act_bytes
+    if checkpointing:
+        return {"checkpointed layer input": T * h * e}
+    norm = T * h * 4 + T * 4  # fp32 input (pow) and rsqrt
+    q_out, kv_out = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    terms: dict[str, int] = {}
+    if input_requires_grad:
+        terms["input_layernorm (fp32 input, rsqrt)"] = norm
+    terms["normed hidden, shared by q/k/v LoRA-A"] = T * h * e
+    terms["LoRA-B inputs (7 x rank)"] = 7 * T * s.rank * e
+    if attn_implementation == "eager":
+        scores = s.batch * s.heads * s.seq * s.seq
+        terms["attention q, repeated k, v"] = T * q_out * e * 3
+        terms["attention probabilities (fp32 softmax + cast)"] = scores * 4 + (scores * e if e != 4 else 0)
+        terms["attention output (o_proj LoRA-A input)"] = T * q_out * e
+    else:
+        terms["sdpa q, k, v"] = T * (q_out + 2 * kv_out) * e
+        terms["sdpa output (= o_proj LoRA-A input)"] = T * q_out * e
+        terms["sdpa logsumexp"] = s.batch * s.heads * s.seq * 4
+    terms["post_attention_layernorm (fp32 input, rsqrt)"] = norm
+    terms["normed hidden, shared by gate/up LoRA-A"] = T * h * e
+    terms["MLP silu input, both mul operands, down LoRA-A input"] = 4 * T * i * e
+    return terms
+
+
+@dataclass
+class Budget:
+    """The analytic model for one configuration, in bytes."""
+
+    quantized_params: int
+    other_params: int
+    lora_params: int
+    quantized_weight_bytes: int
+    other_weight_bytes: int
+    lora_training_bytes: int
+    layer_terms: list[dict[str, int]] = field(default_factory=list)
+    shared_bytes: int = 0  # outside the layers, besides the logits: final norm, loss targets
+    logits_bytes: int = 0
+
+    @property
+    def layer_bytes(self) -> list[int]:
+        return [sum(t.values()) for t in self.layer_terms]
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.shared_bytes + self.logits_bytes
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.quantized_weight_bytes + self.other_weight_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.lora_training_bytes + self.activation_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(
+            layer_bytes=self.layer_bytes,
+            activation_bytes=self.activation_bytes,
+            weights_bytes=self.weights_bytes,
+            total_bytes=self.total_bytes,
+        )
+        return d
+
+
+def _count(model: torch.nn.Module, double_quant: bool) -> tuple[int, int, int, int, int, torch.dtype]:
+    """(quantized params, their bytes, other params, other bytes, LoRA params, residual-stream dtype)."""
+    quantized = quantized_bytes = other = other_bytes = lora = 0
+    norm_dtype: torch.dtype | None = None
+    for name, p in model.named_parameters():
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            n = int(torch.Size(qs.shape).numel())
+            quantized += n
+            quantized_bytes += quantized_weight_bytes(n, int(getattr(qs, "blocksize", QUANT_BLOCKSIZE)), double_quant)
+        elif p.requires_grad:
+            lora += p.numel()
+        else:
+            other += p.numel()
+            other_bytes += p.numel() * p.element_size()
+            if norm_dtype is None and "norm" in name:
+                norm_dtype = p.dtype
+    return quantized, quantized_bytes, other, other_bytes, lora, norm_dtype or torch.float32
+
+
+def qlora_budget(
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    *,
+    batch: int,
+    seq: int,
+    rank: int,
+    compute_dtype: torch.dtype,
+    double_quant: bool = True,
+    checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+) -> Budget:
+    """The budget of ``model`` (a built QLoRA model) for one training step."""
+    n_q, q_bytes, n_other, other_bytes, m, norm_dtype = _count(model, double_quant)
+    act = torch.promote_types(norm_dtype, compute_dtype)
+    f = spec.fields
+    shapes = Shapes(
+        batch=batch,
+        seq=seq,
+        hidden=f["hidden_size"],
+        intermediate=f["intermediate_size"],
+        heads=f["num_attention_heads"],
+        kv_heads=f["num_key_value_heads"],
+        head_dim=spec.head_dim,
+        rank=rank,
+        act_bytes=torch.empty((), dtype=act).element_size(),
+    )
+    layers = [
+        llama_layer_terms(
+            shapes,
+            input_requires_grad=checkpointing or idx > 0,
+            checkpointing=checkpointing,
+            attn_implementation=attn_implementation,
+        )
+        for idx in range(f["num_hidden_layers"])
+    ]
+    if not checkpointing:  # cos/sin are computed once per forward and kept by layer 0's rotary muls
+        layers[0]["rotary cos/sin (shared by all layers)"] = 2 * seq * spec.head_dim * 4
+    final_norm = shapes.tokens * shapes.hidden * 4 + shapes.tokens * 4
+    loss_state = shapes.tokens * 8 + 4  # nll_loss keeps the int64 targets and the fp32 total weight
+    return Budget(
+        quantized_params=n_q,
+        other_params=n_other,
+        lora_params=m,
+        quantized_weight_bytes=q_bytes,
+        other_weight_bytes=other_bytes,
+        lora_training_bytes=16 * m,
+        layer_terms=layers,
+        shared_bytes=final_norm + loss_state,
+        logits_bytes=4 * batch * seq * f["vocab_size"],
+    )

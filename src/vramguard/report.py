@@ -1,0 +1,128 @@
+"""The ``vramguard audit --json`` document, as typed dataclasses (this module is its schema).
+
+``schema_version`` changes whenever a field is removed or changes meaning; new fields may be added
+within a version. All sizes are bytes (int); all ratios are floats (measured / analytic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class LayerRow:
+    """One decoder layer: what its forward left alive for backward."""
+
+    name: str
+    saved_bytes: int
+    activation_bytes: int
+    weight_copy_bytes: int
+    analytic_bytes: int
+    top_modules: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass
+class Totals:
+    """Whole-model sums from the ledger (``hook`` + ``ctx`` = ``saved``)."""
+
+    saved_bytes: int
+    hook_bytes: int
+    ctx_bytes: int
+    activation_bytes: int
+    weight_copy_bytes: int
+    resident_seen_bytes: int
+    model_resident_bytes: int
+    outside_layers_bytes: int
+
+
+@dataclass
+class PhasePeak:
+    """Peak live bytes of one phase over all steps; ``peak_above_start`` excludes what was live before."""
+
+    peak_bytes: int
+    peak_above_start: int
+    reserved_peak_bytes: int | None = None
+
+
+@dataclass
+class BudgetComparison:
+    """The analytic model next to the measurement (``None`` where nothing was measured)."""
+
+    quantized_params: int
+    lora_params: int
+    other_params: int
+    analytic_weights_bytes: int
+    measured_weights_bytes: int
+    analytic_lora_training_bytes: int
+    measured_lora_training_bytes: int
+    analytic_activation_bytes: int
+    measured_activation_bytes: int
+    analytic_logits_bytes: int
+    analytic_outside_layers_bytes: int
+    activation_ratio: float
+
+
+@dataclass
+class StepRow:
+    step: int
+    loss: float
+    retained_bytes: int
+    retained_after_forward: int
+    peak_bytes: dict[str, int]
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    line: str
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class AuditReport:
+    """Everything ``vramguard audit`` measured, in one self-describing document."""
+
+    schema_version: int
+    vramguard_version: str
+    environment: dict[str, Any]
+    config: dict[str, Any]
+    device: str
+    layers: list[LayerRow]
+    totals: Totals
+    phases: dict[str, PhasePeak]
+    budget: BudgetComparison
+    steps: list[StepRow]
+    leak_bytes: int
+    verdict: Verdict
+    records: list[dict[str, Any]] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for row in d["layers"]:
+            row["top_modules"] = [list(t) for t in row["top_modules"]]
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AuditReport:
+        """Inverse of :meth:`to_dict`; raises ``KeyError``/``TypeError`` on a document of another shape."""
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"unsupported audit schema_version {data.get('schema_version')!r}")
+        d = dict(data)
+        d["layers"] = [
+            LayerRow(**{**row, "top_modules": [tuple(t) for t in row["top_modules"]]}) for row in d["layers"]
+        ]
+        d["totals"] = Totals(**d["totals"])
+        d["phases"] = {k: PhasePeak(**v) for k, v in d["phases"].items()}
+        d["budget"] = BudgetComparison(**d["budget"])
+        d["steps"] = [StepRow(**s) for s in d["steps"]]
+        d["verdict"] = Verdict(**d["verdict"])
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise KeyError(f"unknown fields in audit document: {sorted(unknown)}")
+        return cls(**d)

@@ -1,0 +1,260 @@
+"""Hypothesis strategies for the space of quantized-linear calls a QLoRA user can hit.
+
+Why: the library's own tests use 2-D inputs, one dtype and loose tolerances, so bugs that only show
+for 3-D inputs, fp4, nested statistics or one dtype slip through. Each strategy draws a frozen *case*
+(plain data: shapes, dtypes, quant settings, call form, seed) that :mod:`vramguard.gradcheck` turns into
+tensors and a layer; cases print as one readable line, so a failure names its example.
+
+Strategies are values, composable like hypothesis' own (``linear4bit_cases(dtypes=[torch.bfloat16])``,
+``.filter(...)``, ``st.one_of(...)``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+QUANT_TYPES: tuple[str, ...] = ("nf4", "fp4")
+BLOCKSIZES: tuple[int, ...] = (32, 64, 128, 256)
+#: 4-bit call forms: the module; matmul_4bit with the packed weight as stored, transposed (what
+#: older callers pass), and quantized from a [K, N] weight (deprecated, takes a dequantize+F.linear path)
+CALLS_4BIT: tuple[str, ...] = ("module", "functional", "functional_t", "functional_kn")
+#: 8-bit call forms: the module (Linear8bitLt) and bnb.matmul with a prepared MatmulLtState
+CALLS_8BIT: tuple[str, ...] = ("module", "functional")
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Linear4bitCase:
+    """One call of a 4-bit linear: ``x[*lead, K] -> y[*lead, N]`` with a [N, K] weight."""
+
+    lead: tuple[int, ...]
+    in_features: int
+    out_features: int
+    blocksize: int
+    dtype: torch.dtype
+    quant_type: str
+    compress_statistics: bool
+    bias: bool
+    call: str
+    input_requires_grad: bool
+    seed: int
+    device: str = "cpu"
+
+    def describe(self) -> str:
+        x = "x" + str(tuple(self.lead) + (self.in_features,)).replace(" ", "")
+        return (
+            f"4bit {self.call} {x} W({self.out_features},{self.in_features}) {_dt(self.dtype)} "
+            f"{self.quant_type} bs={self.blocksize} nested={self.compress_statistics} bias={self.bias} "
+            f"x.requires_grad={self.input_requires_grad} seed={self.seed} {self.device}"
+        )
+
+
+@dataclass(frozen=True)
+class Linear8bitCase:
+    """One call of an LLM.int8() linear; ``training`` picks MatMul8bitFp (CPU) vs MatMul8bitLt."""
+
+    lead: tuple[int, ...]
+    in_features: int
+    out_features: int
+    dtype: torch.dtype
+    threshold: float
+    outlier_cols: tuple[int, ...]
+    has_fp16_weights: bool
+    bias: bool
+    call: str
+    training: bool
+    input_requires_grad: bool
+    seed: int
+    device: str = "cpu"
+
+    def describe(self) -> str:
+        x = "x" + str(tuple(self.lead) + (self.in_features,)).replace(" ", "")
+        return (
+            f"8bit {self.call} {x} W({self.out_features},{self.in_features}) {_dt(self.dtype)} "
+            f"threshold={self.threshold:g} outlier_cols={list(self.outlier_cols)} "
+            f"has_fp16_weights={self.has_fp16_weights} bias={self.bias} training={self.training} "
+            f"x.requires_grad={self.input_requires_grad} seed={self.seed} {self.device}"
+        )
+
+
+@dataclass(frozen=True)
+class LoraCase:
+    """A PEFT LoRA adapter over a 4-bit (``base="4bit"``) or 8-bit (``"8bit"``) base layer."""
+
+    base: str
+    lead: tuple[int, ...]
+    in_features: int
+    out_features: int
+    dtype: torch.dtype
+    rank: int
+    alpha: int
+    dropout: float
+    quant_type: str
+    compress_statistics: bool
+    blocksize: int
+    bias: bool
+    input_requires_grad: bool
+    seed: int
+    device: str = "cpu"
+
+    def describe(self) -> str:
+        x = "x" + str(tuple(self.lead) + (self.in_features,)).replace(" ", "")
+        quant = (
+            f"{self.quant_type} bs={self.blocksize} nested={self.compress_statistics}" if self.base == "4bit" else "int8"
+        )
+        return (
+            f"lora/{self.base} {x} W({self.out_features},{self.in_features}) {_dt(self.dtype)} {quant} "
+            f"r={self.rank} alpha={self.alpha} dropout={self.dropout:g} bias={self.bias} "
+            f"x.requires_grad={self.input_requires_grad} seed={self.seed} {self.device}"
+        )
+
+
+# --- building blocks ---------------------------------------------------------------------------
+
+
+def leading_dims(*, max_rows: int = 6, allow_empty: bool = True) -> st.SearchStrategy[tuple[int, ...]]:
+    """Batch dims of the input: 2-D (``(M,)``), 3-D (``(B, T)``, batch > 1 included) and empty."""
+    shapes = [
+        st.tuples(st.integers(1, max_rows)),
+        st.tuples(st.integers(1, 3), st.integers(1, max_rows)),
+    ]
+    if allow_empty:
+        shapes.append(st.sampled_from([(0,), (2, 0), (0, 3)]))
+    return st.one_of(*shapes)
+
+
+def features(blocksize: int, *, max_size: int = 160) -> st.SearchStrategy[int]:
+    """A feature count that is a multiple of ``blocksize`` or, as often, not."""
+    multiples = st.integers(1, max(1, max_size // blocksize)).map(lambda m: m * blocksize)
+    return st.one_of(multiples, st.integers(1, max_size))
+
+
+seeds = st.integers(0, 2**16 - 1)
+
+
+@st.composite
+def linear4bit_cases(
+    draw: st.DrawFn,
+    *,
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+    quant_types: tuple[str, ...] = QUANT_TYPES,
+    calls: tuple[str, ...] = CALLS_4BIT,
+    device: str = "cpu",
+) -> Linear4bitCase:
+    """Every 4-bit combination: shapes, blocksizes, dtypes, nf4/fp4, nested stats, bias, call form."""
+    blocksize = draw(st.sampled_from(BLOCKSIZES))
+    k = draw(features(blocksize))
+    n = draw(st.integers(1, 96))
+    call = draw(st.sampled_from(calls))
+    if call == "functional_kn" and k == n:
+        n += 1  # square weights are read as [N, K]: the deprecated [K, N] form needs K != N
+    return Linear4bitCase(
+        lead=draw(leading_dims()),
+        in_features=k,
+        out_features=n,
+        blocksize=blocksize,
+        dtype=draw(st.sampled_from(dtypes)),
+        quant_type=draw(st.sampled_from(quant_types)),
+        compress_statistics=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        call=call,
+        input_requires_grad=draw(st.booleans()),
+        seed=draw(seeds),
+        device=device,
+    )
+
+
+@st.composite
+def linear8bit_cases(
+    draw: st.DrawFn,
+    *,
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+    calls: tuple[str, ...] = CALLS_8BIT,
+    device: str = "cpu",
+) -> Linear8bitCase:
+    """LLM.int8(): threshold 0 and > 0 with generated outlier columns, has_fp16_weights on/off."""
+    k = draw(st.integers(1, 160))
+    threshold = draw(st.sampled_from([0.0, 0.0, 3.0, 6.0]))
+    outliers: tuple[int, ...] = ()
+    if threshold > 0:
+        outliers = tuple(sorted(draw(st.sets(st.integers(0, k - 1), min_size=0, max_size=min(3, k)))))
+    return Linear8bitCase(
+        lead=draw(leading_dims()),
+        in_features=k,
+        out_features=draw(st.integers(1, 96)),
+        dtype=draw(st.sampled_from(dtypes)),
+        threshold=threshold,
+        outlier_cols=outliers,
+        has_fp16_weights=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        call=draw(st.sampled_from(calls)),
+        training=draw(st.booleans()),
+        input_requires_grad=draw(st.booleans()),
+        seed=draw(seeds),
+        device=device,
+    )
+
+
+@st.composite
+def lora_cases(
+    draw: st.DrawFn,
+    *,
+    bases: tuple[str, ...] = ("4bit",),
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+    device: str = "cpu",
+) -> LoraCase:
+    """LoRA (rank, alpha, dropout 0 and > 0 under a fixed seed) over a 4-bit or 8-bit base layer."""
+    blocksize = draw(st.sampled_from(BLOCKSIZES))
+    return LoraCase(
+        base=draw(st.sampled_from(bases)),
+        lead=draw(leading_dims(allow_empty=True)),
+        in_features=draw(features(blocksize, max_size=128)),
+        out_features=draw(st.integers(1, 64)),
+        dtype=draw(st.sampled_from(dtypes)),
+        rank=draw(st.sampled_from([1, 2, 4, 8, 16])),
+        alpha=draw(st.sampled_from([1, 8, 16, 32])),
+        dropout=draw(st.sampled_from([0.0, 0.0, 0.1, 0.5])),
+        quant_type=draw(st.sampled_from(QUANT_TYPES)),
+        compress_statistics=draw(st.booleans()),
+        blocksize=blocksize,
+        bias=draw(st.booleans()),
+        input_requires_grad=draw(st.booleans()),
+        seed=draw(seeds),
+        device=device,
+    )
+
+
+def on_device(case: Linear4bitCase | Linear8bitCase | LoraCase, device: str):  # type: ignore[no-untyped-def]
+    """The same case on another device (the ``gpu`` variants reuse the CPU strategies)."""
+    return replace(case, device=device)
+
+
+# --- profiles ----------------------------------------------------------------------------------
+
+PROFILE_ENV = "VRAMGUARD_HYPOTHESIS_PROFILE"
+
+
+def register_profiles() -> None:
+    """(The ``patch`` fixture is immutable, so the function-scoped-fixture health check is off.)
+    ``ci`` (default): few examples, derandomized, no database -- same examples on every run.
+    ``nightly``: many more random examples, for a scheduled job that explores."""
+    common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture])
+    settings.register_profile("ci", max_examples=40, derandomize=True, database=None, print_blob=False, **common)
+    settings.register_profile("nightly", max_examples=1000, derandomize=False, print_blob=True, **common)
+
+
+def load_profile(name: str | None = None) -> str:
+    """Load ``name`` (else ``$VRAMGUARD_HYPOTHESIS_PROFILE``, else ``ci``); returns the loaded name."""
+    register_profiles()
+    chosen = name or os.environ.get(PROFILE_ENV) or "ci"
+    settings.load_profile(chosen)
+    return chosen

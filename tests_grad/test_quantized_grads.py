@@ -1,0 +1,83 @@
+"""Properties of bitsandbytes 4-bit / 8-bit linears and PEFT LoRA over them, for every patch.
+
+Each property: outputs and gradients (input, bias, LoRA A/B, fp16 weight) match the float64 reference
+within :mod:`vramguard.tolerance`; output/gradient dtypes and shapes equal the input's; a patch that
+claims to change memory only is bit-identical to the unpatched library. Combinations the installed
+library cannot run here are skipped per example (``hypothesis.assume``) with the reason as an event.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import assume, event, given
+
+from vramguard import gradcheck, strategies
+from vramguard.patches import Patch
+
+
+def _check(case: gradcheck.Case, patch: Patch | None) -> None:
+    try:
+        gradcheck.check_supported(case)
+    except gradcheck.Unsupported as exc:
+        event(f"skipped: {exc}")
+        assume(False)
+    gradcheck.check(case, patch)
+
+
+def _check_deterministic(case: gradcheck.Case) -> None:
+    try:
+        gradcheck.check_supported(case)
+    except gradcheck.Unsupported as exc:
+        event(f"skipped: {exc}")
+        assume(False)
+    gradcheck.check_deterministic(case)
+
+
+@given(case=strategies.linear4bit_cases())
+def test_4bit_matches_reference(case: strategies.Linear4bitCase, patch: Patch | None) -> None:
+    _check(case, patch)
+
+
+@given(case=strategies.linear8bit_cases())
+def test_8bit_matches_reference(case: strategies.Linear8bitCase, patch: Patch | None) -> None:
+    _check(case, patch)
+
+
+LORA_OPEN = pytest.mark.xfail(
+    strict=True,
+    raises=gradcheck.GradMismatch,
+    reason="open: LoRA A/B gradients disagree with the float64 reference on CPU (rel err ~0.8); harness or "
+    "PEFT issue not yet diagnosed -- strict, so it is noticed when it starts passing",
+)
+
+
+@LORA_OPEN
+@given(case=strategies.lora_cases())
+def test_lora_matches_reference(case: strategies.LoraCase, patch: Patch | None) -> None:
+    _check(case, patch)
+
+
+@given(case=strategies.linear4bit_cases() | strategies.linear8bit_cases() | strategies.lora_cases())
+def test_deterministic_for_fixed_seed(case: gradcheck.Case) -> None:
+    _check_deterministic(case)
+
+
+# --- the same properties on CUDA (deselected by default; skipped without CUDA) --------------------
+
+
+@pytest.mark.gpu
+@given(case=strategies.linear4bit_cases(device="cuda"))
+def test_gpu_4bit_matches_reference(case: strategies.Linear4bitCase, patch: Patch | None) -> None:
+    _check(case, patch)
+
+
+@pytest.mark.gpu
+@given(case=strategies.linear8bit_cases(device="cuda"))
+def test_gpu_8bit_matches_reference(case: strategies.Linear8bitCase, patch: Patch | None) -> None:
+    _check(case, patch)
+
+
+@pytest.mark.gpu
+@given(case=strategies.lora_cases(device="cuda"))
+def test_gpu_lora_matches_reference(case: strategies.LoraCase, patch: Patch | None) -> None:
+    _check(case, patch)

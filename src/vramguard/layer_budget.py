@@ -1,0 +1,169 @@
+"""Analytic saved-tensor budgets, per layer, from shapes alone.
+
+Every function here answers "how many bytes may this piece of a QLoRA training step keep alive
+for backward?" from the model config and the step's shapes -- never from a measured number, so
+a library version that keeps more fails against it.
+
+Notation (all integers; bytes unless said otherwise)::
+
+    b  batch            s  sequence length      T = b * s  tokens
+    h  hidden size      a  attention heads      kv key/value heads      d head dim
+    i  intermediate     r  LoRA rank            V vocabulary
+    e  bytes per element of the activations (4 when PEFT's prepare_model_for_kbit_training has
+       upcast the norms to fp32, which makes the whole residual stream fp32; 2 for bf16/fp16)
+    m  bytes per element of a dropout mask (CPU: e, PyTorch multiplies by a mask in the input's
+       dtype; CUDA: 1, native_dropout keeps a bool mask)
+
+What one Llama decoder layer keeps (no checkpointing, LoRA on all 7 projections)::
+
+    RMSNorm x2           2 * (T*h*4 + T*4)      fp32 input (the norm upcasts) and rsqrt
+    normed hidden x2     2 * T*h*e              shared by q/k/v LoRA-A, and by gate/up LoRA-A
+                                                (dropout 0 only: with dropout each adapter keeps
+                                                its own dropped copy instead, see below)
+    LoRA-B inputs        7 * T*r*e              the rank-r intermediate of each adapter
+    attention, sdpa      T*a*d*e (q) + 2*T*kv*d*e (k, v) + T*a*d*e (out) + b*a*s*4 (logsumexp)
+                         out is also o_proj's LoRA-A input (one storage)
+    attention, eager     T*a*d*e (q) + 2*T*a*d*e (k, v repeated to a heads) + T*a*d*e (o_proj
+                         input) + b*a*s*s*4 (fp32 softmax) [+ b*a*s*s*e when e != 4: the cast
+                         copy the second matmul keeps]
+    MLP                  4 * T*i*e              silu input, both mul operands, down_proj input
+                                                (dropout 0; with dropout the down_proj input is
+                                                not kept, the adapter's dropped copy is)
+    LoRA dropout p > 0   sum over adapters of T*in*(e + m): dropped input and mask, in = h for
+                         q, k, v, gate, up; a*d for o; i for down
+
+The first layer (without checkpointing) keeps no input norm: the embedding output does not
+require grad, so nothing upstream of the first LoRA needs the norm's input or rsqrt.
+
+With non-reentrant gradient checkpointing a layer keeps its input hidden state only: T*h*e_h
+(e_h = bytes of the residual stream, 4 after prepare_model_for_kbit_training).
+
+The loss keeps the fp32 logits (log_softmax's output): 4*T*V, plus the int64 targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+ADAPTERS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Everything the per-layer formula needs."""
+
+    batch: int
+    seq: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    rank: int
+    act_bytes: int = FP32
+    dropout: bool = False
+    mask_bytes: int = FP32
+    attn: str = "sdpa"
+    first_layer: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def adapter_in_features(shape: LayerShape) -> dict[str, int]:
+    """Input width of each LoRA adapter of a decoder layer."""
+    h, i, ad = shape.hidden, shape.intermediate, shape.heads * shape.head_dim
+    return {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": ad, "gate_proj": h, "up_proj": h, "down_proj": i}
+
+
+def lora_adapter_bytes(tokens: int, in_features: int, rank: int, act_bytes: int, dropout: bool, mask_bytes: int) -> int:
+    """New bytes one LoRA adapter keeps beyond its (caller-owned) input.
+
+    dropout 0: the rank-r intermediate (LoRA-B's input), T*r*e; LoRA-A keeps the caller's input
+    storage itself, which costs nothing new. dropout > 0: also the dropped copy and its mask.
+    """
+    out = tokens * rank * act_bytes
+    if dropout:
+        out += tokens * in_features * (act_bytes + mask_bytes)
+    return out
+
+
+def layer_terms(shape: LayerShape) -> dict[str, int]:
+    """Bytes a decoder layer keeps, term by term (names as in the module docstring)."""
+    T, h, e = shape.tokens, shape.hidden, shape.act_bytes
+    a, kv, d, i = shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate
+    b, s = shape.batch, shape.seq
+    terms: dict[str, int] = {}
+    norm = T * h * FP32 + T * FP32
+    terms["input_layernorm"] = 0 if shape.first_layer else norm
+    terms["post_attention_layernorm"] = norm
+    if not shape.dropout:
+        terms["normed_hidden(q,k,v)"] = T * h * e
+        terms["normed_hidden(gate,up)"] = T * h * e
+    terms["lora_B_inputs"] = len(ADAPTERS) * T * shape.rank * e
+    if shape.attn == "sdpa":
+        terms["attn_q"] = T * a * d * e
+        terms["attn_kv"] = 2 * T * kv * d * e
+        terms["attn_out(o_proj input)"] = T * a * d * e
+        terms["attn_logsumexp"] = b * a * s * FP32
+    elif shape.attn == "eager":
+        terms["attn_q"] = T * a * d * e
+        terms["attn_kv_repeated"] = 2 * T * a * d * e
+        terms["attn_out(o_proj input)"] = T * a * d * e
+        terms["attn_probs"] = b * a * s * s * FP32 + (b * a * s * s * e if e != FP32 else 0)
+    else:
+        raise ValueError(f"unknown attention implementation {shape.attn!r}")
+    terms["mlp"] = (4 if not shape.dropout else 3) * T * i * e
+    if shape.dropout:
+        for name, fin in adapter_in_features(shape).items():
+            terms[f"lora_dropout({name})"] = T * fin * (e + shape.mask_bytes)
+    return terms
+
+
+def layer_saved_bytes(shape: LayerShape) -> int:
+    """Total bytes one decoder layer keeps for backward (see :func:`layer_terms`)."""
+    return sum(layer_terms(shape).values())
+
+
+def rope_bytes(batch_cos: int, seq: int, head_dim: int) -> int:
+    """cos and sin, fp32, computed once per forward and shared by all layers: 2*b'*s*d*4."""
+    return 2 * batch_cos * seq * head_dim * FP32
+
+
+def checkpointed_layer_bytes(batch: int, seq: int, hidden: int, act_bytes: int = FP32) -> int:
+    """A layer under non-reentrant checkpointing keeps its input hidden state only."""
+    return batch * seq * hidden * act_bytes
+
+
+def logits_fp32_bytes(batch: int, seq: int, vocab: int) -> int:
+    """The fp32 logits the loss keeps (log_softmax's output): 4 x batch x seq x vocab."""
+    return FP32 * batch * seq * vocab
+
+
+def shape_from(spec_fields: dict[str, Any], *, batch: int, seq: int, rank: int, act_bytes: int = FP32,
+               dropout: bool = False, mask_bytes: int = FP32, attn: str = "sdpa",
+               first_layer: bool = False) -> LayerShape:
+    """A :class:`LayerShape` from a model config's fields (``ModelSpec.fields``)."""
+    h = int(spec_fields["hidden_size"])
+    a = int(spec_fields["num_attention_heads"])
+    return LayerShape(
+        batch=batch,
+        seq=seq,
+        hidden=h,
+        heads=a,
+        kv_heads=int(spec_fields.get("num_key_value_heads") or a),
+        head_dim=int(spec_fields.get("head_dim") or h // a),
+        intermediate=int(spec_fields["intermediate_size"]),
+        rank=rank,
+        act_bytes=act_bytes,
+        dropout=dropout,
+        mask_bytes=mask_bytes,
+        attn=attn,
+        first_layer=first_layer,
+    )

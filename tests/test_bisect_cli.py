@@ -27,6 +27,7 @@ from vramguard.overlay import MARKER, InstallError, OverlayCache
 
 VERSIONS = [f"1.{i}" for i in range(10)] + ["1.8rc1"]
 BROKEN = "1.3"
+ALL = ",".join(f"1.{i}" for i in range(10))  # --versions: skips the index query where it is not under test
 PROBE_LEAK = [sys.executable, "-c",
               "import vgdummy, sys; print('vgdummy', vgdummy.__version__); sys.exit(vgdummy.LEAK)"]
 PROBE_FIX = [sys.executable, "-c",
@@ -130,6 +131,19 @@ def test_finds_first_bad_within_the_probe_bound(capsys, wheelhouse: Path, shared
     assert_cache_consistent(shared_cache)
 
 
+def test_log_is_written_by_default_and_never_overwritten(capsys, wheelhouse: Path, shared_cache: Path) -> None:
+    args = ["vg-dummy", "--good", "1.0", "--bad", "1.5", "--versions", "1.0,1.5", "--find-links", str(wheelhouse),
+            "--cache-dir", str(shared_cache)]
+    logs = []
+    for _ in range(2):
+        code, out, err = bisect(capsys, *args, command=PROBE_LEAK)
+        assert code == 0, err
+        (line,) = [ln for ln in out.splitlines() if ln.startswith("log: ")]
+        logs.append(Path(line[len("log: "):]))
+    assert logs[0] != logs[1] and all(p.is_file() for p in logs)
+    assert [json.loads(p.read_text())["result"]["first_bad"] for p in logs] == ["1.5", "1.5"]
+
+
 def test_second_run_installs_nothing(capsys, wheelhouse: Path, tmp_path: Path) -> None:
     cache, empty = tmp_path / "c", tmp_path / "empty"
     empty.mkdir()
@@ -153,8 +167,8 @@ def test_second_run_installs_nothing(capsys, wheelhouse: Path, tmp_path: Path) -
 
 def test_broken_version_is_skipped(capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path) -> None:
     log = tmp_path / "log.json"
-    code, out, err = bisect(capsys, "vg-dummy", "--good", "1.0", "--bad", "1.5", "--find-links", str(wheelhouse),
-                            "--cache-dir", str(shared_cache), "--log", str(log), command=PROBE_LEAK)
+    code, out, err = bisect(capsys, "vg-dummy", "--good", "1.0", "--bad", "1.5", "--versions", ALL, "--find-links",
+                            str(wheelhouse), "--cache-dir", str(shared_cache), "--log", str(log), command=PROBE_LEAK)
     assert code == 0, err
     data = json.loads(log.read_text())
     assert data["result"]["first_bad"] == "1.5" and data["result"]["skipped"] == ["1.3"]
@@ -170,8 +184,9 @@ def test_change_next_to_a_skipped_version_is_reported_as_ambiguous(
 ) -> None:
     # This probe turns bad at 1.4, right after the broken 1.3: the first bad is 1.3 or 1.4, not knowable.
     probe = [sys.executable, "-c", "import vgdummy, sys; sys.exit(vgdummy.__version__ >= '1.4')"]
-    code, out, err = bisect(capsys, "vg-dummy", "--good", "1.0", "--bad", "1.9", "--find-links", str(wheelhouse),
-                            "--cache-dir", str(shared_cache), "--log", str(tmp_path / "l.json"), command=probe)
+    code, out, err = bisect(capsys, "vg-dummy", "--good", "1.0", "--bad", "1.9", "--versions", ALL, "--find-links",
+                            str(wheelhouse), "--cache-dir", str(shared_cache), "--log", str(tmp_path / "l.json"),
+                            command=probe)
     assert code == 3, err
     result = json.loads((tmp_path / "l.json").read_text())["result"]
     assert result["first_bad"] is None and result["possible"] == ["1.3", "1.4"]
@@ -180,7 +195,7 @@ def test_change_next_to_a_skipped_version_is_reported_as_ambiguous(
 
 def test_find_fix_finds_first_good(capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path) -> None:
     log = tmp_path / "log.json"
-    code, out, err = bisect(capsys, "vg-dummy", "--bad", "1.0", "--good", "1.9", "--find-fix",
+    code, out, err = bisect(capsys, "vg-dummy", "--bad", "1.0", "--good", "1.9", "--find-fix", "--versions", ALL,
                             "--find-links", str(wheelhouse), "--cache-dir", str(shared_cache), "--log", str(log),
                             command=PROBE_FIX)
     assert code == 0, err
@@ -212,8 +227,8 @@ def test_endpoints_are_verified_first(
     capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path, good: str, bad: str, needle: str
 ) -> None:
     log = tmp_path / "log.json"
-    code, out, err = bisect(capsys, "vg-dummy", "--good", good, "--bad", bad, "--find-links", str(wheelhouse),
-                            "--cache-dir", str(shared_cache), "--log", str(log), command=PROBE_LEAK)
+    code, out, err = bisect(capsys, "vg-dummy", "--good", good, "--bad", bad, "--versions", ALL, "--find-links",
+                            str(wheelhouse), "--cache-dir", str(shared_cache), "--log", str(log), command=PROBE_LEAK)
     assert_one_line_error(code, out, err, needle)
     data = json.loads(log.read_text())  # the probes run before the error are kept
     assert data["status"] == "endpoint_error" and needle in data["error"]
@@ -250,7 +265,7 @@ def test_probe_timeout_counts_as_bad(capsys, wheelhouse: Path, shared_cache: Pat
         (["vg-dummy", "--bad", "1.9"], PROBE_LEAK, "required: --good"),
         (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--cache-max", "lots"], PROBE_LEAK, "not a size"),
         (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--timeout", "-1"], PROBE_LEAK, "must be positive"),
-        (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--versions", "1.0,x,1.9"], PROBE_LEAK, "not a version"),
+        (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--versions", "1.0,x,1.9"], PROBE_LEAK, "--versions: 'x' is not"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, wheelhouse: Path, tmp_path: Path, args, command, needle) -> None:
@@ -316,8 +331,8 @@ def test_overlay_records_import_name_and_lru_eviction(wheelhouse: Path, tmp_path
     assert {p.name.split("-")[0] for p, _, _ in cache.entries()} == {"1.0", "1.2"}
     assert not b.path.exists() and c.path.exists()
     cache.max_bytes = 0  # nothing fits: the entry being used is still kept
-    cache.get("vg-dummy", "1.4", pip_args(wheelhouse))
-    assert [p.name.split("-")[0] for p, _, _ in cache.entries()] == ["1.4"]
+    assert cache.evict(keep=c.path) == [a.path]
+    assert [p.name.split("-")[0] for p, _, _ in cache.entries()] == ["1.2"]
     assert_cache_consistent(cache.root)
 
 

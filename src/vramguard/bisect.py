@@ -333,7 +333,7 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="overlay cache (default $VRAMGUARD_CACHE or ~/.cache/vramguard/overlays)")
     p.add_argument("--cache-max", default="10 GiB", metavar="SIZE", help="cache bound, LRU eviction (10 GiB)")
-    p.add_argument("--log", type=Path, default=None, metavar="PATH", help="JSON log of every probe")
+    p.add_argument("--log", type=Path, default=None, metavar="PATH", help="JSON log of every probe (default: a new file under the cache dir)")
     p.add_argument("--no-import-check", dest="import_check", action="store_false",
                    help="do not verify that the overlay version is the one imported")
 
@@ -369,11 +369,11 @@ def _reparse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
 
 def _candidates(args: argparse.Namespace, index: IndexOptions) -> list[Version]:
     if args.versions is not None:
-        listed = [t for t in args.versions.split(",") if t.strip()]
-        versions = sort_versions(listed, pre=True)
-        if len(versions) != len({t.strip() for t in listed}):
-            raise UsageError(f"--versions has an entry that is not a version: {args.versions!r}")
-        versions = sort_versions(map(str, versions), pre=args.pre)
+        listed = [t.strip() for t in args.versions.split(",") if t.strip()]
+        for text in listed:
+            if not sort_versions([text], pre=True):
+                raise UsageError(f"--versions: {text!r} is not a version")
+        versions = sort_versions(listed, pre=args.pre)
         return select_range(versions, args.good, args.bad, args.find_fix, "--versions")
     for link in args.find_links:
         if "://" not in link and not Path(link).exists():
@@ -381,6 +381,12 @@ def _candidates(args: argparse.Namespace, index: IndexOptions) -> list[Version]:
     versions = available_versions(args.package, index, pre=args.pre)
     source = args.index_url or (", ".join(args.find_links) if args.find_links else "the package index")
     return select_range(versions, args.good, args.bad, args.find_fix, source)
+
+
+def default_log_path(cache_root: Path, package: str) -> Path:
+    """A new file per run beside the overlays, so no earlier log is overwritten when --log is not given."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return cache_root / ".logs" / f"bisect-{canonicalize_name(package)}-{stamp}-{os.getpid()}.json"
 
 
 def run_bisect(args: argparse.Namespace) -> int:
@@ -394,8 +400,9 @@ def run_bisect(args: argparse.Namespace) -> int:
     index = IndexOptions(args.index_url, tuple(args.find_links), args.index_timeout)
     candidates = _candidates(args, index)
     cache = OverlayCache(args.cache_dir or default_cache_dir(), max_bytes)
+    log = args.log or default_log_path(cache.root, args.package)
     run = BisectRun(args.package, candidates, command, cache, index, args.find_fix, args.timeout,
-                    args.import_check, args.log)
+                    args.import_check, log)
     run.console.print(
         f"bisecting {args.package}: {len(candidates)} candidates {candidates[0]} .. {candidates[-1]}, "
         f"at most {probe_bound(len(candidates))} probes (cache {cache.root}, {format_bytes(max_bytes)})",

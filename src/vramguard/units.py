@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from vramguard.errors import UsageError
@@ -26,9 +27,11 @@ def parse_size(text: str | int | float) -> int:
     if isinstance(text, bool):
         raise UsageError(f"not a size: {text!r}")
     if isinstance(text, (int, float)):
+        if not math.isfinite(text):
+            raise UsageError(f"not a size: {text!r}")
         if text < 0:
             raise UsageError(f"a size cannot be negative: {text!r}")
-        return int(text)
+        return int(round(text))
     m = _SIZE.match(str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise UsageError(f"not a size: {text!r} (use e.g. '512 KiB', '12 MiB', '1.5 GiB')")
@@ -45,6 +48,8 @@ def parse_percent(text: str | float) -> float:
         value = float(s[:-1]) / 100.0 if s.endswith("%") else float(s)
     except ValueError:
         raise UsageError(f"not a percentage: {text!r} (use e.g. '3%')") from None
+    if not math.isfinite(value):
+        raise UsageError(f"not a percentage: {text!r} (use e.g. '3%')")
     if value < 0:
         raise UsageError(f"a percentage cannot be negative: {text!r}")
     return value

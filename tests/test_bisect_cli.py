@@ -28,17 +28,25 @@ from vramguard.overlay import MARKER, InstallError, OverlayCache
 VERSIONS = [f"1.{i}" for i in range(10)] + ["1.8rc1"]
 BROKEN = "1.3"
 ALL = ",".join(f"1.{i}" for i in range(10))  # --versions: skips the index query where it is not under test
-PROBE_LEAK = [sys.executable, "-c",
-              "import vgdummy, sys; print('vgdummy', vgdummy.__version__); sys.exit(vgdummy.LEAK)"]
-PROBE_FIX = [sys.executable, "-c",
-             "import vgdummy, sys; print('vgdummy', vgdummy.__version__); sys.exit(0 if vgdummy.FIXED else 1)"]
+PROBE_LEAK = [
+    sys.executable,
+    "-c",
+    "import vgdummy, sys; print('vgdummy', vgdummy.__version__); sys.exit(vgdummy.LEAK)",
+]
+PROBE_FIX = [
+    sys.executable,
+    "-c",
+    "import vgdummy, sys; print('vgdummy', vgdummy.__version__); sys.exit(0 if vgdummy.FIXED else 1)",
+]
 
 
 def _module_source(version: str) -> str:
     if version == BROKEN:
         return "raise ImportError('broken build of vg-dummy')\n"
     v = Version(version)
-    return f"__version__ = {version!r}\nLEAK = {int(v >= Version('1.5'))}\nFIXED = {int(v >= Version('1.7'))}\n"
+    return (
+        f"__version__ = {version!r}\nLEAK = {int(v >= Version('1.5'))}\nFIXED = {int(v >= Version('1.7'))}\n"
+    )
 
 
 def build_wheel(directory: Path, version: str) -> Path:
@@ -47,7 +55,8 @@ def build_wheel(directory: Path, version: str) -> Path:
     files = {
         "vgdummy/__init__.py": _module_source(version),
         f"{info}/METADATA": f"Metadata-Version: 2.1\nName: vg-dummy\nVersion: {version}\n",
-        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: vramguard-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: vramguard-tests\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
     }
     record = []
     for name, text in files.items():
@@ -111,10 +120,25 @@ def assert_one_line_error(code: int, out: str, err: str, *needles: str) -> None:
 
 
 # -- finding the change -------------------------------------------------------------------------------
-def test_finds_first_bad_within_the_probe_bound(capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path) -> None:
+def test_finds_first_bad_within_the_probe_bound(
+    capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path
+) -> None:
     log = tmp_path / "log.json"
-    code, out, err = bisect(capsys, "vg-dummy", "--good", "1.0", "--bad", "1.9", "--find-links", str(wheelhouse),
-                            "--cache-dir", str(shared_cache), "--log", str(log), command=PROBE_LEAK)
+    code, out, err = bisect(
+        capsys,
+        "vg-dummy",
+        "--good",
+        "1.0",
+        "--bad",
+        "1.9",
+        "--find-links",
+        str(wheelhouse),
+        "--cache-dir",
+        str(shared_cache),
+        "--log",
+        str(log),
+        command=PROBE_LEAK,
+    )
     assert code == 0, err
     data = json.loads(log.read_text())
     assert data["candidates"] == [f"1.{i}" for i in range(10)]  # ordered, pre-release 1.8rc1 excluded
@@ -131,15 +155,28 @@ def test_finds_first_bad_within_the_probe_bound(capsys, wheelhouse: Path, shared
     assert_cache_consistent(shared_cache)
 
 
-def test_log_is_written_by_default_and_never_overwritten(capsys, wheelhouse: Path, shared_cache: Path) -> None:
-    args = ["vg-dummy", "--good", "1.0", "--bad", "1.5", "--versions", "1.0,1.5", "--find-links", str(wheelhouse),
-            "--cache-dir", str(shared_cache)]
+def test_log_is_written_by_default_and_never_overwritten(
+    capsys, wheelhouse: Path, shared_cache: Path
+) -> None:
+    args = [
+        "vg-dummy",
+        "--good",
+        "1.0",
+        "--bad",
+        "1.5",
+        "--versions",
+        "1.0,1.5",
+        "--find-links",
+        str(wheelhouse),
+        "--cache-dir",
+        str(shared_cache),
+    ]
     logs = []
     for _ in range(2):
         code, out, err = bisect(capsys, *args, command=PROBE_LEAK)
         assert code == 0, err
         (line,) = [ln for ln in out.splitlines() if ln.startswith("log: ")]
-        logs.append(Path(line[len("log: "):]))
+        logs.append(Path(line[len("log: ") :]))
     assert logs[0] != logs[1] and all(p.is_file() for p in logs)
     assert [json.loads(p.read_text())["result"]["first_bad"] for p in logs] == ["1.5", "1.5"]
 
@@ -148,16 +185,26 @@ def test_second_run_installs_nothing(capsys, wheelhouse: Path, tmp_path: Path) -
     cache, empty = tmp_path / "c", tmp_path / "empty"
     empty.mkdir()
     args = ["vg-dummy", "--good", "1.0", "--bad", "1.9", "--cache-dir", str(cache)]
-    code, _, err = bisect(capsys, *args, "--find-links", str(wheelhouse), "--log", str(tmp_path / "1.json"),
-                          command=PROBE_LEAK)
+    code, _, err = bisect(
+        capsys, *args, "--find-links", str(wheelhouse), "--log", str(tmp_path / "1.json"), command=PROBE_LEAK
+    )
     assert code == 0, err
     first = json.loads((tmp_path / "1.json").read_text())
     assert first["installs"] == len(first["probes"]) > 0
     entries = sorted(p.name for p in (cache / "vg-dummy").iterdir())
     # Second run: the only wheel source is empty, so any install attempt would fail and be a skip.
     versions = ",".join(f"1.{i}" for i in range(10))
-    code, out, err = bisect(capsys, *args, "--find-links", str(empty), "--versions", versions,
-                            "--log", str(tmp_path / "2.json"), command=PROBE_LEAK)
+    code, out, err = bisect(
+        capsys,
+        *args,
+        "--find-links",
+        str(empty),
+        "--versions",
+        versions,
+        "--log",
+        str(tmp_path / "2.json"),
+        command=PROBE_LEAK,
+    )
     assert code == 0, err
     second = json.loads((tmp_path / "2.json").read_text())
     assert second["installs"] == 0 and {p["overlay"] for p in second["probes"]} == {"cached"}
@@ -167,8 +214,23 @@ def test_second_run_installs_nothing(capsys, wheelhouse: Path, tmp_path: Path) -
 
 def test_broken_version_is_skipped(capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path) -> None:
     log = tmp_path / "log.json"
-    code, out, err = bisect(capsys, "vg-dummy", "--good", "1.0", "--bad", "1.5", "--versions", ALL, "--find-links",
-                            str(wheelhouse), "--cache-dir", str(shared_cache), "--log", str(log), command=PROBE_LEAK)
+    code, out, err = bisect(
+        capsys,
+        "vg-dummy",
+        "--good",
+        "1.0",
+        "--bad",
+        "1.5",
+        "--versions",
+        ALL,
+        "--find-links",
+        str(wheelhouse),
+        "--cache-dir",
+        str(shared_cache),
+        "--log",
+        str(log),
+        command=PROBE_LEAK,
+    )
     assert code == 0, err
     data = json.loads(log.read_text())
     assert data["result"]["first_bad"] == "1.5" and data["result"]["skipped"] == ["1.3"]
@@ -184,9 +246,23 @@ def test_change_next_to_a_skipped_version_is_reported_as_ambiguous(
 ) -> None:
     # This probe turns bad at 1.4, right after the broken 1.3: the first bad is 1.3 or 1.4, not knowable.
     probe = [sys.executable, "-c", "import vgdummy, sys; sys.exit(vgdummy.__version__ >= '1.4')"]
-    code, out, err = bisect(capsys, "vg-dummy", "--good", "1.0", "--bad", "1.9", "--versions", ALL, "--find-links",
-                            str(wheelhouse), "--cache-dir", str(shared_cache), "--log", str(tmp_path / "l.json"),
-                            command=probe)
+    code, out, err = bisect(
+        capsys,
+        "vg-dummy",
+        "--good",
+        "1.0",
+        "--bad",
+        "1.9",
+        "--versions",
+        ALL,
+        "--find-links",
+        str(wheelhouse),
+        "--cache-dir",
+        str(shared_cache),
+        "--log",
+        str(tmp_path / "l.json"),
+        command=probe,
+    )
     assert code == 3, err
     result = json.loads((tmp_path / "l.json").read_text())["result"]
     assert result["first_bad"] is None and result["possible"] == ["1.3", "1.4"]
@@ -195,9 +271,24 @@ def test_change_next_to_a_skipped_version_is_reported_as_ambiguous(
 
 def test_find_fix_finds_first_good(capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path) -> None:
     log = tmp_path / "log.json"
-    code, out, err = bisect(capsys, "vg-dummy", "--bad", "1.0", "--good", "1.9", "--find-fix", "--versions", ALL,
-                            "--find-links", str(wheelhouse), "--cache-dir", str(shared_cache), "--log", str(log),
-                            command=PROBE_FIX)
+    code, out, err = bisect(
+        capsys,
+        "vg-dummy",
+        "--bad",
+        "1.0",
+        "--good",
+        "1.9",
+        "--find-fix",
+        "--versions",
+        ALL,
+        "--find-links",
+        str(wheelhouse),
+        "--cache-dir",
+        str(shared_cache),
+        "--log",
+        str(log),
+        command=PROBE_FIX,
+    )
     assert code == 0, err
     data = json.loads(log.read_text())
     assert data["mode"] == "find-fix"
@@ -208,8 +299,22 @@ def test_find_fix_finds_first_good(capsys, wheelhouse: Path, shared_cache: Path,
 
 def test_pre_releases_only_when_asked(capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path) -> None:
     log = tmp_path / "log.json"
-    code, _, err = bisect(capsys, "vg-dummy", "--good", "1.6", "--bad", "1.9", "--pre", "--find-links",
-                          str(wheelhouse), "--cache-dir", str(shared_cache), "--log", str(log), command=PROBE_FIX)
+    code, _, err = bisect(
+        capsys,
+        "vg-dummy",
+        "--good",
+        "1.6",
+        "--bad",
+        "1.9",
+        "--pre",
+        "--find-links",
+        str(wheelhouse),
+        "--cache-dir",
+        str(shared_cache),
+        "--log",
+        str(log),
+        command=PROBE_FIX,
+    )
     # FIXED turns on at 1.7 < 1.8rc1, so with --good 1.6 this is "good is bad": but 1.6 is FIXED=0 -> exit 1.
     assert code == 2 and "--good 1.6 is not good" in err
     assert json.loads(log.read_text())["candidates"] == ["1.6", "1.7", "1.8rc1", "1.8", "1.9"]
@@ -227,8 +332,23 @@ def test_endpoints_are_verified_first(
     capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path, good: str, bad: str, needle: str
 ) -> None:
     log = tmp_path / "log.json"
-    code, out, err = bisect(capsys, "vg-dummy", "--good", good, "--bad", bad, "--versions", ALL, "--find-links",
-                            str(wheelhouse), "--cache-dir", str(shared_cache), "--log", str(log), command=PROBE_LEAK)
+    code, out, err = bisect(
+        capsys,
+        "vg-dummy",
+        "--good",
+        good,
+        "--bad",
+        bad,
+        "--versions",
+        ALL,
+        "--find-links",
+        str(wheelhouse),
+        "--cache-dir",
+        str(shared_cache),
+        "--log",
+        str(log),
+        command=PROBE_LEAK,
+    )
     assert_one_line_error(code, out, err, needle)
     data = json.loads(log.read_text())  # the probes run before the error are kept
     assert data["status"] == "endpoint_error" and needle in data["error"]
@@ -239,9 +359,25 @@ def test_endpoints_are_verified_first(
 def test_probe_timeout_counts_as_bad(capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path) -> None:
     probe = [sys.executable, "-c", "import time, vgdummy\nif vgdummy.LEAK: time.sleep(60)"]
     log = tmp_path / "log.json"
-    code, out, err = bisect(capsys, "vg-dummy", "--good", "1.0", "--bad", "1.5", "--versions", "1.0,1.5",
-                            "--timeout", "2", "--find-links", str(wheelhouse), "--cache-dir", str(shared_cache),
-                            "--log", str(log), command=probe)
+    code, out, err = bisect(
+        capsys,
+        "vg-dummy",
+        "--good",
+        "1.0",
+        "--bad",
+        "1.5",
+        "--versions",
+        "1.0,1.5",
+        "--timeout",
+        "2",
+        "--find-links",
+        str(wheelhouse),
+        "--cache-dir",
+        str(shared_cache),
+        "--log",
+        str(log),
+        command=probe,
+    )
     assert code == 0, err
     data = json.loads(log.read_text())
     assert data["result"]["first_bad"] == "1.5" and [p["verdict"] for p in data["probes"]] == ["good", "bad"]
@@ -254,49 +390,100 @@ def test_probe_timeout_counts_as_bad(capsys, wheelhouse: Path, shared_cache: Pat
 @pytest.mark.parametrize(
     ("args", "command", "needle"),
     [
-        (["nope-not-a-package", "--good", "1.0", "--bad", "1.9"], PROBE_LEAK, "'nope-not-a-package' not found"),
+        (
+            ["nope-not-a-package", "--good", "1.0", "--bad", "1.9"],
+            PROBE_LEAK,
+            "'nope-not-a-package' not found",
+        ),
         (["vg-dummy", "--good", "1.42", "--bad", "1.9"], PROBE_LEAK, "--good 1.42 is not a version listed"),
         (["vg-dummy", "--good", "1.0", "--bad", "1.8rc1"], PROBE_LEAK, "add --pre"),
         (["vg-dummy", "--good", "one", "--bad", "1.9"], PROBE_LEAK, "--good 'one' is not a version"),
         (["vg-dummy", "--good", "1.9", "--bad", "1.0"], PROBE_LEAK, "use --find-fix"),
-        (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--find-fix"], PROBE_LEAK, "must be older than --good"),
+        (
+            ["vg-dummy", "--good", "1.0", "--bad", "1.9", "--find-fix"],
+            PROBE_LEAK,
+            "must be older than --good",
+        ),
         (["vg-dummy", "--good", "1.0", "--bad", "1.9"], None, "missing COMMAND"),
         (["vg-dummy", "--good", "1.0", "--bad", "1.9"], [], "missing COMMAND"),
         (["vg-dummy", "--bad", "1.9"], PROBE_LEAK, "required: --good"),
         (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--cache-max", "lots"], PROBE_LEAK, "not a size"),
         (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--timeout", "-1"], PROBE_LEAK, "must be positive"),
-        (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--versions", "1.0,x,1.9"], PROBE_LEAK, "--versions: 'x' is not"),
+        (
+            ["vg-dummy", "--good", "1.0", "--bad", "1.9", "--versions", "1.0,x,1.9"],
+            PROBE_LEAK,
+            "--versions: 'x' is not",
+        ),
     ],
 )
-def test_bad_input_is_one_line_exit_2(capsys, wheelhouse: Path, tmp_path: Path, args, command, needle) -> None:
+def test_bad_input_is_one_line_exit_2(
+    capsys, wheelhouse: Path, tmp_path: Path, args, command, needle
+) -> None:
     cache = tmp_path / "c"
-    code, out, err = bisect(capsys, *args, "--find-links", str(wheelhouse), "--cache-dir", str(cache),
-                            command=command)
+    code, out, err = bisect(
+        capsys, *args, "--find-links", str(wheelhouse), "--cache-dir", str(cache), command=command
+    )
     assert_one_line_error(code, out, err, needle)
     assert not (cache / "vg-dummy").exists()  # rejected before anything was installed
     assert_cache_consistent(cache)
 
 
 def test_missing_wheel_directory(capsys, tmp_path: Path) -> None:
-    code, out, err = bisect(capsys, "vg-dummy", "--good", "1.0", "--bad", "1.9", "--find-links",
-                            str(tmp_path / "nowhere"), command=PROBE_LEAK)
+    code, out, err = bisect(
+        capsys,
+        "vg-dummy",
+        "--good",
+        "1.0",
+        "--bad",
+        "1.9",
+        "--find-links",
+        str(tmp_path / "nowhere"),
+        command=PROBE_LEAK,
+    )
     assert_one_line_error(code, out, err, "no such directory")
 
 
 def test_no_network_for_the_index(capsys, tmp_path: Path) -> None:
     # Port 9 (discard) on localhost is closed: the connection is refused at once, as with no network.
-    code, out, err = bisect(capsys, "vg-dummy", "--good", "1.0", "--bad", "1.9", "--index-url",
-                            "http://127.0.0.1:9/simple", "--index-timeout", "5", "--cache-dir", str(tmp_path / "c"),
-                            command=PROBE_LEAK)
+    code, out, err = bisect(
+        capsys,
+        "vg-dummy",
+        "--good",
+        "1.0",
+        "--bad",
+        "1.9",
+        "--index-url",
+        "http://127.0.0.1:9/simple",
+        "--index-timeout",
+        "5",
+        "--cache-dir",
+        str(tmp_path / "c"),
+        command=PROBE_LEAK,
+    )
     assert_one_line_error(code, out, err, "cannot reach the package index http://127.0.0.1:9/simple")
     assert_cache_consistent(tmp_path / "c")
 
 
-def test_version_that_cannot_be_installed_is_an_untestable_endpoint(capsys, wheelhouse: Path, tmp_path: Path) -> None:
+def test_version_that_cannot_be_installed_is_an_untestable_endpoint(
+    capsys, wheelhouse: Path, tmp_path: Path
+) -> None:
     # An explicit list bypasses the index query; 2.0 has no wheel, so the --bad endpoint cannot be tested.
     cache = tmp_path / "c"
-    code, out, err = bisect(capsys, "vg-dummy", "--good", "1.0", "--bad", "2.0", "--versions", "1.0,2.0",
-                            "--find-links", str(wheelhouse), "--cache-dir", str(cache), command=PROBE_LEAK)
+    code, out, err = bisect(
+        capsys,
+        "vg-dummy",
+        "--good",
+        "1.0",
+        "--bad",
+        "2.0",
+        "--versions",
+        "1.0,2.0",
+        "--find-links",
+        str(wheelhouse),
+        "--cache-dir",
+        str(cache),
+        command=PROBE_LEAK,
+    )
     assert_one_line_error(code, out, err, "--bad 2.0 cannot be tested (install failed")
     assert not (cache / "vg-dummy" / "2.0-").exists()
     assert [p.name.split("-")[0] for p in (cache / "vg-dummy").iterdir()] == ["1.0"]
@@ -304,8 +491,12 @@ def test_version_that_cannot_be_installed_is_an_untestable_endpoint(capsys, whee
 
 
 def test_console_entry_point_error_has_no_traceback(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "vramguard", "bisect", "vg-dummy", "--good", "1.0", "--bad", "1.9"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "vramguard", "bisect", "vg-dummy", "--good", "1.0", "--bad", "1.9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "vramguard: error: missing COMMAND: give the probe after --, e.g. -- python -m pytest tests_grad/x.py"
@@ -344,8 +535,9 @@ def test_failed_install_leaves_no_entry(wheelhouse: Path, tmp_path: Path) -> Non
     assert_cache_consistent(cache.root)
 
 
-def test_import_check_rejects_a_module_from_outside_the_overlay(wheelhouse: Path, shared_cache: Path,
-                                                                tmp_path: Path) -> None:
+def test_import_check_rejects_a_module_from_outside_the_overlay(
+    wheelhouse: Path, shared_cache: Path, tmp_path: Path
+) -> None:
     cache = OverlayCache(shared_cache, max_bytes=10**9)
     overlay = cache.get("vg-dummy", "1.2", pip_args(wheelhouse))
     env = probe_env(overlay.path, "vg-dummy", "1.2")
@@ -354,10 +546,20 @@ def test_import_check_rejects_a_module_from_outside_the_overlay(wheelhouse: Path
     assert code == 0, tail
     code, tail = run_command([*check, str(tmp_path), "vgdummy"], env, 60)  # claims another root
     assert code == 5 and "not from the overlay" in tail[-1]
-    code, tail = run_command([sys.executable, "-c", _IMPORT_CHECK, "vg-dummy", "1.1", str(overlay.path)], env, 60)
+    code, tail = run_command(
+        [sys.executable, "-c", _IMPORT_CHECK, "vg-dummy", "1.1", str(overlay.path)], env, 60
+    )
     assert code == 3 and "shadowed" in tail[-1]
 
 
 def test_verdicts_follow_git_bisect_run() -> None:
     assert [verdict_for(c) for c in (0, 1, 2, 124, 125, 126, -9, None)] == [
-        "good", "bad", "bad", "bad", "skip", "bad", "bad", "bad"]
+        "good",
+        "bad",
+        "bad",
+        "bad",
+        "skip",
+        "bad",
+        "bad",
+        "bad",
+    ]

@@ -1,4 +1,4 @@
-"""The pure bisection: exhaustive over small sizes, so the probe bound and skip handling are proven, not sampled."""
+"""The pure bisection, exhaustive over small sizes: the probe bound and skips are proven, not sampled."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_finds_every_transition_within_the_bound(n: int) -> None:
     for first in range(1, n):
         calls: list[int] = []
 
-        def oracle(i: int, _first: int = first) -> State:
+        def oracle(i: int, _first: int = first, calls: list[int] = calls) -> State:
             calls.append(i)
             return monotone(_first)(i)
 

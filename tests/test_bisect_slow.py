@@ -22,8 +22,25 @@ PROBE = Path(__file__).parent / "probes" / "bnb_fp4_cpu_grad.py"
 @pytest.mark.slow
 def test_bitsandbytes_first_release_with_fp4_training_on_cpu(capsys, tmp_path: Path) -> None:
     log = tmp_path / "bnb.json"
-    code = main(["bisect", "bitsandbytes", "--bad", "0.44.0", "--good", "0.50.2", "--find-fix",
-                 "--timeout", "600", "--log", str(log), "--", sys.executable, str(PROBE), "fp4"])
+    code = main(
+        [
+            "bisect",
+            "bitsandbytes",
+            "--bad",
+            "0.44.0",
+            "--good",
+            "0.50.2",
+            "--find-fix",
+            "--timeout",
+            "600",
+            "--log",
+            str(log),
+            "--",
+            sys.executable,
+            str(PROBE),
+            "fp4",
+        ]
+    )
     out, err = capsys.readouterr()
     if code == 2 and "cannot reach the package index" in err:
         pytest.skip(err.strip())

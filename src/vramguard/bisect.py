@@ -95,11 +95,15 @@ def probe_env(overlay: Path, package: str, version: str) -> dict[str, str]:
     return env
 
 
-def run_command(cmd: Sequence[str], env: dict[str, str], timeout: float | None) -> tuple[int | None, list[str]]:
+def run_command(
+    cmd: Sequence[str], env: dict[str, str], timeout: float | None
+) -> tuple[int | None, list[str]]:
     """Exit code (None on timeout, the whole process group killed) and the last lines of output."""
     with tempfile.TemporaryFile(mode="w+b") as out:
         try:
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         except OSError as exc:
             return 127, [f"cannot run {cmd[0]!r}: {exc}"]
         try:
@@ -154,7 +158,6 @@ class BisectRun:
     def __post_init__(self) -> None:
         self.search = Bisection(len(self.candidates))
         self.started = time.time()
-        self.bad_word, self.good_word = "bad", "good"
 
     # -- one probe --------------------------------------------------------------------------------
     def _overlay(self, version: str) -> tuple[Overlay | None, str, float]:
@@ -180,14 +183,28 @@ class BisectRun:
                 code, tail = run_command(check + list(overlay.import_names), env, self.timeout)
                 if code != 0:
                     why = tail[-1] if tail else f"exit {code}"
-                    return Probe(version, "skip", code, round(time.monotonic() - start, 3),
-                                 how, round(install_s, 3),
-                                 reason=f"import check failed: {why}", output_tail=tail)
+                    return Probe(
+                        version,
+                        "skip",
+                        code,
+                        round(time.monotonic() - start, 3),
+                        how,
+                        round(install_s, 3),
+                        reason=f"import check failed: {why}",
+                        output_tail=tail,
+                    )
             code, tail = run_command(self.command, env, self.timeout)
         reason = "timeout" if code is None else ""
-        return Probe(version, verdict_for(code), code, round(time.monotonic() - start, 3),
-                     how, round(install_s, 3), reason,
-                     output_tail=tail)
+        return Probe(
+            version,
+            verdict_for(code),
+            code,
+            round(time.monotonic() - start, 3),
+            how,
+            round(install_s, 3),
+            reason,
+            output_tail=tail,
+        )
 
     def state_of(self, verdict: str) -> State:
         if verdict == "skip":
@@ -227,7 +244,9 @@ class BisectRun:
         if exc.got is State.SKIP:
             return f"{flag} {probe.version} cannot be tested ({probe.reason or 'probe exited 125'})"
         how = "timed out" if probe.exit_code is None else f"exited {probe.exit_code}"
-        return f"{flag} {probe.version} is not {claimed}: the probe {how} on it, so there is nothing to bisect"
+        return (
+            f"{flag} {probe.version} is not {claimed}: the probe {how} on it, so there is nothing to bisect"
+        )
 
     def _progress(self, p: Probe, bound: int) -> None:
         lo, hi = self.candidates[self.search.lo], self.candidates[self.search.hi]
@@ -290,7 +309,9 @@ class BisectRun:
         if res[first_key] is not None:
             lines.append(f"{first_label}: {self.package} {res[first_key]}")
         else:
-            lines.append(f"{first_label}: undetermined, one of {', '.join(res['possible'])} (the others were skipped)")
+            lines.append(
+                f"{first_label}: undetermined, one of {', '.join(res['possible'])} (the others were skipped)"
+            )
         lines.append(f"{last_label}: {self.package} {res[last_key]}")
         lines.append(f"skipped: {', '.join(res['skipped']) or 'none'}")
         lines.append(f"probes: {len(self.probes)} for {n} candidates (bound {probe_bound(n)} + skips)")
@@ -321,21 +342,52 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--good", metavar="V", help="a version where the probe passes (required)")
     p.add_argument("--bad", metavar="V", help="a version where the probe fails (required)")
     p.add_argument("--find-fix", action="store_true", help="--bad is older than --good; find the first good")
-    p.add_argument("--versions", metavar="LIST", help="comma-separated candidates instead of asking the index")
+    p.add_argument(
+        "--versions", metavar="LIST", help="comma-separated candidates instead of asking the index"
+    )
     p.add_argument("--pre", action="store_true", help="include pre-releases and dev releases")
     p.add_argument("--index-url", metavar="URL", help="package index (default: pip's configuration)")
-    p.add_argument("--find-links", action="append", default=[], metavar="DIR",
-                   help="local wheel directory or page; alone, it means offline (--no-index)")
-    p.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
-                   help="seconds a probe may run; a timeout counts as bad (default: none)")
-    p.add_argument("--index-timeout", type=_positive_float, default=30.0, metavar="S",
-                   help="network timeout for the package index (default 30)")
-    p.add_argument("--cache-dir", type=Path, default=None,
-                   help="overlay cache (default $VRAMGUARD_CACHE or ~/.cache/vramguard/overlays)")
+    p.add_argument(
+        "--find-links",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="local wheel directory or page; alone, it means offline (--no-index)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="seconds a probe may run; a timeout counts as bad (default: none)",
+    )
+    p.add_argument(
+        "--index-timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="S",
+        help="network timeout for the package index (default 30)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="overlay cache (default $VRAMGUARD_CACHE or ~/.cache/vramguard/overlays)",
+    )
     p.add_argument("--cache-max", default="10 GiB", metavar="SIZE", help="cache bound, LRU eviction (10 GiB)")
-    p.add_argument("--log", type=Path, default=None, metavar="PATH", help="JSON log of every probe (default: a new file under the cache dir)")
-    p.add_argument("--no-import-check", dest="import_check", action="store_false",
-                   help="do not verify that the overlay version is the one imported")
+    p.add_argument(
+        "--log",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="JSON log of every probe (default: a new file under the cache dir)",
+    )
+    p.add_argument(
+        "--no-import-check",
+        dest="import_check",
+        action="store_false",
+        help="do not verify that the overlay version is the one imported",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -401,8 +453,9 @@ def run_bisect(args: argparse.Namespace) -> int:
     candidates = _candidates(args, index)
     cache = OverlayCache(args.cache_dir or default_cache_dir(), max_bytes)
     log = args.log or default_log_path(cache.root, args.package)
-    run = BisectRun(args.package, candidates, command, cache, index, args.find_fix, args.timeout,
-                    args.import_check, log)
+    run = BisectRun(
+        args.package, candidates, command, cache, index, args.find_fix, args.timeout, args.import_check, log
+    )
     run.console.print(
         f"bisecting {args.package}: {len(candidates)} candidates {candidates[0]} .. {candidates[-1]}, "
         f"at most {probe_bound(len(candidates))} probes (cache {cache.root}, {format_bytes(max_bytes)})",

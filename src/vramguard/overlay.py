@@ -116,7 +116,9 @@ class OverlayCache:
         os.utime(path / MARKER)
         return Overlay(path, package, version, tuple(marker.get("import_names", ())), installed_now=False)
 
-    def get(self, package: str, version: str, pip_args: Sequence[str], timeout: float | None = None) -> Overlay:
+    def get(
+        self, package: str, version: str, pip_args: Sequence[str], timeout: float | None = None
+    ) -> Overlay:
         """The overlay for (package, version), installing it once; raises InstallError if pip fails."""
         path = self.entry_dir(package, version)
         with self._lock(f"{path.parent.name}-{path.name}"):

@@ -97,7 +97,9 @@ def available_versions(package: str, options: IndexOptions, pre: bool = False) -
             return sort_versions(line.split(":", 1)[1].split(","), pre=pre)
     if options.index_url or not options.find_links:
         check_reachable(options.index_url or _configured_index_url(), package, options.timeout)
-    where = options.index_url or (", ".join(options.find_links) if options.find_links else "the package index")
+    where = options.index_url or (
+        ", ".join(options.find_links) if options.find_links else "the package index"
+    )
     raise UsageError(f"package {package!r} not found on {where}")
 
 

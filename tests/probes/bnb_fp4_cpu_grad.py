@@ -28,7 +28,9 @@ def main(quant_type: str) -> int:
         grad_out = torch.randn_like(y)
         y.backward(grad_out)
     except Exception as exc:  # the release has no CPU path for this: that is the "bad" we look for
-        print(f"bitsandbytes {bnb.__version__}: 4-bit {quant_type} on CPU failed: {type(exc).__name__}: {exc}")
+        print(
+            f"bitsandbytes {bnb.__version__}: 4-bit {quant_type} on CPU failed: {type(exc).__name__}: {exc}"
+        )
         return 1
     x64 = x.detach().to(torch.float64)
     ref_y = x64 @ dequant.t()
@@ -36,7 +38,8 @@ def main(quant_type: str) -> int:
     err_y = ((y.detach().to(torch.float64) - ref_y).norm() / ref_y.norm()).item()
     err_g = ((x.grad.to(torch.float64) - ref_grad).norm() / ref_grad.norm()).item()
     quant_err = ((dequant - weight.to(torch.float64)).norm() / weight.norm()).item()
-    print(f"bitsandbytes {bnb.__version__}: rel. error: forward {err_y:.2e}, input grad {err_g:.2e}, quantization {quant_err:.2e}")
+    errors = f"forward {err_y:.2e}, input grad {err_g:.2e}, quantization {quant_err:.2e}"
+    print(f"bitsandbytes {bnb.__version__}: rel. error: {errors}")
     ok = err_y < 1e-3 and err_g < 1e-3 and quant_err < 0.5
     return 0 if ok else 1
 

@@ -28,6 +28,7 @@ from vramguard.overlay import MARKER, InstallError, OverlayCache
 VERSIONS = [f"1.{i}" for i in range(10)] + ["1.8rc1"]
 BROKEN = "1.3"
 ALL = ",".join(f"1.{i}" for i in range(10))  # --versions: skips the index query where it is not under test
+ALL_PRE = ",".join(VERSIONS)
 PROBE_LEAK = [
     sys.executable,
     "-c",
@@ -396,11 +397,16 @@ def test_probe_timeout_counts_as_bad(capsys, wheelhouse: Path, shared_cache: Pat
             "'nope-not-a-package' not found",
         ),
         (["vg-dummy", "--good", "1.42", "--bad", "1.9"], PROBE_LEAK, "--good 1.42 is not a version listed"),
-        (["vg-dummy", "--good", "1.0", "--bad", "1.8rc1"], PROBE_LEAK, "add --pre"),
-        (["vg-dummy", "--good", "one", "--bad", "1.9"], PROBE_LEAK, "--good 'one' is not a version"),
-        (["vg-dummy", "--good", "1.9", "--bad", "1.0"], PROBE_LEAK, "use --find-fix"),
+        # The same checks apply to an explicit list; it saves an index query per case.
+        (["vg-dummy", "--good", "1.0", "--bad", "1.8rc1", "--versions", ALL_PRE], PROBE_LEAK, "add --pre"),
         (
-            ["vg-dummy", "--good", "1.0", "--bad", "1.9", "--find-fix"],
+            ["vg-dummy", "--good", "one", "--bad", "1.9", "--versions", ALL],
+            PROBE_LEAK,
+            "'one' is not a version",
+        ),
+        (["vg-dummy", "--good", "1.9", "--bad", "1.0", "--versions", ALL], PROBE_LEAK, "use --find-fix"),
+        (
+            ["vg-dummy", "--good", "1.0", "--bad", "1.9", "--find-fix", "--versions", ALL],
             PROBE_LEAK,
             "must be older than --good",
         ),

@@ -1,0 +1,161 @@
+"""``vramguard compare``: regressions beyond a threshold fail, unchanged runs pass, bad input exits 2."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from vramguard.cli import main
+from vramguard.compare import compare_docs, parse_thresholds
+from vramguard.errors import UsageError
+from vramguard.store import ResultStore
+
+GIB = 2**30
+
+
+def _bench(case: str, peak: float, time_s: float = 1.0) -> dict:
+    params = {"model": "small-llama", "seq_len": 512, "case": case}
+    return {
+        "name": f"test_qlora_step_gpu[{case}]",
+        "params": params,
+        "stats": {"mean": time_s},
+        "extra_info": {"vramguard": {
+            "params": params,
+            "metrics": {"peak_allocated": peak, "peak_reserved": peak * 1.1, "retained_after_forward": peak / 2,
+                        "saved_bytes": peak / 3, "saved_per_layer_max": peak / 12, "step_time": time_s},
+            "phases": {"forward": {"peak_allocated": peak * 0.8, "peak_reserved": peak},
+                       "backward": {"peak_allocated": peak, "peak_reserved": peak * 1.1}},
+        }},
+    }
+
+
+def _doc(bnb: str = "0.49.2", **overrides: float) -> dict:
+    peaks = {"a": 9.1 * GIB, "b": 4.0 * GIB}
+    peaks.update(overrides)
+    return {
+        "machine_info": {"vramguard": {"device": "cuda", "gpu_name": "NVIDIA H100",
+                                       "packages": {"torch": "2.13.0", "bitsandbytes": bnb}}},
+        "benchmarks": [_bench(case, peak) for case, peak in peaks.items()],
+    }
+
+
+def _write(path: Path, doc: dict) -> str:
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def _inject(doc: dict, case: str, metric: str, factor: float) -> dict:
+    doc = copy.deepcopy(doc)
+    for bench in doc["benchmarks"]:
+        if bench["params"]["case"] == case:
+            bench["extra_info"]["vramguard"]["metrics"][metric] *= factor
+    return doc
+
+
+def test_unchanged_run_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = _write(tmp_path / "a.json", _doc())
+    cur = _write(tmp_path / "b.json", _doc())
+    assert main(["compare", base, cur]) == 0
+    out = capsys.readouterr().out
+    assert "no regression" in out and "REGRESSION" not in out
+
+
+def test_injected_five_percent_regression_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = _write(tmp_path / "a.json", _doc())
+    cur = _write(tmp_path / "b.json", _inject(_doc("0.50.0"), "b", "peak_allocated", 1.05))
+    assert main(["compare", base, cur]) == 1
+    out = capsys.readouterr().out
+    line = next(row for row in out.splitlines() if "REGRESSION" in row)
+    assert "peak_allocated" in line and "case=b" in line and "+5.00%" in line
+    assert "bitsandbytes: 0.49.2 -> 0.50.0" in out
+    assert "1 regression(s)" in out
+
+
+def test_threshold_per_metric_and_direction(tmp_path: Path) -> None:
+    base = _write(tmp_path / "a.json", _doc())
+    up5 = _write(tmp_path / "up.json", _inject(_doc(), "a", "peak_allocated", 1.05))
+    up2 = _write(tmp_path / "up2.json", _inject(_doc(), "a", "peak_allocated", 1.02))
+    down = _write(tmp_path / "down.json", _inject(_doc(), "a", "peak_allocated", 0.90))
+    assert main(["compare", base, up2]) == 0  # below the default 3 %
+    assert main(["compare", base, up5, "--threshold", "peak_allocated=10%"]) == 0
+    assert main(["compare", base, up5, "--fail-above", "10%"]) == 0
+    assert main(["compare", base, up2, "--threshold", "peak_*=1%"]) == 1
+    assert main(["compare", base, up5, "--threshold", "peak_allocated=off"]) == 0
+    assert main(["compare", base, down]) == 0  # less memory is an improvement, never a failure
+
+
+def test_step_time_reported_but_gated_only_on_request(tmp_path: Path) -> None:
+    base = _write(tmp_path / "a.json", _doc())
+    slow = _write(tmp_path / "slow.json", _inject(_doc(), "a", "step_time", 1.5))
+    assert main(["compare", base, slow]) == 0
+    assert main(["compare", base, slow, "--threshold", "step_time=20%"]) == 1
+
+
+def test_phase_metrics_are_compared(tmp_path: Path) -> None:
+    doc = _doc()
+    worse = copy.deepcopy(doc)
+    worse["benchmarks"][0]["extra_info"]["vramguard"]["phases"]["forward"]["peak_allocated"] *= 1.2
+    result = compare_docs(doc, worse)
+    assert [(r.metric, r.status) for r in result.regressions] == [("forward.peak_allocated", "REGRESSION")]
+
+
+def test_one_sided_benchmarks_are_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base_doc = _doc(c=1.0 * GIB)
+    cur_doc = _doc(d=2.0 * GIB)
+    base = _write(tmp_path / "a.json", base_doc)
+    cur = _write(tmp_path / "b.json", cur_doc)
+    assert main(["compare", base, cur]) == 0
+    out = capsys.readouterr().out
+    assert "only in baseline: test_qlora_step_gpu" in out and "case=c" in out
+    assert "only in current:  test_qlora_step_gpu" in out and "case=d" in out
+    assert main(["compare", base, cur, "--fail-on-missing"]) == 1
+
+
+def test_store_run_against_store_run_and_reports(tmp_path: Path) -> None:
+    store = ResultStore(tmp_path / "store")
+    store.add(_doc(), run_id="20260101T000000Z-night1")
+    store.add(_inject(_doc("0.50.0"), "a", "peak_allocated", 1.05), run_id="20260102T000000Z-night2")
+    summary, report = tmp_path / "summary.md", tmp_path / "report.json"
+    rc = main(["compare", f"{store.root}@previous", f"{store.root}@latest", "--markdown", str(summary),
+               "--json", str(report)])
+    assert rc == 1
+    assert "**REGRESSION**" in summary.read_text() and "`0.49.2` → `0.50.0`" in summary.read_text()
+    data = json.loads(report.read_text())
+    assert data["regressions"] == 1 and data["version_changes"]["bitsandbytes"] == ["0.49.2", "0.50.0"]
+    assert main(["compare", f"{store.root}@previous", f"{store.root}@previous"]) == 0
+
+
+@pytest.mark.parametrize(
+    "make_args, message",
+    [
+        (lambda p, ok: [str(p / "missing.json"), ok], "no such file"),
+        (lambda p, ok: [_bad(p, "{oops"), ok], "cannot read"),
+        (lambda p, ok: [_bad(p, json.dumps({"benchmarks": 3})), ok], "not a benchmark JSON"),
+        (lambda p, ok: [ok, ok, "--threshold", "peak_allocated"], "METRIC=3%"),
+        (lambda p, ok: [ok, ok, "--threshold", "peak_allocated=lots"], "not a percentage"),
+        (lambda p, ok: [ok, f"{ok}@latest"], "applies to a results store"),
+        (lambda p, ok: [ok, f"{p}/nowhere@latest"], "no such file or directory"),
+        (lambda p, ok: [ok], "required"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, make_args, message) -> None:
+    ok = _write(tmp_path / "ok.json", _doc())
+    assert main(["compare", *make_args(tmp_path, ok)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("vramguard: error:") and message in err
+    assert "Traceback" not in err
+
+
+def _bad(path: Path, text: str) -> str:
+    target = path / "bad.json"
+    target.write_text(text)
+    return str(target)
+
+
+def test_parse_thresholds_rejects_garbage() -> None:
+    assert parse_thresholds(["peak_allocated=3%", "step_time=off"]) == {"peak_allocated": 0.03, "step_time": None}
+    with pytest.raises(UsageError):
+        parse_thresholds(["=3%"])

@@ -78,6 +78,9 @@ class StorageTracker(TorchDispatchMode):
 
     def start(self) -> None:
         self._generation += 1
+        with self._lock:  # storages of an earlier run are no longer followed: do not count them
+            self._live.clear()
+            self._current = self._peak = 0
         self.__enter__()
 
     def stop(self) -> None:
@@ -86,8 +89,13 @@ class StorageTracker(TorchDispatchMode):
         self._live.clear()
 
     # tracking ----------------------------------------------------------------------------
-    def track(self, t: torch.Tensor) -> None:
-        """Count ``t``'s storage if it is new (ops' outputs come here; callers may add others)."""
+    def track(self, t: torch.Tensor, inputs: frozenset[StorageKey] = frozenset()) -> None:
+        """Count ``t``'s storage if it is new (ops' outputs come here; callers may add others).
+
+        ``inputs`` are the storages of the op's inputs: an output sharing one of them is a view
+        (``weight.t()``) or an in-place result, never an allocation, even when that storage
+        predates tracking and so is not counted.
+        """
         if self._device_type is not None and t.device.type != self._device_type:
             return
         try:
@@ -103,6 +111,8 @@ class StorageTracker(TorchDispatchMode):
                     self._current += nbytes - known
                     self._live[key] = nbytes
                     self._peak = max(self._peak, self._current)
+                return
+            if key in inputs:
                 return
             self._live[key] = nbytes
             self._current += nbytes
@@ -120,10 +130,24 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        inputs: frozenset[StorageKey] | None = None
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self.track(t)
+                if inputs is None:
+                    inputs = _storage_keys(tree_flatten((args, kwargs))[0])
+                self.track(t, inputs)
         return out
+
+
+def _storage_keys(values: list[Any]) -> frozenset[StorageKey]:
+    keys = set()
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            try:
+                keys.add(storage_key(v))
+            except (RuntimeError, NotImplementedError):
+                pass
+    return frozenset(keys)
 
 
 class CudaAllocatorSource:

@@ -1,0 +1,105 @@
+"""The benchmark plugin: versions in machine info, records in the store, the in-process gate, GPU pinning."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vramguard.benchmark_plugin import pin_gpu, visible_gpus
+from vramguard.store import ResultStore
+
+pytest_plugins = ["pytester"]
+
+# A stand-in benchmark: its "memory" comes from the environment, so a test can inject a change.
+BENCH = '''
+import os, pytest
+
+@pytest.mark.parametrize("size", ["s", "m"])
+def test_step(benchmark, size):
+    peak = int(os.environ["FAKE_PEAK"]) * (2 if size == "m" else 1)
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    benchmark.extra_info["vramguard"] = {
+        "params": {"size": size},
+        "metrics": {"peak_allocated": peak, "retained_after_forward": peak // 2, "step_time": 0.01},
+    }
+'''
+
+
+@pytest.fixture
+def bench(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    pytester.makepyfile(test_bench=BENCH)
+    monkeypatch.setenv("FAKE_PEAK", "1000000")
+    return pytester
+
+
+def test_machine_info_carries_versions(bench: pytest.Pytester) -> None:
+    out = bench.path / "out.json"
+    result = bench.runpytest("-p", "no:cacheprovider", f"--benchmark-json={out}")
+    result.assert_outcomes(passed=2)
+    info = json.loads(out.read_text())["machine_info"]["vramguard"]
+    import bitsandbytes
+    import torch
+
+    assert info["packages"]["bitsandbytes"] == bitsandbytes.__version__
+    assert info["packages"]["torch"] == torch.__version__
+    assert {"transformers", "peft", "trl"} <= set(info["packages"])
+    assert "cuda" in info and "gpu_name" in info and info["key"]
+
+
+def test_gate_fails_above_threshold_and_passes_unchanged(bench, monkeypatch, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    bench.runpytest("-p", "no:cacheprovider", f"--vram-store={store}").assert_outcomes(passed=2)
+    assert len(ResultStore(store).runs()) == 1
+
+    same = bench.runpytest("-p", "no:cacheprovider", f"--vram-baseline={store}", "--vram-fail-above=3%")
+    assert same.ret == 0
+    same.stdout.fnmatch_lines(["*no regression*"])
+
+    monkeypatch.setenv("FAKE_PEAK", "1050000")  # +5 %
+    worse = bench.runpytest("-p", "no:cacheprovider", f"--vram-baseline={store}", "--vram-fail-above=3%")
+    assert worse.ret == 1
+    worse.assert_outcomes(passed=2)  # the tests passed; the gate failed the session
+    worse.stdout.fnmatch_lines(["*peak_allocated*+5.00%*REGRESSION*", "*4 memory regression(s)*"])
+
+    loose = bench.runpytest("-p", "no:cacheprovider", f"--vram-baseline={store}", "--vram-fail-above=10%")
+    assert loose.ret == 0
+
+
+def test_gate_under_xdist_collects_every_worker(bench, monkeypatch, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    bench.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", f"--vram-store={store}").assert_outcomes(passed=2)
+    run = ResultStore(store).runs()
+    assert len(run) == 1 and len(run[0].files) == 2  # one file per worker, one run id
+    monkeypatch.setenv("FAKE_PEAK", "1050000")
+    worse = bench.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", f"--vram-baseline={store}")
+    assert worse.ret == 1
+    worse.stdout.fnmatch_lines(["*4 memory regression(s)*"])
+
+
+def test_bad_gate_options_are_usage_errors(bench: pytest.Pytester) -> None:
+    r = bench.runpytest("-p", "no:cacheprovider", "--vram-baseline=/nonexistent/base.json")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["*--vram-baseline: no such file or directory*"])
+    r = bench.runpytest("-p", "no:cacheprovider", "--vram-fail-above=lots")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_pin_gpu_round_robin_per_worker() -> None:
+    pinned = []
+    for worker in ("gw0", "gw1", "gw2", "gw3", "gw4"):
+        env = {"PYTEST_XDIST_WORKER": worker, "CUDA_VISIBLE_DEVICES": "0,1,3,4"}
+        pinned.append(pin_gpu(env))
+        assert env["CUDA_VISIBLE_DEVICES"] == pinned[-1]
+    assert pinned == ["0", "1", "3", "4", "0"]
+
+
+def test_pin_gpu_is_idempotent_and_optional() -> None:
+    env = {"PYTEST_XDIST_WORKER": "gw1", "CUDA_VISIBLE_DEVICES": "2,5"}
+    assert pin_gpu(env) == "5"
+    assert pin_gpu(env) == "5" and env["CUDA_VISIBLE_DEVICES"] == "5"  # the second call keeps it
+    assert pin_gpu({"CUDA_VISIBLE_DEVICES": "0,1"}) is None  # not an xdist worker
+    assert pin_gpu({"PYTEST_XDIST_WORKER": "gw0", "VRAMGUARD_NO_PIN": "1", "CUDA_VISIBLE_DEVICES": "0"}) is None
+    assert pin_gpu({"PYTEST_XDIST_WORKER": "gw0"}, gpus=[]) is None
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []

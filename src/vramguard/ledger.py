@@ -250,6 +250,7 @@ class SavedTensorLedger:
         self._hooks: Any = None
         self._resident: dict[StorageKey, str] = {}
         self._weights: dict[str, set[tuple[int, ...]]] = {}
+        self._inputs: dict[str, set[StorageKey]] = defaultdict(set)  # storages passed into each module
 
     def add_roots(self, *tensors: Any) -> None:
         for t in _flatten_tensors(tensors):
@@ -265,7 +266,7 @@ class SavedTensorLedger:
             names = {id(m): n for n, m in self.model.named_modules()}
             for module in self.model.modules():
                 name = names[id(module)]
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._post_hook(name, module is self.model)))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
@@ -281,10 +282,16 @@ class SavedTensorLedger:
         if exc_type is None:
             self.report = self._build_report()
         self._packs.clear()
+        self._inputs.clear()
 
     def _pre_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any) -> None:
+        def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             assert self._clock is not None
+            for t in _flatten_tensors((args, kwargs)):
+                try:
+                    self._inputs[name].add(storage_key(t))
+                except (RuntimeError, NotImplementedError):  # tensors without a storage (sparse, wrappers)
+                    pass
             self._open.append((name, self._clock.now()))
             self._stack.append(name)
 
@@ -339,9 +346,21 @@ class SavedTensorLedger:
         if len(shape) == 2:
             for owner, shapes in self._weights.items():
                 inside = owner == module or not owner or module.startswith(owner + ".")
-                if inside and shape in shapes:
+                if inside and shape in shapes and not self._passed_in(key, module, owner):
                     return "weight-copy"
         return "activation"
+
+    def _passed_in(self, key: StorageKey, module: str, owner: str) -> bool:
+        """Whether the storage was an input of ``module`` or of an enclosing module up to ``owner``:
+        then it is an activation that merely has a weight's shape (a LoRA-A input of batch*seq
+        rows equal to the layer's out_features), not a copy made from the weight."""
+        name = module
+        while True:
+            if key in self._inputs.get(name, ()):
+                return True
+            if name == owner or not name:
+                return False
+            name = name.rpartition(".")[0]
 
     def _build_report(self) -> LedgerReport:
         roots = [t for t in (r() for r in self._roots) if t is not None]
@@ -402,7 +421,7 @@ class SavedTensorLedger:
         return report
 
 
-_LAYER = re.compile(r"^(.*\.layers\.\d+)(?:\.|$)")
+_LAYER = re.compile(r"^((?:.*\.)?layers\.\d+)(?:\.|$)")
 
 
 def decoder_layer(module: str) -> str | None:

@@ -68,14 +68,17 @@ def test_gate_fails_above_threshold_and_passes_unchanged(bench, monkeypatch, tmp
 
 
 def test_gate_under_xdist_collects_every_worker(bench, monkeypatch, tmp_path: Path) -> None:
-    store = tmp_path / "store"
-    bench.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", f"--vram-store={store}").assert_outcomes(passed=2)
-    run = ResultStore(store).runs()
-    assert len(run) == 1 and len(run[0].files) == 2  # one file per worker, one run id
-    monkeypatch.setenv("FAKE_PEAK", "1050000")
-    worse = bench.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", f"--vram-baseline={store}")
-    assert worse.ret == 1
+    baseline, tonight = tmp_path / "baseline", tmp_path / "tonight"
+    bench.runpytest("-p", "no:cacheprovider", f"--vram-store={baseline}").assert_outcomes(passed=2)
+    monkeypatch.setenv("FAKE_PEAK", "1050000")  # +5 %
+    worse = bench.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-n", "2", f"--vram-store={tonight}", f"--vram-baseline={baseline}"
+    )
+    assert worse.ret == 1  # the controller gated on both workers' records
     worse.stdout.fnmatch_lines(["*4 memory regression(s)*"])
+    runs = ResultStore(tonight).runs()
+    assert len(runs) == 1 and len(runs[0].files) == 2  # one file per worker, one shared run id
+    assert {json.loads(f.read_text())["vramguard_writer"] for f in runs[0].files} == {"gw0", "gw1"}
 
 
 def test_bad_gate_options_are_usage_errors(bench: pytest.Pytester) -> None:

@@ -34,7 +34,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from vramguard.ledger import OUTSIDE, SavedTensorLedger, _flatten_tensors, _iter_graph
-from vramguard.storage import StorageKey, storage_key, storage_nbytes, tensors_in
+from vramguard.storage import StorageKey, resident_storages, storage_key, storage_nbytes, tensors_in
 from vramguard.tracker import StorageTracker
 from vramguard.units import format_bytes
 
@@ -179,18 +179,21 @@ def measure(
     model: torch.nn.Module | None = None,
     device: str | torch.device = "cpu",
     roots: Callable[[Any], Any] | None = None,
+    inputs: Any = (),
 ) -> tuple[Measurement, Any]:
     """Run ``fn()`` (a forward pass) under the ledger and the live tracker; return what it kept.
 
     The result of ``fn`` is returned as well, alive, so the caller can run backward. Its tensors
     are the graph's roots (``roots(result)`` picks others) and count as outputs, not as kept.
+    ``inputs``: tensors the caller made before the block (and holds): never "new", even when the
+    tracker first meets their storage through a view taken inside the block.
     """
+    pre = {storage_key(t) for t in _flatten_tensors(inputs) if isinstance(t, torch.Tensor)}
     ledger = _KeyedLedger(model)
     tracker = _AnnotatedTracker(
         _tracker_device(device), lambda: ledger._stack[-1] if ledger._stack else OUTSIDE
     )
     cuda = torch.device(device).type == "cuda"
-    gc.collect()
     if cuda:
         torch.cuda.synchronize()
         alloc_before = torch.cuda.memory_allocated()
@@ -200,8 +203,8 @@ def measure(
             result = fn()
             root_obj = roots(result) if roots is not None else result
             ledger.add_roots(*_outputs(root_obj))
-        gc.collect()
-        live = dict(tracker._live)
+        gc.collect(1)  # cycles made by the block are young; a full collection costs ~0.5 s
+        live = {k: v for k, v in tracker._live.items() if k not in pre}
         meta = dict(tracker.meta)
     finally:
         tracker.stop()
@@ -219,8 +222,13 @@ def measure(
         if key in ledger.resident_keys or key in outs:
             continue
         m.kept.append(Kept(key=key, new=key in live, kind=ledger.kinds[key], **e))
+    resident = set(getattr(ledger, "resident_keys", set()))
+    if model is not None:  # parameters whose storage the forward replaced (Linear4bit casts its bias
+        resident |= set(resident_storages(model))  # in place): the model's from now on, not kept
     for key, nbytes in live.items():
-        if key in keyed or key in outs:
+        # a view of a parameter made during the block is a "new" storage to the tracker only
+        # because the weights predate it; resident storages are the model's, not the block's
+        if key in keyed or key in outs or key in resident:
             continue
         op, shape, dtype, module = meta.get(key, ("<unknown>", (), "?", OUTSIDE))
         m.kept.append(Kept(key=key, module=module, node=op, shape=shape, dtype=dtype, bytes=nbytes,

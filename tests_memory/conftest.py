@@ -1,0 +1,44 @@
+"""Shared fixtures of tests_memory: the device (CPU by default, CUDA under ``-m gpu``), shapes,
+and QLoRA models built once per session per configuration (real libraries, random weights)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from vramguard.models import QLoRAConfig, QLoRAModel, build_qlora
+
+from memhelpers import BATCH, RANK, SEQ
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=DEVICES, scope="module")
+def device(request: pytest.FixtureRequest) -> str:
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return request.param
+
+
+_MODELS: dict[tuple[Any, ...], QLoRAModel] = {}
+
+
+@pytest.fixture(scope="session")
+def qlora() -> Callable[..., QLoRAModel]:
+    """``qlora(device, **QLoRAConfig fields)``: a model built once per session per configuration."""
+
+    def get(device: str = "cpu", **kw: Any) -> QLoRAModel:
+        cfg = QLoRAConfig(**{"model": "tiny-llama", "seq_len": SEQ, "batch": BATCH, "lora_rank": RANK,
+                             "device": device, **kw})
+        key = tuple(sorted((k, str(v)) for k, v in cfg.to_dict().items()))
+        if key not in _MODELS:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _MODELS[key] = build_qlora(cfg)
+        return _MODELS[key]
+
+    return get

@@ -96,7 +96,9 @@ class ModelSpec:
         if missing:
             raise UsageError(f"model config {path} lacks {', '.join(sorted(missing))}")
         for key, value in fields.items():
-            if key not in ("rms_norm_eps", "tie_word_embeddings") and (not isinstance(value, int) or value <= 0):
+            if key not in ("rms_norm_eps", "tie_word_embeddings") and (
+                not isinstance(value, int) or isinstance(value, bool) or value <= 0
+            ):
                 raise UsageError(f"model config {path}: {key} must be a positive integer, got {value!r}")
         fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
         if fields["hidden_size"] % fields["num_attention_heads"]:

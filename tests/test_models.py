@@ -1,0 +1,191 @@
+"""Model presets and configs (clear UsageErrors on bad input) and the real QLoRA build."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import bitsandbytes as bnb
+import pytest
+import torch
+
+from vramguard.errors import UsageError
+from vramguard.models import ModelSpec, QLoRAConfig, fixtures_dir, parse_dtype, presets
+
+TINY = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 352,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": False,
+}
+
+
+def _write(tmp_path: Path, data: Any, name: str = "m.json") -> Path:
+    p = tmp_path / name
+    p.write_text(data if isinstance(data, str) else json.dumps(data))
+    return p
+
+
+# -- ModelSpec ------------------------------------------------------------------------------
+
+
+def test_presets_are_the_fixture_files() -> None:
+    assert set(presets()) == {p.stem for p in (fixtures_dir() / "models").glob("*.json")}
+    assert {"tiny-llama", "small-llama", "llama-1b-shape"} <= set(presets())
+
+
+def test_load_tiny_preset() -> None:
+    spec = ModelSpec.load("tiny-llama")
+    assert spec.name == "tiny-llama"
+    assert spec.fields == TINY  # "description" and "architecture" are not Llama config keys
+    assert spec.head_dim == 128 // 4
+
+
+@pytest.mark.parametrize("name", ["small-llama", "llama-1b-shape"])
+def test_load_other_presets(name: str) -> None:
+    data = json.loads(presets()[name].read_text())
+    spec = ModelSpec.load(name)
+    assert spec.fields["hidden_size"] == data["hidden_size"]
+    assert spec.head_dim == data["hidden_size"] // data["num_attention_heads"]
+    assert spec.llama_config().num_key_value_heads == data["num_key_value_heads"]
+
+
+def test_load_json_path_and_defaults(tmp_path: Path) -> None:
+    data = {k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads")}
+    spec = ModelSpec.load(_write(tmp_path, {**data, "head_dim": 16, "unknown_key": 1}, "mine.json"))
+    assert spec.name == "mine"
+    assert spec.fields == {**data, "head_dim": 16, "num_key_value_heads": 4}  # kv heads default to heads
+    assert spec.head_dim == 16
+    cfg = spec.llama_config("eager")
+    assert (cfg.hidden_size, cfg._attn_implementation) == (128, "eager")
+
+
+def test_unknown_preset_names_the_presets() -> None:
+    with pytest.raises(UsageError, match=r"unknown model 'nope': use a preset \(.*tiny-llama.*\) or a JSON path"):
+        ModelSpec.load("nope")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", r"cannot read model config .*bad\.json"),
+        ([1, 2], r"must be a JSON object"),
+        ({**TINY, "architecture": "gpt2"}, r"architecture 'gpt2' is not supported \(only 'llama'\)"),
+        ({"vocab_size": 10, "hidden_size": 8}, r"lacks intermediate_size, num_attention_heads, num_hidden_layers"),
+        ({**TINY, "hidden_size": 0}, r"hidden_size must be a positive integer, got 0"),
+        ({**TINY, "num_hidden_layers": 2.5}, r"num_hidden_layers must be a positive integer, got 2\.5"),
+        ({**TINY, "vocab_size": "512"}, r"vocab_size must be a positive integer, got '512'"),
+        ({**TINY, "num_attention_heads": True}, r"num_attention_heads must be a positive integer, got True"),
+        ({**TINY, "hidden_size": 130}, r"hidden_size is not a multiple of num_attention_heads"),
+    ],
+)
+def test_bad_model_configs_raise_usage_errors(tmp_path: Path, content: Any, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        ModelSpec.load(_write(tmp_path, content, "bad.json"))
+
+
+def test_missing_json_path(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=r"model config not found: .*absent\.json"):
+        ModelSpec.load(tmp_path / "absent.json")
+
+
+# -- QLoRAConfig ----------------------------------------------------------------------------
+
+
+def test_default_config_is_valid() -> None:
+    QLoRAConfig().validate()
+    assert QLoRAConfig().to_dict()["model"] == "tiny-llama"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"seq_len": 0}, r"seq-len must be positive, got 0"),
+        ({"batch": -1}, r"batch must be positive, got -1"),
+        ({"lora_rank": 0}, r"lora-rank must be positive, got 0"),
+        ({"lora_dropout": 1.0}, r"lora dropout must be in \[0, 1\), got 1\.0"),
+        ({"lora_dropout": -0.1}, r"lora dropout must be in \[0, 1\)"),
+        ({"compute_dtype": "int8"}, r"unknown dtype 'int8' \(choose from bf16, fp16, fp32\)"),
+        ({"quant_type": "int4"}, r"quant type must be nf4 or fp4, got 'int4'"),
+        ({"attn_implementation": "flash"}, r"attention implementation must be sdpa or eager, got 'flash'"),
+        ({"device": "notadevice"}, r"not a device: 'notadevice'"),
+        ({"device": "meta"}, r"device must be cpu or cuda, got 'meta'"),
+    ],
+)
+def test_bad_qlora_configs_raise_usage_errors(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        QLoRAConfig(**change).validate()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message when CUDA is absent")
+def test_cuda_without_cuda_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match=r"device 'cuda' requested but CUDA is not available"):
+        QLoRAConfig(device="cuda").validate()
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("bf16", torch.bfloat16), ("FP16", torch.float16),
+                                             ("float32", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_parse_dtype(name: str, dtype: torch.dtype) -> None:
+    assert parse_dtype(name) is dtype
+
+
+# -- build_qlora ----------------------------------------------------------------------------
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _proj_shape(f: dict[str, Any], head_dim: int, proj: str) -> tuple[int, int]:
+    """(in_features, out_features) of a Llama projection."""
+    h, i = f["hidden_size"], f["intermediate_size"]
+    q, kv = f["num_attention_heads"] * head_dim, f["num_key_value_heads"] * head_dim
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[proj.rsplit(".", 1)[1]]
+
+
+def test_build_qlora_wraps_4bit_layers_with_lora(tiny_qlora: Any) -> None:
+    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
+    q = tiny_qlora
+    f, r = q.spec.fields, q.config.lora_rank
+    modules = dict(q.model.named_modules())
+    expected_trainable: dict[str, tuple[int, ...]] = {}
+    for layer in range(f["num_hidden_layers"]):
+        for proj in PROJECTIONS:
+            name = f"base_model.model.model.layers.{layer}.{proj}"
+            wrapper = modules[name]
+            assert isinstance(wrapper, LoraLinear4bit), name
+            base = wrapper.base_layer
+            assert isinstance(base, bnb.nn.Linear4bit) and isinstance(base.weight, bnb.nn.Params4bit)
+            in_f, out_f = _proj_shape(f, q.spec.head_dim, proj)
+            assert base.weight.quant_state.shape == (out_f, in_f)
+            assert base.weight.quant_state.quant_type == "nf4" and base.weight.quant_state.nested
+            assert base.compute_dtype == torch.bfloat16
+            assert not base.weight.requires_grad
+            expected_trainable[f"{name}.lora_A.default.weight"] = (r, in_f)
+            expected_trainable[f"{name}.lora_B.default.weight"] = (out_f, r)
+    trainable = {n: tuple(p.shape) for n, p in q.model.named_parameters() if p.requires_grad}
+    assert trainable == expected_trainable  # LoRA only: no norms, embeddings or lm_head
+    per_layer = sum(r * (i + o) for i, o in (_proj_shape(f, q.spec.head_dim, p) for p in PROJECTIONS))
+    assert sum(p.numel() for p in q.trainable_parameters()) == f["num_hidden_layers"] * per_layer
+    assert all(p.dtype == torch.float32 for p in q.trainable_parameters())
+    # lm_head is not quantized and everything not 4-bit was upcast to fp32 for training
+    assert isinstance(modules["base_model.model.lm_head"], torch.nn.Linear)
+    assert not isinstance(modules["base_model.model.lm_head"], bnb.nn.Linear4bit)
+    assert modules["base_model.model.model.norm"].weight.dtype == torch.float32
+
+
+def test_batch_is_deterministic(tiny_qlora: Any) -> None:
+    q = tiny_qlora
+    a, b, c = q.batch(0), q.batch(0), q.batch(1)
+    assert a["input_ids"].shape == (q.config.batch, q.config.seq_len)
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["input_ids"], a["labels"])
+    assert not torch.equal(a["input_ids"], c["input_ids"])
+    assert int(a["input_ids"].max()) < q.spec.fields["vocab_size"]

@@ -159,3 +159,12 @@ def test_parse_thresholds_rejects_garbage() -> None:
     assert parse_thresholds(["peak_allocated=3%", "step_time=off"]) == {"peak_allocated": 0.03, "step_time": None}
     with pytest.raises(UsageError):
         parse_thresholds(["=3%"])
+
+
+def test_cpu_payload_has_no_process_block_and_reset_is_harmless() -> None:
+    import torch
+
+    from vramguard.bench import process_memory, reset_cuda
+
+    assert process_memory(torch.device("cpu")) is None
+    reset_cuda(torch.device("cpu"))

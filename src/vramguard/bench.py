@@ -92,8 +92,8 @@ def nvml_process_bytes(device: torch.device) -> int | None:
         return None
     try:
         pynvml.nvmlInit()
-        index = torch.cuda.get_device_properties(device).pci_bus_id
-        handle = pynvml.nvmlDeviceGetHandleByPciBusId(index.encode() if isinstance(index, str) else index)
+        uuid = f"GPU-{torch.cuda.get_device_properties(device).uuid}"  # robust to CUDA_VISIBLE_DEVICES
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
         for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
             if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
                 return int(proc.usedGpuMemory)

@@ -106,3 +106,24 @@ def test_pin_gpu_is_idempotent_and_optional() -> None:
     assert pin_gpu({"PYTEST_XDIST_WORKER": "gw0", "VRAMGUARD_NO_PIN": "1", "CUDA_VISIBLE_DEVICES": "0"}) is None
     assert pin_gpu({"PYTEST_XDIST_WORKER": "gw0"}, gpus=[]) is None
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+
+
+def test_visible_gpus_counts_with_nvml_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    fake = types.ModuleType("pynvml")
+    fake.NVMLError = type("NVMLError", (Exception,), {})  # type: ignore[attr-defined]
+    fake.nvmlInit = lambda: None  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetCount = lambda: 3  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    env = {"PYTEST_XDIST_WORKER": "gw4"}
+    assert visible_gpus(env) == ["0", "1", "2"]
+    assert pin_gpu(env) == "1" and env["CUDA_VISIBLE_DEVICES"] == "1"
+
+    def broken() -> None:
+        raise fake.NVMLError("driver not loaded")
+
+    fake.nvmlInit = broken  # type: ignore[attr-defined]
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    assert visible_gpus({}) == []

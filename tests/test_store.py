@@ -78,7 +78,7 @@ def test_select_latest_previous_and_by_id(tmp_path: Path) -> None:
     assert store.select("latest").run_id.endswith("bbbb")
     assert store.select("previous").run_id.endswith("aaaa")
     assert store.select("20260101").run_id.endswith("aaaa")
-    doc, label = load_spec(f"{tmp_path}@previous")
+    doc, _ = load_spec(f"{tmp_path}@previous")
     assert doc["benchmarks"][0]["params"] == {"w": 1, "n": 0}
     with pytest.raises(UsageError, match="match"):
         store.select("2026")  # ambiguous

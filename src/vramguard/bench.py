@@ -97,7 +97,7 @@ def nvml_process_bytes(device: torch.device) -> int | None:
         for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
             if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
                 return int(proc.usedGpuMemory)
-    except Exception:  # NVML errors vary by driver; the number is optional
+    except (pynvml.NVMLError, AttributeError, RuntimeError):  # the number is optional
         return None
     return None
 

@@ -46,11 +46,14 @@ def visible_gpus(env: MutableMapping[str, str] | None = None) -> list[str]:
         return [g.strip() for g in listed.split(",") if g.strip() and g.strip() != "-1"]
     try:
         import pynvml  # type: ignore[import-not-found]
-
-        pynvml.nvmlInit()
-        return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
-    except Exception:  # pynvml absent or no driver
-        pass
+    except ImportError:
+        pynvml = None
+    if pynvml is not None:
+        try:
+            pynvml.nvmlInit()
+            return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except pynvml.NVMLError:  # no driver: try nvidia-smi
+            pass
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
@@ -108,12 +111,14 @@ def machine_block() -> dict[str, Any]:
 def _driver_version() -> str | None:
     try:
         import pynvml  # type: ignore[import-not-found]
-
+    except ImportError:
+        return None
+    try:
         pynvml.nvmlInit()
         version = pynvml.nvmlSystemGetDriverVersion()
-        return version.decode() if isinstance(version, bytes) else str(version)
-    except Exception:
+    except pynvml.NVMLError:
         return None
+    return version.decode() if isinstance(version, bytes) else str(version)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -96,7 +96,8 @@ def _ref_backward(y64: torch.Tensor, grad_out: torch.Tensor) -> None:
 
 
 def _g(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None or not t.is_leaf or t.grad is None else t.grad.detach().cpu()
+    """A copy of a leaf's gradient (never an alias: a later backward would accumulate into it in place)."""
+    return None if t is None or not t.is_leaf or t.grad is None else t.grad.detach().cpu().clone()
 
 
 # --- 4-bit -----------------------------------------------------------------------------------------
@@ -348,8 +349,10 @@ def run_lora(case: LoraCase) -> Observed:
     def once(absolute: bool) -> dict[str, torch.Tensor | None]:
         f = torch.abs if absolute else (lambda v: v)
         x64 = f(t["x"].to(torch.float64)).requires_grad_(case.input_requires_grad)
-        a64 = f(lora_a_val).requires_grad_(True)
-        b64 = f(lora_b_val).requires_grad_(True)
+        # fresh leaves per pass: requires_grad_ on the shared tensors would make the |terms| pass
+        # accumulate its gradient into the value pass's (and make abs(A) a non-leaf with no gradient)
+        a64 = f(lora_a_val.clone()).requires_grad_(True)
+        b64 = f(lora_b_val.clone()).requires_grad_(True)
         bias64 = f(t["bias"].to(torch.float64)) if case.bias else None
         # the 8-bit base runs MatMul8bitFp on CPU in training (no activation quantization), Lt on CUDA
         act = x64

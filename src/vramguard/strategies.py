@@ -208,7 +208,7 @@ def linear8bit_cases(
 def lora_cases(
     draw: st.DrawFn,
     *,
-    bases: tuple[str, ...] = ("4bit",),
+    bases: tuple[str, ...] = ("4bit", "8bit"),
     dtypes: tuple[torch.dtype, ...] = DTYPES,
     device: str = "cpu",
 ) -> LoraCase:

@@ -30,7 +30,8 @@ What one Llama decoder layer keeps (no checkpointing, LoRA on all 7 projections)
                                                 (dropout 0; with dropout the down_proj input is
                                                 not kept, the adapter's dropped copy is)
     LoRA dropout p > 0   sum over adapters of T*in*(e + m): dropped input and mask, in = h for
-                         q, k, v, gate, up; a*d for o; i for down
+                         q, k, v, gate, up; a*d for o; i for down (first layer: q, k, v keep
+                         no mask, their input does not require grad)
 
 The first layer (without checkpointing) keeps no input norm: the embedding output does not
 require grad, so nothing upstream of the first LoRA needs the norm's input or rsqrt.
@@ -122,7 +123,9 @@ def layer_terms(shape: LayerShape) -> dict[str, int]:
     terms["mlp"] = (4 if not shape.dropout else 3) * T * i * e
     if shape.dropout:
         for name, fin in adapter_in_features(shape).items():
-            terms[f"lora_dropout({name})"] = T * fin * (e + shape.mask_bytes)
+            # the first layer's q/k/v input needs no grad: dropout keeps no mask for it
+            mask = 0 if shape.first_layer and name in ("q_proj", "k_proj", "v_proj") else shape.mask_bytes
+            terms[f"lora_dropout({name})"] = T * fin * (e + mask)
     return terms
 
 

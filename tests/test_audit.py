@@ -152,3 +152,23 @@ def test_console_script_error_has_no_traceback() -> None:
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == ["vramguard: error: argument --steps: must be positive: '0'"]
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"gradient_checkpointing": True},
+        {"attn_implementation": "eager", "lora_dropout": 0.2, "seq_len": 20},
+        {"lora_dropout": 0.1, "batch": 2, "seq_len": 24, "lora_rank": 4},
+        {"compute_dtype": "fp16", "quant_type": "fp4", "double_quant": False},
+    ],
+    ids=["checkpointing", "eager+dropout", "dropout-batch2", "fp16-fp4-single-quant"],
+)
+def test_analytic_model_is_exact_for_every_variant_on_cpu(variant: dict[str, object]) -> None:
+    config = QLoRAConfig(**{"seq_len": 32, "batch": 1, **variant})  # type: ignore[arg-type]
+    r = run_audit(config, steps=1)
+    assert [row.saved_bytes for row in r.layers] == [row.analytic_bytes for row in r.layers]
+    assert r.totals.outside_layers_bytes == r.budget.analytic_outside_layers_bytes
+    if config.gradient_checkpointing:
+        tokens_x_hidden_fp32 = 32 * 128 * 4
+        assert [row.saved_bytes for row in r.layers] == [tokens_x_hidden_fp32] * 2

@@ -71,6 +71,8 @@ def run_audit(config: QLoRAConfig, steps: int = 3, progress: Progress | None = N
         double_quant=config.double_quant,
         checkpointing=config.gradient_checkpointing,
         attn_implementation=config.attn_implementation,
+        lora_dropout=config.lora_dropout > 0,
+        device_type=torch.device(config.device).type,
     )
     report_progress("step 1", 1, steps + 1)
 
@@ -255,8 +257,6 @@ def _verdict(
             "activations are fp32, not " + config.compute_dtype + ": prepare_model_for_kbit_training "
             "upcast the norms, so the residual stream and everything after a norm is fp32 (2x the bytes)"
         )
-    if config.lora_dropout > 0:
-        notes.append("LoRA dropout > 0: each adapter's dropped copy of its input is not in the analytic model")
     if len(steps) < 2:
         notes.append("one step only: growth across steps (a leak) was not checked")
     if problems:

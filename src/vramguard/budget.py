@@ -64,6 +64,8 @@ def llama_layer_terms(
     input_requires_grad: bool = True,
     checkpointing: bool = False,
     attn_implementation: str = "sdpa",
+    lora_dropout: bool = False,
+    dropout_mask_bytes: int | None = None,
 ) -> dict[str, int]:
     """Bytes one Llama decoder layer keeps for backward under QLoRA (LoRA on all 7 projections,
     frozen 4-bit base, frozen norms), named by what keeps them.
@@ -71,8 +73,12 @@ def llama_layer_terms(
     With checkpointing only the layer input survives the forward. The 4-bit base layers keep
     nothing activation-sized: their weight gradient is not needed and the input gradient is
     computed from the resident packed weight. Exact on CPU with sdpa; on CUDA the attention
-    kernel's own state (rng, padded logsumexp) adds a little. LoRA dropout > 0 is not modelled:
-    each adapter then keeps its own dropped copy of the input and a mask.
+    kernel's own state (rng, padded logsumexp) adds a little.
+
+    With LoRA dropout > 0 each of the 7 adapters keeps its own dropped input and the dropout mask
+    (``dropout_mask_bytes`` per element: the input's element size on CPU, where dropout is a
+    multiplication by a mask of the input dtype; 1 for CUDA's boolean mask), and the shared normed
+    inputs and the down_proj input are no longer kept by the LoRA-A matmuls.
     """
     T, h, i, e = s.tokens, s.hidden, s.intermediate, s.act_bytes
     if checkpointing:
@@ -82,20 +88,30 @@ def llama_layer_terms(
     terms: dict[str, int] = {}
     if input_requires_grad:
         terms["input_layernorm (fp32 input, rsqrt)"] = norm
-    terms["normed hidden, shared by q/k/v LoRA-A"] = T * h * e
+    if not lora_dropout:
+        terms["normed hidden, shared by q/k/v LoRA-A"] = T * h * e
     terms["LoRA-B inputs (7 x rank)"] = 7 * T * s.rank * e
     if attn_implementation == "eager":
         scores = s.batch * s.heads * s.seq * s.seq
         terms["attention q, repeated k, v"] = T * q_out * e * 3
         terms["attention probabilities (fp32 softmax + cast)"] = scores * 4 + (scores * e if e != 4 else 0)
-        terms["attention output (o_proj LoRA-A input)"] = T * q_out * e
+        if not lora_dropout:  # kept only by o_proj's LoRA-A, which then keeps its dropped copy instead
+            terms["attention output (o_proj LoRA-A input)"] = T * q_out * e
     else:
         terms["sdpa q, k, v"] = T * (q_out + 2 * kv_out) * e
         terms["sdpa output (= o_proj LoRA-A input)"] = T * q_out * e
         terms["sdpa logsumexp"] = s.batch * s.heads * s.seq * 4
     terms["post_attention_layernorm (fp32 input, rsqrt)"] = norm
-    terms["normed hidden, shared by gate/up LoRA-A"] = T * h * e
-    terms["MLP silu input, both mul operands, down LoRA-A input"] = 4 * T * i * e
+    if lora_dropout:
+        mask = e if dropout_mask_bytes is None else dropout_mask_bytes
+        terms["MLP silu input, both mul operands"] = 3 * T * i * e
+        kept = T * (5 * h + q_out + i) * (e + mask)
+        if not input_requires_grad:  # q/k/v's dropout needs no mask when its input needs no grad
+            kept -= 3 * T * h * mask
+        terms["LoRA dropout: each adapter's dropped input and mask"] = kept
+    else:
+        terms["normed hidden, shared by gate/up LoRA-A"] = T * h * e
+        terms["MLP silu input, both mul operands, down LoRA-A input"] = 4 * T * i * e
     return terms
 
 
@@ -171,6 +187,8 @@ def qlora_budget(
     double_quant: bool = True,
     checkpointing: bool = False,
     attn_implementation: str = "sdpa",
+    lora_dropout: bool = False,
+    device_type: str = "cpu",
 ) -> Budget:
     """The budget of ``model`` (a built QLoRA model) for one training step."""
     n_q, q_bytes, n_other, other_bytes, m, norm_dtype = _count(model, double_quant)
@@ -193,15 +211,18 @@ def qlora_budget(
             input_requires_grad=checkpointing or idx > 0,
             checkpointing=checkpointing,
             attn_implementation=attn_implementation,
+            lora_dropout=lora_dropout,
+            dropout_mask_bytes=1 if device_type == "cuda" else None,
         )
         for idx in range(f["num_hidden_layers"])
     ]
     if not checkpointing:  # cos/sin are computed once per forward and kept by layer 0's rotary muls
         layers[0]["rotary cos/sin (shared by all layers)"] = 2 * seq * spec.head_dim * 4
     final_norm = shapes.tokens * shapes.hidden * 4 + shapes.tokens * 4
-    # nll_loss keeps the int64 targets (labels padded by one position, then shifted: a view of
-    # b*(s+1) elements) and the fp32 total weight
-    loss_state = batch * (seq + 1) * 8 + 4
+    # nll_loss keeps the int64 targets (labels padded by one position, then shifted and flattened:
+    # still a view of the padded (1, s+1) storage for batch 1, a contiguous b*s copy otherwise)
+    # and the fp32 total weight
+    loss_state = ((seq + 1) if batch == 1 else batch * seq) * 8 + 4
     return Budget(
         quantized_params=n_q,
         other_params=n_other,

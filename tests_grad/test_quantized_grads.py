@@ -9,10 +9,22 @@ library cannot run here are skipped per example (``hypothesis.assume``) with the
 from __future__ import annotations
 
 import pytest
-from hypothesis import assume, event, given
+from hypothesis import assume, event, example, given
 
 from vramguard import gradcheck, strategies
 from vramguard.patches import Patch
+
+
+def covering(cases: list[gradcheck.Case]):  # type: ignore[no-untyped-def]
+    """Run every supported case of ``cases`` as an explicit example before the generated ones, so that
+    each combination of the path-deciding axes is exercised whatever hypothesis happens to draw."""
+
+    def decorate(test):  # type: ignore[no-untyped-def]
+        for case in reversed(gradcheck.supported_cases(cases)):
+            test = example(case=case)(test)
+        return test
+
+    return decorate
 
 
 def _check(case: gradcheck.Case, patch: Patch | None) -> None:
@@ -33,16 +45,19 @@ def _check_deterministic(case: gradcheck.Case) -> None:
     gradcheck.check_deterministic(case)
 
 
+@covering(strategies.covering_4bit_cases())
 @given(case=strategies.linear4bit_cases())
 def test_4bit_matches_reference(case: strategies.Linear4bitCase, patch: Patch | None) -> None:
     _check(case, patch)
 
 
+@covering(strategies.covering_8bit_cases())
 @given(case=strategies.linear8bit_cases())
 def test_8bit_matches_reference(case: strategies.Linear8bitCase, patch: Patch | None) -> None:
     _check(case, patch)
 
 
+@covering(strategies.covering_lora_cases())
 @given(case=strategies.lora_cases())
 def test_lora_matches_reference(case: strategies.LoraCase, patch: Patch | None) -> None:
     _check(case, patch)
@@ -57,18 +72,21 @@ def test_deterministic_for_fixed_seed(case: gradcheck.Case) -> None:
 
 
 @pytest.mark.gpu
+@covering(strategies.covering_4bit_cases(device="cuda"))
 @given(case=strategies.linear4bit_cases(device="cuda"))
 def test_gpu_4bit_matches_reference(case: strategies.Linear4bitCase, patch: Patch | None) -> None:
     _check(case, patch)
 
 
 @pytest.mark.gpu
+@covering(strategies.covering_8bit_cases(device="cuda"))
 @given(case=strategies.linear8bit_cases(device="cuda"))
 def test_gpu_8bit_matches_reference(case: strategies.Linear8bitCase, patch: Patch | None) -> None:
     _check(case, patch)
 
 
 @pytest.mark.gpu
+@covering(strategies.covering_lora_cases(device="cuda"))
 @given(case=strategies.lora_cases(device="cuda"))
 def test_gpu_lora_matches_reference(case: strategies.LoraCase, patch: Patch | None) -> None:
     _check(case, patch)

@@ -121,6 +121,18 @@ def check_supported(case: Case) -> None:
             raise Unsupported("MatMul8bitFp on CPU does not handle empty inputs (no is_empty branch)")
 
 
+def supported_cases(cases: list[Case]) -> list[Case]:
+    """The cases :func:`check_supported` lets through (explicit examples are filtered up front)."""
+    out = []
+    for case in cases:
+        try:
+            check_supported(case)
+        except Unsupported:
+            continue
+        out.append(case)
+    return out
+
+
 #: defects of bitsandbytes 0.50.2, pinned by tests_grad/test_known_defects.py so that it is noticed when fixed
 KNOWN_DEFECT_8BIT_FP_3D = (
     "known bitsandbytes defect: MatMul8bitFp.backward calls A.t() on a 3-D input when the weight needs a "

@@ -11,7 +11,9 @@ Strategies are values, composable like hypothesis' own (``linear4bit_cases(dtype
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 from dataclasses import dataclass, replace
 
 import torch
@@ -231,6 +233,94 @@ def lora_cases(
         seed=draw(seeds),
         device=device,
     )
+
+
+# --- covering examples ---------------------------------------------------------------------------
+#
+# Why: hypothesis draws are not a uniform sample of the axes. Which code path runs is decided by a few
+# categorical axes together (input rank x call form x x.requires_grad for 4-bit; the 3-D examples of a
+# 60-example run were all the deprecated [K, N] call, which never reaches MatMul4Bit, or had
+# x.requires_grad=False), so a bug on one such path can go unseen by a whole run. These lists hold
+# every combination of the path-deciding axes once (run as explicit ``@example``s before the generated
+# ones); the remaining axes are drawn from a fixed-seed generator so that each of their values appears.
+
+#: input batch dims standing for 2-D, 3-D (batch > 1) and empty inputs
+COVER_LEADS: tuple[tuple[int, ...], ...] = ((4,), (2, 3), (0,), (2, 0))
+
+
+def covering_4bit_cases(
+    *,
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+    quant_types: tuple[str, ...] = QUANT_TYPES,
+    calls: tuple[str, ...] = CALLS_4BIT,
+    device: str = "cpu",
+) -> list[Linear4bitCase]:
+    """Input rank x call form x x.requires_grad, each combination once (other axes rotated)."""
+    rnd = random.Random(4)
+    out = []
+    for lead, call, rg in itertools.product(COVER_LEADS, calls, (True, False)):
+        blocksize = rnd.choice(BLOCKSIZES)
+        k = blocksize * rnd.randint(1, 2) if rnd.random() < 0.5 else rnd.randint(3, 150)
+        n = rnd.randint(2, 40)
+        if call == "functional_kn" and k == n:
+            n += 1
+        out.append(
+            Linear4bitCase(
+                lead=lead, in_features=k, out_features=n, blocksize=blocksize, dtype=rnd.choice(dtypes),
+                quant_type=rnd.choice(quant_types), compress_statistics=rnd.random() < 0.5,
+                bias=rnd.random() < 0.5, call=call, input_requires_grad=rg, seed=rnd.randrange(2**16),
+                device=device,
+            )
+        )
+    return out
+
+
+def covering_8bit_cases(
+    *,
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+    calls: tuple[str, ...] = CALLS_8BIT,
+    device: str = "cpu",
+) -> list[Linear8bitCase]:
+    """Input rank x call form x training x has_fp16_weights x x.requires_grad x outliers, each once."""
+    rnd = random.Random(8)
+    out = []
+    leads = COVER_LEADS[:3]
+    for lead, call, training, fp16w, rg, thr in itertools.product(
+        leads, calls, (True, False), (True, False), (True, False), (0.0, 6.0)
+    ):
+        k = rnd.randint(3, 150)
+        outliers = tuple(sorted(rnd.sample(range(k), min(2, k)))) if thr > 0 else ()
+        out.append(
+            Linear8bitCase(
+                lead=lead, in_features=k, out_features=rnd.randint(2, 40), dtype=rnd.choice(dtypes),
+                threshold=thr, outlier_cols=outliers, has_fp16_weights=fp16w, bias=rnd.random() < 0.5,
+                call=call, training=training, input_requires_grad=rg, seed=rnd.randrange(2**16), device=device,
+            )
+        )
+    return out
+
+
+def covering_lora_cases(
+    *,
+    bases: tuple[str, ...] = ("4bit", "8bit"),
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+    device: str = "cpu",
+) -> list[LoraCase]:
+    """Base x input rank x x.requires_grad x dropout (0 / > 0), each once (other axes rotated)."""
+    rnd = random.Random(16)
+    out = []
+    for base, lead, rg, dropout in itertools.product(bases, COVER_LEADS[:3], (True, False), (0.0, 0.1)):
+        blocksize = rnd.choice(BLOCKSIZES)
+        out.append(
+            LoraCase(
+                base=base, lead=lead, in_features=rnd.randint(3, 128), out_features=rnd.randint(2, 40),
+                dtype=rnd.choice(dtypes), rank=rnd.choice([1, 2, 4, 8]), alpha=rnd.choice([1, 8, 16, 32]),
+                dropout=dropout, quant_type=rnd.choice(QUANT_TYPES), compress_statistics=rnd.random() < 0.5,
+                blocksize=blocksize, bias=rnd.random() < 0.5, input_requires_grad=rg,
+                seed=rnd.randrange(2**16), device=device,
+            )
+        )
+    return out
 
 
 def on_device(case: Linear4bitCase | Linear8bitCase | LoraCase, device: str):  # type: ignore[no-untyped-def]

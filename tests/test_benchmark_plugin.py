@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from pathlib import Path
 
 import pytest
 
+# The pytester fixture restores sys.modules when a test ends: a heavy module imported for the first
+# time inside such a test (bitsandbytes, transformers) would be dropped and later imported again, and
+# torch refuses to register its operator libraries twice. So: import nothing new inside these tests.
 from vramguard.benchmark_plugin import pin_gpu, visible_gpus
 from vramguard.store import ResultStore
 
@@ -39,10 +43,9 @@ def test_machine_info_carries_versions(bench: pytest.Pytester) -> None:
     result = bench.runpytest("-p", "no:cacheprovider", f"--benchmark-json={out}")
     result.assert_outcomes(passed=2)
     info = json.loads(out.read_text())["machine_info"]["vramguard"]
-    import bitsandbytes
-    import torch
+    import torch  # already imported; importing a new heavy module here would be undone by pytester
 
-    assert info["packages"]["bitsandbytes"] == bitsandbytes.__version__
+    assert info["packages"]["bitsandbytes"] == importlib.metadata.version("bitsandbytes")
     assert info["packages"]["torch"] == torch.__version__
     assert {"transformers", "peft", "trl"} <= set(info["packages"])
     assert "cuda" in info and "gpu_name" in info and info["key"]

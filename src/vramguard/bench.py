@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vramguard.compare import MEMORY_METRICS, TIME_METRICS  # noqa: F401  (re-exported)
 from vramguard.ledger import SavedTensorLedger, decoder_layer
 from vramguard.models import QLoRAConfig, QLoRAModel, build_qlora
 from vramguard.storage import storage_key, storage_nbytes
@@ -28,15 +29,6 @@ from vramguard.training import PHASES, StepResult, make_optimizer, train_step
 
 SCHEMA = 1
 
-# Gated metrics and their direction: for every one, a larger value is worse.
-MEMORY_METRICS: tuple[str, ...] = (
-    "peak_allocated",
-    "peak_reserved",
-    "retained_after_forward",
-    "saved_bytes",
-    "saved_per_layer_max",
-)
-TIME_METRICS: tuple[str, ...] = ("step_time",)
 
 
 @dataclass(frozen=True)

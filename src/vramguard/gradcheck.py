@@ -108,8 +108,11 @@ def check_supported(case: Case) -> None:
     if case.device.startswith("cuda") and not torch.cuda.is_available():
         raise Unsupported("CUDA is not available")
     if isinstance(case, (Linear4bitCase, LoraCase)) and getattr(case, "base", "4bit") == "4bit":
-        if case.in_features * case.out_features <= 2:
-            raise Unsupported(KNOWN_DEFECT_4BIT_K1)
+        if case.in_features * case.out_features == 2 and 0 not in case.lead:
+            # the [1, 1] packing is read as transposed: MatMul4Bit.backward (x needs grad) and the
+            # deprecated [K, N] forward fail; forward of the other forms is fine (and checked)
+            if case.input_requires_grad or getattr(case, "call", "") == "functional_kn":
+                raise Unsupported(KNOWN_DEFECT_4BIT_K1)
     if isinstance(case, Linear8bitCase):
         lt_path = not (case.training and case.device == "cpu")
         if lt_path and case.has_fp16_weights and case.device == "cpu" and case.input_requires_grad is not None:
@@ -139,8 +142,9 @@ KNOWN_DEFECT_8BIT_FP_3D = (
     "gradient (has_fp16_weights=True, CPU training)"
 )
 KNOWN_DEFECT_4BIT_K1 = (
-    "known bitsandbytes defect: 4-bit matmul fails when the packed weight is a single byte "
-    "(in_features * out_features <= 2): 'mat1 and mat2 shapes cannot be multiplied'"
+    "known bitsandbytes defect: a 4-bit weight of 2 elements packs to [1, 1], which dequantize_4bit reads "
+    "as transposed, so MatMul4Bit.backward (x needs grad) and the [K, N] form fail with 'mat1 and mat2 "
+    "shapes cannot be multiplied'"
 )
 
 

@@ -19,7 +19,13 @@ def dequantized_4bit_weight(packed: torch.Tensor, quant_state: object) -> torch.
     import bitsandbytes.functional as bnbF
 
     with torch.no_grad():
-        return bnbF.dequantize_4bit(packed.detach().reshape(-1, 1), quant_state).to(torch.float64)
+        w = bnbF.dequantize_4bit(packed.detach().reshape(-1, 1), quant_state).to(torch.float64)
+    # dequantize_4bit reads a packed tensor with shape[0] == 1 as transposed and returns out.t(): that is
+    # the case of a one-byte weight (N*K <= 2), whose [(N*K+1)//2, 1] packing is [1, 1]
+    shape = tuple(quant_state.shape)  # type: ignore[attr-defined]
+    if tuple(w.shape) != shape and tuple(w.t().shape) == shape:
+        w = w.t()
+    return w
 
 
 def dequantized_8bit_weight(cb: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ report section of the pytest item.
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -363,16 +364,41 @@ class SavedBytesMeter:
     subtracts its storage when the last slot holding that storage dies (the graph was freed by
     backward or dropped). ``peak`` is therefore the most bytes ever kept alive for backward at
     once during the block. Tensors hidden in ``ctx`` attributes are not seen: pair it with
-    ``vram_budget``, whose live tracker sees them.
+    ``vram_budget``, whose live tracker sees them. Saved-tensor hooks do not nest: packs made
+    under an inner ``saved_tensors_hooks`` (the ledger, ``save_on_cpu``) are not seen either.
+
+    ``per_layer``: also attribute each storage to the innermost running module whose class name
+    contains ``DecoderLayer`` (transformers' naming) and keep each layer's peak in ``layer_peaks``.
     """
 
-    def __init__(self, device_type: str | None = None) -> None:
+    def __init__(self, device_type: str | None = None, per_layer: bool = False) -> None:
         self._device_type = device_type
-        self._counts: dict[StorageKey, list[int]] = {}
+        self._counts: dict[StorageKey, list[Any]] = {}
         self.current = 0
         self.peak = 0
         self.largest: tuple[int, tuple[int, ...], str] | None = None
+        self.per_layer = per_layer
+        self.layer_current: dict[str, int] = {}
+        self.layer_peaks: dict[str, int] = {}
+        self._layers: list[str] = []
+        self._names: dict[int, str] = {}
         self._hooks: Any = None
+        self._handles: list[Any] = []
+
+    def _layer_name(self, module: torch.nn.Module) -> str:
+        name = self._names.get(id(module))
+        if name is None:
+            name = f"{type(module).__name__}#{len(self._names)}"
+            self._names[id(module)] = name
+        return name
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        if "DecoderLayer" in type(module).__name__:
+            self._layers.append(self._layer_name(module))
+
+    def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        if "DecoderLayer" in type(module).__name__ and self._layers:
+            self._layers.pop()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         slot = _MeterSlot(tensor.detach())
@@ -380,16 +406,17 @@ class SavedBytesMeter:
             key, nbytes = storage_key(tensor), storage_nbytes(tensor)
             entry = self._counts.get(key)
             if entry is None:
-                self._counts[key] = [nbytes, 1]
+                layer = self._layers[-1] if self._layers else None
+                self._counts[key] = [nbytes, 1, layer]
                 self.current += nbytes
-                if self.current > self.peak:
-                    self.peak = self.current
+                self.peak = max(self.peak, self.current)
+                if layer is not None:
+                    self.layer_current[layer] = self.layer_current.get(layer, 0) + nbytes
+                    self.layer_peaks[layer] = max(self.layer_peaks.get(layer, 0), self.layer_current[layer])
                 if self.largest is None or nbytes > self.largest[0]:
                     self.largest = (nbytes, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
             else:
                 entry[1] += 1
-            import weakref
-
             weakref.finalize(slot, self._release, key)
         return slot
 
@@ -400,6 +427,8 @@ class SavedBytesMeter:
         entry[1] -= 1
         if entry[1] == 0:
             self.current -= entry[0]
+            if entry[2] is not None:
+                self.layer_current[entry[2]] -= entry[0]
             del self._counts[key]
 
     @staticmethod
@@ -407,12 +436,49 @@ class SavedBytesMeter:
         return slot.tensor
 
     def __enter__(self) -> SavedBytesMeter:
+        if self.per_layer:
+            from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+            self._handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class PeakMeter:
+    """Peak live bytes above the start of a block: the storage tracker (CPU, meta) or the CUDA
+    allocator's peak (``cuda``), whichever the device calls for."""
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.start = 0
+        self.peak_above_start = 0
+        self._tracker: StorageTracker | None = None
+
+    def __enter__(self) -> PeakMeter:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+        else:
+            self._tracker = StorageTracker(self.device.type)
+            self._tracker.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_above_start = torch.cuda.max_memory_allocated(self.device) - self.start
+        else:
+            assert self._tracker is not None
+            self.peak_above_start = self._tracker.peak()
+            self._tracker.stop()
 
 
 class _MeterSlot:

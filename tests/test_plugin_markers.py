@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch._inductor.test_operators  # noqa: F401  (imported once here: in-process pytester runs
-# restore sys.modules afterwards, and re-importing it would register its op library twice)
+# imported once here: in-process pytester runs restore sys.modules afterwards, and importing it again
+# would register its op library twice
+import torch._inductor.test_operators  # noqa: F401
 
 pytest_plugins = ["pytester"]
 

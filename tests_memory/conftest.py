@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+from memhelpers import BATCH, RANK, SEQ
 
 from vramguard.models import QLoRAConfig, QLoRAModel, build_qlora
-
-from memhelpers import BATCH, RANK, SEQ
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

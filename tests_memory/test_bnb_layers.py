@@ -52,17 +52,17 @@ def _input(device: str, dtype: torch.dtype, dims: int = 3) -> torch.Tensor:
 
 # every call form bitsandbytes 0.4x/0.5x accepts for a trainable path through a 4-bit weight
 CALL_FORMS = {
-    "Linear4bit(x 3-D)": dict(),
-    "Linear4bit(x 2-D)": dict(dims=2),
-    "Linear4bit(bias)": dict(bias=True),
-    "Linear4bit(fp32 input, bf16 compute)": dict(x_dtype=torch.float32),
-    "Linear4bit(fp16 compute)": dict(compute_dtype=torch.float16, x_dtype=torch.float16),
-    "Linear4bit(fp32 compute)": dict(compute_dtype=torch.float32, x_dtype=torch.float32),
-    "Linear4bit(quant_storage=bf16)": dict(quant_storage=torch.bfloat16),
-    "LinearNF4": dict(cls=bnb.nn.LinearNF4),
-    "LinearFP4": dict(cls=bnb.nn.LinearFP4),
-    "matmul_4bit(x, W.t(), quant_state)": dict(functional="t"),
-    "matmul_4bit(x, W, quant_state)": dict(functional="plain"),
+    "Linear4bit(x 3-D)": {},
+    "Linear4bit(x 2-D)": {"dims": 2},
+    "Linear4bit(bias)": {"bias": True},
+    "Linear4bit(fp32 input, bf16 compute)": {"x_dtype": torch.float32},
+    "Linear4bit(fp16 compute)": {"compute_dtype": torch.float16, "x_dtype": torch.float16},
+    "Linear4bit(fp32 compute)": {"compute_dtype": torch.float32, "x_dtype": torch.float32},
+    "Linear4bit(quant_storage=bf16)": {"quant_storage": torch.bfloat16},
+    "LinearNF4": {"cls": bnb.nn.LinearNF4},
+    "LinearFP4": {"cls": bnb.nn.LinearFP4},
+    "matmul_4bit(x, W.t(), quant_state)": {"functional": "t"},
+    "matmul_4bit(x, W, quant_state)": {"functional": "plain"},
 }
 
 
@@ -112,7 +112,7 @@ def test_linear4bit_kn_orientation_keeps_nothing(device: str, request: pytest.Fi
     layer = model.layer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        m, y = measure(lambda: bnb.matmul_4bit(x, layer.weight, quant_state=layer.weight.quant_state),
+        m, _y = measure(lambda: bnb.matmul_4bit(x, layer.weight, quant_state=layer.weight.quant_state),
                        model=model, device=device, inputs=x)
     assert_within_budget(m, Budget("matmul_4bit [K, N] weight", 0, formula="0"), request)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from memhelpers import BATCH, SEQ, release
-from test_bnb_layers import IN, OUT, Holder, linear4bit, linear8bit
+from test_bnb_layers import IN, linear4bit, linear8bit
 
 from vramguard import patches
 from vramguard.budgets import Budget, assert_within_budget, measure, report_section

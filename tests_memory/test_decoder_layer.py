@@ -4,7 +4,6 @@ saved bytes per layer within BAND of the analytic formula of vramguard.layer_bud
 from __future__ import annotations
 
 import pytest
-import torch
 from memhelpers import BAND, BATCH, RANK, SEQ, V, mask_bytes, release
 
 from vramguard.budgets import Budget, assert_within_budget, check, measure
@@ -32,10 +31,10 @@ def band(name: str, expected: int, prefix: str, formula: str) -> Budget:
 
 
 CONFIGS = {
-    "sdpa": dict(),
-    "eager": dict(attn_implementation="eager"),
-    "sdpa-dropout": dict(lora_dropout=0.1),
-    "fp4-plain": dict(quant_type="fp4", double_quant=False),
+    "sdpa": {},
+    "eager": {"attn_implementation": "eager"},
+    "sdpa-dropout": {"lora_dropout": 0.1},
+    "fp4-plain": {"quant_type": "fp4", "double_quant": False},
 }
 
 
@@ -73,7 +72,7 @@ def test_decoder_layer_within_formula(device: str, qlora, config: str, request: 
 def test_decoder_layer_within_compute_dtype_budget(device: str, qlora, request: pytest.FixtureRequest) -> None:
     """The budget a user of bnb_4bit_compute_dtype=bf16 expects: activations in bf16."""
     q = qlora(device)
-    m, out = forward(q)
+    m, _out = forward(q)
     shape = shape_from(q.spec.fields, batch=BATCH, seq=SEQ, rank=RANK, act_bytes=2)
     assert_within_budget(m, band("layer 1 at bf16", layer_saved_bytes(shape), f"{LAYERS}.1", "e=2"), request)
 

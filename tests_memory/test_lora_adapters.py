@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 from memhelpers import BATCH, RANK, SEQ, V, mask_bytes
-from test_bnb_layers import IN, OUT, linear4bit, linear8bit
+from test_bnb_layers import IN, linear4bit, linear8bit
 
 from vramguard.budgets import Budget, assert_within_budget, measure
 from vramguard.layer_budget import lora_adapter_bytes

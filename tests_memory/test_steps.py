@@ -59,7 +59,7 @@ def test_save_on_cpu_leaves_nothing_referenced(device: str, qlora) -> None:
     """torch.autograd.graph.save_on_cpu: the step's retained bytes are those without it."""
     q = qlora(device)
     plain, _ = run(q, 3)
-    offloaded, saved = run(q, 3, lambda: torch.autograd.graph.save_on_cpu(pin_memory=False))
+    offloaded, _saved = run(q, 3, lambda: torch.autograd.graph.save_on_cpu(pin_memory=False))
     assert offloaded == plain, (plain, offloaded)
 
 

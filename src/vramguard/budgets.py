@@ -150,8 +150,8 @@ class _KeyedLedger(SavedTensorLedger):
         for p in self._packs:
             if p.slot() is None or p.key in self.keyed:
                 continue
-            self.keyed[p.key] = dict(module=p.module, node=names.get(p.node_seq, "<unknown>"), shape=p.shape,
-                                     dtype=p.dtype, bytes=p.nbytes, probe="hook", attribute=None)
+            self.keyed[p.key] = {"module": p.module, "node": names.get(p.node_seq, "<unknown>"), "shape": p.shape,
+                                     "dtype": p.dtype, "bytes": p.nbytes, "probe": "hook", "attribute": None}
         for node in nodes:
             if not isinstance(node, BackwardCFunction):
                 continue
@@ -163,9 +163,9 @@ class _KeyedLedger(SavedTensorLedger):
                     key = storage_key(t)
                     if key in self.keyed:
                         continue
-                    self.keyed[key] = dict(module=module, node=node.name(), shape=tuple(t.shape),
-                                           dtype=str(t.dtype).removeprefix("torch."), bytes=storage_nbytes(t),
-                                           probe="ctx", attribute=attr + path)
+                    self.keyed[key] = {"module": module, "node": node.name(), "shape": tuple(t.shape),
+                                           "dtype": str(t.dtype).removeprefix("torch."), "bytes": storage_nbytes(t),
+                                           "probe": "ctx", "attribute": attr + path}
         self.resident_keys = set(self._resident)
         self.kinds = {k: self._kind(v["module"], v["shape"], k) for k, v in self.keyed.items()}
         return super()._build_report()
@@ -444,7 +444,7 @@ class SavedBytesMeter:
         self._hooks.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
         for h in self._handles:
             h.remove()
@@ -471,7 +471,7 @@ class PeakMeter:
             self._tracker.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak_above_start = torch.cuda.max_memory_allocated(self.device) - self.start
@@ -482,7 +482,7 @@ class PeakMeter:
 
 
 class _MeterSlot:
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("__weakref__", "tensor")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor

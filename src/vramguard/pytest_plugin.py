@@ -12,10 +12,14 @@ MARKERS: tuple[str, ...] = (
 
 
 BUDGET_MARKERS: tuple[str, ...] = (
-    "vram_budget(max, device=None): fail when the test's call phase peaks more than `max` live bytes "
-    "above its start (size string like '1.5 GiB'; storage tracker on CPU, CUDA allocator on cuda)",
-    "saved_bytes(max, per_layer=None, device=None): fail when more than `max` bytes are kept alive for "
-    "backward at once during the test (saved-tensor hooks, per storage); per_layer caps any one *DecoderLayer",
+    (
+        "vram_budget(max, device=None): fail when the test's call phase peaks more than `max` live bytes "
+        "above its start (size string like '1.5 GiB'; storage tracker on CPU, CUDA allocator on cuda)"
+    ),
+    (
+        "saved_bytes(max, per_layer=None, device=None): fail when more than `max` bytes are kept alive for "
+        "backward at once during the test (saved-tensor hooks, per storage); per_layer caps any one *DecoderLayer"
+    ),
 )
 
 

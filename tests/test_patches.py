@@ -128,9 +128,9 @@ def test_patch_whose_target_is_gone_says_so(target) -> None:  # type: ignore[no-
     can = p.applies()
     assert not can and can.ok is False
     assert "vg_target_mod:no_linear no longer calls linear" in can.reason and "gone" in can.reason
-    with pytest.raises(patches.PatchNotApplicable, match=r"patch 'gone' does not apply: .*no longer calls linear"):
-        with p.apply():
-            pytest.fail("body must not run")
+    pattern = r"patch 'gone' does not apply: .*no longer calls linear"
+    with pytest.raises(patches.PatchNotApplicable, match=pattern), p.apply():
+        pytest.fail("body must not run")
 
 
 @pytest.mark.parametrize(
@@ -145,9 +145,8 @@ def test_patch_with_unresolvable_target_is_not_applicable(target, spec: str, rea
     p = patches.no_grad_around(spec, ("linear",), "bad-target", "d")
     can = p.applies()
     assert not can and can.reason.startswith(reason), can.reason
-    with pytest.raises(patches.PatchNotApplicable, match=reason):
-        with p.apply():
-            pass
+    with pytest.raises(patches.PatchNotApplicable, match=reason), p.apply():
+        pass
 
 
 # --- apply / restore ---------------------------------------------------------------------------------
@@ -181,16 +180,14 @@ def test_staticmethod_target_is_patched_through_the_class(target) -> None:  # ty
 def test_restore_on_exception_in_body_and_in_patched_code(target) -> None:  # type: ignore[no-untyped-def]
     p = patches.no_grad_around("vg_target_mod:uses_linear", ("linear",), "t", "d")
     code = target.uses_linear.__code__
-    with pytest.raises(KeyError):
-        with p.apply():
-            raise KeyError("body fails")
+    with pytest.raises(KeyError), p.apply():
+        raise KeyError("body fails")
     assert target.uses_linear.__code__ is code
 
     q = patches.no_grad_around("vg_target_mod:fails_after_linear", ("linear",), "t2", "d")
     code2 = target.fails_after_linear.__code__
-    with pytest.raises(ValueError, match="boom"):
-        with q.apply():
-            target.fails_after_linear(*_xw())
+    with pytest.raises(ValueError, match="boom"), q.apply():
+        target.fails_after_linear(*_xw())
     assert target.fails_after_linear.__code__ is code2
 
 
@@ -200,9 +197,8 @@ def test_patch_check_that_raises_is_a_reason_not_a_crash() -> None:
 
     p = patches.Patch(name="x", description="d", enter=lambda: pytest.fail("must not enter"), check=check)  # type: ignore[arg-type,return-value]
     assert p.applies() == patches.Applicability(False, "ImportError: no such library")
-    with pytest.raises(patches.PatchNotApplicable, match="ImportError: no such library"):
-        with p.apply():
-            pass
+    with pytest.raises(patches.PatchNotApplicable, match="ImportError: no such library"), p.apply():
+        pass
 
 
 # --- user patches: spec, env var, entry points, --vram-patch's register -----------------------------

@@ -107,12 +107,16 @@ def check_supported(case: Case) -> None:
     """Raise :class:`Unsupported` (with the reason) for combinations the installed library cannot run."""
     if case.device.startswith("cuda") and not torch.cuda.is_available():
         raise Unsupported("CUDA is not available")
-    if isinstance(case, (Linear4bitCase, LoraCase)) and getattr(case, "base", "4bit") == "4bit":
-        if case.in_features * case.out_features == 2 and 0 not in case.lead:
-            # the [1, 1] packing is read as transposed: MatMul4Bit.backward (x needs grad) and the
-            # deprecated [K, N] forward fail; forward of the other forms is fine (and checked)
-            if case.input_requires_grad or getattr(case, "call", "") == "functional_kn":
-                raise Unsupported(KNOWN_DEFECT_4BIT_K1)
+    # a 2-element weight packs to [1, 1], read as transposed: MatMul4Bit.backward (x needs grad) and the
+    # deprecated [K, N] forward fail; the forward of the other forms is fine (and checked)
+    if (
+        isinstance(case, (Linear4bitCase, LoraCase))
+        and getattr(case, "base", "4bit") == "4bit"
+        and case.in_features * case.out_features == 2
+        and 0 not in case.lead
+        and (case.input_requires_grad or getattr(case, "call", "") == "functional_kn")
+    ):
+        raise Unsupported(KNOWN_DEFECT_4BIT_K1)
     if isinstance(case, Linear8bitCase):
         lt_path = not (case.training and case.device == "cpu")
         if lt_path and case.has_fp16_weights and case.device == "cpu" and case.input_requires_grad is not None:

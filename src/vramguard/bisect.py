@@ -10,6 +10,7 @@ import here is absolute, so the stdlib ``bisect`` is never shadowed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -436,9 +437,22 @@ def _candidates(args: argparse.Namespace, index: IndexOptions) -> list[Version]:
 
 
 def default_log_path(cache_root: Path, package: str) -> Path:
-    """A new file per run beside the overlays, so no earlier log is overwritten when --log is not given."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return cache_root / ".logs" / f"bisect-{canonicalize_name(package)}-{stamp}-{os.getpid()}.json"
+    """A new file per run beside the overlays, so no earlier log is overwritten when --log is not given.
+
+    The name is claimed by creating the file exclusively: two runs in the same second (and process)
+    get different names.
+    """
+    folder = cache_root / ".logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = f"bisect-{canonicalize_name(package)}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    for n in itertools.count():
+        path = folder / (f"{stamp}.json" if n == 0 else f"{stamp}-{n}.json")
+        try:
+            path.open("x").close()
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")
 
 
 def run_bisect(args: argparse.Namespace) -> int:

@@ -181,3 +181,14 @@ def test_storages_freed_after_stop_do_not_touch_a_new_run(device: str) -> None:
     assert tracker.current() == 2 * F32
     tracker.stop()
     del fresh
+
+
+def test_tensors_from_python_data_are_allocations() -> None:
+    """``torch.tensor(data)`` reaches the dispatcher only as ``lift_fresh`` of a storage it made
+    outside; it is still a new allocation (Adam's step counters are made this way)."""
+    with MemoryTracker("cpu") as tracker:
+        values = torch.tensor([1.0, 2.0, 3.0])  # 3 x fp32
+        step = torch.tensor(0.0)  # 1 x fp32
+        assert tracker.current() == 3 * 4 + 4
+        del values, step
+        assert tracker.current() == 0

@@ -134,9 +134,15 @@ class StorageTracker(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 if inputs is None:
-                    inputs = _storage_keys(tree_flatten((args, kwargs))[0])
+                    # ``torch.tensor(data)`` builds its storage outside the dispatcher and only then
+                    # lifts it: the lifted tensor is an allocation although it shares its input's storage
+                    fresh = func in _LIFTS
+                    inputs = frozenset() if fresh else _storage_keys(tree_flatten((args, kwargs))[0])
                 self.track(t, inputs)
         return out
+
+
+_LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default})
 
 
 def _storage_keys(values: list[Any]) -> frozenset[StorageKey]:

@@ -34,7 +34,7 @@ from vramguard.report import (
     Totals,
     Verdict,
 )
-from vramguard.storage import resident_storages, storage_nbytes
+from vramguard.storage import frozen_resident_bytes, storage_nbytes
 from vramguard.tracker import MemoryTracker
 from vramguard.training import PHASES, StepResult, make_optimizer, run_steps
 from vramguard.units import format_bytes
@@ -95,33 +95,6 @@ def _lora_training_bytes(q: QLoRAModel, optimizer: torch.optim.Optimizer) -> int
     return 2 * weights + state
 
 
-def _frozen_resident_bytes(model: torch.nn.Module) -> int:
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    keep = {k for k, _ in resident_storages(model).items()}
-    seen: set[int] = set()
-    total = 0
-    for module in model.modules():
-        tensors = [t for t in list(module._parameters.values()) + list(module._buffers.values()) if t is not None]
-        for t in tensors:
-            if id(t) in trainable:
-                continue
-            key = int(t.untyped_storage()._cdata)
-            if key in seen:
-                continue
-            seen.add(key)
-            total += storage_nbytes(t)
-            qs = getattr(t, "quant_state", None)
-            if qs is not None:
-                from vramguard.storage import tensors_in
-
-                for _, st in tensors_in(qs):
-                    k2 = int(st.untyped_storage()._cdata)
-                    if k2 not in seen and k2 in keep:
-                        seen.add(k2)
-                        total += storage_nbytes(st)
-    return total
-
-
 def _layers(ledger: LedgerReport, budget: Budget, top: int) -> list[LayerRow]:
     groups = ledger.group(lambda r: decoder_layer(r.module))
     rows: list[LayerRow] = []
@@ -164,7 +137,7 @@ def _assemble(
         activation_bytes=ledger.activation_bytes,
         weight_copy_bytes=ledger.weight_copy_bytes,
         resident_seen_bytes=ledger.resident_bytes,
-        model_resident_bytes=_frozen_resident_bytes(q.model),
+        model_resident_bytes=frozen_resident_bytes(q.model),
         outside_layers_bytes=ledger.saved_bytes - in_layers,
     )
     phases = {

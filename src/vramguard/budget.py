@@ -7,7 +7,8 @@ Bytes, for N quantized parameters and M LoRA parameters (the brief's model, made
   B/param at blocksize 64), plus small per-layer code tables (:func:`quantized_weight_bytes`);
 * LoRA: 16 M (fp32 weight 4, gradient 4, Adam's two moments 8);
 * parameters left unquantized (embeddings, norms, lm_head) at their own dtype;
-* activations per decoder layer, term by term (:func:`llama_layer_terms`);
+* activations per decoder layer, term by term (:func:`vramguard.layer_budget.layer_terms`, the one
+  place the per-layer formula lives);
 * fp32 logits kept by the loss's log-softmax: 4·b·s·vocab.
 """
 
@@ -18,6 +19,13 @@ from typing import Any
 
 import torch
 
+from vramguard.layer_budget import (
+    checkpointed_layer_bytes,
+    layer_terms,
+    logits_fp32_bytes,
+    rope_bytes,
+    shape_from,
+)
 from vramguard.models import ModelSpec
 
 QUANT_BLOCKSIZE = 64
@@ -37,82 +45,6 @@ def quantized_weight_bytes(n: int, blocksize: int = QUANT_BLOCKSIZE, double_quan
     else:
         absmax = blocks * 4
     return -(-n // 2) + absmax + code
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """The sizes that decide a decoder layer's activations."""
-
-    batch: int
-    seq: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    rank: int
-    act_bytes: int  # element size of the residual stream (fp32 when norms were upcast)
-
-    @property
-    def tokens(self) -> int:
-        return self.batch * self.seq
-
-
-def llama_layer_terms(
-    s: Shapes,
-    *,
-    input_requires_grad: bool = True,
-    checkpointing: bool = False,
-    attn_implementation: str = "sdpa",
-    lora_dropout: bool = False,
-    dropout_mask_bytes: int | None = None,
-) -> dict[str, int]:
-    """Bytes one Llama decoder layer keeps for backward under QLoRA (LoRA on all 7 projections,
-    frozen 4-bit base, frozen norms), named by what keeps them.
-
-    With checkpointing only the layer input survives the forward. The 4-bit base layers keep
-    nothing activation-sized: their weight gradient is not needed and the input gradient is
-    computed from the resident packed weight. Exact on CPU with sdpa; on CUDA the attention
-    kernel's own state (rng, padded logsumexp) adds a little.
-
-    With LoRA dropout > 0 each of the 7 adapters keeps its own dropped input and the dropout mask
-    (``dropout_mask_bytes`` per element: the input's element size on CPU, where dropout is a
-    multiplication by a mask of the input dtype; 1 for CUDA's boolean mask), and the shared normed
-    inputs and the down_proj input are no longer kept by the LoRA-A matmuls.
-    """
-    T, h, i, e = s.tokens, s.hidden, s.intermediate, s.act_bytes
-    if checkpointing:
-        return {"checkpointed layer input": T * h * e}
-    norm = T * h * 4 + T * 4  # fp32 input (pow) and rsqrt
-    q_out, kv_out = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    terms: dict[str, int] = {}
-    if input_requires_grad:
-        terms["input_layernorm (fp32 input, rsqrt)"] = norm
-    if not lora_dropout:
-        terms["normed hidden, shared by q/k/v LoRA-A"] = T * h * e
-    terms["LoRA-B inputs (7 x rank)"] = 7 * T * s.rank * e
-    if attn_implementation == "eager":
-        scores = s.batch * s.heads * s.seq * s.seq
-        terms["attention q, repeated k, v"] = T * q_out * e * 3
-        terms["attention probabilities (fp32 softmax + cast)"] = scores * 4 + (scores * e if e != 4 else 0)
-        if not lora_dropout:  # kept only by o_proj's LoRA-A, which then keeps its dropped copy instead
-            terms["attention output (o_proj LoRA-A input)"] = T * q_out * e
-    else:
-        terms["sdpa q, k, v"] = T * (q_out + 2 * kv_out) * e
-        terms["sdpa output (= o_proj LoRA-A input)"] = T * q_out * e
-        terms["sdpa logsumexp"] = s.batch * s.heads * s.seq * 4
-    terms["post_attention_layernorm (fp32 input, rsqrt)"] = norm
-    if lora_dropout:
-        mask = e if dropout_mask_bytes is None else dropout_mask_bytes
-        terms["MLP silu input, both mul operands"] = 3 * T * i * e
-        kept = T * (5 * h + q_out + i) * (e + mask)
-        if not input_requires_grad:  # q/k/v's dropout needs no mask when its input needs no grad
-            kept -= 3 * T * h * mask
-        terms["LoRA dropout: each adapter's dropped input and mask"] = kept
-    else:
-        terms["normed hidden, shared by gate/up LoRA-A"] = T * h * e
-        terms["MLP silu input, both mul operands, down LoRA-A input"] = 4 * T * i * e
-    return terms
 
 
 @dataclass
@@ -192,33 +124,29 @@ def qlora_budget(
 ) -> Budget:
     """The budget of ``model`` (a built QLoRA model) for one training step."""
     n_q, q_bytes, n_other, other_bytes, m, norm_dtype = _count(model, double_quant)
-    act = torch.promote_types(norm_dtype, compute_dtype)
+    act_bytes = torch.empty((), dtype=torch.promote_types(norm_dtype, compute_dtype)).element_size()
     f = spec.fields
-    shapes = Shapes(
-        batch=batch,
-        seq=seq,
-        hidden=f["hidden_size"],
-        intermediate=f["intermediate_size"],
-        heads=f["num_attention_heads"],
-        kv_heads=f["num_key_value_heads"],
-        head_dim=spec.head_dim,
-        rank=rank,
-        act_bytes=torch.empty((), dtype=act).element_size(),
-    )
-    layers = [
-        llama_layer_terms(
-            shapes,
-            input_requires_grad=checkpointing or idx > 0,
-            checkpointing=checkpointing,
-            attn_implementation=attn_implementation,
-            lora_dropout=lora_dropout,
-            dropout_mask_bytes=1 if device_type == "cuda" else None,
+    tokens = batch * seq
+    layers: list[dict[str, int]] = []
+    for idx in range(f["num_hidden_layers"]):
+        if checkpointing:
+            layers.append({"checkpointed layer input": checkpointed_layer_bytes(batch, seq, f["hidden_size"], act_bytes)})
+            continue
+        shape = shape_from(
+            f,
+            batch=batch,
+            seq=seq,
+            rank=rank,
+            act_bytes=act_bytes,
+            dropout=lora_dropout,
+            mask_bytes=1 if device_type == "cuda" else act_bytes,
+            attn=attn_implementation,
+            first_layer=idx == 0,  # the embeddings need no grad, so layer 0's input norm keeps nothing
         )
-        for idx in range(f["num_hidden_layers"])
-    ]
+        layers.append(layer_terms(shape))
     if not checkpointing:  # cos/sin are computed once per forward and kept by layer 0's rotary muls
-        layers[0]["rotary cos/sin (shared by all layers)"] = 2 * seq * spec.head_dim * 4
-    final_norm = shapes.tokens * shapes.hidden * 4 + shapes.tokens * 4
+        layers[0]["rotary cos/sin (shared by all layers)"] = rope_bytes(1, seq, spec.head_dim)
+    final_norm = tokens * f["hidden_size"] * 4 + tokens * 4
     # nll_loss keeps the int64 targets (labels padded by one position, then shifted and flattened:
     # still a view of the padded (1, s+1) storage for batch 1, a contiguous b*s copy otherwise)
     # and the fp32 total weight
@@ -232,5 +160,5 @@ def qlora_budget(
         lora_training_bytes=16 * m,
         layer_terms=layers,
         shared_bytes=final_norm + loss_state,
-        logits_bytes=4 * batch * seq * f["vocab_size"],
+        logits_bytes=logits_fp32_bytes(batch, seq, f["vocab_size"]),
     )

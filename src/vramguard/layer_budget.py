@@ -24,8 +24,8 @@ What one Llama decoder layer keeps (no checkpointing, LoRA on all 7 projections)
     attention, sdpa      T*a*d*e (q) + 2*T*kv*d*e (k, v) + T*a*d*e (out) + b*a*s*4 (logsumexp)
                          out is also o_proj's LoRA-A input (one storage)
     attention, eager     T*a*d*e (q) + 2*T*a*d*e (k, v repeated to a heads) + T*a*d*e (o_proj
-                         input) + b*a*s*s*4 (fp32 softmax) [+ b*a*s*s*e when e != 4: the cast
-                         copy the second matmul keeps]
+                         input; dropout 0 only) + b*a*s*s*4 (fp32 softmax) [+ b*a*s*s*e when
+                         e != 4: the cast copy the second matmul keeps]
     MLP                  4 * T*i*e              silu input, both mul operands, down_proj input
                                                 (dropout 0; with dropout the down_proj input is
                                                 not kept, the adapter's dropped copy is)
@@ -116,7 +116,8 @@ def layer_terms(shape: LayerShape) -> dict[str, int]:
     elif shape.attn == "eager":
         terms["attn_q"] = T * a * d * e
         terms["attn_kv_repeated"] = 2 * T * a * d * e
-        terms["attn_out(o_proj input)"] = T * a * d * e
+        if not shape.dropout:  # kept only by o_proj's LoRA-A, which then keeps its dropped copy instead
+            terms["attn_out(o_proj input)"] = T * a * d * e
         terms["attn_probs"] = b * a * s * s * FP32 + (b * a * s * s * e if e != FP32 else 0)
     else:
         raise ValueError(f"unknown attention implementation {shape.attn!r}")

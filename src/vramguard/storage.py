@@ -76,22 +76,40 @@ def resident_storages(model: torch.nn.Module) -> dict[StorageKey, str]:
     nothing extra, so the ledger reports them as resident, never as saved.
     """
     owners: dict[StorageKey, str] = {}
+    for owner, tensor in _resident_tensors(model):
+        owners.setdefault(storage_key(tensor), owner)
+    return owners
+
+
+def frozen_resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the resident storages that training does not update: frozen (quantized) weights with
+    their quantization state, and buffers. Trainable parameters are left out."""
+    trainable = {storage_key(p) for p in model.parameters() if p.requires_grad}
+    sizes: dict[StorageKey, int] = {}
+    for _, tensor in _resident_tensors(model):
+        key = storage_key(tensor)
+        if key not in trainable:
+            sizes.setdefault(key, storage_nbytes(tensor))
+    return sum(sizes.values())
+
+
+def _resident_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(owner name, tensor) for every parameter, buffer and tensor hanging off them or their module."""
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
         for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
             if tensor is None:
                 continue
-            owners.setdefault(storage_key(tensor), prefix + name)
+            yield prefix + name, tensor
             for attr, value in _attributes(tensor).items():
                 for path, t in tensors_in(value):
-                    owners.setdefault(storage_key(t), f"{prefix}{name}.{attr}{path}")
+                    yield f"{prefix}{name}.{attr}{path}", t
         for attr, value in list(vars(module).items()):
             if attr.startswith("_") or isinstance(value, (torch.Tensor, torch.nn.Module)):
                 continue
             if _is_plain_object(value) or isinstance(value, (tuple, list)):
                 for path, t in tensors_in(value):
-                    owners.setdefault(storage_key(t), f"{prefix}{attr}{path}")
-    return owners
+                    yield f"{prefix}{attr}{path}", t
 
 
 def _attributes(tensor: torch.Tensor) -> dict[str, Any]:

@@ -28,7 +28,10 @@ GPU_MATRIX = [
 
 
 def _args(cases: list[Case]) -> list[pytest.param]:
-    return [pytest.param(c.model, c.seq_len, c.gradient_checkpointing, c.lora_rank, c.batch, id=c.id) for c in cases]
+    return [
+        pytest.param(c.model, c.seq_len, c.gradient_checkpointing, c.lora_rank, c.batch, id=c.id)
+        for c in cases
+    ]
 
 
 def _check(payload: dict, case: Case) -> None:

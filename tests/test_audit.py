@@ -147,7 +147,10 @@ def test_bad_model_file_gives_one_line(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_console_script_error_has_no_traceback() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "vramguard", "audit", "--steps", "0"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "vramguard", "audit", "--steps", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

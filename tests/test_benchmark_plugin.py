@@ -17,7 +17,7 @@ from vramguard.store import ResultStore
 pytest_plugins = ["pytester"]
 
 # A stand-in benchmark: its "memory" comes from the environment, so a test can inject a change.
-BENCH = '''
+BENCH = """
 import os, pytest
 
 @pytest.mark.parametrize("size", ["s", "m"])
@@ -28,7 +28,7 @@ def test_step(benchmark, size):
         "params": {"size": size},
         "metrics": {"peak_allocated": peak, "retained_after_forward": peak // 2, "step_time": 0.01},
     }
-'''
+"""
 
 
 @pytest.fixture
@@ -106,7 +106,9 @@ def test_pin_gpu_is_idempotent_and_optional() -> None:
     assert pin_gpu(env) == "5"
     assert pin_gpu(env) == "5" and env["CUDA_VISIBLE_DEVICES"] == "5"  # the second call keeps it
     assert pin_gpu({"CUDA_VISIBLE_DEVICES": "0,1"}) is None  # not an xdist worker
-    assert pin_gpu({"PYTEST_XDIST_WORKER": "gw0", "VRAMGUARD_NO_PIN": "1", "CUDA_VISIBLE_DEVICES": "0"}) is None
+    assert (
+        pin_gpu({"PYTEST_XDIST_WORKER": "gw0", "VRAMGUARD_NO_PIN": "1", "CUDA_VISIBLE_DEVICES": "0"}) is None
+    )
     assert pin_gpu({"PYTEST_XDIST_WORKER": "gw0"}, gpus=[]) is None
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
 

@@ -22,13 +22,23 @@ def _bench(case: str, peak: float, time_s: float = 1.0) -> dict:
         "name": f"test_qlora_step_gpu[{case}]",
         "params": params,
         "stats": {"mean": time_s},
-        "extra_info": {"vramguard": {
-            "params": params,
-            "metrics": {"peak_allocated": peak, "peak_reserved": peak * 1.1, "retained_after_forward": peak / 2,
-                        "saved_bytes": peak / 3, "saved_per_layer_max": peak / 12, "step_time": time_s},
-            "phases": {"forward": {"peak_allocated": peak * 0.8, "peak_reserved": peak},
-                       "backward": {"peak_allocated": peak, "peak_reserved": peak * 1.1}},
-        }},
+        "extra_info": {
+            "vramguard": {
+                "params": params,
+                "metrics": {
+                    "peak_allocated": peak,
+                    "peak_reserved": peak * 1.1,
+                    "retained_after_forward": peak / 2,
+                    "saved_bytes": peak / 3,
+                    "saved_per_layer_max": peak / 12,
+                    "step_time": time_s,
+                },
+                "phases": {
+                    "forward": {"peak_allocated": peak * 0.8, "peak_reserved": peak},
+                    "backward": {"peak_allocated": peak, "peak_reserved": peak * 1.1},
+                },
+            }
+        },
     }
 
 
@@ -36,8 +46,13 @@ def _doc(bnb: str = "0.49.2", **overrides: float) -> dict:
     peaks = {"a": 9.1 * GIB, "b": 4.0 * GIB}
     peaks.update(overrides)
     return {
-        "machine_info": {"vramguard": {"device": "cuda", "gpu_name": "NVIDIA H100",
-                                       "packages": {"torch": "2.13.0", "bitsandbytes": bnb}}},
+        "machine_info": {
+            "vramguard": {
+                "device": "cuda",
+                "gpu_name": "NVIDIA H100",
+                "packages": {"torch": "2.13.0", "bitsandbytes": bnb},
+            }
+        },
         "benchmarks": [_bench(case, peak) for case, peak in peaks.items()],
     }
 
@@ -119,8 +134,17 @@ def test_store_run_against_store_run_and_reports(tmp_path: Path) -> None:
     store.add(_doc(), run_id="20260101T000000Z-night1")
     store.add(_inject(_doc("0.50.0"), "a", "peak_allocated", 1.05), run_id="20260102T000000Z-night2")
     summary, report = tmp_path / "summary.md", tmp_path / "report.json"
-    rc = main(["compare", f"{store.root}@previous", f"{store.root}@latest", "--markdown", str(summary),
-               "--json", str(report)])
+    rc = main(
+        [
+            "compare",
+            f"{store.root}@previous",
+            f"{store.root}@latest",
+            "--markdown",
+            str(summary),
+            "--json",
+            str(report),
+        ]
+    )
     assert rc == 1
     assert "**REGRESSION**" in summary.read_text() and "`0.49.2` → `0.50.0`" in summary.read_text()
     data = json.loads(report.read_text())
@@ -156,7 +180,10 @@ def _bad(path: Path, text: str) -> str:
 
 
 def test_parse_thresholds_rejects_garbage() -> None:
-    assert parse_thresholds(["peak_allocated=3%", "step_time=off"]) == {"peak_allocated": 0.03, "step_time": None}
+    assert parse_thresholds(["peak_allocated=3%", "step_time=off"]) == {
+        "peak_allocated": 0.03,
+        "step_time": None,
+    }
     with pytest.raises(UsageError):
         parse_thresholds(["=3%"])
 

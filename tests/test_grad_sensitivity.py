@@ -89,8 +89,16 @@ def _8bit_missing_127(ctx, grads):  # type: ignore[no-untyped-def]
 CPU4 = (strategies.linear4bit_cases(), strategies.covering_4bit_cases())
 CPU8 = (strategies.linear8bit_cases(), strategies.covering_8bit_cases())
 INJECTIONS = {
-    "grad_A scaled by 1.01 (4-bit)": (bnbfn.MatMul4Bit, lambda: _wrap_backward(bnbfn.MatMul4Bit, _scale_grad_a(1.01)), CPU4),
-    "bias gradient zeroed (4-bit)": (bnbfn.MatMul4Bit, lambda: _wrap_backward(bnbfn.MatMul4Bit, _zero_bias), CPU4),
+    "grad_A scaled by 1.01 (4-bit)": (
+        bnbfn.MatMul4Bit,
+        lambda: _wrap_backward(bnbfn.MatMul4Bit, _scale_grad_a(1.01)),
+        CPU4,
+    ),
+    "bias gradient zeroed (4-bit)": (
+        bnbfn.MatMul4Bit,
+        lambda: _wrap_backward(bnbfn.MatMul4Bit, _zero_bias),
+        CPU4,
+    ),
     "fp4 backward uses the nf4 code": (bnbfn.MatMul4Bit, lambda: staticmethod(_fp4_as_nf4_backward), CPU4),
     "error only for 3-D inputs": (
         bnbfn.MatMul4Bit,
@@ -99,7 +107,9 @@ INJECTIONS = {
     ),
     "error only with nested statistics": (
         bnbfn.MatMul4Bit,
-        lambda: _wrap_backward(bnbfn.MatMul4Bit, _scale_grad_a(1.01, lambda ctx: not ctx.is_empty and ctx.state.nested)),
+        lambda: _wrap_backward(
+            bnbfn.MatMul4Bit, _scale_grad_a(1.01, lambda ctx: not ctx.is_empty and ctx.state.nested)
+        ),
         CPU4,
     ),
     "8-bit grad missing the 1/127 factor": (
@@ -137,17 +147,27 @@ def test_broken_backward_is_reported(name: str, monkeypatch: pytest.MonkeyPatch,
 
 @pytest.mark.parametrize("name", ["grad_A scaled by 1.01 (4-bit)", "8-bit grad missing the 1/127 factor"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_one_percent_error_fails_in_every_dtype(name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_percent_error_fails_in_every_dtype(
+    name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cls, make, _ = INJECTIONS[name]
     if name.startswith("grad_A"):
-        strategy, examples = strategies.linear4bit_cases(dtypes=(dtype,)), strategies.covering_4bit_cases(dtypes=(dtype,))
+        strategy, examples = (
+            strategies.linear4bit_cases(dtypes=(dtype,)),
+            strategies.covering_4bit_cases(dtypes=(dtype,)),
+        )
     else:
-        strategy, examples = strategies.linear8bit_cases(dtypes=(dtype,)), strategies.covering_8bit_cases(dtypes=(dtype,))
+        strategy, examples = (
+            strategies.linear8bit_cases(dtypes=(dtype,)),
+            strategies.covering_8bit_cases(dtypes=(dtype,)),
+        )
     monkeypatch.setattr(cls, "backward", make())
     with pytest.raises(gradcheck.GradMismatch):
         _run_properties(strategy, examples)
 
 
 @pytest.mark.parametrize("family", [CPU4, CPU8], ids=["4bit", "8bit"])
-def test_properties_pass_without_injection(family: tuple[st.SearchStrategy[gradcheck.Case], list[gradcheck.Case]]) -> None:
+def test_properties_pass_without_injection(
+    family: tuple[st.SearchStrategy[gradcheck.Case], list[gradcheck.Case]],
+) -> None:
     _run_properties(*family)

@@ -51,8 +51,9 @@ class KeepNested(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         ctx.pair = (torch.zeros(n), [torch.zeros(2 * n)])
-        ctx.state = SimpleNamespace(absmax=torch.zeros(3 * n), state2=SimpleNamespace(code=torch.zeros(4 * n)),
-                                    blocksize=64)
+        ctx.state = SimpleNamespace(
+            absmax=torch.zeros(3 * n), state2=SimpleNamespace(code=torch.zeros(4 * n)), blocksize=64
+        )
         ctx.deep = SimpleNamespace(a=SimpleNamespace(b=SimpleNamespace(t=torch.zeros(5 * n))))
         ctx._private = torch.zeros(6 * n)
         return x.clone()
@@ -66,7 +67,9 @@ class DequantMatmul(torch.autograd.Function):
     """x @ dequant(w_int8)^T that keeps the fp32 dequantized weight for backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, on_ctx: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, on_ctx: bool
+    ) -> torch.Tensor:
         dq = w.float() * scale
         if on_ctx:
             ctx.dq = dq
@@ -114,11 +117,22 @@ def test_trainable_linear_saves_its_input_and_weight_is_resident() -> None:
     rep = ledger.report
     rec = _only(rep.records)
     assert (rec.module, rec.node, rec.shape, rec.dtype, rec.bytes, rec.source, rec.kind) == (
-        "0", "AddmmBackward0", (4, 16), "float32", 4 * 16 * F32, "hook", "activation")
+        "0",
+        "AddmmBackward0",
+        (4, 16),
+        "float32",
+        4 * 16 * F32,
+        "hook",
+        "activation",
+    )
     res = _only(rep.resident)  # weight.t(), saved for x's gradient
     assert (res.owner, res.bytes, res.kind, res.shape) == ("0.weight", 8 * 16 * F32, "resident", (16, 8))
     assert (rep.saved_bytes, rep.activation_bytes, rep.weight_copy_bytes, rep.resident_bytes) == (
-        4 * 16 * F32, 4 * 16 * F32, 0, 8 * 16 * F32)
+        4 * 16 * F32,
+        4 * 16 * F32,
+        0,
+        8 * 16 * F32,
+    )
 
 
 def test_frozen_linear_saves_nothing_for_a_weight_gradient() -> None:
@@ -140,7 +154,14 @@ def test_custom_function_keeping_a_tensor_on_ctx_is_found() -> None:
         out = model(x)  # noqa: F841  (the graph, and what it saved, lives while out does)
     rec = _only(ledger.report.records)
     assert (rec.module, rec.node, rec.source, rec.attribute, rec.shape, rec.bytes, rec.kind) == (
-        "1", "KeepOnCtxBackward", "ctx", "kept", (6, 5), 6 * 5 * F32, "activation")
+        "1",
+        "KeepOnCtxBackward",
+        "ctx",
+        "kept",
+        (6, 5),
+        6 * 5 * F32,
+        "activation",
+    )
     assert ledger.report.bytes_by("hook") == 0 and ledger.report.bytes_by("ctx") == 6 * 5 * F32
 
 
@@ -197,7 +218,12 @@ def test_function_saving_a_dequantized_weight_is_a_weight_copy(on_ctx: bool) -> 
         out = model(x)  # noqa: F841  (the graph, and what it saved, lives while out does)
     rec = _only(ledger.report.records)
     assert (rec.kind, rec.shape, rec.dtype, rec.bytes, rec.module) == (
-        "weight-copy", (out_f, in_f), "float32", out_f * in_f * F32, "0")
+        "weight-copy",
+        (out_f, in_f),
+        "float32",
+        out_f * in_f * F32,
+        "0",
+    )
     assert (rec.source, rec.attribute) == (("ctx", "dq") if on_ctx else ("hook", None))
     assert ledger.report.weight_copy_bytes == out_f * in_f * F32
     assert ledger.report.activation_bytes == 0
@@ -211,8 +237,9 @@ class LoraLike(nn.Module):
 
     def __init__(self, in_f: int, out_f: int, r: int) -> None:
         super().__init__()
-        self.base_layer = bnb.nn.Linear4bit(in_f, out_f, bias=False, compute_dtype=torch.float32,
-                                            quant_type="nf4", compress_statistics=True).to("cpu")
+        self.base_layer = bnb.nn.Linear4bit(
+            in_f, out_f, bias=False, compute_dtype=torch.float32, quant_type="nf4", compress_statistics=True
+        ).to("cpu")
         self.lora_A = nn.Linear(in_f, r, bias=False)
         self.lora_B = nn.Linear(r, out_f, bias=False)
 
@@ -266,7 +293,9 @@ class DequantizingLinear4bit(bnb.nn.Linear4bit):
 def test_bnb_layer_that_saves_its_dequantized_weight_is_flagged() -> None:
     torch.manual_seed(0)
     in_f, out_f, rows = 64, 32, 5
-    model = nn.Sequential(DequantizingLinear4bit(in_f, out_f, bias=False, compute_dtype=torch.float32).to("cpu"))
+    model = nn.Sequential(
+        DequantizingLinear4bit(in_f, out_f, bias=False, compute_dtype=torch.float32).to("cpu")
+    )
     x = torch.randn(rows, in_f, requires_grad=True)
     with SavedTensorLedger(model) as ledger:
         out = model(x)  # noqa: F841  (the graph, and what it saved, lives while out does)
@@ -317,7 +346,9 @@ def test_ctx_walk_into_tuples_lists_and_objects_with_a_depth_limit() -> None:
 
 def test_records_carry_the_innermost_module_and_outside_ops_are_outside() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Sequential(nn.Linear(8, 6)), nn.Sequential(nn.Identity(), Apply(KeepOnCtx.apply)))
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(8, 6)), nn.Sequential(nn.Identity(), Apply(KeepOnCtx.apply))
+    )
     x = torch.randn(3, 8)
     with SavedTensorLedger(model) as ledger:
         out = model(x)
@@ -460,11 +491,15 @@ def test_tiny_qlora_layer_budget_is_known_exactly(tiny_qlora: Any, tiny_report: 
     assert layer == 1_211_392
 
     prefix = "base_model.model.model.layers"
-    per_layer = {k: sum(x.bytes for x in v) for k, v in tiny_report.group(lambda x: decoder_layer(x.module)).items()}
+    per_layer = {
+        k: sum(x.bytes for x in v) for k, v in tiny_report.group(lambda x: decoder_layer(x.module)).items()
+    }
     assert per_layer == {f"{prefix}.0": layer0, f"{prefix}.1": layer}
     assert tiny_report.under(f"{prefix}.0.input_layernorm") == []
     assert sum(x.bytes for x in tiny_report.under(f"{prefix}.1.input_layernorm")) == rmsnorm
-    mlp_subtree = mlp + normed_for_gate_up_lora_a + 3 * T * r * F32  # gate_proj's lora_A saves the normed input
+    mlp_subtree = (
+        mlp + normed_for_gate_up_lora_a + 3 * T * r * F32
+    )  # gate_proj's lora_A saves the normed input
     assert sum(x.bytes for x in tiny_report.under(f"{prefix}.1.mlp")) == mlp_subtree
 
     final_norm = rmsnorm

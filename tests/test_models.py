@@ -57,8 +57,16 @@ def test_load_other_presets(name: str) -> None:
 
 
 def test_load_json_path_and_defaults(tmp_path: Path) -> None:
-    data = {k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                 "num_attention_heads")}
+    data = {
+        k: TINY[k]
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+    }
     spec = ModelSpec.load(_write(tmp_path, {**data, "head_dim": 16, "unknown_key": 1}, "mine.json"))
     assert spec.name == "mine"
     assert spec.fields == {**data, "head_dim": 16, "num_key_value_heads": 4}  # kv heads default to heads
@@ -68,7 +76,9 @@ def test_load_json_path_and_defaults(tmp_path: Path) -> None:
 
 
 def test_unknown_preset_names_the_presets() -> None:
-    with pytest.raises(UsageError, match=r"unknown model 'nope': use a preset \(.*tiny-llama.*\) or a JSON path"):
+    with pytest.raises(
+        UsageError, match=r"unknown model 'nope': use a preset \(.*tiny-llama.*\) or a JSON path"
+    ):
         ModelSpec.load("nope")
 
 
@@ -78,7 +88,10 @@ def test_unknown_preset_names_the_presets() -> None:
         ("{not json", r"cannot read model config .*bad\.json"),
         ([1, 2], r"must be a JSON object"),
         ({**TINY, "architecture": "gpt2"}, r"architecture 'gpt2' is not supported \(only 'llama'\)"),
-        ({"vocab_size": 10, "hidden_size": 8}, r"lacks intermediate_size, num_attention_heads, num_hidden_layers"),
+        (
+            {"vocab_size": 10, "hidden_size": 8},
+            r"lacks intermediate_size, num_attention_heads, num_hidden_layers",
+        ),
         ({**TINY, "hidden_size": 0}, r"hidden_size must be a positive integer, got 0"),
         ({**TINY, "num_hidden_layers": 2.5}, r"num_hidden_layers must be a positive integer, got 2\.5"),
         ({**TINY, "vocab_size": "512"}, r"vocab_size must be a positive integer, got '512'"),
@@ -130,24 +143,45 @@ def test_cuda_without_cuda_is_a_usage_error() -> None:
         QLoRAConfig(device="cuda").validate()
 
 
-@pytest.mark.parametrize(("name", "dtype"), [("bf16", torch.bfloat16), ("FP16", torch.float16),
-                                             ("float32", torch.float32), ("bfloat16", torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("bf16", torch.bfloat16),
+        ("FP16", torch.float16),
+        ("float32", torch.float32),
+        ("bfloat16", torch.bfloat16),
+    ],
+)
 def test_parse_dtype(name: str, dtype: torch.dtype) -> None:
     assert parse_dtype(name) is dtype
 
 
 # -- build_qlora ----------------------------------------------------------------------------
 
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def _proj_shape(f: dict[str, Any], head_dim: int, proj: str) -> tuple[int, int]:
     """(in_features, out_features) of a Llama projection."""
     h, i = f["hidden_size"], f["intermediate_size"]
     q, kv = f["num_attention_heads"] * head_dim, f["num_key_value_heads"] * head_dim
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[proj.rsplit(".", 1)[1]]
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }[proj.rsplit(".", 1)[1]]
 
 
 def test_build_qlora_wraps_4bit_layers_with_lora(tiny_qlora: Any) -> None:

@@ -229,7 +229,9 @@ def test_load_spec_bad_specs_give_clear_errors(target, spec: str, message: str) 
     assert "\n" not in str(info.value)
 
 
-def test_env_var_patches_are_registered(target, fresh_registry: None, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_env_var_patches_are_registered(
+    target, fresh_registry: None, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv(patches.ENV_VAR, "vg_user_patches:make, vg_user_patches:ready,")
     names = patches.names()
     assert names[-2:] == ["user-patch", "ready-patch"]
@@ -238,7 +240,9 @@ def test_env_var_patches_are_registered(target, fresh_registry: None, monkeypatc
     assert "ready-patch" not in [p.name for p in patches.available()]
 
 
-def test_env_var_bad_spec_is_a_usage_error(target, fresh_registry: None, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_env_var_bad_spec_is_a_usage_error(
+    target, fresh_registry: None, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv(patches.ENV_VAR, "vg_user_patches")
     with pytest.raises(UsageError, match="not a patch spec"):
         patches.names()
@@ -261,7 +265,9 @@ def test_entry_point_group(target, fresh_registry: None, monkeypatch: pytest.Mon
     assert {"user-patch", "ready-patch"} <= set(names)
 
 
-def test_entry_point_returning_garbage_names_the_entry_point(target, fresh_registry: None, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_entry_point_returning_garbage_names_the_entry_point(
+    target, fresh_registry: None, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     eps = [importlib.metadata.EntryPoint("junk", "vg_user_patches:not_a_patch", patches.ENTRY_POINT_GROUP)]
     monkeypatch.setattr(patches.importlib.metadata, "entry_points", lambda *, group: eps)
     with pytest.raises(UsageError, match=r"entry point 'junk' returned int, not a vramguard Patch"):

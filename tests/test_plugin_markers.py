@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 # imported once here: in-process pytester runs restore sys.modules afterwards, and importing it again
 # would register its op library twice
 import torch._inductor.test_operators  # noqa: F401
@@ -24,7 +25,9 @@ def work(n):
 
 def _failure_line(result: pytest.RunResult, needle: str) -> str:
     """The failure message: one line, whole (the FAILED summary line is cut to the terminal width)."""
-    lines = [ln for ln in result.outlines if needle in ln and "> budget" in ln and not ln.startswith("FAILED")]
+    lines = [
+        ln for ln in result.outlines if needle in ln and "> budget" in ln and not ln.startswith("FAILED")
+    ]
     assert len(lines) == 1, result.outlines
     return lines[0]
 

@@ -15,8 +15,12 @@ def _g(seed: int) -> torch.Generator:
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("nested", [False, True])
-@pytest.mark.parametrize(("n", "k", "blocksize"), [(5, 64, 64), (7, 70, 32), (3, 1, 64), (1, 2, 64), (2, 1, 64)])
-def test_4bit_reference_is_x_times_dequantized_weight(quant_type: str, nested: bool, n: int, k: int, blocksize: int) -> None:
+@pytest.mark.parametrize(
+    ("n", "k", "blocksize"), [(5, 64, 64), (7, 70, 32), (3, 1, 64), (1, 2, 64), (2, 1, 64)]
+)
+def test_4bit_reference_is_x_times_dequantized_weight(
+    quant_type: str, nested: bool, n: int, k: int, blocksize: int
+) -> None:
     w = torch.randn(n, k, generator=_g(1), dtype=torch.float16)
     packed, qs = bnbF.quantize_4bit(w, blocksize=blocksize, compress_statistics=nested, quant_type=quant_type)
     x = torch.randn(2, 3, k, generator=_g(2), dtype=torch.float64)
@@ -25,7 +29,9 @@ def test_4bit_reference_is_x_times_dequantized_weight(quant_type: str, nested: b
     assert w64.dtype == torch.float64 and tuple(w64.shape) == (n, k)
 
     expected_w = bnbF.dequantize_4bit(packed, qs).double()
-    if n * k == 2:  # dequantize_4bit returns the transpose of a one-byte weight (tests_grad/test_known_defects.py)
+    if (
+        n * k == 2
+    ):  # dequantize_4bit returns the transpose of a one-byte weight (tests_grad/test_known_defects.py)
         expected_w = expected_w.reshape(n, k)
     assert torch.equal(w64, expected_w)
     # the weight is the quantized one, not the original: close to w but not equal in general
@@ -108,7 +114,9 @@ def test_lora_reference_against_explicit_sum(dropout: bool) -> None:
     for i in range(3):
         for o in range(n):
             base = sum(x[i, j].item() * w[o, j].item() for j in range(k)) + bias[o].item()
-            adapter = sum(b_[o, q].item() * sum(xd[i, j].item() * a[q, j].item() for j in range(k)) for q in range(r))
+            adapter = sum(
+                b_[o, q].item() * sum(xd[i, j].item() * a[q, j].item() for j in range(k)) for q in range(r)
+            )
             expected[i, o] = base + scaling * adapter
     assert torch.allclose(y.detach(), expected, rtol=1e-13, atol=1e-13)
 
@@ -118,4 +126,6 @@ def test_lora_reference_against_explicit_sum(dropout: bool) -> None:
     assert torch.allclose(a.grad, scaling * (g @ b_.detach()).T @ xd, rtol=1e-13, atol=1e-13)
     assert torch.allclose(b_.grad, scaling * g.T @ (xd @ a.detach().T), rtol=1e-13, atol=1e-13)
     m = mask if mask is not None else torch.ones(3, k, dtype=torch.float64)
-    assert torch.allclose(x.grad, g @ w + scaling * ((g @ b_.detach()) @ a.detach()) * m, rtol=1e-13, atol=1e-13)
+    assert torch.allclose(
+        x.grad, g @ w + scaling * ((g @ b_.detach()) @ a.detach()) * m, rtol=1e-13, atol=1e-13
+    )

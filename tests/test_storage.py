@@ -48,8 +48,15 @@ def test_tensors_in_objects_two_levels_deep() -> None:
     absmax, code, code2, deep = torch.zeros(4), torch.zeros(16), torch.zeros(256), torch.zeros(3)
     level3 = SimpleNamespace(t=deep)
     state2 = SimpleNamespace(code=code2, deeper=level3)
-    qs = SimpleNamespace(absmax=absmax, code=code, state2=state2, shape=torch.Size([4, 4]),
-                         blocksize=64, module=nn.Linear(2, 2), fn=lambda: deep)
+    qs = SimpleNamespace(
+        absmax=absmax,
+        code=code,
+        state2=state2,
+        shape=torch.Size([4, 4]),
+        blocksize=64,
+        module=nn.Linear(2, 2),
+        fn=lambda: deep,
+    )
     found = {p: t for p, t in tensors_in(qs)}
     assert set(found) == {".absmax", ".code", ".state2.code"}
     assert found[".absmax"] is absmax and found[".state2.code"] is code2
@@ -86,8 +93,11 @@ def test_resident_storages_of_a_plain_model() -> None:
 
 def test_resident_storages_of_bnb_4bit_include_quant_state() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(bnb.nn.Linear4bit(64, 32, bias=True, compute_dtype=torch.float32,
-                                            quant_type="nf4", compress_statistics=True).to("cpu"))
+    model = nn.Sequential(
+        bnb.nn.Linear4bit(
+            64, 32, bias=True, compute_dtype=torch.float32, quant_type="nf4", compress_statistics=True
+        ).to("cpu")
+    )
     w = model[0].weight
     qs = w.quant_state
     assert qs.nested

@@ -17,9 +17,16 @@ RECORDS_EACH = 8
 
 def _doc(writer: int, n: int, bnb: str = "0.50.2") -> dict:
     return {
-        "machine_info": {"vramguard": {"device": "cpu", "packages": {"torch": "2.13.0", "bitsandbytes": bnb}}},
-        "benchmarks": [{"name": f"test_x[w{writer}-{n}]", "params": {"w": writer, "n": n},
-                        "extra_info": {"vramguard": {"metrics": {"peak_allocated": 1000 + n}}}}],
+        "machine_info": {
+            "vramguard": {"device": "cpu", "packages": {"torch": "2.13.0", "bitsandbytes": bnb}}
+        },
+        "benchmarks": [
+            {
+                "name": f"test_x[w{writer}-{n}]",
+                "params": {"w": writer, "n": n},
+                "extra_info": {"vramguard": {"metrics": {"peak_allocated": 1000 + n}}},
+            }
+        ],
     }
 
 

@@ -31,9 +31,20 @@ def test_cpu_peak_of_a_known_sequence_is_exact_to_the_byte() -> None:
     assert tracker.result.peak_bytes == peak_a
     pa, pb = tracker.result.phases["a"], tracker.result.phases["b"]
     assert (pa.calls, pa.start_bytes, pa.end_bytes, pa.peak_bytes, pa.delta_bytes, pa.peak_above_start) == (
-        1, 0, after_a, peak_a, after_a, peak_a)
+        1,
+        0,
+        after_a,
+        peak_a,
+        after_a,
+        peak_a,
+    )
     assert (pb.start_bytes, pb.end_bytes, pb.peak_bytes, pb.delta_bytes, pb.peak_above_start) == (
-        after_a, after_b, after_b, 5 * F32, 5 * F32)
+        after_a,
+        after_b,
+        after_b,
+        5 * F32,
+        5 * F32,
+    )
     assert (a_call.peak_bytes, a_call.end_bytes) == (peak_a, after_a)
     del b, c, d_view
 
@@ -61,9 +72,19 @@ def test_freed_storages_are_subtracted_and_frames_nest() -> None:
             last = torch.empty(16, dtype=torch.float64)  # 128 B, kept
         assert tracker.current() == 256 + 128
     inner, outer = tracker.result.phases["inner"], tracker.result.phases["outer"]
-    assert (inner.calls, inner.peak_bytes, inner.peak_above_start, inner.delta_bytes) == (2, 256 + 4096, 4096, 0)
+    assert (inner.calls, inner.peak_bytes, inner.peak_above_start, inner.delta_bytes) == (
+        2,
+        256 + 4096,
+        4096,
+        0,
+    )
     # the inner peak is folded into the enclosing frame and the whole run
-    assert (outer.calls, outer.start_bytes, outer.peak_bytes, outer.end_bytes) == (1, 256, 256 + 4096, 256 + 128)
+    assert (outer.calls, outer.start_bytes, outer.peak_bytes, outer.end_bytes) == (
+        1,
+        256,
+        256 + 4096,
+        256 + 128,
+    )
     assert tracker.result.peak_bytes == 256 + 4096
     del keep, last
 

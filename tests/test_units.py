@@ -41,8 +41,26 @@ def test_parse_size_known_answers(text: str | int | float, expected: int) -> Non
 
 @pytest.mark.parametrize(
     "text",
-    ["", "abc", "12 XB", "12 MiBs", "1.2.3 MiB", "5%", "MiB", "- 3 MiB", "-3 MiB", "-1", -1, -0.5, True, False,
-     float("nan"), float("inf"), "nan", "inf"],
+    [
+        "",
+        "abc",
+        "12 XB",
+        "12 MiBs",
+        "1.2.3 MiB",
+        "5%",
+        "MiB",
+        "- 3 MiB",
+        "-3 MiB",
+        "-1",
+        -1,
+        -0.5,
+        True,
+        False,
+        float("nan"),
+        float("inf"),
+        "nan",
+        "inf",
+    ],
 )
 def test_parse_size_rejects_bad_input(text: object) -> None:
     with pytest.raises(UsageError):
@@ -86,8 +104,17 @@ def test_format_then_parse_round_trips_on_exact_sizes(n: int) -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("3%", 0.03), (" 3 % ", 0.03), ("0.5%", 0.005), ("100%", 1.0), ("0%", 0.0), ("0.03", 0.03), (0.25, 0.25),
-     (0, 0.0), ("250%", 2.5)],
+    [
+        ("3%", 0.03),
+        (" 3 % ", 0.03),
+        ("0.5%", 0.005),
+        ("100%", 1.0),
+        ("0%", 0.0),
+        ("0.03", 0.03),
+        (0.25, 0.25),
+        (0, 0.0),
+        ("250%", 2.5),
+    ],
 )
 def test_parse_percent_known_answers(text: str | float, expected: float) -> None:
     assert parse_percent(text) == pytest.approx(expected, rel=1e-12, abs=0)

@@ -39,8 +39,13 @@ def _triggers(workflow: dict[str, Any]) -> dict[str, Any]:
 @needs_actionlint
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
 def test_actionlint_finds_nothing(path: Path) -> None:
-    result = subprocess.run([ACTIONLINT, "-no-color", "-oneline", str(path)], capture_output=True, text=True,
-                            timeout=120, check=False)
+    result = subprocess.run(
+        [ACTIONLINT, "-no-color", "-oneline", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -48,10 +53,17 @@ def test_actionlint_finds_nothing(path: Path) -> None:
 def test_actionlint_really_lints(tmp_path: Path) -> None:
     broken = tmp_path / ".github" / "workflows" / "broken.yml"
     broken.parent.mkdir(parents=True)
-    broken.write_text("on: push\njobs:\n  x:\n    runs-on: ubuntu-latest\n    steps:\n"
-                      "      - run: echo ${{ github.no_such_context_thing( }}\n")
-    result = subprocess.run([ACTIONLINT, "-no-color", "-oneline", str(broken)], capture_output=True, text=True,
-                            timeout=120, check=False)
+    broken.write_text(
+        "on: push\njobs:\n  x:\n    runs-on: ubuntu-latest\n    steps:\n"
+        "      - run: echo ${{ github.no_such_context_thing( }}\n"
+    )
+    result = subprocess.run(
+        [ACTIONLINT, "-no-color", "-oneline", str(broken)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode != 0 and "broken.yml" in result.stdout
 
 

@@ -56,14 +56,20 @@ def _two_element_weight() -> tuple[torch.Tensor, torch.Tensor, object]:
     return w, packed, qs
 
 
-@known_defect("dequantize_4bit reads a [1, 1] packed weight (N*K == 2) as transposed and returns W.T", AssertionError)
+@known_defect(
+    "dequantize_4bit reads a [1, 1] packed weight (N*K == 2) as transposed and returns W.T", AssertionError
+)
 def test_dequantize_4bit_of_one_byte_weight_has_the_quantized_shape() -> None:
     _, packed, qs = _two_element_weight()
     w_dq = bnbF.dequantize_4bit(packed, qs)
-    assert tuple(w_dq.shape) == tuple(qs.shape), f"dequantize_4bit gave {tuple(w_dq.shape)}, want {tuple(qs.shape)}"
+    assert tuple(w_dq.shape) == tuple(qs.shape), (
+        f"dequantize_4bit gave {tuple(w_dq.shape)}, want {tuple(qs.shape)}"
+    )
 
 
-@known_defect("MatMul4Bit.backward with a one-byte packed weight (N*K == 2): 'mat1 and mat2 shapes cannot be multiplied'")
+@known_defect(
+    "MatMul4Bit.backward with a one-byte packed weight (N*K == 2): 'mat1 and mat2 shapes cannot be multiplied'"
+)
 def test_matmul_4bit_backward_with_one_byte_weight() -> None:
     _, packed, qs = _two_element_weight()
     x = torch.tensor([[1.0, 2.0], [3.0, -1.0], [0.5, 0.5]], requires_grad=True)
@@ -76,7 +82,9 @@ def test_matmul_4bit_backward_with_one_byte_weight() -> None:
     torch.testing.assert_close(x.grad, g @ w_dq)
 
 
-@known_defect("matmul_4bit with a weight quantized from [K, N] and N*K == 2: 'mat1 and mat2 shapes cannot be multiplied'")
+@known_defect(
+    "matmul_4bit with a weight quantized from [K, N] and N*K == 2: 'mat1 and mat2 shapes cannot be multiplied'"
+)
 def test_matmul_4bit_kn_form_with_one_byte_weight() -> None:
     w = torch.tensor([[0.25], [-0.5]], dtype=torch.float32)  # [K=2, N=1], the deprecated orientation
     packed, qs = bnbF.quantize_4bit(w, blocksize=64, quant_type="nf4")
@@ -87,7 +95,9 @@ def test_matmul_4bit_kn_form_with_one_byte_weight() -> None:
     torch.testing.assert_close(y, x @ w_dq)
 
 
-@known_defect("MatMul8bitFp.backward calls A.t() on a 3-D input when has_fp16_weights=True: 't() expects a tensor with <= 2 dimensions'")
+@known_defect(
+    "MatMul8bitFp.backward calls A.t() on a 3-D input when has_fp16_weights=True: 't() expects a tensor with <= 2 dimensions'"
+)
 def test_matmul_8bit_fp_backward_with_3d_input_and_fp16_weights() -> None:
     state = bnb.MatmulLtState()
     state.has_fp16_weights = True

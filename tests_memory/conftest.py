@@ -31,8 +31,16 @@ def qlora() -> Callable[..., QLoRAModel]:
     """``qlora(device, **QLoRAConfig fields)``: a model built once per session per configuration."""
 
     def get(device: str = "cpu", **kw: Any) -> QLoRAModel:
-        cfg = QLoRAConfig(**{"model": "tiny-llama", "seq_len": SEQ, "batch": BATCH, "lora_rank": RANK,
-                             "device": device, **kw})
+        cfg = QLoRAConfig(
+            **{
+                "model": "tiny-llama",
+                "seq_len": SEQ,
+                "batch": BATCH,
+                "lora_rank": RANK,
+                "device": device,
+                **kw,
+            }
+        )
         key = tuple(sorted((k, str(v)) for k, v in cfg.to_dict().items()))
         if key not in _MODELS:
             with warnings.catch_warnings():

@@ -30,16 +30,35 @@ class Holder(torch.nn.Module):
         return self.layer(x)
 
 
-def linear4bit(device: str, quant_type: str = "nf4", nested: bool = False, compute_dtype: torch.dtype = torch.bfloat16,
-               bias: bool = False, cls: type = bnb.nn.Linear4bit, quant_storage: torch.dtype = torch.uint8,
-               weight: torch.Tensor | None = None) -> torch.nn.Module:
+def linear4bit(
+    device: str,
+    quant_type: str = "nf4",
+    nested: bool = False,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    bias: bool = False,
+    cls: type = bnb.nn.Linear4bit,
+    quant_storage: torch.dtype = torch.uint8,
+    weight: torch.Tensor | None = None,
+) -> torch.nn.Module:
     torch.manual_seed(0)
     kw = {} if cls is not bnb.nn.Linear4bit else {"quant_type": quant_type}
-    layer = cls(IN, OUT, bias=bias, compute_dtype=compute_dtype, compress_statistics=nested,
-                quant_storage=quant_storage, **kw)
+    layer = cls(
+        IN,
+        OUT,
+        bias=bias,
+        compute_dtype=compute_dtype,
+        compress_statistics=nested,
+        quant_storage=quant_storage,
+        **kw,
+    )
     w = torch.randn(OUT, IN) if weight is None else weight
-    layer.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type=layer.weight.quant_type,
-                                     compress_statistics=nested, quant_storage=quant_storage)
+    layer.weight = bnb.nn.Params4bit(
+        w,
+        requires_grad=False,
+        quant_type=layer.weight.quant_type,
+        compress_statistics=nested,
+        quant_storage=quant_storage,
+    )
     if bias:
         layer.bias = torch.nn.Parameter(torch.randn(OUT), requires_grad=False)
     return Holder(layer.to(device)).train()
@@ -73,8 +92,9 @@ def _cases() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
 @pytest.mark.parametrize(("form", "quant_type"), _cases())
-def test_linear4bit_keeps_nothing(device: str, quant_type: str, nested: bool, form: str,
-                                  request: pytest.FixtureRequest) -> None:
+def test_linear4bit_keeps_nothing(
+    device: str, quant_type: str, nested: bool, form: str, request: pytest.FixtureRequest
+) -> None:
     """Budget: 0 B kept (no activation, nothing weight-sized) -- backward re-dequantizes."""
     opts = dict(CALL_FORMS[form])
     functional = opts.pop("functional", None)
@@ -84,17 +104,28 @@ def test_linear4bit_keeps_nothing(device: str, quant_type: str, nested: bool, fo
     x = _input(device, x_dtype, dims)
     layer = model.layer
     if functional == "t":
+
         def fn() -> torch.Tensor:
             return bnb.matmul_4bit(x, layer.weight.t(), quant_state=layer.weight.quant_state)
     elif functional == "plain":
+
         def fn() -> torch.Tensor:
             return bnb.matmul_4bit(x, layer.weight, quant_state=layer.weight.quant_state)
     else:
+
         def fn() -> torch.Tensor:
             return model(x)
+
     m, y = measure(fn, model=model, device=device, inputs=x)
-    assert_within_budget(m, Budget(f"{form} {quant_type}{' nested' if nested else ''}", 0,
-                                   formula="0: grad_input = grad_out @ dequantize(W_packed)"), request)
+    assert_within_budget(
+        m,
+        Budget(
+            f"{form} {quant_type}{' nested' if nested else ''}",
+            0,
+            formula="0: grad_input = grad_out @ dequantize(W_packed)",
+        ),
+        request,
+    )
     assert not [k for k in m.kept if k.kind == "weight-copy"]
     y.float().sum().backward()  # and backward works from what was kept
     assert x.grad is not None and x.grad.shape == x.shape
@@ -107,13 +138,19 @@ def test_linear4bit_keeps_nothing(device: str, quant_type: str, nested: bool, fo
 )
 def test_linear4bit_kn_orientation_keeps_nothing(device: str, request: pytest.FixtureRequest) -> None:
     """The deprecated orientation bitsandbytes still accepts (with a DeprecationWarning)."""
-    model = linear4bit(device, weight=torch.randn(IN, OUT), compute_dtype=torch.bfloat16)  # quantized as [K, N]
+    model = linear4bit(
+        device, weight=torch.randn(IN, OUT), compute_dtype=torch.bfloat16
+    )  # quantized as [K, N]
     x = _input(device, torch.bfloat16)
     layer = model.layer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        m, _y = measure(lambda: bnb.matmul_4bit(x, layer.weight, quant_state=layer.weight.quant_state),
-                       model=model, device=device, inputs=x)
+        m, _y = measure(
+            lambda: bnb.matmul_4bit(x, layer.weight, quant_state=layer.weight.quant_state),
+            model=model,
+            device=device,
+            inputs=x,
+        )
     assert_within_budget(m, Budget("matmul_4bit [K, N] weight", 0, formula="0"), request)
 
 
@@ -125,7 +162,9 @@ def linear8bit(device: str, threshold: float = 0.0, train: bool = True) -> torch
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_linear8bit_keeps_exactly_its_input(device: str, x_dtype: torch.dtype, request: pytest.FixtureRequest) -> None:
+def test_linear8bit_keeps_exactly_its_input(
+    device: str, x_dtype: torch.dtype, request: pytest.FixtureRequest
+) -> None:
     """Stated per tensor: the 8-bit training path keeps the caller's input itself (ctx.A on the
     CPU path MatMul8bitFp, ctx.tensors[2] on CUDA's MatMul8bitLt) -- its storage, not a copy --
     and the int8 weight and its scales as resident state. Nothing new, nothing weight-sized."""
@@ -134,7 +173,9 @@ def test_linear8bit_keeps_exactly_its_input(device: str, x_dtype: torch.dtype, r
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         m, y = measure(lambda: model(x), model=model, device=device, inputs=x)
-    assert_within_budget(m, Budget("Linear8bitLt new bytes", 0, new_only=True, formula="0 new bytes"), request)
+    assert_within_budget(
+        m, Budget("Linear8bitLt new bytes", 0, new_only=True, formula="0 new bytes"), request
+    )
     assert len(m.kept) == 1, m.table()
     (kept,) = m.kept
     # the caller's storage (CUDA's MatMul8bitLt keeps a 2-D view of it): same bytes, not new

@@ -16,7 +16,11 @@ LAYERS = "base_model.model.model.layers"
 
 
 def _loss_part(m):  # type: ignore[no-untyped-def]
-    return [k for k in m.kept if not k.module.startswith(LAYERS) and not k.module.startswith("base_model.model.model.norm")]
+    return [
+        k
+        for k in m.kept
+        if not k.module.startswith(LAYERS) and not k.module.startswith("base_model.model.model.norm")
+    ]
 
 
 def _run(q, bf16_loss: bool):  # type: ignore[no-untyped-def]
@@ -51,10 +55,12 @@ def test_loss_keeps_fp32_logits_and_bf16_loss_saves_nothing_of_it(device: str, q
     assert delta_loss == 2 * V * h, (m32.table(_loss_part(m32)), m16.table(_loss_part(m16)))
     delta_out = out16.logits.untyped_storage().nbytes() - out32.logits.untyped_storage().nbytes()
     assert delta_out == -2 * T * V  # the only saving: the logits *output* tensor is half the size
-    text = (f"fp32 logits kept by the loss: {upcast} B (4*T*V) with or without the bf16 loss; "
-            f"saved-for-backward delta of lm_head+loss: {delta_loss:+d} B (lm_head weight copy 2*V*h); "
-            f"logits output tensor delta: {delta_out:+d} B; whole-model saved delta: "
-            f"{m16.ledger_bytes() - m32.ledger_bytes():+d} B (of {m32.ledger_bytes()} B)")
+    text = (
+        f"fp32 logits kept by the loss: {upcast} B (4*T*V) with or without the bf16 loss; "
+        f"saved-for-backward delta of lm_head+loss: {delta_loss:+d} B (lm_head weight copy 2*V*h); "
+        f"logits output tensor delta: {delta_out:+d} B; whole-model saved delta: "
+        f"{m16.ledger_bytes() - m32.ledger_bytes():+d} B (of {m32.ledger_bytes()} B)"
+    )
     report_section(request, "bf16 loss (transformers PR 45769)", text)
     out16.loss.backward()
     release(q.model)
@@ -94,10 +100,16 @@ def test_no_grad_claim_4bit(device: str, qlora, no_grad: bool, request, monkeypa
     assert_within_budget(m, Budget("old MatMul4Bit" + (" + no_grad" if no_grad else ""), 0), request)
     q = qlora(device)
     batch = q.batch(0)
-    mq, out = measure(lambda: q.model(**batch), model=q.model, device=device, roots=lambda o: o.loss, inputs=batch)
+    mq, out = measure(
+        lambda: q.model(**batch), model=q.model, device=device, roots=lambda o: o.loss, inputs=batch
+    )
     assert not [k for k in mq.kept if k.kind == "weight-copy"], mq.table()
-    report_section(request, "no_grad claim", f"QLoRA model saved bytes with old MatMul4Bit "
-                   f"{'with' if no_grad else 'without'} no_grad: {mq.ledger_bytes()} B; weight copies: 0 B")
+    report_section(
+        request,
+        "no_grad claim",
+        f"QLoRA model saved bytes with old MatMul4Bit "
+        f"{'with' if no_grad else 'without'} no_grad: {mq.ledger_bytes()} B; weight copies: 0 B",
+    )
     request.node.user_properties.append(("saved_bytes", mq.ledger_bytes()))
     out.loss.backward()
     release(q.model)
@@ -115,4 +127,6 @@ def test_no_grad_claim_8bit_patch(device: str, request) -> None:  # type: ignore
         after, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
     assert before.ledger_bytes() == after.ledger_bytes() == x.numel() * x.element_size()
     assert before.tracker_bytes() == after.tracker_bytes()
-    report_section(request, "no_grad claim (8-bit)", f"saved {before.ledger_bytes()} B -> {after.ledger_bytes()} B")
+    report_section(
+        request, "no_grad claim (8-bit)", f"saved {before.ledger_bytes()} B -> {after.ledger_bytes()} B"
+    )

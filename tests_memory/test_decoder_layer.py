@@ -21,13 +21,15 @@ LAYERS = "base_model.model.model.layers"
 
 def forward(q):  # type: ignore[no-untyped-def]
     batch = q.batch(0)
-    return measure(lambda: q.model(**batch), model=q.model, device=q.config.device, roots=lambda o: o.loss,
-                   inputs=batch)
+    return measure(
+        lambda: q.model(**batch), model=q.model, device=q.config.device, roots=lambda o: o.loss, inputs=batch
+    )
 
 
 def band(name: str, expected: int, prefix: str, formula: str) -> Budget:
-    return Budget(name, int(expected * (1 + BAND)), min_bytes=int(expected * (1 - BAND)), prefix=prefix,
-                  formula=formula)
+    return Budget(
+        name, int(expected * (1 + BAND)), min_bytes=int(expected * (1 - BAND)), prefix=prefix, formula=formula
+    )
 
 
 CONFIGS = {
@@ -39,27 +41,61 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_decoder_layer_within_formula(device: str, qlora, config: str, request: pytest.FixtureRequest) -> None:
+def test_decoder_layer_within_formula(
+    device: str, qlora, config: str, request: pytest.FixtureRequest
+) -> None:
     kw = CONFIGS[config]
     q = qlora(device, **kw)
     m, out = forward(q)
-    e = out.logits.element_size()  # activation dtype as the model runs it (fp32 after prepare_model_for_kbit_training)
+    e = (
+        out.logits.element_size()
+    )  # activation dtype as the model runs it (fp32 after prepare_model_for_kbit_training)
     n = q.spec.fields["num_hidden_layers"]
     for i in range(n):
-        shape = shape_from(q.spec.fields, batch=BATCH, seq=SEQ, rank=RANK, act_bytes=e,
-                           dropout=kw.get("lora_dropout", 0) > 0, mask_bytes=mask_bytes(device, e),
-                           attn=kw.get("attn_implementation", "sdpa"), first_layer=i == 0)
+        shape = shape_from(
+            q.spec.fields,
+            batch=BATCH,
+            seq=SEQ,
+            rank=RANK,
+            act_bytes=e,
+            dropout=kw.get("lora_dropout", 0) > 0,
+            mask_bytes=mask_bytes(device, e),
+            attn=kw.get("attn_implementation", "sdpa"),
+            first_layer=i == 0,
+        )
         expected = layer_saved_bytes(shape) + (rope_bytes(1, SEQ, shape.head_dim) if i == 0 else 0)
         terms = ", ".join(f"{k}={v}" for k, v in layer_terms(shape).items())
         assert_within_budget(m, band(f"layer {i} ({config})", expected, f"{LAYERS}.{i}", terms), request)
     # the rest of the model: final norm, and the loss's fp32 logits + int64 targets (+ scalars)
     T, vocab, h = BATCH * SEQ, q.spec.fields["vocab_size"], q.spec.fields["hidden_size"]
-    assert_within_budget(m, Budget("final norm", T * h * 4 + T * 4, min_bytes=T * h * 4 + T * 4,
-                                   prefix="base_model.model.model.norm", formula="T*h*4 + T*4"), request)
-    rest = [k for k in m.kept if not k.module.startswith(LAYERS) and not k.module.startswith("base_model.model.model.norm")]
+    assert_within_budget(
+        m,
+        Budget(
+            "final norm",
+            T * h * 4 + T * 4,
+            min_bytes=T * h * 4 + T * 4,
+            prefix="base_model.model.model.norm",
+            formula="T*h*4 + T*4",
+        ),
+        request,
+    )
+    rest = [
+        k
+        for k in m.kept
+        if not k.module.startswith(LAYERS) and not k.module.startswith("base_model.model.model.norm")
+    ]
     loss_max = logits_fp32_bytes(BATCH, SEQ, vocab) + 8 * T + 64
-    assert_within_budget(m, Budget("lm_head + loss", loss_max, min_bytes=logits_fp32_bytes(BATCH, SEQ, vocab),
-                                   predicate=lambda k: k in rest, formula="4*T*V + 8*T + scalars"), request)
+    assert_within_budget(
+        m,
+        Budget(
+            "lm_head + loss",
+            loss_max,
+            min_bytes=logits_fp32_bytes(BATCH, SEQ, vocab),
+            predicate=lambda k: k in rest,
+            formula="4*T*V + 8*T + scalars",
+        ),
+        request,
+    )
     out.loss.backward()
     release(q.model)
 
@@ -69,7 +105,9 @@ def test_decoder_layer_within_formula(device: str, qlora, config: str, request: 
     reason=f"peft {V['peft']}: prepare_model_for_kbit_training upcasts the norms to fp32, so the whole residual "
     "stream and every saved activation is fp32: 2x the bf16 compute-dtype budget",
 )
-def test_decoder_layer_within_compute_dtype_budget(device: str, qlora, request: pytest.FixtureRequest) -> None:
+def test_decoder_layer_within_compute_dtype_budget(
+    device: str, qlora, request: pytest.FixtureRequest
+) -> None:
     """The budget a user of bnb_4bit_compute_dtype=bf16 expects: activations in bf16."""
     q = qlora(device)
     m, _out = forward(q)
@@ -77,7 +115,9 @@ def test_decoder_layer_within_compute_dtype_budget(device: str, qlora, request: 
     assert_within_budget(m, band("layer 1 at bf16", layer_saved_bytes(shape), f"{LAYERS}.1", "e=2"), request)
 
 
-def test_gradient_checkpointing_keeps_one_hidden_state(device: str, qlora, request: pytest.FixtureRequest) -> None:
+def test_gradient_checkpointing_keeps_one_hidden_state(
+    device: str, qlora, request: pytest.FixtureRequest
+) -> None:
     q = qlora(device, gradient_checkpointing=True)
     m, out = forward(q)
     h = q.spec.fields["hidden_size"]

@@ -19,27 +19,37 @@ def lora(base: torch.nn.Module, dropout: float) -> torch.nn.Module:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=16, lora_dropout=dropout, target_modules=["layer"]))
+        model = get_peft_model(
+            base, LoraConfig(r=RANK, lora_alpha=16, lora_dropout=dropout, target_modules=["layer"])
+        )
     return model.train()
 
 
-BASES = {"4bit-nf4": lambda d: linear4bit(d, "nf4", True), "4bit-fp4": lambda d: linear4bit(d, "fp4", False),
-         "8bit": lambda d: linear8bit(d)}
+BASES = {
+    "4bit-nf4": lambda d: linear4bit(d, "nf4", True),
+    "4bit-fp4": lambda d: linear4bit(d, "fp4", False),
+    "8bit": lambda d: linear8bit(d),
+}
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["dropout0", "dropout0.1"])
 @pytest.mark.parametrize("base", list(BASES))
-def test_lora_keeps_input_and_rank_r(device: str, base: str, dropout: float, request: pytest.FixtureRequest) -> None:
+def test_lora_keeps_input_and_rank_r(
+    device: str, base: str, dropout: float, request: pytest.FixtureRequest
+) -> None:
     model = lora(BASES[base](device), dropout)
-    x = torch.randn(BATCH, SEQ, IN, device=device, requires_grad=True)  # fp32, as after prepare_model_for_kbit_training
+    x = torch.randn(
+        BATCH, SEQ, IN, device=device, requires_grad=True
+    )  # fp32, as after prepare_model_for_kbit_training
     e = x.element_size()
     new = lora_adapter_bytes(BATCH * SEQ, IN, RANK, e, dropout > 0, mask_bytes(device, e))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         m, y = measure(lambda: model(x), model=model, device=device, inputs=x)
     formula = "T*r*e" + (" + T*in*(e+m)" if dropout else "")
-    assert_within_budget(m, Budget(f"LoRA over {base} new bytes", new, min_bytes=new, new_only=True,
-                                   formula=formula), request)
+    assert_within_budget(
+        m, Budget(f"LoRA over {base} new bytes", new, min_bytes=new, new_only=True, formula=formula), request
+    )
     # the pre-existing storages it may keep: the caller's input, once (LoRA-A's, and the 8-bit base's ctx.A)
     old = [k for k in m.kept if not k.new]
     assert {k.key for k in old} <= {x.untyped_storage()._cdata}, m.table(old)
@@ -59,5 +69,8 @@ def test_lora_bf16_input_keeps_no_copy(device: str, request: pytest.FixtureReque
     x = torch.randn(BATCH, SEQ, IN, device=device, dtype=torch.bfloat16, requires_grad=True)
     m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
     e = 4  # the rank-r intermediate is in the adapter's dtype (fp32)
-    assert_within_budget(m, Budget("LoRA(bf16 input) new bytes", BATCH * SEQ * RANK * e, new_only=True,
-                                   formula="T*r*4"), request)
+    assert_within_budget(
+        m,
+        Budget("LoRA(bf16 input) new bytes", BATCH * SEQ * RANK * e, new_only=True, formula="T*r*4"),
+        request,
+    )

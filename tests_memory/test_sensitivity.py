@@ -53,7 +53,9 @@ def dequant_in_ctx_attribute():  # type: ignore[no-untyped-def]
     return _matmul4bit_fault("ctx")
 
 
-@pytest.mark.parametrize(("fault", "probe"), [("dequant_saved_for_backward", "hook"), ("dequant_in_ctx_attribute", "ctx")])
+@pytest.mark.parametrize(
+    ("fault", "probe"), [("dequant_saved_for_backward", "hook"), ("dequant_in_ctx_attribute", "ctx")]
+)
 def test_4bit_weight_copy_is_caught(device: str, fault: str, probe: str, request) -> None:  # type: ignore[no-untyped-def]
     inject = request.getfixturevalue(fault)
     model = linear4bit(device)
@@ -77,7 +79,9 @@ def layer_keeps_input_copy(qlora, device):  # type: ignore[no-untyped-def]
     @contextlib.contextmanager
     def inject() -> Iterator[None]:
         mlp = qlora(device).model.base_model.model.model.layers[1].mlp
-        handle = mlp.register_forward_pre_hook(lambda mod, args: setattr(mod, "stash", args[0].detach().clone()))
+        handle = mlp.register_forward_pre_hook(
+            lambda mod, args: setattr(mod, "stash", args[0].detach().clone())
+        )
         try:
             yield
         finally:
@@ -109,8 +113,9 @@ def growing_module_cache(qlora, device):  # type: ignore[no-untyped-def]
 
 def _model_check(q, budget: Budget):  # type: ignore[no-untyped-def]
     batch = q.batch(0)
-    m, out = measure(lambda: q.model(**batch), model=q.model, device=q.config.device, roots=lambda o: o.loss,
-                     inputs=batch)
+    m, out = measure(
+        lambda: q.model(**batch), model=q.model, device=q.config.device, roots=lambda o: o.loss, inputs=batch
+    )
     del out
     return check(m, budget)
 
@@ -185,8 +190,9 @@ def _loss_check(q, loss_fn):  # type: ignore[no-untyped-def]
     m, res = measure(fn, model=q.model, device=q.config.device, inputs=batch)
     del res
     rest = {id(k) for k in m.kept if not k.module.startswith(LAYERS) and "norm" not in k.module}
-    budget = Budget("lm_head + loss", logits_fp32_bytes(BATCH, SEQ, V) + 8 * T + 64,
-                    predicate=lambda k: id(k) in rest)
+    budget = Budget(
+        "lm_head + loss", logits_fp32_bytes(BATCH, SEQ, V) + 8 * T + 64, predicate=lambda k: id(k) in rest
+    )
     return check(m, budget)
 
 
@@ -200,8 +206,11 @@ def test_extra_logits_copy_is_caught(device: str, qlora, loss_keeps_extra_fp32_l
 def lora_copies_its_input():  # type: ignore[no-untyped-def]
     @contextlib.contextmanager
     def inject(model: torch.nn.Module) -> Iterator[None]:
-        handles = [mod.register_forward_pre_hook(lambda mod, args: (args[0].clone(),))
-                   for name, mod in model.named_modules() if name.endswith("lora_A.default")]
+        handles = [
+            mod.register_forward_pre_hook(lambda mod, args: (args[0].clone(),))
+            for name, mod in model.named_modules()
+            if name.endswith("lora_A.default")
+        ]
         try:
             yield
         finally:

@@ -91,8 +91,10 @@ def _trl_offload() -> Any:
     from trl.models.activation_offloading import OffloadActivations
 
     if not (hasattr(torch, "accelerator") and torch.accelerator.current_accelerator() is not None):
-        pytest.skip(f"trl {trl.__version__} OffloadActivations needs an accelerator (it asks "
-                    "torch.accelerator.current_accelerator() for the device to offload from)")
+        pytest.skip(
+            f"trl {trl.__version__} OffloadActivations needs an accelerator (it asks "
+            "torch.accelerator.current_accelerator() for the device to offload from)"
+        )
     return OffloadActivations
 
 

@@ -51,7 +51,9 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def run_audit(config: QLoRAConfig, steps: int = 3, progress: Progress | None = None, top: int = 3) -> AuditReport:
+def run_audit(
+    config: QLoRAConfig, steps: int = 3, progress: Progress | None = None, top: int = 3
+) -> AuditReport:
     """Build, train ``steps`` steps, measure; pure apart from the compute (no printing)."""
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
@@ -172,7 +174,9 @@ def _assemble(
         )
         for r in results
     ]
-    leak = max((s.retained_bytes for s in steps), default=0) - steps[0].retained_bytes if len(steps) > 1 else 0
+    leak = (
+        max((s.retained_bytes for s in steps), default=0) - steps[0].retained_bytes if len(steps) > 1 else 0
+    )
     verdict = _verdict(config, totals, comparison, steps, leak, q, ledger)
     env = environment.collect(config.device).to_dict()
     return AuditReport(
@@ -259,9 +263,7 @@ def render(report: AuditReport, console: Any) -> None:
         f"{len(report.steps)} steps"
     )
     env = report.environment.get("packages", {})
-    console.print(
-        "[dim]" + ", ".join(f"{k} {v}" for k, v in env.items() if v) + "[/]", highlight=False
-    )
+    console.print("[dim]" + ", ".join(f"{k} {v}" for k, v in env.items() if v) + "[/]", highlight=False)
 
     t = Table(title="Saved for backward, per decoder layer (ledger: hooks + ctx walk)", title_justify="left")
     for col in ("layer", "saved", "activations", "weight copies", "analytic", "top modules"):
@@ -322,7 +324,9 @@ def render(report: AuditReport, console: Any) -> None:
     console.print(p)
     note = "" if report.device.startswith("cuda") else " (CPU: bytes above the model's weights)"
     console.print(
-        "retained after each step" + note + ": "
+        "retained after each step"
+        + note
+        + ": "
         + ", ".join(fb(st.retained_bytes) for st in report.steps)
         + f"; growth {fb(report.leak_bytes, signed=True)}",
         highlight=False,

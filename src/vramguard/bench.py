@@ -30,7 +30,6 @@ from vramguard.training import PHASES, StepResult, make_optimizer, train_step
 SCHEMA = 1
 
 
-
 @dataclass(frozen=True)
 class Case:
     """One point of the benchmark matrix; ``id`` is the pytest parameter id."""
@@ -217,6 +216,7 @@ def run_case(benchmark: Any, case: Case, device: str) -> dict[str, Any]:
     prepared = Prepared(case, device)
     payload: dict[str, Any] = {}
     try:
+
         def target() -> None:
             payload.update(measure(prepared))
 

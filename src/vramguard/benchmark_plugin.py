@@ -129,21 +129,44 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
 # options ------------------------------------------------------------------------------------
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("vramguard-benchmark", "vramguard memory benchmarks")
-    group.addoption("--vram-baseline", metavar="PATH", default=None,
-                    help="compare benchmark memory with this run: JSON file, run directory or "
-                         "results store[@latest|@previous|@RUN_ID]; fail the session on a regression")
-    group.addoption("--vram-fail-above", metavar="PCT", default="3%",
-                    help="default threshold for memory metrics with --vram-baseline (default 3%%)")
-    group.addoption("--vram-threshold", metavar="METRIC=PCT", action="append", default=[],
-                    help="per-metric threshold, e.g. step_time=20%% (repeatable)")
-    group.addoption("--vram-store", metavar="DIR", default=None,
-                    help="write this run's benchmark records to a results store")
-    group.addoption("--vram-summary", metavar="FILE", default=None,
-                    help="append the comparison as Markdown (e.g. $GITHUB_STEP_SUMMARY)")
+    group.addoption(
+        "--vram-baseline",
+        metavar="PATH",
+        default=None,
+        help="compare benchmark memory with this run: JSON file, run directory or "
+        "results store[@latest|@previous|@RUN_ID]; fail the session on a regression",
+    )
+    group.addoption(
+        "--vram-fail-above",
+        metavar="PCT",
+        default="3%",
+        help="default threshold for memory metrics with --vram-baseline (default 3%%)",
+    )
+    group.addoption(
+        "--vram-threshold",
+        metavar="METRIC=PCT",
+        action="append",
+        default=[],
+        help="per-metric threshold, e.g. step_time=20%% (repeatable)",
+    )
+    group.addoption(
+        "--vram-store",
+        metavar="DIR",
+        default=None,
+        help="write this run's benchmark records to a results store",
+    )
+    group.addoption(
+        "--vram-summary",
+        metavar="FILE",
+        default=None,
+        help="append the comparison as Markdown (e.g. $GITHUB_STEP_SUMMARY)",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
+def pytest_load_initial_conftests(
+    early_config: pytest.Config, parser: pytest.Parser, args: list[str]
+) -> None:
     pin_gpu()
 
 
@@ -195,9 +218,15 @@ def _entry(item: pytest.Item, fixture: Any) -> dict[str, Any]:
         entry = fixture.stats.as_dict(include_data=False)
     else:  # timing disabled (xdist, --benchmark-disable): same shape, no stats
         callspec = getattr(item, "callspec", None)
-        entry = {"group": None, "name": item.name, "fullname": item.nodeid,
-                 "params": dict(callspec.params) if callspec else None,
-                 "param": callspec.id if callspec else None, "extra_info": fixture.extra_info, "stats": None}
+        entry = {
+            "group": None,
+            "name": item.name,
+            "fullname": item.nodeid,
+            "params": dict(callspec.params) if callspec else None,
+            "param": callspec.id if callspec else None,
+            "extra_info": fixture.extra_info,
+            "stats": None,
+        }
     return json.loads(json.dumps(entry, default=str))
 
 

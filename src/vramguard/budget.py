@@ -97,7 +97,9 @@ def _count(model: torch.nn.Module, double_quant: bool) -> tuple[int, int, int, i
         if qs is not None:
             n = int(torch.Size(qs.shape).numel())
             quantized += n
-            quantized_bytes += quantized_weight_bytes(n, int(getattr(qs, "blocksize", QUANT_BLOCKSIZE)), double_quant)
+            quantized_bytes += quantized_weight_bytes(
+                n, int(getattr(qs, "blocksize", QUANT_BLOCKSIZE)), double_quant
+            )
         elif p.requires_grad:
             lora += p.numel()
         else:
@@ -130,7 +132,13 @@ def qlora_budget(
     layers: list[dict[str, int]] = []
     for idx in range(f["num_hidden_layers"]):
         if checkpointing:
-            layers.append({"checkpointed layer input": checkpointed_layer_bytes(batch, seq, f["hidden_size"], act_bytes)})
+            layers.append(
+                {
+                    "checkpointed layer input": checkpointed_layer_bytes(
+                        batch, seq, f["hidden_size"], act_bytes
+                    )
+                }
+            )
             continue
         shape = shape_from(
             f,

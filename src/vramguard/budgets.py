@@ -74,8 +74,12 @@ class Measurement:
     output_bytes: int = 0
     allocator_delta: int | None = None
 
-    def select(self, prefix: str | None = None, new_only: bool = False,
-               predicate: Callable[[Kept], bool] | None = None) -> list[Kept]:
+    def select(
+        self,
+        prefix: str | None = None,
+        new_only: bool = False,
+        predicate: Callable[[Kept], bool] | None = None,
+    ) -> list[Kept]:
         out = []
         for k in self.kept:
             if prefix is not None and not (k.module == prefix or k.module.startswith(prefix + ".")):
@@ -135,7 +139,12 @@ class _AnnotatedTracker(StorageTracker):
                 if len(self._live) != before:
                     key = storage_key(t)
                     name = getattr(func, "__name__", str(func))
-                    self.meta[key] = (name, tuple(t.shape), str(t.dtype).removeprefix("torch."), self._module_of())
+                    self.meta[key] = (
+                        name,
+                        tuple(t.shape),
+                        str(t.dtype).removeprefix("torch."),
+                        self._module_of(),
+                    )
         return out
 
 
@@ -150,8 +159,15 @@ class _KeyedLedger(SavedTensorLedger):
         for p in self._packs:
             if p.slot() is None or p.key in self.keyed:
                 continue
-            self.keyed[p.key] = {"module": p.module, "node": names.get(p.node_seq, "<unknown>"), "shape": p.shape,
-                                     "dtype": p.dtype, "bytes": p.nbytes, "probe": "hook", "attribute": None}
+            self.keyed[p.key] = {
+                "module": p.module,
+                "node": names.get(p.node_seq, "<unknown>"),
+                "shape": p.shape,
+                "dtype": p.dtype,
+                "bytes": p.nbytes,
+                "probe": "hook",
+                "attribute": None,
+            }
         for node in nodes:
             if not isinstance(node, BackwardCFunction):
                 continue
@@ -163,9 +179,15 @@ class _KeyedLedger(SavedTensorLedger):
                     key = storage_key(t)
                     if key in self.keyed:
                         continue
-                    self.keyed[key] = {"module": module, "node": node.name(), "shape": tuple(t.shape),
-                                           "dtype": str(t.dtype).removeprefix("torch."), "bytes": storage_nbytes(t),
-                                           "probe": "ctx", "attribute": attr + path}
+                    self.keyed[key] = {
+                        "module": module,
+                        "node": node.name(),
+                        "shape": tuple(t.shape),
+                        "dtype": str(t.dtype).removeprefix("torch."),
+                        "bytes": storage_nbytes(t),
+                        "probe": "ctx",
+                        "attribute": attr + path,
+                    }
         self.resident_keys = set(self._resident)
         self.kinds = {k: self._kind(v["module"], v["shape"], k) for k, v in self.keyed.items()}
         return super()._build_report()
@@ -232,8 +254,19 @@ def measure(
         if key in keyed or key in outs or key in resident:
             continue
         op, shape, dtype, module = meta.get(key, ("<unknown>", (), "?", OUTSIDE))
-        m.kept.append(Kept(key=key, module=module, node=op, shape=shape, dtype=dtype, bytes=nbytes,
-                           probe="tracker", new=True, kind="unexplained"))
+        m.kept.append(
+            Kept(
+                key=key,
+                module=module,
+                node=op,
+                shape=shape,
+                dtype=dtype,
+                bytes=nbytes,
+                probe="tracker",
+                new=True,
+                kind="unexplained",
+            )
+        )
     m.kept.sort(key=lambda k: (-k.bytes, k.module))
     return m, result
 
@@ -281,8 +314,10 @@ class Verdict:
 
     def detail(self, m: Measurement) -> str:
         b = self.budget
-        band = f"[{format_bytes(b.min_bytes)}, {format_bytes(b.max_bytes)}]" if b.min_bytes is not None else (
-            f"<= {format_bytes(b.max_bytes)}"
+        band = (
+            f"[{format_bytes(b.min_bytes)}, {format_bytes(b.max_bytes)}]"
+            if b.min_bytes is not None
+            else (f"<= {format_bytes(b.max_bytes)}")
         )
         head = [
             f"budget {b.name}: {band} ({b.max_bytes} B){' = ' + b.formula if b.formula else ''}",
@@ -290,7 +325,9 @@ class Verdict:
             f"  tracker: {self.tracker_bytes} B   unexplained (tracker only): {self.unexplained_bytes} B",
         ]
         if m.allocator_delta is not None:
-            head.append(f"  CUDA allocator delta over the block: {m.allocator_delta} B (outputs {m.output_bytes} B)")
+            head.append(
+                f"  CUDA allocator delta over the block: {m.allocator_delta} B (outputs {m.output_bytes} B)"
+            )
         return "\n".join(head + ["  kept:"] + ["    " + line for line in m.table(self.items).splitlines()])
 
 
@@ -326,8 +363,9 @@ def check(m: Measurement, budget: Budget) -> Verdict:
             f"{budget.name}: tracker sees {unexplained} B alive that no saved-tensor hook or ctx holds "
             f"(a cache or private copy); {culprit(lambda k: k.probe == 'tracker')}"
         )
-    return Verdict(budget, led, trk, m.bytes_by("hook", items), m.bytes_by("ctx", items), unexplained, items,
-                   failures)
+    return Verdict(
+        budget, led, trk, m.bytes_by("hook", items), m.bytes_by("ctx", items), unexplained, items, failures
+    )
 
 
 def report_section(request: Any, title: str, text: str) -> None:
@@ -348,8 +386,11 @@ def assert_within_budget(m: Measurement, budget: Budget, request: Any = None) ->
     if request is not None:
         report_section(request, budget.name, verdict.detail(m))
     if verdict.failures:
-        extra = f" (+{len(verdict.failures) - 1} more, see 'vramguard: {budget.name}' section)" if len(
-            verdict.failures) > 1 else ""
+        extra = (
+            f" (+{len(verdict.failures) - 1} more, see 'vramguard: {budget.name}' section)"
+            if len(verdict.failures) > 1
+            else ""
+        )
         raise AssertionError(verdict.failures[0] + extra)
     return verdict
 
@@ -439,7 +480,10 @@ class SavedBytesMeter:
         if self.per_layer:
             from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-            self._handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
+            self._handles = [
+                register_module_forward_pre_hook(self._pre),
+                register_module_forward_hook(self._post),
+            ]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self

@@ -242,14 +242,32 @@ def render(comparison: Comparison, console: Console, verbose: bool = False) -> N
     for name, (old, new) in comparison.version_changes.items():
         console.print(f"  {name}: {old} -> {new}")
     table = Table(title="vramguard compare", show_lines=False)
-    for column in ("benchmark", "params", "metric", "baseline", "current", "delta", "%", "threshold", "status"):
-        table.add_column(column, justify="right" if column in ("baseline", "current", "delta", "%") else "left")
+    for column in (
+        "benchmark",
+        "params",
+        "metric",
+        "baseline",
+        "current",
+        "delta",
+        "%",
+        "threshold",
+        "status",
+    ):
+        table.add_column(
+            column, justify="right" if column in ("baseline", "current", "delta", "%") else "left"
+        )
     for r in _interesting(comparison.rows, verbose):
         style = {"REGRESSION": "bold red", "improved": "green"}.get(r.status, "")
         table.add_row(
-            r.name, _params_label(r.params), r.metric, _fmt(r.metric, r.base), _fmt(r.metric, r.current),
-            _fmt(r.metric, r.delta, signed=True), _pct(r.relative),
-            "-" if r.threshold is None else f"{r.threshold * 100:g}%", f"[{style}]{r.status}[/]" if style else r.status,
+            r.name,
+            _params_label(r.params),
+            r.metric,
+            _fmt(r.metric, r.base),
+            _fmt(r.metric, r.current),
+            _fmt(r.metric, r.delta, signed=True),
+            _pct(r.relative),
+            "-" if r.threshold is None else f"{r.threshold * 100:g}%",
+            f"[{style}]{r.status}[/]" if style else r.status,
         )
     console.print(table)
     for key in comparison.only_baseline:
@@ -262,11 +280,18 @@ def render(comparison: Comparison, console: Console, verbose: bool = False) -> N
 
 def markdown(comparison: Comparison, verbose: bool = False) -> str:
     """The same report as GitHub-flavoured Markdown (for ``$GITHUB_STEP_SUMMARY``)."""
-    lines = ["## vramguard compare", "", f"- baseline: `{comparison.baseline_label}`",
-             f"- current: `{comparison.current_label}`"]
+    lines = [
+        "## vramguard compare",
+        "",
+        f"- baseline: `{comparison.baseline_label}`",
+        f"- current: `{comparison.current_label}`",
+    ]
     lines += [f"- {name}: `{old}` → `{new}`" for name, (old, new) in comparison.version_changes.items()]
-    lines += ["", "| benchmark | params | metric | baseline | current | delta | % | threshold | status |",
-              "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    lines += [
+        "",
+        "| benchmark | params | metric | baseline | current | delta | % | threshold | status |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
     for r in _interesting(comparison.rows, verbose):
         status = f"**{r.status}**" if r.status == "REGRESSION" else r.status
         thr = "-" if r.threshold is None else f"{r.threshold * 100:g}%"
@@ -289,15 +314,31 @@ def register(subparsers: Any) -> None:
         help="memory deltas between two benchmark runs; exit 1 on a regression",
         description=__doc__.splitlines()[0],
     )
-    p.add_argument("baseline", help="benchmark JSON file, a run directory, or a results store [@latest|@previous|@RUN_ID]")
+    p.add_argument(
+        "baseline",
+        help="benchmark JSON file, a run directory, or a results store [@latest|@previous|@RUN_ID]",
+    )
     p.add_argument("current", help="same forms as BASELINE")
-    p.add_argument("--threshold", action="append", default=[], metavar="METRIC=PCT",
-                   help="per-metric threshold, e.g. peak_allocated=3%% or 'forward.*=5%%' or step_time=20%%; "
-                        "METRIC=off reports without gating")
-    p.add_argument("--fail-above", default=None, metavar="PCT",
-                   help=f"default threshold for memory metrics (default {DEFAULT_MEMORY_THRESHOLD:.0%})")
-    p.add_argument("--fail-on-missing", action="store_true", help="also fail when a benchmark is on one side only")
-    p.add_argument("--markdown", type=Path, metavar="FILE", help="append a Markdown report (e.g. $GITHUB_STEP_SUMMARY)")
+    p.add_argument(
+        "--threshold",
+        action="append",
+        default=[],
+        metavar="METRIC=PCT",
+        help="per-metric threshold, e.g. peak_allocated=3%% or 'forward.*=5%%' or step_time=20%%; "
+        "METRIC=off reports without gating",
+    )
+    p.add_argument(
+        "--fail-above",
+        default=None,
+        metavar="PCT",
+        help=f"default threshold for memory metrics (default {DEFAULT_MEMORY_THRESHOLD:.0%})",
+    )
+    p.add_argument(
+        "--fail-on-missing", action="store_true", help="also fail when a benchmark is on one side only"
+    )
+    p.add_argument(
+        "--markdown", type=Path, metavar="FILE", help="append a Markdown report (e.g. $GITHUB_STEP_SUMMARY)"
+    )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the comparison as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="show every metric, not only headline ones")
     p.set_defaults(func=run)

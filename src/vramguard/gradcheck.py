@@ -119,9 +119,16 @@ def check_supported(case: Case) -> None:
         raise Unsupported(KNOWN_DEFECT_4BIT_K1)
     if isinstance(case, Linear8bitCase):
         lt_path = not (case.training and case.device == "cpu")
-        if lt_path and case.has_fp16_weights and case.device == "cpu" and case.input_requires_grad is not None:
+        if (
+            lt_path
+            and case.has_fp16_weights
+            and case.device == "cpu"
+            and case.input_requires_grad is not None
+        ):
             # MatMul8bitLt needs int8_double_quant to form the weight gradient; no CPU kernel exists
-            raise Unsupported("MatMul8bitLt with has_fp16_weights on CPU: bitsandbytes::int8_double_quant has no CPU kernel")
+            raise Unsupported(
+                "MatMul8bitLt with has_fp16_weights on CPU: bitsandbytes::int8_double_quant has no CPU kernel"
+            )
         if not lt_path and case.has_fp16_weights and len(case.lead) == 2 and 0 not in case.lead:
             raise Unsupported(KNOWN_DEFECT_8BIT_FP_3D)
         if case.device == "cpu" and 0 in case.lead and not lt_path:
@@ -334,7 +341,11 @@ def run_lora(case: LoraCase) -> Observed:
         model = get_peft_model(
             _Wrapper(base.to(dev)),
             LoraConfig(
-                r=r, lora_alpha=case.alpha, lora_dropout=case.dropout, target_modules=["proj"], init_lora_weights=False
+                r=r,
+                lora_alpha=case.alpha,
+                lora_dropout=case.dropout,
+                target_modules=["proj"],
+                init_lora_weights=False,
             ),
         )
         model.train()
@@ -429,10 +440,17 @@ def assert_matches_reference(case: Case, obs: Observed, patch: Patch | None = No
             continue
         if expected is None or got is None:
             what = "missing" if got is None else "unexpected"
-            failures.append((math.inf, f"{name}: {what} gradient (reference has {'one' if expected is not None else 'none'})"))
+            failures.append(
+                (
+                    math.inf,
+                    f"{name}: {what} gradient (reference has {'one' if expected is not None else 'none'})",
+                )
+            )
             continue
         if tuple(got.shape) != tuple(expected.shape):
-            failures.append((math.inf, f"{name}: shape {tuple(got.shape)} != reference {tuple(expected.shape)}"))
+            failures.append(
+                (math.inf, f"{name}: shape {tuple(got.shape)} != reference {tuple(expected.shape)}")
+            )
             continue
         err = relative_error(got, expected, floor=_floor(magnitude, k))
         tol = tolerance(obs.tol_dtype.get(name, got.dtype), k)

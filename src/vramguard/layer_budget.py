@@ -83,7 +83,9 @@ def adapter_in_features(shape: LayerShape) -> dict[str, int]:
     return {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": ad, "gate_proj": h, "up_proj": h, "down_proj": i}
 
 
-def lora_adapter_bytes(tokens: int, in_features: int, rank: int, act_bytes: int, dropout: bool, mask_bytes: int) -> int:
+def lora_adapter_bytes(
+    tokens: int, in_features: int, rank: int, act_bytes: int, dropout: bool, mask_bytes: int
+) -> int:
     """New bytes one LoRA adapter keeps beyond its (caller-owned) input.
 
     dropout 0: the rank-r intermediate (LoRA-B's input), T*r*e; LoRA-A keeps the caller's input
@@ -150,9 +152,18 @@ def logits_fp32_bytes(batch: int, seq: int, vocab: int) -> int:
     return FP32 * batch * seq * vocab
 
 
-def shape_from(spec_fields: dict[str, Any], *, batch: int, seq: int, rank: int, act_bytes: int = FP32,
-               dropout: bool = False, mask_bytes: int = FP32, attn: str = "sdpa",
-               first_layer: bool = False) -> LayerShape:
+def shape_from(
+    spec_fields: dict[str, Any],
+    *,
+    batch: int,
+    seq: int,
+    rank: int,
+    act_bytes: int = FP32,
+    dropout: bool = False,
+    mask_bytes: int = FP32,
+    attn: str = "sdpa",
+    first_layer: bool = False,
+) -> LayerShape:
     """A :class:`LayerShape` from a model config's fields (``ModelSpec.fields``)."""
     h = int(spec_fields["hidden_size"])
     a = int(spec_fields["num_attention_heads"])

@@ -267,7 +267,9 @@ class SavedTensorLedger:
             for module in self.model.modules():
                 name = names[id(module)]
                 self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
-                self._handles.append(module.register_forward_hook(self._post_hook(name, module is self.model)))
+                self._handles.append(
+                    module.register_forward_hook(self._post_hook(name, module is self.model))
+                )
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -369,7 +371,11 @@ class SavedTensorLedger:
         entries: dict[StorageKey, dict[str, Any]] = {}
 
         def add(
-            key: StorageKey, t_meta: dict[str, Any], node: tuple[int, str], source: Source, attribute: str | None
+            key: StorageKey,
+            t_meta: dict[str, Any],
+            node: tuple[int, str],
+            source: Source,
+            attribute: str | None,
         ) -> None:
             if key in entries:
                 if node not in entries[key]["nodes"]:
@@ -380,7 +386,13 @@ class SavedTensorLedger:
         for p in self._packs:
             if p.slot() is None:  # autograd already released it (graph freed or consumed)
                 continue
-            meta = {"module": p.module, "shape": p.shape, "dtype": p.dtype, "bytes": p.nbytes, "device": p.device}
+            meta = {
+                "module": p.module,
+                "shape": p.shape,
+                "dtype": p.dtype,
+                "bytes": p.nbytes,
+                "device": p.device,
+            }
             add(p.key, meta, (p.node_seq, node_names.get(p.node_seq, "<unknown>")), "hook", None)
 
         for node in nodes:

@@ -77,7 +77,9 @@ class ModelSpec:
         if not (path.suffix == ".json" or path.exists()):
             known = presets()
             if str(ref) not in known:
-                raise UsageError(f"unknown model {str(ref)!r}: use a preset ({', '.join(known)}) or a JSON path")
+                raise UsageError(
+                    f"unknown model {str(ref)!r}: use a preset ({', '.join(known)}) or a JSON path"
+                )
             path = known[str(ref)]
         try:
             data = json.loads(path.read_text())
@@ -91,7 +93,13 @@ class ModelSpec:
         if arch != "llama":
             raise UsageError(f"model config {path}: architecture {arch!r} is not supported (only 'llama')")
         fields = {k: v for k, v in data.items() if k in _CONFIG_KEYS}
-        missing = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"}
+        missing = {
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        }
         missing -= set(fields)
         if missing:
             raise UsageError(f"model config {path} lacks {', '.join(sorted(missing))}")
@@ -114,7 +122,9 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return int(self.fields.get("head_dim") or self.fields["hidden_size"] // self.fields["num_attention_heads"])
+        return int(
+            self.fields.get("head_dim") or self.fields["hidden_size"] // self.fields["num_attention_heads"]
+        )
 
 
 @dataclass(frozen=True)
@@ -147,7 +157,9 @@ class QLoRAConfig:
         if self.quant_type not in ("nf4", "fp4"):
             raise UsageError(f"quant type must be nf4 or fp4, got {self.quant_type!r}")
         if self.attn_implementation not in ("sdpa", "eager"):
-            raise UsageError(f"attention implementation must be sdpa or eager, got {self.attn_implementation!r}")
+            raise UsageError(
+                f"attention implementation must be sdpa or eager, got {self.attn_implementation!r}"
+            )
         dev = self.device
         try:
             torch_dev = torch.device(dev)
@@ -177,7 +189,9 @@ class QLoRAModel:
     def batch(self, step: int = 0) -> dict[str, torch.Tensor]:
         """Synthetic tokens for one step, deterministic in (seed, step)."""
         g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
-        ids = torch.randint(0, self.spec.fields["vocab_size"], (self.config.batch, self.config.seq_len), generator=g)
+        ids = torch.randint(
+            0, self.spec.fields["vocab_size"], (self.config.batch, self.config.seq_len), generator=g
+        )
         ids = ids.to(self.device)
         return {"input_ids": ids, "labels": ids}
 

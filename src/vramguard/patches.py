@@ -194,12 +194,20 @@ _PR1935 = "bitsandbytes PR 1935: torch.no_grad() around the dequantize + F.linea
 
 def _builtin() -> list[Patch]:
     return [
-        no_grad_around(f"{_BNB}:MatMul4Bit.forward", ("linear",), "no-grad-linear:4bit", f"{_PR1935} MatMul4Bit.forward"),
         no_grad_around(
-            f"{_BNB}:MatMul8bitLt.forward", ("linear",), "no-grad-linear:8bit-lt", f"{_PR1935} MatMul8bitLt.forward"
+            f"{_BNB}:MatMul4Bit.forward", ("linear",), "no-grad-linear:4bit", f"{_PR1935} MatMul4Bit.forward"
         ),
         no_grad_around(
-            f"{_BNB}:MatMul8bitFp.forward", ("linear",), "no-grad-linear:8bit-fp", f"{_PR1935} MatMul8bitFp.forward"
+            f"{_BNB}:MatMul8bitLt.forward",
+            ("linear",),
+            "no-grad-linear:8bit-lt",
+            f"{_PR1935} MatMul8bitLt.forward",
+        ),
+        no_grad_around(
+            f"{_BNB}:MatMul8bitFp.forward",
+            ("linear",),
+            "no-grad-linear:8bit-fp",
+            f"{_PR1935} MatMul8bitFp.forward",
         ),
     ]
 

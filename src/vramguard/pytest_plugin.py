@@ -90,24 +90,47 @@ def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
             saved_meter = stack.enter_context(SavedBytesMeter(device, per_layer=layer_max is not None))
         result = yield
     if peak is not None:
-        checks.append(("vram_budget: peak live bytes", peak.peak_above_start, vram_max,
-                       f"device {peak.device}, {'CUDA allocator' if peak.device.type == 'cuda' else 'storage tracker'}"))
+        checks.append(
+            (
+                "vram_budget: peak live bytes",
+                peak.peak_above_start,
+                vram_max,
+                f"device {peak.device}, {'CUDA allocator' if peak.device.type == 'cuda' else 'storage tracker'}",
+            )
+        )
     if saved_meter is not None:
         largest = saved_meter.largest
         what = f"largest saved {largest[1]} {largest[2]} {largest[0]} B" if largest else "nothing saved"
-        checks.append(("saved_bytes: bytes kept for backward at once", saved_meter.peak, saved_max,
-                       f"saved-tensor hooks; {what}"))
+        checks.append(
+            (
+                "saved_bytes: bytes kept for backward at once",
+                saved_meter.peak,
+                saved_max,
+                f"saved-tensor hooks; {what}",
+            )
+        )
         if layer_max is not None:
             for layer, value in sorted(saved_meter.layer_peaks.items(), key=lambda kv: -kv[1]):
-                checks.append((f"saved_bytes: {layer} kept for backward", value, layer_max, "saved-tensor hooks, per layer"))
-    lines = [f"{what}: {format_bytes(v)} ({v} B), budget {format_bytes(lim)} ({lim} B) [{detail}]"
-             for what, v, lim, detail in checks]
+                checks.append(
+                    (
+                        f"saved_bytes: {layer} kept for backward",
+                        value,
+                        layer_max,
+                        "saved-tensor hooks, per layer",
+                    )
+                )
+    lines = [
+        f"{what}: {format_bytes(v)} ({v} B), budget {format_bytes(lim)} ({lim} B) [{detail}]"
+        for what, v, lim, detail in checks
+    ]
     item.add_report_section("call", "vramguard budget", "\n".join(lines))
     item.user_properties.extend((what, v) for what, v, _, _ in checks)
     over = [(what, v, lim, detail) for what, v, lim, detail in checks if v > lim]
     if over:
         what, v, lim, detail = over[0]
         more = f" (+{len(over) - 1} more)" if len(over) > 1 else ""
-        pytest.fail(f"{what} {format_bytes(v)} ({v} B) > budget {format_bytes(lim)} ({lim} B); {detail}{more}",
-                    pytrace=False)
+        pytest.fail(
+            f"{what} {format_bytes(v)} ({v} B) > budget {format_bytes(lim)} ({lim} B); {detail}{more}",
+            pytrace=False,
+        )
     return result

@@ -28,7 +28,9 @@ def storage_nbytes(t: torch.Tensor) -> int:
     return int(t.untyped_storage().nbytes())
 
 
-def tensors_in(obj: Any, depth: int = _MAX_DEPTH, _seen: set[int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def tensors_in(
+    obj: Any, depth: int = _MAX_DEPTH, _seen: set[int] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors reachable from ``obj``: the object itself, items of tuples/lists/dicts, and
     ``depth`` levels into plain objects' attributes (bitsandbytes' ``QuantState``, ``MatmulLtState``).
 
@@ -97,7 +99,9 @@ def _resident_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
     """(owner name, tensor) for every parameter, buffer and tensor hanging off them or their module."""
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
-        for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+        for name, tensor in list(module.named_parameters(recurse=False)) + list(
+            module.named_buffers(recurse=False)
+        ):
             if tensor is None:
                 continue
             yield prefix + name, tensor

@@ -44,7 +44,9 @@ def new_run_id() -> str:
 def env_key(machine_info: dict[str, Any]) -> str:
     """``<device>__<pkg>-<version>_...`` from the ``vramguard`` block of pytest-benchmark's machine info."""
     info = machine_info.get("vramguard") or {}
-    device = info.get("gpu_name") or info.get("device") or machine_info.get("cpu", {}).get("brand_raw") or "cpu"
+    device = (
+        info.get("gpu_name") or info.get("device") or machine_info.get("cpu", {}).get("brand_raw") or "cpu"
+    )
     packages = info.get("packages") or {}
     versions = "_".join(f"{k}-{v}" for k, v in sorted(packages.items()) if v)
     if info.get("cuda"):
@@ -140,8 +142,13 @@ class ResultStore:
                     final = folder / f"{safe_name(writer)}-{uuid.uuid4().hex[:12]}.json"
                 os.replace(tmp, final)
                 _fsync_dir(folder)
-                entry = {"key": key, "run_id": run_id, "file": str(final.relative_to(self.root)),
-                         "benchmarks": len(record.get("benchmarks", [])), "written": time.time()}
+                entry = {
+                    "key": key,
+                    "run_id": run_id,
+                    "file": str(final.relative_to(self.root)),
+                    "benchmarks": len(record.get("benchmarks", [])),
+                    "written": time.time(),
+                }
                 with open(self.root / INDEX, "a") as index:
                     index.write(json.dumps(entry, sort_keys=True) + "\n")
                     index.flush()
@@ -203,7 +210,9 @@ def load_spec(spec: str) -> tuple[dict[str, Any], str]:
 
     Returns the document and a label for reports.
     """
-    path_text, _, selector = spec.partition("@") if "@" in spec and not Path(spec).exists() else (spec, "", "")
+    path_text, _, selector = (
+        spec.partition("@") if "@" in spec and not Path(spec).exists() else (spec, "", "")
+    )
     path = Path(path_text)
     if path.is_file():
         if selector:

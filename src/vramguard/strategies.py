@@ -111,7 +111,9 @@ class LoraCase:
     def describe(self) -> str:
         x = "x" + str(tuple(self.lead) + (self.in_features,)).replace(" ", "")
         quant = (
-            f"{self.quant_type} bs={self.blocksize} nested={self.compress_statistics}" if self.base == "4bit" else "int8"
+            f"{self.quant_type} bs={self.blocksize} nested={self.compress_statistics}"
+            if self.base == "4bit"
+            else "int8"
         )
         return (
             f"lora/{self.base} {x} W({self.out_features},{self.in_features}) {_dt(self.dtype)} {quant} "
@@ -266,9 +268,17 @@ def covering_4bit_cases(
             n += 1
         out.append(
             Linear4bitCase(
-                lead=lead, in_features=k, out_features=n, blocksize=blocksize, dtype=rnd.choice(dtypes),
-                quant_type=rnd.choice(quant_types), compress_statistics=rnd.random() < 0.5,
-                bias=rnd.random() < 0.5, call=call, input_requires_grad=rg, seed=rnd.randrange(2**16),
+                lead=lead,
+                in_features=k,
+                out_features=n,
+                blocksize=blocksize,
+                dtype=rnd.choice(dtypes),
+                quant_type=rnd.choice(quant_types),
+                compress_statistics=rnd.random() < 0.5,
+                bias=rnd.random() < 0.5,
+                call=call,
+                input_requires_grad=rg,
+                seed=rnd.randrange(2**16),
                 device=device,
             )
         )
@@ -292,9 +302,19 @@ def covering_8bit_cases(
         outliers = tuple(sorted(rnd.sample(range(k), min(2, k)))) if thr > 0 else ()
         out.append(
             Linear8bitCase(
-                lead=lead, in_features=k, out_features=rnd.randint(2, 40), dtype=rnd.choice(dtypes),
-                threshold=thr, outlier_cols=outliers, has_fp16_weights=fp16w, bias=rnd.random() < 0.5,
-                call=call, training=training, input_requires_grad=rg, seed=rnd.randrange(2**16), device=device,
+                lead=lead,
+                in_features=k,
+                out_features=rnd.randint(2, 40),
+                dtype=rnd.choice(dtypes),
+                threshold=thr,
+                outlier_cols=outliers,
+                has_fp16_weights=fp16w,
+                bias=rnd.random() < 0.5,
+                call=call,
+                training=training,
+                input_requires_grad=rg,
+                seed=rnd.randrange(2**16),
+                device=device,
             )
         )
     return out
@@ -313,11 +333,21 @@ def covering_lora_cases(
         blocksize = rnd.choice(BLOCKSIZES)
         out.append(
             LoraCase(
-                base=base, lead=lead, in_features=rnd.randint(3, 128), out_features=rnd.randint(2, 40),
-                dtype=rnd.choice(dtypes), rank=rnd.choice([1, 2, 4, 8]), alpha=rnd.choice([1, 8, 16, 32]),
-                dropout=dropout, quant_type=rnd.choice(QUANT_TYPES), compress_statistics=rnd.random() < 0.5,
-                blocksize=blocksize, bias=rnd.random() < 0.5, input_requires_grad=rg,
-                seed=rnd.randrange(2**16), device=device,
+                base=base,
+                lead=lead,
+                in_features=rnd.randint(3, 128),
+                out_features=rnd.randint(2, 40),
+                dtype=rnd.choice(dtypes),
+                rank=rnd.choice([1, 2, 4, 8]),
+                alpha=rnd.choice([1, 8, 16, 32]),
+                dropout=dropout,
+                quant_type=rnd.choice(QUANT_TYPES),
+                compress_statistics=rnd.random() < 0.5,
+                blocksize=blocksize,
+                bias=rnd.random() < 0.5,
+                input_requires_grad=rg,
+                seed=rnd.randrange(2**16),
+                device=device,
             )
         )
     return out
@@ -337,8 +367,17 @@ def register_profiles() -> None:
     """(The ``patch`` fixture is immutable, so the function-scoped-fixture health check is off.)
     ``ci`` (default): few examples, derandomized, no database -- same examples on every run.
     ``nightly``: many more random examples, for a scheduled job that explores."""
-    common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture])
-    settings.register_profile("ci", max_examples=40, derandomize=True, database=None, print_blob=False, **common)
+    common = dict(
+        deadline=None,
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.filter_too_much,
+            HealthCheck.function_scoped_fixture,
+        ],
+    )
+    settings.register_profile(
+        "ci", max_examples=40, derandomize=True, database=None, print_blob=False, **common
+    )
     settings.register_profile("nightly", max_examples=1000, derandomize=False, print_blob=True, **common)
 
 

@@ -27,6 +27,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 from rich.console import Console
 
+from vramguard.atomic import write_text_atomic
 from vramguard.bisect_search import Bisection, EndpointError, State, probe_bound
 from vramguard.errors import UsageError
 from vramguard.overlay import InstallError, Overlay, OverlayCache, default_cache_dir, python_tag
@@ -122,20 +123,6 @@ def run_command(
     if code is None:
         lines.append(f"[vramguard] probe timed out after {timeout} s")
     return code, lines[-TAIL_LINES:]
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write to a temp file beside ``path`` then rename, so a reader never sees half a log."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass
@@ -298,7 +285,7 @@ class BisectRun:
 
     def write_log(self) -> None:
         if self.log_path is not None:
-            write_json_atomic(self.log_path, self.log())
+            write_text_atomic(self.log_path, json.dumps(self.log(), indent=2) + "\n")
 
     def summary(self) -> str:
         res = self.result()

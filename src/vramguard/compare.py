@@ -21,8 +21,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from vramguard.atomic import write_text_atomic
 from vramguard.errors import UsageError
-from vramguard.store import atomic_write_text, load_spec
+from vramguard.store import load_spec
 from vramguard.units import format_bytes, parse_percent
 
 # The headline metrics a benchmark records; for every one, a larger value is worse.
@@ -358,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
             with open(args.markdown, "a") as fh:
                 fh.write(markdown(comparison, args.verbose))
         if args.json:
-            atomic_write_text(args.json, json.dumps(comparison.to_dict(), indent=1, default=str))
+            write_text_atomic(args.json, json.dumps(comparison.to_dict(), indent=1, default=str))
     except OSError as exc:
         raise UsageError(f"cannot write report: {exc}") from None
     failed = bool(comparison.regressions) or (

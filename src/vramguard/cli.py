@@ -26,7 +26,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="vramguard", description=__doc__.splitlines()[0])
+    parser = _Parser(
+        prog="vramguard",
+        description="Where the memory of quantized fine-tuning goes: audit a QLoRA step, compare "
+        "benchmark runs, bisect the release that changed memory or gradients.",
+    )
     parser.add_argument("--version", action="version", version=f"vramguard {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in SUBCOMMAND_MODULES:

@@ -86,3 +86,18 @@ def test_bad_size_fails_with_one_line(pytester: pytest.Pytester) -> None:
     result = _run(pytester, '@pytest.mark.vram_budget("lots")')
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["@pytest.mark.vram_budget: not a size: 'lots'*"])
+    assert "During handling" not in result.stdout.str()  # one line, no chained exception
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [("bogus", "not a device: 'bogus'"), ("cuda:0", "device 'cuda:0' requested but CUDA is not available")],
+)
+def test_bad_device_fails_with_one_line(pytester: pytest.Pytester, device: str, message: str) -> None:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        device, message = "bogus", "not a device: 'bogus'"
+    for marker in (f'vram_budget("4 MiB", device="{device}")', f'saved_bytes(max="4 MiB", device="{device}")'):
+        result = _run(pytester, f"@pytest.mark.{marker}")
+        result.assert_outcomes(failed=1)
+        result.stdout.fnmatch_lines([f"@pytest.mark.*: {message}"])
+        assert "Traceback" not in result.stdout.str() and "Error:" not in result.stdout.str()

@@ -54,13 +54,25 @@ def _marker_size(item: pytest.Item, mark: pytest.Mark, key: str, required: bool 
     try:
         return parse_size(value)
     except UsageError as exc:
-        pytest.fail(f"@pytest.mark.{mark.name}: {exc}", pytrace=False)
+        message = f"@pytest.mark.{mark.name}: {exc}"
+    pytest.fail(message, pytrace=False)  # outside the except: no chained exception in the report
 
 
 def _marker_device(mark: pytest.Mark) -> str:
     import torch
 
-    return str(mark.kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = str(mark.kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind is None:
+        pytest.fail(f"@pytest.mark.{mark.name}: not a device: {device!r}", pytrace=False)
+    if kind == "cuda" and not torch.cuda.is_available():
+        pytest.fail(
+            f"@pytest.mark.{mark.name}: device {device!r} requested but CUDA is not available", pytrace=False
+        )
+    return device
 
 
 @pytest.hookimpl(wrapper=True)

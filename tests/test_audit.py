@@ -124,6 +124,7 @@ def test_growth_across_steps_fails_the_verdict(monkeypatch: pytest.MonkeyPatch) 
         (["--device", "tpu"], "not a device: 'tpu'"),
         (["--device", "meta"], "device must be cpu or cuda"),
         (["--quant-type", "int4"], "invalid choice"),
+        (["--json", "/dev/null/report.json"], "cannot write --json"),  # checked before the run
     ],
 )
 def test_bad_options_give_one_line_and_exit_2(

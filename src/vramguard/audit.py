@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -382,6 +383,11 @@ def main(args: argparse.Namespace) -> int:
 
     if args.json is not None and args.json.is_dir():
         raise UsageError(f"--json {args.json} is a directory")
+    if args.json is not None:  # fail before the run, not after it
+        parent = next((p for p in args.json.absolute().parents if p.exists()), None)
+        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            where = parent or args.json.parent
+            raise UsageError(f"cannot write --json {args.json}: {where} is not a writable directory")
     config = QLoRAConfig(
         model=args.model,
         seq_len=args.seq_len,
@@ -422,7 +428,10 @@ def main(args: argparse.Namespace) -> int:
     else:
         render(report, console)
     if args.json is not None:
-        write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
+        try:
+            write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
+        except OSError as exc:
+            raise UsageError(f"cannot write --json {args.json}: {exc}") from None
         if not args.quiet:
             console.print(f"report written to {args.json}", highlight=False)
     return 0 if report.verdict.ok else 1

@@ -146,6 +146,30 @@ def test_bad_model_file_gives_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     assert "lacks" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"num_key_value_heads": 3}, "num_attention_heads is not a multiple of num_key_value_heads"),
+        ({"rms_norm_eps": "x"}, "rms_norm_eps must be a positive number"),
+        ({"rms_norm_eps": -1}, "rms_norm_eps must be a positive number"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
+        ({"head_dim": 3}, "head_dim must be even"),
+    ],
+)
+def test_inconsistent_model_config_gives_one_line(
+    override: dict[str, object], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Values transformers would reject with a traceback (or fail on mid-forward) are caught up front."""
+    from vramguard.models import presets
+
+    fields = {**json.loads(presets()["tiny-llama"].read_text()), **override}
+    bad = tmp_path / "m.json"
+    bad.write_text(json.dumps(fields))
+    assert main(["audit", "--model", str(bad), "--steps", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vramguard: error:") and message in err and len(err.splitlines()) == 1
+
+
 def test_console_script_error_has_no_traceback() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "vramguard", "audit", "--steps", "0"],

@@ -9,6 +9,7 @@ projections. What is measured is therefore the libraries' real code, not a re-im
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import warnings
@@ -108,9 +109,25 @@ class ModelSpec:
                 not isinstance(value, int) or isinstance(value, bool) or value <= 0
             ):
                 raise UsageError(f"model config {path}: {key} must be a positive integer, got {value!r}")
+        eps = fields.get("rms_norm_eps", 1e-6)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+            raise UsageError(f"model config {path}: rms_norm_eps must be a positive number, got {eps!r}")
+        if "rms_norm_eps" in fields:
+            fields["rms_norm_eps"] = float(eps)
+        if not isinstance(fields.get("tie_word_embeddings", False), bool):
+            raise UsageError(
+                f"model config {path}: tie_word_embeddings must be true or false, "
+                f"got {fields['tie_word_embeddings']!r}"
+            )
         fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
         if fields["hidden_size"] % fields["num_attention_heads"]:
             raise UsageError(f"model config {path}: hidden_size is not a multiple of num_attention_heads")
+        if fields["num_attention_heads"] % fields["num_key_value_heads"]:
+            raise UsageError(
+                f"model config {path}: num_attention_heads is not a multiple of num_key_value_heads"
+            )
+        if fields.get("head_dim", 2) % 2:
+            raise UsageError(f"model config {path}: head_dim must be even (rotary embeddings)")
         return cls(name=path.stem, fields=fields)
 
     def llama_config(self, attn_implementation: str = "sdpa") -> Any:

@@ -90,6 +90,12 @@ def test_bad_gate_options_are_usage_errors(bench: pytest.Pytester) -> None:
     r.stderr.fnmatch_lines(["*--vram-baseline: no such file or directory*"])
     r = bench.runpytest("-p", "no:cacheprovider", "--vram-fail-above=lots")
     assert r.ret == pytest.ExitCode.USAGE_ERROR
+    malformed = bench.path / "malformed.json"
+    malformed.write_text(json.dumps({"machine_info": {}, "benchmarks": [{"name": "x", "extra_info": "?"}]}))
+    r = bench.runpytest("-p", "no:cacheprovider", f"--vram-baseline={malformed}")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stdout.fnmatch_lines(["vramguard: error: --vram-baseline: *extra_info is not an object*"])
+    assert "Traceback" not in r.stdout.str() + r.stderr.str()
 
 
 def test_pin_gpu_round_robin_per_worker() -> None:

@@ -163,6 +163,13 @@ def test_store_run_against_store_run_and_reports(tmp_path: Path) -> None:
         (lambda p, ok: [ok, f"{ok}@latest"], "applies to a results store"),
         (lambda p, ok: [ok, f"{p}/nowhere@latest"], "no such file or directory"),
         (lambda p, ok: [ok], "required"),
+        (lambda p, ok: [ok, _bad(p, _malformed(extra_info="x"))], "extra_info is not an object"),
+        (lambda p, ok: [ok, _bad(p, _malformed(metrics=[1]))], "metrics is not an object"),
+        (lambda p, ok: [ok, _bad(p, _malformed(phases={"forward": 3}))], "phase forward is not an object"),
+        (lambda p, ok: [ok, _bad(p, _malformed(stats=[1]))], "stats is not an object"),
+        (lambda p, ok: [_bad(p, _malformed(machine_info=[1])), ok], "machine_info is not an object"),
+        (lambda p, ok: [ok, _bad(p, _malformed(metrics={"peak_allocated": 10**400}))], "not a finite number"),
+        (lambda p, ok: [ok, _bad(p, _malformed(metrics={"peak_allocated": float("nan")}))], "not a finite"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, make_args, message) -> None:
@@ -171,6 +178,17 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, make_args, message) 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("vramguard: error:") and message in err
     assert "Traceback" not in err
+
+
+def _malformed(**edit: object) -> str:
+    """A benchmark document with one part of the wrong JSON type (or a non-finite metric)."""
+    doc = _doc()
+    bench = doc["benchmarks"][0]
+    payload = bench["extra_info"]["vramguard"]
+    for key, value in edit.items():
+        target = payload if key in ("metrics", "phases") else doc if key == "machine_info" else bench
+        target[key] = value
+    return json.dumps(doc)
 
 
 def _bad(path: Path, text: str) -> str:

@@ -279,18 +279,18 @@ def _gate(session: pytest.Session, records: list[dict[str, Any]], baseline: str)
     config = session.config
     try:
         base_doc, label = load_spec(baseline)
+        comparison = compare_docs(
+            base_doc,
+            _document(config, records),
+            parse_thresholds(config.getoption("vram_threshold")),
+            parse_percent(config.getoption("vram_fail_above")),
+            label,
+            "this run",
+        )
     except UsageError as exc:
         config.stash[_RESULTS].append(("error", f"--vram-baseline: {exc}"))
         session.exitstatus = pytest.ExitCode.USAGE_ERROR
         return
-    comparison = compare_docs(
-        base_doc,
-        _document(config, records),
-        parse_thresholds(config.getoption("vram_threshold")),
-        parse_percent(config.getoption("vram_fail_above")),
-        label,
-        "this run",
-    )
     config.stash[_RESULTS].append(("compared", comparison))
     summary = config.getoption("vram_summary")
     if summary:

@@ -99,29 +99,59 @@ class Comparison:
 
 
 # reading ----------------------------------------------------------------------------------
+def _object(value: Any, where: str) -> dict[str, Any]:
+    """``value`` as a JSON object (absent -> empty); UsageError (one line) for anything else."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UsageError(f"{where} is not an object but {type(value).__name__}")
+    return value
+
+
+def _number(value: Any, where: str) -> float | None:
+    """A metric value as a finite float; None for non-numbers (not a metric); UsageError for NaN/inf."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        out = float(value)
+    except OverflowError:
+        out = math.inf
+    if not math.isfinite(out):
+        raise UsageError(f"{where} is not a finite number: {value!r}"[:300])
+    return out
+
+
 def bench_key(bench: dict[str, Any]) -> BenchKey:
     """(name without ``[...]``, canonical JSON of the parameters)."""
     name = str(bench.get("name") or bench.get("fullname") or "?").split("[", 1)[0]
     params = bench.get("params")
     if params is None:
-        params = (bench.get("extra_info") or {}).get("vramguard", {}).get("params")
+        params = _object(_object(bench.get("extra_info"), "extra_info").get("vramguard"), "vramguard").get(
+            "params"
+        )
     return name, json.dumps(params or {}, sort_keys=True, default=str)
 
 
-def metrics_of(bench: dict[str, Any]) -> dict[str, float]:
+def metrics_of(bench: dict[str, Any], label: str = "benchmark") -> dict[str, float]:
     """Flat metrics: the top-level ones plus ``<phase>.peak_allocated`` / ``<phase>.peak_reserved``."""
-    payload = (bench.get("extra_info") or {}).get("vramguard") or {}
+    where = f"{label}: {str(bench.get('name') or bench.get('fullname') or '?')[:100]}"
+    extra = _object(bench.get("extra_info"), f"{where}: extra_info")
+    payload = _object(extra.get("vramguard"), f"{where}: extra_info.vramguard")
     out: dict[str, float] = {}
-    for name, value in (payload.get("metrics") or {}).items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[name] = float(value)
-    for phase, stats in (payload.get("phases") or {}).items():
-        for name, value in (stats or {}).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out[f"{phase}.{name}"] = float(value)
-    stats = bench.get("stats") or {}
-    if "step_time" not in out and isinstance(stats.get("mean"), (int, float)):
-        out["step_time"] = float(stats["mean"])
+    for name, value in _object(payload.get("metrics"), f"{where}: metrics").items():
+        number = _number(value, f"{where}: metric {name}")
+        if number is not None:
+            out[name] = number
+    for phase, stats in _object(payload.get("phases"), f"{where}: phases").items():
+        for name, value in _object(stats, f"{where}: phase {phase}").items():
+            number = _number(value, f"{where}: {phase}.{name}")
+            if number is not None:
+                out[f"{phase}.{name}"] = number
+    stats = _object(bench.get("stats"), f"{where}: stats")
+    if "step_time" not in out:
+        mean = _number(stats.get("mean"), f"{where}: stats.mean")
+        if mean is not None:
+            out["step_time"] = mean
     return out
 
 
@@ -130,13 +160,15 @@ def entries(doc: dict[str, Any], label: str) -> dict[BenchKey, dict[str, float]]
     for bench in doc.get("benchmarks", []):
         if not isinstance(bench, dict):
             raise UsageError(f"{label}: a benchmark entry is not an object")
-        out[bench_key(bench)] = metrics_of(bench)
+        metrics = metrics_of(bench, label)  # first: its errors name the run and the benchmark
+        out[bench_key(bench)] = metrics
     return out
 
 
-def versions(doc: dict[str, Any]) -> dict[str, Any]:
-    info = (doc.get("machine_info") or {}).get("vramguard") or {}
-    out: dict[str, Any] = dict(info.get("packages") or {})
+def versions(doc: dict[str, Any], label: str = "run") -> dict[str, Any]:
+    machine = _object(doc.get("machine_info"), f"{label}: machine_info")
+    info = _object(machine.get("vramguard"), f"{label}: machine_info.vramguard")
+    out: dict[str, Any] = dict(_object(info.get("packages"), f"{label}: machine_info.vramguard.packages"))
     for extra in ("cuda", "gpu_name", "device"):
         if info.get(extra) is not None:
             out[extra] = info[extra]
@@ -197,7 +229,7 @@ def compare_docs(
             thr = threshold_for(metric, thresholds, default)
             status = "n/a" if base is None or cur is None else judge(metric, base, cur, thr)
             rows.append(Row(key[0], key[1], metric, base, cur, thr, status))
-    va, vb = versions(baseline), versions(current)
+    va, vb = versions(baseline, baseline_label), versions(current, current_label)
     changes = {k: (va.get(k), vb.get(k)) for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)}
     return Comparison(
         baseline_label,

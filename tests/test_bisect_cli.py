@@ -415,6 +415,18 @@ def test_probe_timeout_counts_as_bad(capsys, wheelhouse: Path, shared_cache: Pat
         (["vg-dummy", "--bad", "1.9"], PROBE_LEAK, "required: --good"),
         (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--cache-max", "lots"], PROBE_LEAK, "not a size"),
         (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--timeout", "-1"], PROBE_LEAK, "must be positive"),
+        (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--timeout", "nan"], PROBE_LEAK, "must be positive"),
+        (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--timeout", "inf"], PROBE_LEAK, "must be positive"),
+        (
+            ["../vg-dummy", "--good", "1.0", "--bad", "1.9", "--versions", ALL],
+            PROBE_LEAK,
+            "not a package name",
+        ),
+        (
+            ["vg-dummy", "--good", "1.0", "--bad", "1.9", "--versions", ALL, "--log", "/dev/null/log.json"],
+            PROBE_LEAK,
+            "--log /dev/null/log.json: cannot write",
+        ),
         (
             ["vg-dummy", "--good", "1.0", "--bad", "1.9", "--versions", "1.0,x,1.9"],
             PROBE_LEAK,

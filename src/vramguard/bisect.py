@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -309,13 +311,17 @@ class BisectRun:
 
 
 # -- CLI ----------------------------------------------------------------------------------------------
+#: PEP 508 project names (no path separators: the name becomes part of file names)
+_PROJECT_NAME = re.compile(r"^([A-Z0-9]|[A-Z0-9][A-Z0-9._-]*[A-Z0-9])$", re.IGNORECASE)
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise UsageError(f"not a number of seconds: {text!r}") from None
-    if value <= 0:
-        raise UsageError(f"a timeout must be positive: {text!r}")
+    if not value > 0 or not math.isfinite(value):
+        raise UsageError(f"a timeout must be positive and finite: {text!r}")
     return value
 
 
@@ -447,8 +453,12 @@ def run_bisect(args: argparse.Namespace) -> int:
     args, command = _reparse(args)
     if not command:
         raise UsageError("missing COMMAND: give the probe after --, e.g. -- python -m pytest tests_grad/x.py")
-    if not canonicalize_name(args.package) or args.package.startswith("-"):
+    if not _PROJECT_NAME.match(args.package):
         raise UsageError(f"not a package name: {args.package!r}")
+    if args.log is not None:  # fail before the first install, not after the first probe
+        parent = next((p for p in args.log.absolute().parents if p.exists()), None)
+        if args.log.is_dir() or parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise UsageError(f"--log {args.log}: cannot write a file there")
     max_bytes = parse_size(args.cache_max)
     index = IndexOptions(args.index_url, tuple(args.find_links), args.index_timeout)
     candidates = _candidates(args, index)

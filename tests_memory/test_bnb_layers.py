@@ -133,6 +133,7 @@ def test_linear4bit_keeps_nothing(
 
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,  # the budget verdict; a crash is a failure, not the known excess
     reason=f"bitsandbytes {V['bitsandbytes']}: matmul_4bit with a weight quantized in [K, N] orientation "
     "(deprecated) dequantizes and calls F.linear under grad, keeping the whole dequantized weight",
 )
@@ -188,6 +189,7 @@ def test_linear8bit_keeps_exactly_its_input(
 
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,  # the budget verdict; a crash is a failure, not the known excess
     reason=f"bitsandbytes {V['bitsandbytes']}: the 8-bit matmul keeps its whole input (ctx.A / ctx.tensors[2]) "
     "although backward reads it only for grad_weight, which a frozen int8 weight never needs",
 )

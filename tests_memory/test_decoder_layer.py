@@ -102,6 +102,7 @@ def test_decoder_layer_within_formula(
 
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,  # the budget verdict; a crash is a failure, not the known excess
     reason=f"peft {V['peft']}: prepare_model_for_kbit_training upcasts the norms to fp32, so the whole residual "
     "stream and every saved activation is fp32: 2x the bf16 compute-dtype budget",
 )

@@ -72,6 +72,7 @@ def _old_matmul4bit_forward(no_grad: bool):  # type: ignore[no-untyped-def]
     import bitsandbytes.functional as F
 
     def forward(ctx, A, B, out=None, bias=None, quant_state=None):  # type: ignore[no-untyped-def]
+        forward.calls += 1  # type: ignore[attr-defined]
         ctx.is_empty = False
         B = B.view(-1, 1)
         if no_grad:
@@ -84,6 +85,7 @@ def _old_matmul4bit_forward(no_grad: bool):  # type: ignore[no-untyped-def]
         ctx.tensors = (None, B) if any(ctx.needs_input_grad[:2]) else (None, None)
         return output
 
+    forward.calls = 0  # type: ignore[attr-defined]
     return staticmethod(forward)
 
 
@@ -93,16 +95,19 @@ def test_no_grad_claim_4bit(device: str, qlora, no_grad: bool, request, monkeypa
     from bitsandbytes.autograd._functions import MatMul4Bit
 
     assert not patches.get("no-grad-linear:4bit").applies(), "the installed MatMul4Bit calls F.linear again"
-    monkeypatch.setattr(MatMul4Bit, "forward", _old_matmul4bit_forward(no_grad))
+    old_forward = _old_matmul4bit_forward(no_grad)
+    monkeypatch.setattr(MatMul4Bit, "forward", old_forward)
     model = linear4bit(device)
     x = torch.randn(BATCH, SEQ, IN, dtype=torch.bfloat16, device=device, requires_grad=True)
     m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
+    assert old_forward.__func__.calls == 1, "the old forward under test did not run"  # else 0 B is vacuous
     assert_within_budget(m, Budget("old MatMul4Bit" + (" + no_grad" if no_grad else ""), 0), request)
     q = qlora(device)
     batch = q.batch(0)
     mq, out = measure(
         lambda: q.model(**batch), model=q.model, device=device, roots=lambda o: o.loss, inputs=batch
     )
+    assert old_forward.__func__.calls > 1, "the QLoRA model's 4-bit layers did not run the old forward"
     assert not [k for k in mq.kept if k.kind == "weight-copy"], mq.table()
     report_section(
         request,

@@ -98,6 +98,22 @@ def test_bad_gate_options_are_usage_errors(bench: pytest.Pytester) -> None:
     assert "Traceback" not in r.stdout.str() + r.stderr.str()
 
 
+def test_unwritable_store_or_summary_is_one_line_not_internal_error(bench, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    r = bench.runpytest("-p", "no:cacheprovider", f"--vram-store={blocker / 'store'}")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stdout.fnmatch_lines(["vramguard: error: --vram-store: cannot write *"])
+    store = tmp_path / "store"
+    bench.runpytest("-p", "no:cacheprovider", f"--vram-store={store}").assert_outcomes(passed=2)
+    r = bench.runpytest(
+        "-p", "no:cacheprovider", f"--vram-baseline={store}", f"--vram-summary={blocker / 's.md'}"
+    )
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stdout.fnmatch_lines(["vramguard: error: --vram-summary: cannot write *"])
+    assert "INTERNALERROR" not in r.stdout.str() + r.stderr.str()
+
+
 def test_pin_gpu_round_robin_per_worker() -> None:
     pinned = []
     for worker in ("gw0", "gw1", "gw2", "gw3", "gw4"):

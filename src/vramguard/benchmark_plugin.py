@@ -259,8 +259,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         from vramguard.store import ResultStore
 
         writer = os.environ.get("PYTEST_XDIST_WORKER", "main")
-        path = ResultStore(store_dir).add(_document(config, own), getattr(config, _RUN_ID, None), writer)
-        config.stash[_RESULTS].append(("stored", str(path)))
+        try:
+            path = ResultStore(store_dir).add(_document(config, own), getattr(config, _RUN_ID, None), writer)
+        except OSError as exc:
+            config.stash[_RESULTS].append(("error", f"--vram-store: cannot write {store_dir}: {exc}"))
+            session.exitstatus = pytest.ExitCode.USAGE_ERROR
+        else:
+            config.stash[_RESULTS].append(("stored", str(path)))
     baseline = config.getoption("vram_baseline")
     if baseline and workeroutput is None:
         _gate(session, records, baseline)
@@ -294,8 +299,13 @@ def _gate(session: pytest.Session, records: list[dict[str, Any]], baseline: str)
     config.stash[_RESULTS].append(("compared", comparison))
     summary = config.getoption("vram_summary")
     if summary:
-        with open(summary, "a") as fh:
-            fh.write(markdown(comparison))
+        try:
+            with open(summary, "a") as fh:
+                fh.write(markdown(comparison))
+        except OSError as exc:
+            config.stash[_RESULTS].append(("error", f"--vram-summary: cannot write {summary}: {exc}"))
+            session.exitstatus = pytest.ExitCode.USAGE_ERROR
+            return
     if comparison.regressions and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

@@ -195,7 +195,7 @@ def test_second_run_installs_nothing(capsys, wheelhouse: Path, tmp_path: Path) -
     entries = sorted(p.name for p in (cache / "vg-dummy").iterdir())
     # Second run: the only wheel source is empty, so any install attempt would fail and be a skip.
     versions = ",".join(f"1.{i}" for i in range(10))
-    code, out, err = bisect(
+    code, _out, err = bisect(
         capsys,
         *args,
         "--find-links",
@@ -360,7 +360,7 @@ def test_endpoints_are_verified_first(
 def test_probe_timeout_counts_as_bad(capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path) -> None:
     probe = [sys.executable, "-c", "import time, vgdummy\nif vgdummy.LEAK: time.sleep(120)"]
     log = tmp_path / "log.json"
-    code, out, err = bisect(
+    code, _out, err = bisect(
         capsys,
         "vg-dummy",
         "--good",
@@ -511,6 +511,7 @@ def test_version_that_cannot_be_installed_is_an_untestable_endpoint(
 def test_console_entry_point_error_has_no_traceback(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "vramguard", "bisect", "vg-dummy", "--good", "1.0", "--bad", "1.9"],
+        check=False,
         capture_output=True,
         text=True,
         timeout=60,

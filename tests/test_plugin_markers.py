@@ -96,7 +96,10 @@ def test_bad_size_fails_with_one_line(pytester: pytest.Pytester) -> None:
 def test_bad_device_fails_with_one_line(pytester: pytest.Pytester, device: str, message: str) -> None:
     if device.startswith("cuda") and torch.cuda.is_available():
         device, message = "bogus", "not a device: 'bogus'"
-    for marker in (f'vram_budget("4 MiB", device="{device}")', f'saved_bytes(max="4 MiB", device="{device}")'):
+    for marker in (
+        f'vram_budget("4 MiB", device="{device}")',
+        f'saved_bytes(max="4 MiB", device="{device}")',
+    ):
         result = _run(pytester, f"@pytest.mark.{marker}")
         result.assert_outcomes(failed=1)
         result.stdout.fnmatch_lines([f"@pytest.mark.*: {message}"])

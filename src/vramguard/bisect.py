@@ -286,8 +286,13 @@ class BisectRun:
         }
 
     def write_log(self) -> None:
-        if self.log_path is not None:
+        """Rewrite the whole log atomically; a write failure (disk full, folder removed) is one line."""
+        if self.log_path is None:
+            return
+        try:
             write_text_atomic(self.log_path, json.dumps(self.log(), indent=2) + "\n")
+        except OSError as exc:
+            raise UsageError(f"cannot write the bisect log {self.log_path}: {exc.strerror or exc}") from None
 
     def summary(self) -> str:
         res = self.result()

@@ -602,6 +602,15 @@ def run_bisect(args: argparse.Namespace) -> int:
         if args.log.is_dir() or parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
             raise UsageError(f"--log {args.log}: cannot write a file there")
     max_bytes = parse_size(args.cache_max)
+    try:
+        with signals_end_the_run():
+            return _bisect(args, command, max_bytes)
+    except Terminated as exc:
+        print(f"vramguard: terminated by {exc.signame}", file=sys.stderr)
+        return 128 + exc.signum
+
+
+def _bisect(args: argparse.Namespace, command: list[str], max_bytes: int) -> int:
     index = IndexOptions(args.index_url, tuple(args.find_links), args.index_timeout)
     cache = OverlayCache(args.cache_dir or default_cache_dir(), max_bytes)
     _prepare_cache(cache, "--cache-dir" if args.cache_dir else "overlay cache")
@@ -611,35 +620,29 @@ def run_bisect(args: argparse.Namespace) -> int:
     for stale in runs.mark_stale():
         console.print(f"marked the log of a killed run: {stale}", highlight=False, soft_wrap=True)
     try:
-        with signals_end_the_run():
-            try:
-                log = args.log or default_log_path(cache.root, args.package)
-            except OSError as exc:
-                raise UsageError(f"cannot create a log in {cache.root / '.logs'}: {exc.strerror}") from None
-            run = BisectRun(
-                args.package,
-                candidates,
-                command,
-                cache,
-                index,
-                args.find_fix,
-                args.timeout,
-                args.import_check,
-                log,
-                console=console,
-            )
-            run.console.print(
-                f"bisecting {args.package}: {len(candidates)} candidates {candidates[0]} .. "
-                f"{candidates[-1]}, at most {probe_bound(len(candidates))} probes "
-                f"(cache {cache.root}, {format_bytes(max_bytes)})",
-                highlight=False,
-                soft_wrap=True,
-            )
-            with runs.register(run.run_id, log, args.package, command):
-                run.run()
-    except Terminated as exc:
-        print(f"vramguard: terminated by {exc.signame}", file=sys.stderr)
-        return 128 + exc.signum
+        log = args.log or default_log_path(cache.root, args.package)
+    except OSError as exc:
+        raise UsageError(f"cannot create a log in {cache.root / '.logs'}: {exc.strerror}") from None
+    run = BisectRun(
+        args.package,
+        candidates,
+        command,
+        cache,
+        index,
+        args.find_fix,
+        args.timeout,
+        args.import_check,
+        log,
+        console=console,
+    )
+    run.console.print(
+        f"bisecting {args.package}: {len(candidates)} candidates {candidates[0]} .. {candidates[-1]}, "
+        f"at most {probe_bound(len(candidates))} probes (cache {cache.root}, {format_bytes(max_bytes)})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    with runs.register(run.run_id, log, args.package, command):
+        run.run()
     print(run.summary())
     return 0 if run.status == "found" else EXIT_AMBIGUOUS
 

@@ -900,3 +900,22 @@ def test_only_dead_runs_logs_are_marked_killed(tmp_path: Path) -> None:
         assert status == {"live": "running", "dead": "killed", "reused": "running"}
         assert sorted(p.name for p in runs.folder.iterdir()) == ["live.json", "live.lock"]
     assert list(runs.folder.iterdir()) == []
+
+
+def test_a_repeated_signal_does_not_cut_the_clean_up_short() -> None:
+    from vramguard.bisect import Terminated, signals_end_the_run
+
+    before = signal.getsignal(signal.SIGTERM)
+    cleaned_up = False
+    with pytest.raises(Terminated, match="SIGTERM"), signals_end_the_run():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            _wait_until(lambda: False, 30, "SIGTERM to be handled")
+        except Terminated:
+            os.kill(os.getpid(), signal.SIGTERM)  # a second one while cleaning up: ignored
+            for _ in range(50):  # bytecodes run, so a pending handler would raise here
+                time.sleep(0.002)
+            cleaned_up = True
+            raise
+    assert cleaned_up
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -43,6 +43,8 @@ from vramguard.units import format_bytes, parse_size
 SKIP_CODE = 125
 INSTALL_TIMEOUT_S = 1800.0
 EXIT_AMBIGUOUS = 3
+#: After SIGINT / SIGTERM / SIGHUP, repeats are ignored this long (seconds) while the run cleans up.
+CLEANUP_S = 10.0
 
 # Run in the probe's environment before the probe: is the overlay really what gets imported?
 _IMPORT_CHECK = r"""
@@ -128,19 +130,20 @@ class Terminated(KeyboardInterrupt):
 
 @contextmanager
 def signals_end_the_run() -> Iterator[None]:
-    """SIGINT raises KeyboardInterrupt and SIGTERM / SIGHUP raise :class:`Terminated`, once: a repeat while
-    the run cleans up (kills the probe group, writes the log) is ignored. Signals the caller ignores
-    (``nohup``, a background job's SIGINT) stay ignored. Only in the main thread (Python's rule)."""
+    """SIGINT raises KeyboardInterrupt and SIGTERM / SIGHUP raise :class:`Terminated`. A repeat within
+    :data:`CLEANUP_S` is ignored, so it cannot cut short the clean-up (killing the probe group, writing
+    the log: well under a second); a later one raises again, in case the first was swallowed. Signals the
+    caller ignores (``nohup``, a background job's SIGINT) stay ignored. Main thread only (Python's rule)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    fired = False
+    fired: float | None = None
 
     def handler(signum: int, _frame: object) -> None:
         nonlocal fired
-        if fired:
+        if fired is not None and time.monotonic() - fired < CLEANUP_S:
             return
-        fired = True
+        fired = time.monotonic()
         raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 
     names = ("SIGINT", "SIGTERM", "SIGHUP")

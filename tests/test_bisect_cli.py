@@ -919,3 +919,41 @@ def test_a_repeated_signal_does_not_cut_the_clean_up_short() -> None:
             raise
     assert cleaned_up
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_unexpected_error_does_not_leave_the_log_running(
+    capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vramguard.bisect import BisectRun
+
+    real_probe = BisectRun.probe
+
+    def probe(self: BisectRun, version: str):
+        if self.probes:
+            raise RuntimeError("the machine fell over")
+        return real_probe(self, version)
+
+    monkeypatch.setattr(BisectRun, "probe", probe)
+    log = tmp_path / "log.json"
+    with pytest.raises(RuntimeError, match="fell over"):
+        bisect(
+            capsys,
+            "vg-dummy",
+            "--good",
+            "1.0",
+            "--bad",
+            "1.5",
+            "--versions",
+            "1.0,1.5",
+            "--find-links",
+            str(wheelhouse),
+            "--cache-dir",
+            str(shared_cache),
+            "--log",
+            str(log),
+            command=PROBE_LEAK,
+        )
+    data = json.loads(log.read_text())
+    assert data["status"] == "failed" and data["error"] == "the machine fell over"
+    assert [p["version"] for p in data["probes"]] == ["1.0"]  # what it measured is kept
+    assert list((shared_cache / ".runs").iterdir()) == []

@@ -905,6 +905,8 @@ def test_only_dead_runs_logs_are_marked_killed(tmp_path: Path) -> None:
 def test_a_repeated_signal_does_not_cut_the_clean_up_short() -> None:
     from vramguard.bisect import Terminated, signals_end_the_run
 
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers can only be set in the main thread")  # else SIGTERM ends pytest
     before = signal.getsignal(signal.SIGTERM)
     cleaned_up = False
     with pytest.raises(Terminated, match="SIGTERM"), signals_end_the_run():

@@ -12,14 +12,20 @@ import base64
 import hashlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from packaging.version import Version
 
+import vramguard
 from vramguard.bisect import _IMPORT_CHECK, probe_env, run_command, verdict_for
 from vramguard.bisect_search import probe_bound
 from vramguard.cli import main
@@ -582,3 +588,374 @@ def test_verdicts_follow_git_bisect_run() -> None:
         "bad",
         "bad",
     ]
+
+
+def test_unusable_cache_dir_from_the_environment_is_one_line(
+    capsys, wheelhouse: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    afile = tmp_path / "a-file"
+    afile.write_text("not a folder\n")
+    monkeypatch.setenv("VRAMGUARD_CACHE", str(afile))
+    args = ["vg-dummy", "--good", "1.0", "--bad", "1.9", "--versions", ALL, "--find-links", str(wheelhouse)]
+    code, out, err = bisect(capsys, *args, command=PROBE_LEAK)
+    assert_one_line_error(code, out, err, f"overlay cache {afile}: not a directory")
+
+
+@pytest.mark.parametrize("kind", ["file", "below a file", "read-only folder", "folder no one may write"])
+def test_unusable_cache_dir_is_one_line_exit_2(capsys, wheelhouse: Path, tmp_path: Path, kind: str) -> None:
+    needle = "cannot write there"
+    if kind == "file":
+        cache = tmp_path / "a-file"
+        cache.write_text("not a folder\n")
+        needle = "not a directory"
+    elif kind == "below a file":
+        (tmp_path / "a-file").write_text("not a folder\n")
+        cache = tmp_path / "a-file" / "cache"
+    elif kind == "read-only folder":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a 0o555 folder; the next case is read-only for root too")
+        cache = tmp_path / "ro"
+        cache.mkdir()
+        cache.chmod(0o555)
+    else:  # sysfs refuses new folders to everyone, root included
+        cache = Path("/sys/vramguard-test-cache")
+        if not Path("/sys/kernel").is_dir():
+            pytest.skip("no sysfs here")
+    args = ["vg-dummy", "--good", "1.0", "--bad", "1.9", "--versions", ALL, "--find-links", str(wheelhouse)]
+    code, out, err = bisect(capsys, *args, "--cache-dir", str(cache), command=PROBE_LEAK)
+    assert_one_line_error(code, out, err, f"--cache-dir {cache}: {needle}")
+
+
+def test_output_tail_is_bounded_in_bytes(
+    capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path
+) -> None:
+    # One 20 MB line, then 3 MB of what JSON escapes worst (control characters: 6 bytes each), then a
+    # last line: the log keeps the end of the output and stays small.
+    probe = [
+        sys.executable,
+        "-c",
+        (
+            "import sys, vgdummy\n"
+            "sys.stdout.write('x' * 20_000_000 + '\\n' + '\\x01' * 3_000_000 + '\\nthe last line\\n')\n"
+            "sys.exit(vgdummy.LEAK)"
+        ),
+    ]
+    log = tmp_path / "log.json"
+    code, _out, err = bisect(
+        capsys,
+        "vg-dummy",
+        "--good",
+        "1.0",
+        "--bad",
+        "1.5",
+        "--versions",
+        "1.0,1.5",
+        "--find-links",
+        str(wheelhouse),
+        "--cache-dir",
+        str(shared_cache),
+        "--log",
+        str(log),
+        command=probe,
+    )
+    assert code == 0, err
+    assert log.stat().st_size < 128 * 1024  # was 76 MB: both lines of both probes, escaped
+    data = json.loads(log.read_text())
+    assert [p["verdict"] for p in data["probes"]] == ["good", "bad"]
+    for p in data["probes"]:
+        assert p["output_tail"][-1] == "the last line"
+        assert p["output_tail"][0].startswith("[vramguard] output cut")
+        assert len(json.dumps(p["output_tail"])) <= 64 * 1024
+
+
+# -- signals and killed runs --------------------------------------------------------------------------
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs; a zombie does not (in a container nothing may reap an orphan)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still waiting after {timeout} s for {what}")
+        time.sleep(0.05)
+
+
+def _kill_leftovers(pids: list[int]) -> None:
+    for pid in pids:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+# A probe that starts a grandchild (as pytest -n or a shell would), records both pids, and hangs.
+HANGING_PROBE = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(f"{os.getpid()} {child.pid}")
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(600)
+"""
+
+
+def _start_bisect(tmp_path: Path, *args: str, command: list[str]) -> subprocess.Popen[bytes]:
+    """``python -m vramguard bisect ...`` as a separate process (a signal to it must not reach pytest)."""
+    env = dict(os.environ)
+    src = str(Path(vramguard.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    argv = [sys.executable, "-m", "vramguard", "bisect", "vg-dummy", "--good", "1.0", "--bad", "1.5"]
+    argv += ["--versions", "1.0,1.5", *args, "--", *command]
+    with open(tmp_path / "stdout.txt", "wb") as out, open(tmp_path / "stderr.txt", "wb") as err:
+        return subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+
+
+def _hanging_run(tmp_path: Path, wheelhouse: Path, cache: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+    script, pids_file = tmp_path / "hang.py", tmp_path / "pids"
+    script.write_text(HANGING_PROBE)
+    args = ["--find-links", str(wheelhouse), "--cache-dir", str(cache), "--log", str(tmp_path / "log.json")]
+    proc = _start_bisect(tmp_path, *args, command=[sys.executable, str(script), str(pids_file)])
+    try:  # generous: two interpreters start and a wheel is installed on a loaded machine first
+        _wait_until(lambda: pids_file.exists() or proc.poll() is not None, 180, "the probe to start")
+    except BaseException:
+        proc.kill()
+        raise
+    if not pids_file.exists():
+        raise AssertionError(f"bisect exited {proc.returncode}: {(tmp_path / 'stderr.txt').read_text()}")
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert len(pids) == 2 and all(_running(p) for p in pids)
+    return proc, pids
+
+
+def test_sigterm_ends_the_probe_group_and_writes_the_log(
+    wheelhouse: Path, shared_cache: Path, tmp_path: Path
+) -> None:
+    proc, pids = _hanging_run(tmp_path, wheelhouse, shared_cache)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        err = (tmp_path / "stderr.txt").read_text()
+        assert code == 128 + signal.SIGTERM, err
+        assert "Traceback" not in err and err.splitlines()[-1] == "vramguard: terminated by SIGTERM"
+        _wait_until(lambda: not any(_running(p) for p in pids), 30, "the probe and its child to end")
+    finally:
+        proc.kill()
+        _kill_leftovers(pids)
+    data = json.loads((tmp_path / "log.json").read_text())
+    assert data["status"] == "interrupted" and data["error"] == "interrupted by SIGTERM"
+    assert list((shared_cache / ".runs").iterdir()) == []  # the run unregistered itself
+
+
+def test_sigkill_ends_the_probe_group_and_a_later_run_marks_the_log(
+    capsys, wheelhouse: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "c"
+    proc, pids = _hanging_run(tmp_path, wheelhouse, cache)
+    try:
+        proc.kill()
+        proc.wait(timeout=60)
+        _wait_until(lambda: not any(_running(p) for p in pids), 30, "the orphaned probe group to be killed")
+    finally:
+        _kill_leftovers(pids)
+    log = tmp_path / "log.json"
+    assert json.loads(log.read_text())["status"] == "running"  # nobody could say otherwise yet
+    code, _out, err = bisect(
+        capsys,
+        "vg-dummy",
+        "--good",
+        "1.0",
+        "--bad",
+        "1.5",
+        "--versions",
+        "1.0,1.5",
+        "--find-links",
+        str(wheelhouse),
+        "--cache-dir",
+        str(cache),
+        "--log",
+        str(tmp_path / "second.json"),
+        command=PROBE_LEAK,
+    )
+    assert code == 0, err
+    assert f"marked the log of a killed run: {log}" in err
+    data = json.loads(log.read_text())
+    assert data["status"] == "killed" and f"pid {proc.pid} " in data["error"]
+    assert json.loads((tmp_path / "second.json").read_text())["status"] == "found"
+    assert list((cache / ".runs").iterdir()) == []
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and _running(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds pip through /proc")
+def test_sigkill_during_an_install_kills_pip_and_the_next_run_cleans_up(
+    capsys, wheelhouse: Path, tmp_path: Path
+) -> None:
+    # An index that accepts connections and never answers: pip hangs inside the install.
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    cache = tmp_path / "c"
+    index = f"http://127.0.0.1:{server.getsockname()[1]}/simple"
+    args = ["--index-url", index, "--index-timeout", "600", "--cache-dir", str(cache)]
+    proc = _start_bisect(tmp_path, *args, "--log", str(tmp_path / "log.json"), command=PROBE_LEAK)
+    pips: list[int] = []
+    try:
+        _wait_until(lambda: held or proc.poll() is not None, 180, "pip to ask the index")
+        assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()
+        pips = _processes_mentioning(str(cache / ".tmp"))
+        assert pips  # pip (and what runs it) install into the cache's temporary folder
+        proc.kill()
+        proc.wait(timeout=60)
+        _wait_until(lambda: not _processes_mentioning(str(cache / ".tmp")), 30, "pip to be killed")
+    finally:
+        proc.kill()
+        _kill_leftovers(pips)
+        server.close()
+        for conn in held:
+            conn.close()
+    assert list((cache / ".tmp").iterdir())  # what the killed install left
+    code, _out, err = bisect(
+        capsys,
+        "vg-dummy",
+        "--good",
+        "1.0",
+        "--bad",
+        "1.5",
+        "--versions",
+        "1.0,1.5",
+        "--find-links",
+        str(wheelhouse),
+        "--cache-dir",
+        str(cache),
+        "--log",
+        str(tmp_path / "second.json"),
+        command=PROBE_LEAK,
+    )
+    assert code == 0, err
+    assert_cache_consistent(cache)  # no temporary folder is left
+
+
+def test_a_live_install_s_temporary_folder_is_kept(wheelhouse: Path, tmp_path: Path) -> None:
+    from filelock import FileLock
+
+    cache = OverlayCache(tmp_path / "c", max_bytes=10**9)
+    cache.get("vg-dummy", "1.0", pip_args(wheelhouse))
+    name = f"{cache.entry_dir('vg-dummy', '1.1').parent.name}-{cache.entry_dir('vg-dummy', '1.1').name}"
+    live, dead = cache.tmp / f"{name}~live0000", cache.tmp / f"{name.replace('1.1', '1.2')}~dead0000"
+    for folder in (live, dead):
+        (folder / "t").mkdir(parents=True)
+    with FileLock(str(cache.locks / f"{name}.lock")):  # an install of 1.1 is running (in this test)
+        cache.evict()
+        assert live.exists() and not dead.exists()
+    cache.evict()
+    assert not live.exists()
+    assert_cache_consistent(cache.root)
+
+
+def test_only_dead_runs_logs_are_marked_killed(tmp_path: Path) -> None:
+    from vramguard.bisect import LiveRuns
+
+    runs = LiveRuns(tmp_path / ".runs")
+    logs = {name: tmp_path / f"{name}.json" for name in ("live", "dead", "reused")}
+    for name, log in logs.items():
+        log.write_text(json.dumps({"status": "running", "run_id": name, "probes": []}))
+    logs["reused"].write_text(json.dumps({"status": "running", "run_id": "a newer run", "probes": []}))
+    with runs.register("live", logs["live"], "vg-dummy", ["true"]):
+        for name in ("dead", "reused"):  # records whose lock nobody holds: their runs are gone
+            info = {"run_id": name, "log": str(logs[name]), "pid": 1, "host": "h"}
+            (runs.folder / f"{name}.json").write_text(json.dumps(info))
+            (runs.folder / f"{name}.lock").touch()
+        assert runs.mark_stale() == [logs["dead"]]
+        status = {name: json.loads(log.read_text())["status"] for name, log in logs.items()}
+        assert status == {"live": "running", "dead": "killed", "reused": "running"}
+        assert sorted(p.name for p in runs.folder.iterdir()) == ["live.json", "live.lock"]
+    assert list(runs.folder.iterdir()) == []
+
+
+def test_a_repeated_signal_does_not_cut_the_clean_up_short() -> None:
+    from vramguard.bisect import Terminated, signals_end_the_run
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers can only be set in the main thread")  # else SIGTERM ends pytest
+    before = signal.getsignal(signal.SIGTERM)
+    cleaned_up = False
+    with pytest.raises(Terminated, match="SIGTERM"), signals_end_the_run():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            _wait_until(lambda: False, 30, "SIGTERM to be handled")
+        except Terminated:
+            os.kill(os.getpid(), signal.SIGTERM)  # a second one while cleaning up: ignored
+            for _ in range(50):  # bytecodes run, so a pending handler would raise here
+                time.sleep(0.002)
+            cleaned_up = True
+            raise
+    assert cleaned_up
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_unexpected_error_does_not_leave_the_log_running(
+    capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vramguard.bisect import BisectRun
+
+    real_probe = BisectRun.probe
+
+    def probe(self: BisectRun, version: str):
+        if self.probes:
+            raise RuntimeError("the machine fell over")
+        return real_probe(self, version)
+
+    monkeypatch.setattr(BisectRun, "probe", probe)
+    log = tmp_path / "log.json"
+    with pytest.raises(RuntimeError, match="fell over"):
+        bisect(
+            capsys,
+            "vg-dummy",
+            "--good",
+            "1.0",
+            "--bad",
+            "1.5",
+            "--versions",
+            "1.0,1.5",
+            "--find-links",
+            str(wheelhouse),
+            "--cache-dir",
+            str(shared_cache),
+            "--log",
+            str(log),
+            command=PROBE_LEAK,
+        )
+    data = json.loads(log.read_text())
+    assert data["status"] == "failed" and data["error"] == "the machine fell over"
+    assert [p["version"] for p in data["probes"]] == ["1.0"]  # what it measured is kept
+    assert list((shared_cache / ".runs").iterdir()) == []

@@ -16,15 +16,18 @@ import math
 import os
 import re
 import signal
-import subprocess
+import socket
 import sys
-import tempfile
+import threading
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 from rich.console import Console
@@ -34,12 +37,14 @@ from vramguard.bisect_search import Bisection, EndpointError, State, probe_bound
 from vramguard.errors import UsageError
 from vramguard.overlay import InstallError, Overlay, OverlayCache, default_cache_dir, python_tag
 from vramguard.pkgindex import IndexOptions, available_versions, select_range, sort_versions
+from vramguard.procgroup import run_with_tail
 from vramguard.units import format_bytes, parse_size
 
 SKIP_CODE = 125
-TAIL_LINES = 20
 INSTALL_TIMEOUT_S = 1800.0
 EXIT_AMBIGUOUS = 3
+#: After SIGINT / SIGTERM / SIGHUP, repeats are ignored this long (seconds) while the run cleans up.
+CLEANUP_S = 10.0
 
 # Run in the probe's environment before the probe: is the overlay really what gets imported?
 _IMPORT_CHECK = r"""
@@ -102,29 +107,141 @@ def probe_env(overlay: Path, package: str, version: str) -> dict[str, str]:
 def run_command(
     cmd: Sequence[str], env: dict[str, str], timeout: float | None
 ) -> tuple[int | None, list[str]]:
-    """Exit code (None on timeout, the whole process group killed) and the last lines of output."""
-    with tempfile.TemporaryFile(mode="w+b") as out:
-        try:
-            proc = subprocess.Popen(
-                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        except OSError as exc:
-            return 127, [f"cannot run {cmd[0]!r}: {exc}"]
-        try:
-            code: int | None = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = None
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-        out.seek(0)
-        lines = out.read().decode(errors="replace").splitlines()
+    """Exit code (None on timeout) and the bounded tail of the output.
+
+    The command runs in its own process group, killed on timeout, on an exception here and when this
+    process dies (SIGKILL included): see :mod:`vramguard.procgroup`.
+    """
+    code, lines = run_with_tail(cmd, env, timeout)
     if code is None:
         lines.append(f"[vramguard] probe timed out after {timeout} s")
-    return code, lines[-TAIL_LINES:]
+    return code, lines
+
+
+# -- signals and killed runs ---------------------------------------------------------------------------
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP as an exception, so the run ends as on Ctrl-C: probe group killed, log written."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.signame = signal.Signals(signum).name
+        super().__init__(self.signame)
+
+
+@contextmanager
+def signals_end_the_run() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt and SIGTERM / SIGHUP raise :class:`Terminated`. A repeat within
+    :data:`CLEANUP_S` is ignored, so it cannot cut short the clean-up (killing the probe group, writing
+    the log: well under a second); a later one raises again, in case the first was swallowed. Signals the
+    caller ignores (``nohup``, a background job's SIGINT) stay ignored. Main thread only (Python's rule)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired: float | None = None
+
+    def handler(signum: int, _frame: object) -> None:
+        nonlocal fired
+        if fired is not None and time.monotonic() - fired < CLEANUP_S:
+            return
+        fired = time.monotonic()
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+    names = ("SIGINT", "SIGTERM", "SIGHUP")
+    wanted = [getattr(signal, n) for n in names if hasattr(signal, n)]
+    previous = {s: signal.getsignal(s) for s in wanted}
+    try:
+        for sig, old in previous.items():
+            if old is not signal.SIG_IGN:
+                signal.signal(sig, handler)
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+class LiveRuns:
+    """The bisect runs in progress on one cache, so that a later run can mark the log of a killed one.
+
+    Each run holds an OS file lock (``<id>.lock``, via ``filelock``) for its lifetime and records its log's
+    path beside it (``<id>.json``). The kernel drops the lock when the process ends, however it ends, so a
+    record whose lock can be taken belongs to a dead run: its log, still ``running``, becomes ``killed``.
+    Unlike "is that pid alive?" this is not fooled by a reused pid.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    @contextmanager
+    def register(self, run_id: str, log: Path, package: str, command: Sequence[str]) -> Iterator[None]:
+        """Hold the run's lock (taken before its record is written, so a live record is never stale)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(self.folder / f"{run_id}.lock"))
+        lock.acquire()
+        record = self.folder / f"{run_id}.json"
+        try:
+            info = {
+                "run_id": run_id,
+                "log": str(log.absolute()),
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "package": package,
+                "command": list(command),
+                "started_at": time.time(),
+            }
+            write_text_atomic(record, json.dumps(info, indent=1) + "\n")
+            yield
+        finally:
+            record.unlink(missing_ok=True)
+            lock.release()
+            Path(lock.lock_file).unlink(missing_ok=True)
+
+    def mark_stale(self) -> list[Path]:
+        """Mark the logs of dead runs ``killed``; return their paths. Live runs' records are untouched."""
+        marked: list[Path] = []
+        if not self.folder.is_dir():
+            return marked
+        for lock_path in sorted(self.folder.glob("*.lock")):
+            lock = FileLock(str(lock_path))
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                continue  # its run is alive
+            except OSError:
+                continue
+            record = lock_path.with_suffix(".json")
+            try:
+                info = json.loads(record.read_text())
+                if _mark_killed(Path(info["log"]), info):
+                    marked.append(Path(info["log"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # no record (it died before writing one) or an unreadable one: only tidy up
+            finally:
+                record.unlink(missing_ok=True)
+                lock.release()
+                lock_path.unlink(missing_ok=True)
+        return marked
+
+
+def _mark_killed(log: Path, info: dict[str, Any]) -> bool:
+    """Rewrite a dead run's log with status ``killed`` if it still says ``running`` (and is that run's)."""
+    text = log.read_text()
+    if text.strip():
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("status") != "running":
+            return False
+        if data.get("run_id") != info["run_id"]:
+            return False  # the path now holds another run's log
+    else:  # claimed, then killed before its first write
+        data = {"tool": "vramguard bisect", "package": info.get("package"), "command": info.get("command")}
+        data |= {"run_id": info["run_id"], "probes": [], "result": None}
+    data["status"] = "killed"
+    data["error"] = (
+        f"the run (pid {info.get('pid')} on {info.get('host')}) ended without finishing its log: killed "
+        f"(e.g. SIGKILL) or crashed; marked by a later run (pid {os.getpid()}). The probes listed are "
+        "what it measured."
+    )
+    write_text_atomic(log, json.dumps(data, indent=2) + "\n")
+    return True
 
 
 @dataclass
@@ -144,6 +261,7 @@ class BisectRun:
     probes: list[Probe] = field(default_factory=list)
     status: str = "running"
     error: str = ""
+    run_id: str = field(default_factory=lambda: f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
 
     def __post_init__(self) -> None:
         self.search = Bisection(len(self.candidates))
@@ -157,6 +275,9 @@ class BisectRun:
                 overlay = self.cache.get(self.package, version, self.index.pip_args(), INSTALL_TIMEOUT_S)
         except InstallError as exc:
             return None, f"install failed: {exc}", time.monotonic() - start
+        except OSError as exc:  # the cache itself (disk full, folder removed): not a verdict on the version
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise UsageError(f"overlay cache {self.cache.root}: {exc.strerror or exc}{where}") from None
         return overlay, "", time.monotonic() - start
 
     def probe(self, version: str) -> Probe:
@@ -204,9 +325,13 @@ class BisectRun:
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
-        """Probe until the search is done; endpoint contradictions raise UsageError (log written first)."""
+        """Probe until the search is done; endpoint contradictions raise UsageError (log written first).
+
+        The log says ``running`` only while this runs: every way out (interrupt, SIGTERM, error) rewrites it.
+        """
         bound = probe_bound(len(self.candidates))
         try:
+            self.write_log()  # before the first install: the log exists (and says running) from the start
             while (index := self.search.next_index()) is not None:
                 version = str(self.candidates[index])
                 result = self.probe(version)
@@ -220,9 +345,14 @@ class BisectRun:
             self.status, self.error = "endpoint_error", self._endpoint_message(exc)
             self.write_log()
             raise UsageError(self.error) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             self.status = "interrupted"
-            self.write_log()
+            self.error = f"interrupted by {exc.signame if isinstance(exc, Terminated) else 'SIGINT'}"
+            self._write_log_last()
+            raise
+        except BaseException as exc:
+            self.status, self.error = "failed", str(exc) or type(exc).__name__
+            self._write_log_last()
             raise
         self.status = "found" if len(self.search.candidates()) == 1 else "ambiguous"
         self.write_log()
@@ -276,6 +406,9 @@ class BisectRun:
             "candidates": [str(v) for v in self.candidates],
             "status": self.status,
             "error": self.error,
+            "run_id": self.run_id,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
             "result": self.result() if self.status in ("found", "ambiguous") else None,
             "probe_count": len(self.probes),
             "probe_bound": probe_bound(n),
@@ -293,6 +426,13 @@ class BisectRun:
             write_text_atomic(self.log_path, json.dumps(self.log(), indent=2) + "\n")
         except OSError as exc:
             raise UsageError(f"cannot write the bisect log {self.log_path}: {exc.strerror or exc}") from None
+
+    def _write_log_last(self) -> None:
+        """The final write on the way out of an error: a failure to write is not allowed to hide that error."""
+        try:
+            self.write_log()
+        except UsageError:
+            pass
 
     def summary(self) -> str:
         res = self.result()
@@ -465,12 +605,38 @@ def run_bisect(args: argparse.Namespace) -> int:
         if args.log.is_dir() or parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
             raise UsageError(f"--log {args.log}: cannot write a file there")
     max_bytes = parse_size(args.cache_max)
+    try:
+        with signals_end_the_run():
+            return _bisect(args, command, max_bytes)
+    except Terminated as exc:
+        print(f"vramguard: terminated by {exc.signame}", file=sys.stderr)
+        return 128 + exc.signum
+
+
+def _bisect(args: argparse.Namespace, command: list[str], max_bytes: int) -> int:
     index = IndexOptions(args.index_url, tuple(args.find_links), args.index_timeout)
-    candidates = _candidates(args, index)
     cache = OverlayCache(args.cache_dir or default_cache_dir(), max_bytes)
-    log = args.log or default_log_path(cache.root, args.package)
+    _prepare_cache(cache, "--cache-dir" if args.cache_dir else "overlay cache")
+    candidates = _candidates(args, index)
+    runs = LiveRuns(cache.root / ".runs")
+    console = Console(stderr=True)
+    for stale in runs.mark_stale():
+        console.print(f"marked the log of a killed run: {stale}", highlight=False, soft_wrap=True)
+    try:
+        log = args.log or default_log_path(cache.root, args.package)
+    except OSError as exc:
+        raise UsageError(f"cannot create a log in {cache.root / '.logs'}: {exc.strerror}") from None
     run = BisectRun(
-        args.package, candidates, command, cache, index, args.find_fix, args.timeout, args.import_check, log
+        args.package,
+        candidates,
+        command,
+        cache,
+        index,
+        args.find_fix,
+        args.timeout,
+        args.import_check,
+        log,
+        console=console,
     )
     run.console.print(
         f"bisecting {args.package}: {len(candidates)} candidates {candidates[0]} .. {candidates[-1]}, "
@@ -478,6 +644,20 @@ def run_bisect(args: argparse.Namespace) -> int:
         highlight=False,
         soft_wrap=True,
     )
-    run.run()
+    with runs.register(run.run_id, log, args.package, command):
+        run.run()
     print(run.summary())
     return 0 if run.status == "found" else EXIT_AMBIGUOUS
+
+
+def _prepare_cache(cache: OverlayCache, flag: str) -> None:
+    """The cache must be a folder this process can write to; leftovers of killed installs are removed."""
+    root = cache.root
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"{flag} {root}: not a directory")
+    try:
+        cache.prepare()
+        for folder in (".logs", ".runs"):
+            (root / folder).mkdir(exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{flag} {root}: cannot write there ({exc.strerror or exc})") from None

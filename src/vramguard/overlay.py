@@ -4,6 +4,11 @@ Each entry is ``pip install --no-deps --target`` of one (package, version, pytho
 first on ``PYTHONPATH`` swaps only that package while torch and the rest stay the current environment's.
 An entry exists only complete: it is installed into a temporary directory, its marker is written last,
 and it is renamed into place; eviction renames it away before deleting. ``filelock`` guards concurrent runs.
+
+pip runs in its own process group that dies with this process (:mod:`vramguard.procgroup`), with its own
+temporary files inside the install's temporary directory. That directory is named after the entry's lock,
+held for the whole install, so the next run removes what a killed install left (the lock is free) and
+never what a running one is using (the lock is held).
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,12 +24,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from vramguard.procgroup import run_with_tail
+
 MARKER = ".vramguard-overlay.json"
+#: A temporary folder whose owner cannot be told (not made by this version) is removed after a day.
 STALE_TMP_S = 24 * 3600
+#: Separates the entry's lock name from mkdtemp's random part in an install's temporary folder.
+_TMP_SEP = "~"
+#: Bytes of pip's output searched for its error lines.
+PIP_TAIL_BYTES = 64 * 1024
 
 
 def default_cache_dir() -> Path:
@@ -106,6 +117,18 @@ class OverlayCache:
         self.locks.mkdir(parents=True, exist_ok=True)
         return FileLock(str(self.locks / f"{name}.lock"))
 
+    def prepare(self) -> list[Path]:
+        """Create the cache's folders, check they can be written, remove what killed runs left behind.
+
+        Raises OSError when the cache cannot be used (a file, a read-only folder); returns what was removed.
+        """
+        for folder in (self.root, self.tmp, self.locks):
+            folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=self.root)
+        os.close(fd)
+        os.unlink(probe)
+        return self.clean_tmp()
+
     def lookup(self, package: str, version: str) -> Overlay | None:
         """The complete entry for (package, version), touching its last-use time; None if absent."""
         path = self.entry_dir(package, version)
@@ -132,19 +155,21 @@ class OverlayCache:
         self, package: str, version: str, path: Path, pip_args: Sequence[str], timeout: float | None
     ) -> Overlay:
         self.tmp.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f"{path.parent.name}-{path.name}-", dir=self.tmp))
+        # Named after the entry's lock (held by the caller): clean_tmp() tells a leftover from a live install.
+        work = Path(tempfile.mkdtemp(prefix=f"{path.parent.name}-{path.name}{_TMP_SEP}", dir=self.tmp))
         try:
             cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(work / "t")]
             cmd += ["--no-input", "--disable-pip-version-check", "--no-warn-script-location", *pip_args]
             cmd.append(f"{package}=={version}")
-            try:
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-            except subprocess.TimeoutExpired:
-                raise InstallError(f"pip install timed out after {timeout} s") from None
-            if out.returncode != 0:
-                lines = [ln for ln in (out.stderr + out.stdout).splitlines() if ln.strip()]
+            (work / "pip-tmp").mkdir()
+            env = dict(os.environ, TMPDIR=str(work / "pip-tmp"))  # pip's own temp files die with `work`
+            code, tail = run_with_tail(cmd, env, timeout, max_lines=10**6, max_bytes=PIP_TAIL_BYTES)
+            if code is None:
+                raise InstallError(f"pip install timed out after {timeout} s")
+            if code != 0:
+                lines = [ln[:500] for ln in tail if ln.strip()]
                 errors = [ln for ln in lines if ln.startswith("ERROR")] or lines[-3:]
-                raise InstallError(" | ".join(errors[-3:]) or f"pip exited {out.returncode}")
+                raise InstallError(" | ".join(errors[-3:]) or f"pip exited {code}")
             got = _installed_version(work / "t", package)
             if got is None or Version(got) != Version(version):
                 raise InstallError(f"pip installed {package} {got}, not {version}")
@@ -160,14 +185,14 @@ class OverlayCache:
             (work / "t" / MARKER).write_text(json.dumps(marker, indent=1))
             path.parent.mkdir(parents=True, exist_ok=True)
             if path.exists():  # an incomplete leftover without a marker: never visible as an entry
-                self._remove(path)
+                os.rename(path, work / "old")  # deleted with `work`
             os.rename(work / "t", path)
             return Overlay(path, package, version, names, installed_now=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
     def _remove(self, path: Path) -> None:
-        """Rename away first so a half-deleted entry is never seen, then delete."""
+        """Rename away first so a half-deleted entry is never seen, then delete (under the evict lock)."""
         self.tmp.mkdir(parents=True, exist_ok=True)
         trash = Path(tempfile.mkdtemp(prefix="evict-", dir=self.tmp))
         os.rename(path, trash / "e")
@@ -200,17 +225,46 @@ class OverlayCache:
                 self._remove(path)
                 removed.append(path)
                 total -= size
-            self._clean_stale_tmp()
+            self._clean_tmp()
         return removed
 
-    def _clean_stale_tmp(self) -> None:
-        """Temp dirs left by a killed run (a day old) are removed; live ones belong to other runs."""
+    def clean_tmp(self) -> list[Path]:
+        """Remove what killed runs left in the temporary folder; return what was removed.
+
+        An install's folder is removed when its entry's lock is free (no install of that entry is running:
+        its owner was killed); an interrupted eviction's folder when the evict lock is free (it was only
+        ever being deleted); anything else once it is a day old.
+        """
+        with self._lock("evict"):
+            return self._clean_tmp()
+
+    def _clean_tmp(self) -> list[Path]:
+        removed: list[Path] = []
         if not self.tmp.is_dir():
-            return
-        now = time.time()
-        for child in self.tmp.iterdir():
-            try:
-                if now - child.stat().st_mtime > STALE_TMP_S:
+            return removed
+        for child in sorted(self.tmp.iterdir()):
+            if _TMP_SEP in child.name:
+                lock = self._lock(child.name.rsplit(_TMP_SEP, 1)[0])
+                try:
+                    lock.acquire(timeout=0)
+                except (Timeout, OSError):
+                    continue  # that entry is being installed right now
+                try:
                     shutil.rmtree(child, ignore_errors=True)
-            except OSError:
-                continue
+                finally:
+                    lock.release()
+            elif child.name.startswith("evict-"):
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                try:
+                    if time.time() - child.stat().st_mtime <= STALE_TMP_S:
+                        continue
+                except OSError:
+                    continue
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
+            if not os.path.lexists(child):
+                removed.append(child)
+        return removed

@@ -58,7 +58,11 @@ def _configured_index_url() -> str:
     """The index pip would use: ``--index-url`` from its env/config files, else PyPI."""
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=30
+            [sys.executable, "-m", "pip", "config", "list"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return DEFAULT_INDEX

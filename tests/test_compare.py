@@ -165,6 +165,15 @@ def test_a_metric_missing_from_the_current_run_fails(tmp_path, capsys, value) ->
     assert data["failed"] is True and data["missing"] == 1 and data["regressions"] == 0
 
 
+def test_a_missing_ungated_metric_is_reported_not_judged(tmp_path: Path) -> None:
+    base = _write(tmp_path / "a.json", _doc())
+    cur_doc = _edit_metric(_doc(), "a", "step_time")
+    del cur_doc["benchmarks"][0]["stats"]  # no timing at all (pytest-benchmark under xdist)
+    cur = _write(tmp_path / "b.json", cur_doc)
+    assert main(["compare", base, cur]) == 0  # step_time is not gated by default
+    assert main(["compare", base, cur, "--threshold", "step_time=20%"]) == 1
+
+
 def test_null_on_both_sides_and_new_metrics_pass(tmp_path: Path) -> None:
     """peak_reserved is null on CPU in both runs: nothing to compare, nothing missing."""
     base_doc = _edit_metric(_doc(), "a", "peak_reserved", None)

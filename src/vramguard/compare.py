@@ -57,8 +57,8 @@ class Row:
     base: float | None
     current: float | None
     threshold: float | None
-    # ok, improved, REGRESSION, MISSING (baseline has it, current lacks it or has null),
-    # new (only the current run has it), n/a (null or absent on both sides)
+    # ok, improved, REGRESSION, MISSING (baseline has it, current lacks it or has null; "missing"
+    # for a metric not gated, e.g. step_time), new (only the current run has it), n/a (null on both)
     status: str
 
     @property
@@ -316,8 +316,9 @@ def compare_docs(
 ) -> Comparison:
     """Match benchmarks by name + params and judge every metric either side records.
 
-    A metric with a number in the baseline and none (absent or ``null``) in the current run is
-    ``MISSING``; one only the current run has is ``new``; ``null`` or absent on both is ``n/a``.
+    A gated metric with a number in the baseline and none (absent or ``null``) in the current run
+    is ``MISSING`` (``missing`` when not gated: reported only); one only the current run has is
+    ``new``; ``null`` or absent on both is ``n/a``.
     """
     thresholds = thresholds or {}
     a, b = entries(baseline, baseline_label), entries(current, current_label)
@@ -329,8 +330,8 @@ def compare_docs(
             thr = threshold_for(metric, thresholds, default)
             if base is not None and cur is not None:
                 status = judge(metric, base, cur, thr)
-            elif base is not None:
-                status = "MISSING"
+            elif base is not None:  # fails only where gated: an ungated metric is reported, not judged
+                status = "MISSING" if thr is not None else "missing"
             else:
                 status = "new" if cur is not None else "n/a"
             rows.append(Row(key[0], key[1], metric, base, cur, thr, status))

@@ -265,9 +265,8 @@ def known_metrics(*docs: dict[str, Any]) -> set[str]:
     """Metric names a threshold may name: vramguard's own plus every metric the documents record."""
     names = set(MEMORY_METRICS) | set(TIME_METRICS)
     for doc in docs:
-        for bench in doc.get("benchmarks") or []:
-            if isinstance(bench, dict) and isinstance(bench.get("extra_info"), dict):
-                names |= set(metrics_of(bench))
+        for metrics in entries(doc, "run").values():
+            names |= set(metrics)
     return names
 
 

@@ -122,11 +122,68 @@ def test_one_sided_benchmarks_are_reported(tmp_path: Path, capsys: pytest.Captur
     cur_doc = _doc(d=2.0 * GIB)
     base = _write(tmp_path / "a.json", base_doc)
     cur = _write(tmp_path / "b.json", cur_doc)
-    assert main(["compare", base, cur]) == 0
+    assert main(["compare", base, cur]) == 1  # case c is missing from the current run
     out = capsys.readouterr().out
     assert "only in baseline: test_qlora_step_gpu" in out and "case=c" in out
     assert "only in current:  test_qlora_step_gpu" in out and "case=d" in out
-    assert main(["compare", base, cur, "--fail-on-missing"]) == 1
+    assert out.rstrip().endswith("1 missing from the current run") and "no regression" not in out
+    assert main(["compare", base, cur, "--allow-missing"]) == 0
+    assert "no regression; 1 missing from the current run (allowed)" in capsys.readouterr().out
+    # a benchmark only the current run has is new, not missing: it fails only when asked
+    new = _write(tmp_path / "new.json", _doc(c=1.0 * GIB, d=2.0 * GIB))
+    assert main(["compare", base, new]) == 0
+    assert main(["compare", base, new, "--fail-on-new"]) == 1
+    assert main(["compare", base, new, "--fail-on-missing"]) == 1  # the old flag: both sides must match
+    assert main(["compare", base, cur, "--allow-missing", "--fail-on-missing"]) == 2
+
+
+def _edit_metric(doc: dict, case: str, metric: str, value: object = "delete") -> dict:
+    doc = copy.deepcopy(doc)
+    for bench in doc["benchmarks"]:
+        if bench["params"]["case"] == case:
+            metrics = bench["extra_info"]["vramguard"]["metrics"]
+            if value == "delete":
+                del metrics[metric]
+            else:
+                metrics[metric] = value
+    return doc
+
+
+@pytest.mark.parametrize("value", ["delete", None], ids=["lost", "null"])
+def test_a_metric_missing_from_the_current_run_fails(tmp_path, capsys, value) -> None:
+    base = _write(tmp_path / "a.json", _doc())
+    cur = _write(tmp_path / "b.json", _edit_metric(_doc(), "b", "saved_bytes", value))
+    assert main(["compare", base, cur]) == 1
+    out = capsys.readouterr().out
+    line = next(row for row in out.splitlines() if "MISSING" in row)
+    assert "saved_bytes" in line and "case=b" in line
+    assert "1 missing from the current run" in out and "no regression" not in out
+    assert main(["compare", base, cur, "--allow-missing"]) == 0
+    report = tmp_path / "r.json"
+    assert main(["compare", base, cur, "--json", str(report)]) == 1
+    data = json.loads(report.read_text())
+    assert data["failed"] is True and data["missing"] == 1 and data["regressions"] == 0
+
+
+def test_a_missing_ungated_metric_is_reported_not_judged(tmp_path: Path) -> None:
+    base = _write(tmp_path / "a.json", _doc())
+    cur_doc = _edit_metric(_doc(), "a", "step_time")
+    del cur_doc["benchmarks"][0]["stats"]  # no timing at all (pytest-benchmark under xdist)
+    cur = _write(tmp_path / "b.json", cur_doc)
+    assert main(["compare", base, cur]) == 0  # step_time is not gated by default
+    assert main(["compare", base, cur, "--threshold", "step_time=20%"]) == 1
+
+
+def test_null_on_both_sides_and_new_metrics_pass(tmp_path: Path) -> None:
+    """peak_reserved is null on CPU in both runs: nothing to compare, nothing missing."""
+    base_doc = _edit_metric(_doc(), "a", "peak_reserved", None)
+    base = _write(tmp_path / "a.json", base_doc)
+    assert main(["compare", base, _write(tmp_path / "b.json", base_doc)]) == 0
+    result = compare_docs(base_doc, _doc())  # the current run now records peak_reserved for case a
+    assert [(r.metric, r.status) for r in result.rows if r.status not in ("ok",)] == [
+        ("peak_reserved", "new")
+    ]
+    assert not result.failed and result.verdict() == "no regression"
 
 
 def test_store_run_against_store_run_and_reports(tmp_path: Path) -> None:
@@ -170,6 +227,20 @@ def test_store_run_against_store_run_and_reports(tmp_path: Path) -> None:
         (lambda p, ok: [_bad(p, _malformed(machine_info=[1])), ok], "machine_info is not an object"),
         (lambda p, ok: [ok, _bad(p, _malformed(metrics={"peak_allocated": 10**400}))], "not a finite number"),
         (lambda p, ok: [ok, _bad(p, _malformed(metrics={"peak_allocated": float("nan")}))], "not a finite"),
+        # missing data is never a pass (these exited 0 with "no regression")
+        (lambda p, ok: [_bad(p, _plain(), "p1"), _bad(p, _plain(), "p2")], "no vramguard memory fields"),
+        (lambda p, ok: [ok, _bad(p, _plain())], "no vramguard memory fields"),
+        (lambda p, ok: [ok, _bad(p, json.dumps({"machine_info": {}, "benchmarks": []}))], "no benchmarks"),
+        (lambda p, ok: [ok, _bad(p, _duplicated())], "appears more than once"),
+        (lambda p, ok: [ok, _bad(p, _malformed(metrics={"peak_allocated": -5}))], "is negative"),
+        (lambda p, ok: [ok, _bad(p, _malformed(metrics={"peak_allocated": "9 GiB"}))], "not a number"),
+        (lambda p, ok: [ok, _bad(p, _malformed(metrics={"peak_allocated": True}))], "not a number"),
+        (lambda p, ok: [ok, _bad(p, _malformed(phases={"forward": {"peak_allocated": -1}}))], "negative"),
+        (lambda p, ok: [ok, ok, "--threshold", "peak_alocated=3%"], "matches no metric"),
+        (lambda p, ok: [ok, ok, "--threshold", "forwrd.*=3%"], "matches no metric"),
+        # item 5: one line and exit 2, never a traceback (RecursionError exited 1, the regression code)
+        (lambda p, ok: [ok, _bad(p, "[" * 100_000)], "nested too deeply"),
+        (lambda p, ok: [ok, str(p / ("x" * 5000))], "cannot read"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, make_args, message) -> None:
@@ -191,8 +262,25 @@ def _malformed(**edit: object) -> str:
     return json.dumps(doc)
 
 
-def _bad(path: Path, text: str) -> str:
-    target = path / "bad.json"
+def _plain() -> str:
+    """A pytest-benchmark file without vramguard's memory fields (timings only)."""
+    doc = _doc()
+    for bench in doc["benchmarks"]:
+        del bench["extra_info"]["vramguard"]
+    return json.dumps(doc)
+
+
+def _duplicated() -> str:
+    """The same benchmark twice, the copies disagreeing (which one is the measurement?)."""
+    doc = _doc()
+    doc["benchmarks"].insert(
+        0, _inject({"benchmarks": [doc["benchmarks"][1]]}, "b", "peak_allocated", 2.0)["benchmarks"][0]
+    )
+    return json.dumps(doc)
+
+
+def _bad(path: Path, text: str, name: str = "bad") -> str:
+    target = path / f"{name}.json"
     target.write_text(text)
     return str(target)
 
@@ -213,3 +301,12 @@ def test_cpu_payload_has_no_process_block_and_reset_is_harmless() -> None:
 
     assert process_memory(torch.device("cpu")) is None
     reset_cuda(torch.device("cpu"))
+
+
+def test_timing_only_benchmarks_are_not_gated(tmp_path: Path) -> None:
+    """A pytest-benchmark file may hold timing-only benchmarks beside vramguard's: those are skipped."""
+    base = _doc()
+    timing = {"name": "test_tokenizer_speed", "params": None, "stats": {"mean": 0.1}, "extra_info": {}}
+    base["benchmarks"].append(timing)
+    result = compare_docs(base, _doc())
+    assert not result.failed and result.only_baseline == [] and result.missing == 0

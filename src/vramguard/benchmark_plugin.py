@@ -6,7 +6,10 @@ an in-process memory gate, and one GPU per pytest-xdist worker.
 * Every test whose ``benchmark`` fixture carries ``extra_info["vramguard"]`` becomes a record, also
   when pytest-benchmark disabled timing (it does under xdist). ``--vram-store DIR`` writes each
   process's records to the store (each xdist worker its own file); ``--vram-baseline PATH`` compares
-  them, in the controller, with a stored run and fails the session above ``--vram-fail-above``.
+  them, in the controller, with a stored run and fails the session above ``--vram-fail-above`` or
+  when a baseline benchmark or metric is missing (unless ``--vram-allow-missing``). The baseline
+  is read when the session starts, before this run stores anything, so a run is never compared
+  with itself (also with ``--vram-store=S --vram-baseline=S``).
 * GPU pinning: an xdist worker ``gwN`` gets ``CUDA_VISIBLE_DEVICES`` = the N-th visible GPU (round
   robin). CUDA reads that variable once, when it initialises, so pinning happens in
   ``pytest_load_initial_conftests`` (before conftest files are imported) and again, idempotently,
@@ -33,6 +36,8 @@ from vramguard.errors import UsageError
 
 _RECORDS = pytest.StashKey[list[dict[str, Any]]]()
 _RESULTS = pytest.StashKey[list[tuple[str, Any]]]()
+_GATE = pytest.StashKey[Any]()  # vramguard.compare.Gate
+_BASELINE = pytest.StashKey[tuple[dict[str, Any], str]]()  # the baseline document and its label
 _RUN_ID = "vramguard_run_id"
 PINNED_ENV = "VRAMGUARD_PINNED_GPU"
 
@@ -134,21 +139,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="PATH",
         default=None,
         help="compare benchmark memory with this run: JSON file, run directory or "
-        "results store[@latest|@previous|@RUN_ID]; fail the session on a regression",
+        "results store[@latest|@previous|@RUN_ID], read before this run stores anything; "
+        "fail the session on a regression or missing data",
     )
-    group.addoption(
-        "--vram-fail-above",
-        metavar="PCT",
-        default="3%",
-        help="default threshold for memory metrics with --vram-baseline (default 3%%)",
-    )
-    group.addoption(
-        "--vram-threshold",
-        metavar="METRIC=PCT",
-        action="append",
-        default=[],
-        help="per-metric threshold, e.g. step_time=20%% (repeatable)",
-    )
+    from vramguard.compare import add_gate_options
+
+    add_gate_options(group.addoption, prefix="vram-")  # the same options as `vramguard compare`
     group.addoption(
         "--vram-store",
         metavar="DIR",
@@ -175,24 +171,41 @@ def pytest_configure(config: pytest.Config) -> None:
     pin_gpu()
     config.stash[_RECORDS] = []
     config.stash[_RESULTS] = []
-    from vramguard.compare import parse_thresholds
-    from vramguard.units import parse_percent
+    from vramguard.compare import Gate
 
     try:
-        parse_percent(config.getoption("vram_fail_above"))
-        parse_thresholds(config.getoption("vram_threshold"))
+        config.stash[_GATE] = Gate.from_options(
+            config.getoption("vram_threshold"),
+            config.getoption("vram_fail_above"),
+            config.getoption("vram_allow_missing"),
+        )
     except UsageError as exc:
         raise pytest.UsageError(str(exc)) from None
-    baseline = config.getoption("vram_baseline")
-    if baseline and not os.path.exists(baseline.rsplit("@", 1)[0]) and not os.path.exists(baseline):
-        raise pytest.UsageError(f"--vram-baseline: no such file or directory: {baseline}")
     workerinput = getattr(config, "workerinput", None)
+    baseline = config.getoption("vram_baseline")
+    if baseline and workerinput is None:
+        # Chosen now, before this run stores a record: ``S@latest`` is the latest run before this one.
+        config.stash[_BASELINE] = _load_baseline(baseline, config.stash[_GATE])
     if workerinput is None and not hasattr(config, _RUN_ID):
         from vramguard.store import new_run_id
 
         setattr(config, _RUN_ID, new_run_id())
     elif workerinput is not None:
         setattr(config, _RUN_ID, workerinput.get(_RUN_ID))
+
+
+def _load_baseline(spec: str, gate: Any) -> tuple[dict[str, Any], str]:
+    """The baseline document and label; pytest.UsageError (one line) when it cannot gate anything."""
+    from vramguard.compare import check_thresholds, entries, known_metrics
+    from vramguard.store import load_spec
+
+    try:
+        doc, label = load_spec(spec)
+        entries(doc, label)  # malformed, empty or without memory fields: fail before the tests run
+        check_thresholds(gate.thresholds, known_metrics(doc))
+    except UsageError as exc:
+        raise pytest.UsageError(f"--vram-baseline: {exc}") from None
+    return doc, label
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -266,9 +279,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             session.exitstatus = pytest.ExitCode.USAGE_ERROR
         else:
             config.stash[_RESULTS].append(("stored", str(path)))
-    baseline = config.getoption("vram_baseline")
-    if baseline and workeroutput is None:
-        _gate(session, records, baseline)
+    if _BASELINE in config.stash and workeroutput is None:
+        _gate(session, records)
 
 
 def _is_controller(config: pytest.Config) -> bool:
@@ -276,22 +288,13 @@ def _is_controller(config: pytest.Config) -> bool:
     return getattr(config.option, "dist", "no") != "no" and getattr(config, "workerinput", None) is None
 
 
-def _gate(session: pytest.Session, records: list[dict[str, Any]], baseline: str) -> None:
-    from vramguard.compare import compare_docs, markdown, parse_thresholds
-    from vramguard.store import load_spec
-    from vramguard.units import parse_percent
+def _gate(session: pytest.Session, records: list[dict[str, Any]]) -> None:
+    from vramguard.compare import markdown
 
     config = session.config
+    base_doc, label = config.stash[_BASELINE]
     try:
-        base_doc, label = load_spec(baseline)
-        comparison = compare_docs(
-            base_doc,
-            _document(config, records),
-            parse_thresholds(config.getoption("vram_threshold")),
-            parse_percent(config.getoption("vram_fail_above")),
-            label,
-            "this run",
-        )
+        comparison = config.stash[_GATE].compare(base_doc, _document(config, records), label, "this run")
     except UsageError as exc:
         config.stash[_RESULTS].append(("error", f"--vram-baseline: {exc}"))
         session.exitstatus = pytest.ExitCode.USAGE_ERROR
@@ -306,7 +309,7 @@ def _gate(session: pytest.Session, records: list[dict[str, Any]], baseline: str)
             config.stash[_RESULTS].append(("error", f"--vram-summary: cannot write {summary}: {exc}"))
             session.exitstatus = pytest.ExitCode.USAGE_ERROR
             return
-    if comparison.regressions and session.exitstatus == pytest.ExitCode.OK:
+    if comparison.failed and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -327,8 +330,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             buffer = io.StringIO()
             render(value, Console(file=buffer, width=200, force_terminal=False, color_system=None))
             terminalreporter.write(buffer.getvalue())
-            if value.regressions:
+            if value.failed:
                 terminalreporter.write_line(
-                    f"vramguard: {len(value.regressions)} memory regression(s) against {value.baseline_label}",
+                    f"vramguard: memory gate failed against {value.baseline_label}: {value.verdict()}",
                     red=True,
                 )

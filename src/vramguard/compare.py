@@ -3,8 +3,11 @@
 pytest-benchmark compares timings only; the memory numbers live in ``extra_info["vramguard"]``.
 Benchmarks are matched by name (without the parameter suffix) plus their parameters. Every metric
 has a direction (all of vramguard's are "lower is better") and a threshold; a change beyond the
-threshold in the bad direction is a regression. Exit codes: 0 no regression, 1 regression,
-2 bad input.
+threshold in the bad direction is a regression. Missing data is never a pass: a benchmark or a
+metric the baseline has and the current run lacks (absent or ``null``) fails like a regression
+unless missing data is explicitly allowed. Exit codes: 0 no regression, 1 regression or missing
+data, 2 bad input (unreadable, malformed, no vramguard memory fields, a benchmark listed twice, a
+negative or non-numeric metric, a threshold that matches no metric).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import fnmatch
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +57,9 @@ class Row:
     base: float | None
     current: float | None
     threshold: float | None
-    status: str  # ok, REGRESSION, improved, only-baseline, only-current, n/a
+    # ok, improved, REGRESSION, MISSING (baseline has it, current lacks it or has null; "missing"
+    # for a metric not gated, e.g. step_time), new (only the current run has it), n/a (null on both)
+    status: str
 
     @property
     def delta(self) -> float | None:
@@ -81,16 +87,50 @@ class Comparison:
     only_baseline: list[BenchKey]
     only_current: list[BenchKey]
     version_changes: dict[str, tuple[Any, Any]]
+    allow_missing: bool = False  # a benchmark or metric missing from the current run passes
+    fail_on_new: bool = False  # a benchmark or metric only the current run has fails
 
     @property
     def regressions(self) -> list[Row]:
         return [r for r in self.rows if r.status == "REGRESSION"]
 
+    @property
+    def missing(self) -> int:
+        """Benchmarks and metrics the baseline has and the current run lacks."""
+        return len(self.only_baseline) + sum(r.status == "MISSING" for r in self.rows)
+
+    @property
+    def new(self) -> int:
+        """Benchmarks and metrics only the current run has."""
+        return len(self.only_current) + sum(r.status == "new" for r in self.rows)
+
+    @property
+    def failed(self) -> bool:
+        return bool(
+            self.regressions or (self.missing and not self.allow_missing) or (self.new and self.fail_on_new)
+        )
+
+    def verdict(self) -> str:
+        """One line: ``no regression`` only when nothing failed."""
+        parts = [f"{len(self.regressions)} regression(s)"] if self.regressions else []
+        if self.missing:
+            allowed = " (allowed)" if self.allow_missing else ""
+            parts.append(f"{self.missing} missing from the current run{allowed}")
+        if self.new and self.fail_on_new:
+            parts.append(f"{self.new} only in the current run")
+        if self.failed:
+            return ", ".join(parts)
+        return "no regression" + (f"; {', '.join(parts)}" if parts else "")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "baseline": self.baseline_label,
             "current": self.current_label,
+            "failed": self.failed,
+            "verdict": self.verdict(),
             "regressions": len(self.regressions),
+            "missing": self.missing,
+            "allow_missing": self.allow_missing,
             "rows": [r.to_dict() for r in self.rows],
             "only_baseline": [list(k) for k in self.only_baseline],
             "only_current": [list(k) for k in self.only_current],
@@ -109,16 +149,31 @@ def _object(value: Any, where: str) -> dict[str, Any]:
 
 
 def _number(value: Any, where: str) -> float | None:
-    """A metric value as a finite float; None for non-numbers (not a metric); UsageError for NaN/inf."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    """A metric value: a finite, non-negative float, or None for ``null``; UsageError for anything else.
+
+    Every metric vramguard records is a byte count or seconds: a string, a boolean, NaN, infinity
+    or a negative number is a broken document, never a measurement (a negative peak would read as
+    an improvement).
+    """
+    if value is None:
         return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise UsageError(f"{where} is not a number: {value!r}"[:300])
     try:
         out = float(value)
     except OverflowError:
         out = math.inf
     if not math.isfinite(out):
         raise UsageError(f"{where} is not a finite number: {value!r}"[:300])
+    if out < 0:
+        raise UsageError(f"{where} is negative: {value!r} (bytes and seconds never are)"[:300])
     return out
+
+
+def _payload(bench: dict[str, Any], where: str) -> dict[str, Any] | None:
+    """A benchmark's ``extra_info.vramguard`` block, or None for a benchmark vramguard did not record."""
+    payload = _object(bench.get("extra_info"), f"{where}: extra_info").get("vramguard")
+    return None if payload is None else _object(payload, f"{where}: extra_info.vramguard")
 
 
 def bench_key(bench: dict[str, Any]) -> BenchKey:
@@ -126,42 +181,61 @@ def bench_key(bench: dict[str, Any]) -> BenchKey:
     name = str(bench.get("name") or bench.get("fullname") or "?").split("[", 1)[0]
     params = bench.get("params")
     if params is None:
-        params = _object(_object(bench.get("extra_info"), "extra_info").get("vramguard"), "vramguard").get(
-            "params"
-        )
+        params = (_payload(bench, name) or {}).get("params")
     return name, json.dumps(params or {}, sort_keys=True, default=str)
 
 
-def metrics_of(bench: dict[str, Any], label: str = "benchmark") -> dict[str, float]:
-    """Flat metrics: the top-level ones plus ``<phase>.peak_allocated`` / ``<phase>.peak_reserved``."""
+def metrics_of(bench: dict[str, Any], label: str = "benchmark") -> dict[str, float | None]:
+    """Flat metrics: the top-level ones plus ``<phase>.peak_allocated`` / ``<phase>.peak_reserved``.
+
+    A metric recorded as ``null`` (e.g. ``peak_reserved`` on CPU) is kept as None, so that a current
+    run with ``null`` where the baseline has a number reads as missing, not as absent-on-both.
+    """
     where = f"{label}: {str(bench.get('name') or bench.get('fullname') or '?')[:100]}"
-    extra = _object(bench.get("extra_info"), f"{where}: extra_info")
-    payload = _object(extra.get("vramguard"), f"{where}: extra_info.vramguard")
-    out: dict[str, float] = {}
+    payload = _payload(bench, where) or {}
+    out: dict[str, float | None] = {}
     for name, value in _object(payload.get("metrics"), f"{where}: metrics").items():
-        number = _number(value, f"{where}: metric {name}")
-        if number is not None:
-            out[name] = number
+        out[name] = _number(value, f"{where}: metric {name}")
     for phase, stats in _object(payload.get("phases"), f"{where}: phases").items():
         for name, value in _object(stats, f"{where}: phase {phase}").items():
-            number = _number(value, f"{where}: {phase}.{name}")
-            if number is not None:
-                out[f"{phase}.{name}"] = number
+            out[f"{phase}.{name}"] = _number(value, f"{where}: {phase}.{name}")
     stats = _object(bench.get("stats"), f"{where}: stats")
-    if "step_time" not in out:
-        mean = _number(stats.get("mean"), f"{where}: stats.mean")
-        if mean is not None:
-            out["step_time"] = mean
+    if out.get("step_time") is None and stats.get("mean") is not None:
+        out["step_time"] = _number(stats.get("mean"), f"{where}: stats.mean")
     return out
 
 
-def entries(doc: dict[str, Any], label: str) -> dict[BenchKey, dict[str, float]]:
-    out: dict[BenchKey, dict[str, float]] = {}
-    for bench in doc.get("benchmarks", []):
+def entries(doc: dict[str, Any], label: str) -> dict[BenchKey, dict[str, float | None]]:
+    """The memory benchmarks of a run (those with ``extra_info.vramguard``), by key.
+
+    UsageError when the run has none (a plain pytest-benchmark file, ``benchmarks: []``), or when a
+    benchmark appears twice (which copy is the measurement?).
+    """
+    benchmarks = doc.get("benchmarks")
+    if not isinstance(benchmarks, list):
+        raise UsageError(f"{label}: no 'benchmarks' list")
+    out: dict[BenchKey, dict[str, float | None]] = {}
+    for bench in benchmarks:
         if not isinstance(bench, dict):
             raise UsageError(f"{label}: a benchmark entry is not an object")
+        where = f"{label}: {str(bench.get('name') or bench.get('fullname') or '?')[:100]}"
+        if _payload(bench, where) is None:
+            continue  # a timing-only benchmark: not vramguard's to gate
         metrics = metrics_of(bench, label)  # first: its errors name the run and the benchmark
-        out[bench_key(bench)] = metrics
+        key = bench_key(bench)
+        if key in out:
+            raise UsageError(
+                f"{label}: benchmark {key[0]} {_params_label(key[1])} appears more than once "
+                "(a run holds each benchmark once)"[:400]
+            )
+        out[key] = metrics
+    if not any(set(m) - set(TIME_METRICS) for m in out.values()):
+        if not benchmarks:
+            raise UsageError(f"{label} holds no benchmarks; nothing to compare")
+        raise UsageError(
+            f"{label} has no vramguard memory fields (extra_info.vramguard.metrics) in its "
+            f"{len(benchmarks)} benchmark(s): not written by vramguard's benchmarks; nothing to compare"
+        )
     return out
 
 
@@ -185,6 +259,24 @@ def parse_thresholds(items: list[str]) -> dict[str, float | None]:
             raise UsageError(f"threshold {item!r} must look like METRIC=3% (or METRIC=off)")
         out[metric.strip()] = None if value.strip().lower() in ("off", "none") else parse_percent(value)
     return out
+
+
+def known_metrics(*docs: dict[str, Any]) -> set[str]:
+    """Metric names a threshold may name: vramguard's own plus every metric the documents record."""
+    names = set(MEMORY_METRICS) | set(TIME_METRICS)
+    for doc in docs:
+        for metrics in entries(doc, "run").values():
+            names |= set(metrics)
+    return names
+
+
+def check_thresholds(thresholds: dict[str, float | None], known: set[str]) -> None:
+    """UsageError for a threshold that matches no metric (a misspelt name would silently gate nothing)."""
+    for pattern in thresholds:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in known):
+            raise UsageError(
+                f"threshold {pattern!r} matches no metric; known: {', '.join(sorted(known))}"[:600]
+            )
 
 
 def threshold_for(metric: str, explicit: dict[str, float | None], default: float | None) -> float | None:
@@ -218,16 +310,29 @@ def compare_docs(
     default: float | None = DEFAULT_MEMORY_THRESHOLD,
     baseline_label: str = "baseline",
     current_label: str = "current",
+    allow_missing: bool = False,
+    fail_on_new: bool = False,
 ) -> Comparison:
-    """Match benchmarks by name + params and judge every metric present on both sides."""
+    """Match benchmarks by name + params and judge every metric either side records.
+
+    A gated metric with a number in the baseline and none (absent or ``null``) in the current run
+    is ``MISSING`` (``missing`` when not gated: reported only); one only the current run has is
+    ``new``; ``null`` or absent on both is ``n/a``.
+    """
     thresholds = thresholds or {}
     a, b = entries(baseline, baseline_label), entries(current, current_label)
+    check_thresholds(thresholds, known_metrics(baseline, current))
     rows: list[Row] = []
     for key in sorted(set(a) & set(b)):
         for metric in sorted(set(a[key]) | set(b[key])):
             base, cur = a[key].get(metric), b[key].get(metric)
             thr = threshold_for(metric, thresholds, default)
-            status = "n/a" if base is None or cur is None else judge(metric, base, cur, thr)
+            if base is not None and cur is not None:
+                status = judge(metric, base, cur, thr)
+            elif base is not None:  # fails only where gated: an ungated metric is reported, not judged
+                status = "MISSING" if thr is not None else "missing"
+            else:
+                status = "new" if cur is not None else "n/a"
             rows.append(Row(key[0], key[1], metric, base, cur, thr, status))
     va, vb = versions(baseline, baseline_label), versions(current, current_label)
     changes = {k: (va.get(k), vb.get(k)) for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)}
@@ -238,6 +343,8 @@ def compare_docs(
         only_baseline=sorted(set(a) - set(b)),
         only_current=sorted(set(b) - set(a)),
         version_changes=changes,
+        allow_missing=allow_missing,
+        fail_on_new=fail_on_new,
     )
 
 
@@ -290,7 +397,7 @@ def render(comparison: Comparison, console: Console, verbose: bool = False) -> N
             column, justify="right" if column in ("baseline", "current", "delta", "%") else "left"
         )
     for r in _interesting(comparison.rows, verbose):
-        style = {"REGRESSION": "bold red", "improved": "green"}.get(r.status, "")
+        style = {"REGRESSION": "bold red", "MISSING": "bold red", "improved": "green"}.get(r.status, "")
         table.add_row(
             r.name,
             _params_label(r.params),
@@ -304,11 +411,12 @@ def render(comparison: Comparison, console: Console, verbose: bool = False) -> N
         )
     console.print(table)
     for key in comparison.only_baseline:
-        console.print(f"only in baseline: {key[0]} {_params_label(key[1])}")
+        console.print(f"only in baseline: {key[0]} {_params_label(key[1])} (missing from the current run)")
     for key in comparison.only_current:
         console.print(f"only in current:  {key[0]} {_params_label(key[1])}")
-    n = len(comparison.regressions)
-    console.print(f"[bold red]{n} regression(s)[/]" if n else "[green]no regression[/]")
+    console.print(
+        f"[bold red]{comparison.verdict()}[/]" if comparison.failed else f"[green]{comparison.verdict()}[/]"
+    )
 
 
 def markdown(comparison: Comparison, verbose: bool = False) -> str:
@@ -326,25 +434,101 @@ def markdown(comparison: Comparison, verbose: bool = False) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in _interesting(comparison.rows, verbose):
-        status = f"**{r.status}**" if r.status == "REGRESSION" else r.status
+        status = f"**{r.status}**" if r.status in ("REGRESSION", "MISSING") else r.status
         thr = "-" if r.threshold is None else f"{r.threshold * 100:g}%"
         lines.append(
             f"| {r.name} | {_params_label(r.params)} | {r.metric} | {_fmt(r.metric, r.base)} | "
             f"{_fmt(r.metric, r.current)} | {_fmt(r.metric, r.delta, True)} | {_pct(r.relative)} | {thr} | {status} |"
         )
     lines.append("")
-    lines += [f"- only in baseline: `{k[0]}` {_params_label(k[1])}" for k in comparison.only_baseline]
+    lines += [
+        f"- only in baseline: `{k[0]}` {_params_label(k[1])} (missing from the current run)"
+        for k in comparison.only_baseline
+    ]
     lines += [f"- only in current: `{k[0]}` {_params_label(k[1])}" for k in comparison.only_current]
-    n = len(comparison.regressions)
-    lines.append(f"**{n} regression(s)**" if n else "No regression.")
+    verdict = comparison.verdict()
+    lines.append(f"**{verdict}**" if comparison.failed else verdict[0].upper() + verdict[1:] + ".")
     return "\n".join(lines) + "\n"
+
+
+# options ----------------------------------------------------------------------------------
+def gate_options() -> list[tuple[str, dict[str, Any]]]:
+    """The gate's options, defined once for ``vramguard compare`` (``--NAME``) and the pytest plugin
+    (``--vram-NAME``): argparse's ``add_argument`` and pytest's ``addoption`` take the same keywords."""
+    return [
+        (
+            "threshold",
+            {
+                "action": "append",
+                "default": [],
+                "metavar": "METRIC=PCT",
+                "help": "per-metric threshold, e.g. peak_allocated=3%% or 'forward.*=5%%' or step_time=20%%; "
+                "METRIC=off reports without gating; a METRIC that matches no metric is an error (repeatable)",
+            },
+        ),
+        (
+            "fail-above",
+            {
+                "default": None,
+                "metavar": "PCT",
+                "help": f"default threshold for memory metrics (default {DEFAULT_MEMORY_THRESHOLD * 100:g}%%)",
+            },
+        ),
+        (
+            "allow-missing",
+            {
+                "action": "store_true",
+                "default": False,
+                "help": "pass although a benchmark or metric of the baseline is missing from (or null in) "
+                "the current run; without it, missing data fails like a regression",
+            },
+        ),
+    ]
+
+
+def add_gate_options(add_option: Callable[..., Any], prefix: str = "") -> None:
+    """Register :func:`gate_options` with ``add_option`` (``parser.add_argument`` / ``group.addoption``)."""
+    for name, kwargs in gate_options():
+        add_option(f"--{prefix}{name}", **kwargs)
+
+
+@dataclass(frozen=True)
+class Gate:
+    """What fails a comparison: thresholds, and whether missing / new data counts."""
+
+    thresholds: dict[str, float | None]
+    default: float | None = DEFAULT_MEMORY_THRESHOLD
+    allow_missing: bool = False
+    fail_on_new: bool = False
+
+    @classmethod
+    def from_options(
+        cls, threshold: list[str], fail_above: str | None, allow_missing: bool, fail_on_new: bool = False
+    ) -> Gate:
+        """From the option values; UsageError (one line) for a malformed threshold or percentage."""
+        default = DEFAULT_MEMORY_THRESHOLD if fail_above is None else parse_percent(fail_above)
+        return cls(parse_thresholds(threshold), default, allow_missing, fail_on_new)
+
+    def compare(
+        self, baseline: dict[str, Any], current: dict[str, Any], baseline_label: str, current_label: str
+    ) -> Comparison:
+        return compare_docs(
+            baseline,
+            current,
+            self.thresholds,
+            self.default,
+            baseline_label,
+            current_label,
+            self.allow_missing,
+            self.fail_on_new,
+        )
 
 
 # CLI ----------------------------------------------------------------------------------------
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "compare",
-        help="memory deltas between two benchmark runs; exit 1 on a regression",
+        help="memory deltas between two benchmark runs; exit 1 on a regression or missing data",
         description=__doc__.splitlines()[0],
     )
     p.add_argument(
@@ -352,22 +536,16 @@ def register(subparsers: Any) -> None:
         help="benchmark JSON file, a run directory, or a results store [@latest|@previous|@RUN_ID]",
     )
     p.add_argument("current", help="same forms as BASELINE")
+    add_gate_options(p.add_argument)
     p.add_argument(
-        "--threshold",
-        action="append",
-        default=[],
-        metavar="METRIC=PCT",
-        help="per-metric threshold, e.g. peak_allocated=3%% or 'forward.*=5%%' or step_time=20%%; "
-        "METRIC=off reports without gating",
+        "--fail-on-new",
+        action="store_true",
+        help="also fail on a benchmark or metric that only the current run has",
     )
     p.add_argument(
-        "--fail-above",
-        default=None,
-        metavar="PCT",
-        help=f"default threshold for memory metrics (default {DEFAULT_MEMORY_THRESHOLD:.0%})",
-    )
-    p.add_argument(
-        "--fail-on-missing", action="store_true", help="also fail when a benchmark is on one side only"
+        "--fail-on-missing",
+        action="store_true",
+        help="kept for old scripts: same as --fail-on-new (missing data fails by default)",
     )
     p.add_argument(
         "--markdown", type=Path, metavar="FILE", help="append a Markdown report (e.g. $GITHUB_STEP_SUMMARY)"
@@ -378,13 +556,14 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    thresholds = parse_thresholds(args.threshold)
-    default = DEFAULT_MEMORY_THRESHOLD if args.fail_above is None else parse_percent(args.fail_above)
+    if args.allow_missing and args.fail_on_missing:
+        raise UsageError("--allow-missing and --fail-on-missing contradict each other")
+    gate = Gate.from_options(
+        args.threshold, args.fail_above, args.allow_missing, args.fail_on_new or args.fail_on_missing
+    )
     base_doc, base_label = load_spec(args.baseline)
     cur_doc, cur_label = load_spec(args.current)
-    comparison = compare_docs(base_doc, cur_doc, thresholds, default, base_label, cur_label)
-    if not comparison.rows and not comparison.only_baseline and not comparison.only_current:
-        raise UsageError("both runs are empty: nothing to compare")
+    comparison = gate.compare(base_doc, cur_doc, base_label, cur_label)
     render(comparison, Console(file=sys.stdout, width=200 if not sys.stdout.isatty() else None), args.verbose)
     try:
         if args.markdown:
@@ -394,7 +573,4 @@ def run(args: argparse.Namespace) -> int:
             write_text_atomic(args.json, json.dumps(comparison.to_dict(), indent=1, default=str))
     except OSError as exc:
         raise UsageError(f"cannot write report: {exc}") from None
-    failed = bool(comparison.regressions) or (
-        args.fail_on_missing and bool(comparison.only_baseline or comparison.only_current)
-    )
-    return 1 if failed else 0
+    return 1 if comparison.failed else 0

@@ -9,6 +9,12 @@ A record is written to a temporary file in its final directory, fsynced, then re
 with ``os.replace`` under the lock, after checking the name is free: a reader never sees half a
 file and nothing written earlier is overwritten. The directory tree is the source of truth; the
 index is a convenience that :meth:`ResultStore.verify` checks against it.
+
+Runs are ordered by a sequence number the store hands out under the lock (``seq`` in the index,
+``vramguard_seq`` in every record): the first record of a run id takes the next number, later
+records of the same run (other xdist workers) share it. ``@latest`` / ``@previous`` follow that
+number, never the clock. Runs written before sequence numbers existed have none; they keep their
+old order (by run id) and come before every numbered run.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from vramguard.errors import UsageError
 
 INDEX = "index.jsonl"
 LOCK = ".store.lock"
+SEQ = "vramguard_seq"
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 
 
@@ -37,7 +44,8 @@ def safe_name(text: str) -> str:
 
 
 def new_run_id() -> str:
-    """Sortable by time (UTC, to the second), unique by its random suffix."""
+    """Readable (UTC time, to the second) and unique by its random suffix; the store orders runs by
+    its own sequence number, not by this id."""
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
 
 
@@ -61,6 +69,7 @@ class Run:
     key: str
     run_id: str
     files: tuple[Path, ...] = field(default_factory=tuple)
+    seq: int | None = None  # the store's sequence number; None for runs written before it had one
 
 
 def _fsync_dir(path: Path) -> None:
@@ -82,8 +91,12 @@ def read_json(path: Path) -> dict[str, Any]:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise UsageError(f"no such file: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise UsageError(f"cannot read {path}: JSON nested too deeply") from None
+    except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError, UnicodeDecodeError, huge ints
+        raise UsageError(
+            f"cannot read {path}: {(str(exc).splitlines() or [type(exc).__name__])[0]}"
+        ) from None
     if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
         raise UsageError(f"{path} is not a benchmark JSON file (no 'benchmarks' list)")
     return data
@@ -109,19 +122,25 @@ class ResultStore:
         return (path / INDEX).is_file()
 
     def add(self, doc: dict[str, Any], run_id: str | None = None, writer: str = "main") -> Path:
-        """Write ``doc`` as a new record and return its path; never replaces an existing file."""
+        """Write ``doc`` as a new record and return its path; never replaces an existing file.
+
+        The record's sequence number is taken under the lock: the run's own if the run id is already
+        in the store (another writer of the same run), else one more than any run's.
+        """
         key = env_key(doc.get("machine_info") or {})
         run_id = safe_name(run_id or doc.get("vramguard_run_id") or new_run_id())
         folder = self.root / key / run_id
         folder.mkdir(parents=True, exist_ok=True)
-        record = dict(doc, vramguard_run_id=run_id, vramguard_key=key, vramguard_writer=writer)
         tmp = folder / f".tmp-{uuid.uuid4().hex}"
-        with open(tmp, "w") as fh:
-            json.dump(record, fh, indent=1, sort_keys=True, default=str)
-            fh.flush()
-            os.fsync(fh.fileno())
         try:
             with FileLock(str(self.root / LOCK)):
+                seq = self._seq_for(run_id)
+                record = dict(doc, vramguard_run_id=run_id, vramguard_key=key, vramguard_writer=writer)
+                record[SEQ] = seq
+                with open(tmp, "w") as fh:
+                    json.dump(record, fh, indent=1, sort_keys=True, default=str)
+                    fh.flush()
+                    os.fsync(fh.fileno())
                 final = folder / f"{safe_name(writer)}-{uuid.uuid4().hex[:12]}.json"
                 while final.exists():  # astronomically unlikely; never replace a record
                     final = folder / f"{safe_name(writer)}-{uuid.uuid4().hex[:12]}.json"
@@ -130,6 +149,7 @@ class ResultStore:
                 entry = {
                     "key": key,
                     "run_id": run_id,
+                    "seq": seq,
                     "file": str(final.relative_to(self.root)),
                     "benchmarks": len(record.get("benchmarks", [])),
                     "written": time.time(),
@@ -143,31 +163,83 @@ class ResultStore:
                 tmp.unlink()
         return final
 
+    def _seq_for(self, run_id: str) -> int:
+        """The sequence number of ``run_id``: its own if stored already, else the next one (call under the lock)."""
+        runs = self.runs()
+        for run in runs:
+            if run.run_id == run_id and run.seq is not None:
+                return run.seq
+        return max((r.seq for r in runs if r.seq is not None), default=0) + 1
+
     def runs(self) -> list[Run]:
-        """Every run in the store, oldest first (run ids start with their UTC time)."""
+        """Every run in the store, oldest first: by sequence number; runs from before sequence numbers
+        (none recorded) first, by run id."""
         out: list[Run] = []
         if not self.root.is_dir():
             return out
+        indexed = {e["file"]: e.get("seq") for e in self.index()}
         for key_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
             for run_dir in sorted(p for p in key_dir.iterdir() if p.is_dir()):
                 files = tuple(sorted(run_dir.glob("*.json")))
                 if files:
-                    out.append(Run(key_dir.name, run_dir.name, files))
-        return sorted(out, key=lambda r: (r.run_id, r.key))
+                    seqs = [self._file_seq(f, indexed) for f in files]
+                    known = [s for s in seqs if s is not None]
+                    out.append(Run(key_dir.name, run_dir.name, files, max(known) if known else None))
+        return sorted(out, key=lambda r: (r.seq is not None, r.seq or 0, r.run_id, r.key))
+
+    def _file_seq(self, path: Path, indexed: dict[str, Any]) -> int | None:
+        """A record's sequence number: from the index, else (not indexed yet) from the file itself."""
+        rel = str(path.relative_to(self.root))
+        if rel in indexed:
+            seq = indexed[rel]
+        else:
+            try:
+                seq = json.loads(path.read_text()).get(SEQ)
+            except (OSError, ValueError, RecursionError, AttributeError):
+                return None
+        return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+
+    def _read_index(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """The index's well-formed entries, and a problem for every line that is not one."""
+        path = self.root / INDEX
+        try:
+            text = path.read_bytes().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return [], []
+        except OSError as exc:
+            return [], [f"cannot read {INDEX}: {exc}"]
+        entries: list[dict[str, Any]] = []
+        problems: list[str] = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except (ValueError, RecursionError) as exc:
+                problems.append(
+                    f"bad index line {number}: {(str(exc).splitlines() or ['not JSON'])[0]}"[:300]
+                )
+                continue
+            if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
+                problems.append(f"bad index line {number}: not an object with a 'file'")
+                continue
+            entries.append(entry)
+        return entries, problems
 
     def index(self) -> list[dict[str, Any]]:
-        path = self.root / INDEX
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        """The index's entries (lines that are not an entry are skipped; :meth:`verify` names them)."""
+        return self._read_index()[0]
 
     def verify(self) -> list[str]:
-        """Problems found: index lines without a file, files without an index line."""
+        """Problems found: bad index lines, index lines without a file, files without an index line."""
+        entries, problems = self._read_index()
         files = {str(f.relative_to(self.root)) for run in self.runs() for f in run.files}
-        indexed = {e["file"] for e in self.index()}
-        return [f"not indexed: {f}" for f in sorted(files - indexed)] + [
-            f"indexed but missing: {f}" for f in sorted(indexed - files)
-        ]
+        indexed = {e["file"] for e in entries}
+        return (
+            problems
+            + [f"not indexed: {f}" for f in sorted(files - indexed)]
+            + [f"indexed but missing: {f}" for f in sorted(indexed - files)]
+        )
 
     def load(self, run: Run) -> dict[str, Any]:
         return merge([read_json(f) for f in run.files])
@@ -183,7 +255,9 @@ class ResultStore:
             if len(runs) < 2:
                 raise UsageError(f"results store {self.root} holds only one run; no previous run")
             return runs[-2]
-        matches = [r for r in runs if r.run_id.startswith(selector)]
+        matches = [r for r in runs if r.run_id == selector] or [
+            r for r in runs if r.run_id.startswith(selector)
+        ]
         if len(matches) != 1:
             what = "no run" if not matches else f"{len(matches)} runs"
             raise UsageError(f"{what} in {self.root} match {selector!r} (use latest, previous or a run id)")
@@ -193,11 +267,25 @@ class ResultStore:
 def load_spec(spec: str) -> tuple[dict[str, Any], str]:
     """A run from ``FILE``, ``RUN_DIR`` (its JSON files merged) or ``STORE[@latest|@previous|@RUN_ID]``.
 
-    Returns the document and a label for reports.
+    A path that exists is taken whole (it may contain ``@``); otherwise the selector is what follows
+    the last ``@`` (run ids never contain ``@`` or ``/``). Returns the document and a label for reports.
     """
-    path_text, _, selector = (
-        spec.partition("@") if "@" in spec and not Path(spec).exists() else (spec, "", "")
-    )
+    try:
+        return _load_spec(spec)
+    except (OSError, ValueError) as exc:  # a name too long for the filesystem, a NUL byte, ...
+        raise UsageError(
+            f"cannot read {spec[:200]!r}: {getattr(exc, 'strerror', None) or exc}"[:400]
+        ) from None
+
+
+def _load_spec(spec: str) -> tuple[dict[str, Any], str]:
+    path_text, selector = spec, ""
+    if "@" in spec and not Path(spec).exists():
+        path_text, _, selector = spec.rpartition("@")
+        if not selector or "/" in selector:
+            raise UsageError(f"no such file or directory: {spec}")
+    if not path_text:
+        raise UsageError(f"{spec!r}: no file, run directory or results store given")
     path = Path(path_text)
     if path.is_file():
         if selector:

@@ -104,3 +104,69 @@ def test_bad_device_fails_with_one_line(pytester: pytest.Pytester, device: str, 
         result.assert_outcomes(failed=1)
         result.stdout.fnmatch_lines([f"@pytest.mark.*: {message}"])
         assert "Traceback" not in result.stdout.str() and "Error:" not in result.stdout.str()
+
+
+# --- --vram-require-gpu ------------------------------------------------------------------------------
+
+GPU_BODY = """
+import pytest
+
+@pytest.mark.gpu
+def test_on_gpu():
+    pass
+
+def test_anywhere():
+    pass
+"""
+
+
+def _no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_gpu_tests_without_cuda_are_skipped_and_the_run_is_green(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a mislabelled runner looks like without the option: exit 0, everything gpu skipped."""
+    _no_cuda(monkeypatch)
+    pytester.makepyfile(GPU_BODY)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-m", "gpu", "-rs")
+    assert result.ret == pytest.ExitCode.OK
+    result.assert_outcomes(skipped=1, deselected=1)
+
+
+@pytest.mark.parametrize("marker", ["gpu", "not gpu"])
+def test_require_gpu_fails_the_session_at_start_without_cuda(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, marker: str
+) -> None:
+    _no_cuda(monkeypatch)
+    pytester.makepyfile(GPU_BODY)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-m", marker, "--vram-require-gpu")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [ln for ln in result.errlines if ln.strip()]
+    assert len(errors) == 1, result.errlines
+    assert errors[0].startswith("ERROR: --vram-require-gpu: no usable CUDA device: torch.cuda.is_available()")
+    assert "Traceback" not in result.stdout.str() + result.stderr.str()
+    assert "passed" not in result.stdout.str() and "skipped" not in result.stdout.str()  # nothing ran
+
+
+def test_require_gpu_rejects_a_visible_but_unusable_device(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if torch.version.cuda is not None:
+        pytest.skip("needs a torch built without CUDA (a visible device that cannot allocate)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # claims a device, cannot allocate
+    pytester.makepyfile(GPU_BODY)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--vram-require-gpu")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [ln for ln in result.errlines if ln.strip()]
+    assert len(errors) == 1 and "a CUDA device is visible but unusable" in errors[0], result.errlines
+
+
+def test_require_gpu_runs_normally_with_a_usable_device(pytester: pytest.Pytester) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytester.makepyfile(GPU_BODY)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-m", "gpu", "--vram-require-gpu")
+    assert result.ret == pytest.ExitCode.OK
+    result.assert_outcomes(passed=1, deselected=1)

@@ -1,4 +1,5 @@
-"""pytest plugin (entry point ``pytest11``): vramguard's markers, and skipping of ``gpu`` tests without CUDA."""
+"""pytest plugin (entry point ``pytest11``): vramguard's markers, and skipping of ``gpu`` tests without CUDA
+(or, with ``--vram-require-gpu``, a session that fails at start when there is no usable CUDA device)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,42 @@ BUDGET_MARKERS: tuple[str, ...] = (
 )
 
 
+REQUIRE_GPU = "--vram-require-gpu"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("vramguard", "vramguard")
+    group.addoption(
+        REQUIRE_GPU,
+        action="store_true",
+        default=False,
+        help="fail the session at start when no usable CUDA device is present (instead of skipping every "
+        "gpu test): for GPU CI, so that a job on a runner without a GPU is red, not green with skips",
+    )
+
+
+def cuda_unusable() -> str | None:
+    """Why CUDA cannot be used here (one line), or None when a device answers a small allocation."""
+    import torch
+
+    if not torch.cuda.is_available():
+        built = f"with CUDA {torch.version.cuda}" if torch.version.cuda else "without CUDA"
+        return f"torch.cuda.is_available() is False (torch {torch.__version__}, built {built})"
+    try:
+        torch.ones(1, device="cuda").add_(1).item()
+    except (RuntimeError, AssertionError) as exc:  # driver mismatch, a device in a bad state, no CUDA build
+        text = " ".join(str(exc).split())
+        return f"a CUDA device is visible but unusable: {type(exc).__name__}: {text[:200]}"
+    return None
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS + BUDGET_MARKERS:
         config.addinivalue_line("markers", line)
+    if config.getoption("vram_require_gpu", default=False):
+        reason = cuda_unusable()
+        if reason is not None:
+            raise pytest.UsageError(f"{REQUIRE_GPU}: no usable CUDA device: {reason}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

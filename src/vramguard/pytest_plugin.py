@@ -19,7 +19,10 @@ BUDGET_MARKERS: tuple[str, ...] = (
     ),
     (
         "saved_bytes(max, per_layer=None, device=None): fail when more than `max` bytes are kept alive for "
-        "backward at once during the test (saved-tensor hooks, per storage); per_layer caps any one *DecoderLayer"
+        "backward at once during the test (saved-tensor hooks, per storage; parameters, buffers and "
+        "quantization state are resident and not counted, as in the ledger and `vramguard audit`); per_layer "
+        "caps any one "
+        "decoder layer (named as the ledger does: layers.0)"
     ),
 )
 
@@ -147,12 +150,14 @@ def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
     if saved_meter is not None:
         largest = saved_meter.largest
         what = f"largest saved {largest[1]} {largest[2]} {largest[0]} B" if largest else "nothing saved"
+        resident = sum(saved_meter.resident_saved.values())
         checks.append(
             (
                 "saved_bytes: bytes kept for backward at once",
                 saved_meter.peak,
                 saved_max,
-                f"saved-tensor hooks; {what}",
+                f"saved-tensor hooks, the ledger's definition (parameters/quant state saved by ops: "
+                f"{resident} B, not counted); {what}",
             )
         )
         if layer_max is not None:

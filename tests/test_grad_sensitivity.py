@@ -171,3 +171,106 @@ def test_properties_pass_without_injection(
     family: tuple[st.SearchStrategy[gradcheck.Case], list[gradcheck.Case]],
 ) -> None:
     _run_properties(*family)
+
+
+# --- faults in the state the library derives (the references must not read it on trust) ---------------
+#
+# Each of these is consistent between the layer's forward and backward, so a reference that took the
+# state from the object under test (PEFT's layer.scaling, bitsandbytes' quant_state / SCB, its
+# dequantize_4bit) would agree with it and pass. The reference computes it from the configuration.
+
+
+def _squared_lora_scaling(monkeypatch: pytest.MonkeyPatch) -> None:
+    from peft.tuners.lora.layer import LoraLayer
+
+    original = LoraLayer.update_layer
+
+    def update_layer(self, adapter_name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = original(self, adapter_name, *args, **kwargs)
+        self.scaling[adapter_name] = self.scaling[adapter_name] ** 2  # PEFT computing alpha/r squared
+        return out
+
+    monkeypatch.setattr(LoraLayer, "update_layer", update_layer)
+
+
+def _rslora_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    from peft.tuners.lora.layer import LoraLayer
+
+    original = LoraLayer.update_layer
+
+    def update_layer(self, adapter_name, r, lora_alpha, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = original(self, adapter_name, r, lora_alpha, *args, **kwargs)
+        self.scaling[adapter_name] = lora_alpha / r  # use_rslora=True, but alpha / r instead of / sqrt(r)
+        return out
+
+    monkeypatch.setattr(LoraLayer, "update_layer", update_layer)
+
+
+def _quantize_4bit_as(monkeypatch: pytest.MonkeyPatch, edit: Callable) -> None:  # type: ignore[type-arg]
+    import bitsandbytes.functional as bnbF
+
+    original = bnbF.quantize_4bit
+
+    def quantize_4bit(A, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return edit(original, A, *args, **kwargs)
+
+    monkeypatch.setattr(bnbF, "quantize_4bit", quantize_4bit)
+
+
+def _fp4_stored_as_nf4(monkeypatch: pytest.MonkeyPatch) -> None:
+    def edit(original, A, *args, **kwargs):  # type: ignore[no-untyped-def]
+        kwargs["quant_type"] = "nf4"  # the library ignores the requested quant_type
+        return original(A, *args, **kwargs)
+
+    _quantize_4bit_as(monkeypatch, edit)
+
+
+def _4bit_absmax_one_percent_high(monkeypatch: pytest.MonkeyPatch) -> None:
+    def edit(original, A, *args, **kwargs):  # type: ignore[no-untyped-def]
+        packed, state = original(A, *args, **kwargs)
+        if not state.nested:
+            state.absmax = state.absmax * 1.01
+        return packed, state
+
+    _quantize_4bit_as(monkeypatch, edit)
+
+
+def _int8_row_scale_one_percent_high(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bitsandbytes.functional as bnbF
+
+    original = bnbF.int8_vectorwise_quant
+
+    def int8_vectorwise_quant(A, *args, **kwargs):  # type: ignore[no-untyped-def]
+        cb, scb, cols = original(A, *args, **kwargs)
+        return cb, scb * 1.01, cols
+
+    monkeypatch.setattr(bnbF, "int8_vectorwise_quant", int8_vectorwise_quant)
+
+
+CPU_LORA = (strategies.lora_cases(), strategies.covering_lora_cases())
+STATE_FAULTS = {
+    "PEFT's LoRA scaling squared": (_squared_lora_scaling, CPU_LORA, "rel err"),
+    "PEFT ignores use_rslora": (_rslora_ignored, CPU_LORA, "rslora"),
+    "quantize_4bit stores fp4 as nf4": (_fp4_stored_as_nf4, CPU4, "4-bit codes"),
+    "4-bit block scale 1% high": (_4bit_absmax_one_percent_high, CPU4, "4-bit state: block"),
+    "int8 row scale (SCB/SCA) 1% high": (_int8_row_scale_one_percent_high, CPU8, "8-bit weight: row"),
+}
+
+
+@pytest.mark.parametrize("name", list(STATE_FAULTS))
+def test_wrong_library_state_is_reported(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    inject, (strategy, examples), needle = STATE_FAULTS[name]
+    inject(monkeypatch)
+    with pytest.raises(gradcheck.GradMismatch) as info:
+        _run_properties(strategy, examples)
+    message = str(info.value)
+    assert "\n" not in message and "| patch=none" in message and "seed=" in message, message
+    assert needle in message, message
+
+
+def test_lora_properties_pass_without_injection() -> None:
+    """The LoRA family (incl. rsLoRA cases) passes with the library as installed: the faults above are
+    what fails, not the reference."""
+    strategy, examples = CPU_LORA
+    assert any(c.use_rslora and c.rank > 1 for c in gradcheck.supported_cases(examples))
+    _run_properties(strategy, examples)

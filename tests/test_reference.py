@@ -129,3 +129,60 @@ def test_lora_reference_against_explicit_sum(dropout: bool) -> None:
     assert torch.allclose(
         x.grad, g @ w + scaling * ((g @ b_.detach()) @ a.detach()) * m, rtol=1e-13, atol=1e-13
     )
+
+
+def test_lora_scaling_comes_from_the_config() -> None:
+    assert ref.lora_scaling(16, 4) == 4.0
+    assert ref.lora_scaling(16, 4, use_rslora=True) == 8.0
+    assert ref.lora_scaling(8, 8) == 1.0 and ref.lora_scaling(8, 8, use_rslora=True) == pytest.approx(
+        8 / 8**0.5
+    )
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_4bit_weight_is_decoded_from_the_format(quant_type: str, nested: bool, dtype: torch.dtype) -> None:
+    # K a multiple of the blocksize: a shape bitsandbytes' own dequantization gets right on every backend
+    w = torch.randn(6, 128, generator=_g(20)).to(dtype)
+    packed, qs = bnbF.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type=quant_type)
+    w64 = ref.quantized_4bit_weight(w, packed, qs, blocksize=64, quant_type=quant_type, nested=nested)
+    assert torch.equal(w64, bnbF.dequantize_4bit(packed, qs).double())  # bit for bit
+    # the configuration is checked, not taken from the quant_state
+    other = "fp4" if quant_type == "nf4" else "nf4"
+    with pytest.raises(ref.StateMismatch, match="4-bit codes"):
+        ref.quantized_4bit_weight(w, packed, qs, blocksize=64, quant_type=other, nested=nested)
+    with pytest.raises(ref.StateMismatch, match="4-bit state"):
+        ref.quantized_4bit_weight(w, packed, qs, blocksize=32, quant_type=quant_type, nested=nested)
+    with pytest.raises(ref.StateMismatch, match="4-bit state: block"):
+        ref.quantized_4bit_weight(w * 1.05, packed, qs, blocksize=64, quant_type=quant_type, nested=nested)
+
+
+def test_int8_rows_are_checked_against_the_weight() -> None:
+    w = torch.randn(6, 33, generator=_g(21), dtype=torch.float16)
+    cb, scb, _ = bnbF.int8_vectorwise_quant(w)
+    ref.check_int8_rows(w, cb, scb, "8-bit weight")
+    with pytest.raises(ref.StateMismatch, match="8-bit weight: row 0 scale"):
+        ref.check_int8_rows(w, cb, scb * 1.01, "8-bit weight")
+    with pytest.raises(ref.StateMismatch, match="int8 code"):
+        ref.check_int8_rows(w, (cb.float() * 0.9).round().to(torch.int8), scb, "8-bit weight")
+
+
+def _cpu_partial_block_defect() -> bool:
+    from vramguard.gradcheck import dequantize_4bit_defect
+
+    return dequantize_4bit_defect("cpu", (8, 96), 64, "nf4", torch.bfloat16) is not None
+
+
+@pytest.mark.xfail(
+    condition=_cpu_partial_block_defect(),
+    strict=True,
+    reason="known bitsandbytes defect (0.50.2, CPU kernel, seen on AVX-512): dequantize_4bit of a weight "
+    "whose even last dimension is not a multiple of the blocksize uses the wrong block scales",
+)
+def test_cpu_dequantize_4bit_with_rows_that_end_mid_block() -> None:
+    # K=96, blocksize 64: rows end in the middle of a block (tiny-llama's down_proj, K=352, is such a weight)
+    w = torch.randn(8, 96, generator=_g(22)).to(torch.bfloat16)
+    packed, qs = bnbF.quantize_4bit(w, blocksize=64, compress_statistics=False, quant_type="nf4")
+    want = ref.quantized_4bit_weight(w, packed, qs, blocksize=64, quant_type="nf4", nested=False)
+    assert torch.equal(bnbF.dequantize_4bit(packed, qs).double(), want)

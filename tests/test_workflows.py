@@ -87,6 +87,9 @@ def test_nightly_gpu_gate() -> None:
     steps = _steps(nightly)
     runs = "\n".join(step.get("run", "") for step in steps)
     assert "python -m pytest -m gpu" in runs
+    # every pytest run of the GPU job fails on a runner without CUDA instead of skipping to green
+    pytest_runs = re.findall(r"python -m pytest[^\n]*", runs)
+    assert len(pytest_runs) == 2 and all("--vram-require-gpu" in run for run in pytest_runs), pytest_runs
     assert '-m "gpu and benchmark"' in runs and "--vram-store" in runs
     assert "vramguard compare" in runs and "GITHUB_STEP_SUMMARY" in runs
     uses = {step.get("uses", "").split("@")[0]: step for step in steps}

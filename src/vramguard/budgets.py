@@ -408,8 +408,14 @@ class SavedBytesMeter:
     ``vram_budget``, whose live tracker sees them. Saved-tensor hooks do not nest: packs made
     under an inner ``saved_tensors_hooks`` (the ledger, ``save_on_cpu``) are not seen either.
 
-    ``per_layer``: also attribute each storage to the innermost running module whose class name
-    contains ``DecoderLayer`` (transformers' naming) and keep each layer's peak in ``layer_peaks``.
+    The same definition as the ledger's (and ``vramguard audit``'s): storages of parameters, buffers and
+    the quantization state hanging off them (LoRA A/B, norm weights, an fp32 ``lm_head`` saved by the ops
+    that use them) are resident, not saved, and are not counted. They are found from every module whose
+    forward runs in the block (its whole tree, the first time it is seen).
+
+    ``per_layer``: also attribute each storage to the innermost running decoder layer and keep each
+    layer's peak in ``layer_peaks``, named as the ledger names it: ``layers.0`` (the qualified name
+    from ``layers.``; a module whose class name contains ``DecoderLayer`` elsewhere keeps its own name).
     """
 
     def __init__(self, device_type: str | None = None, per_layer: bool = False) -> None:
@@ -421,33 +427,52 @@ class SavedBytesMeter:
         self.per_layer = per_layer
         self.layer_current: dict[str, int] = {}
         self.layer_peaks: dict[str, int] = {}
-        self._layers: list[str] = []
-        self._names: dict[int, str] = {}
+        #: bytes of resident storages (parameters etc.) that ops saved: not counted, reported apart
+        self.resident_saved: dict[StorageKey, int] = {}
+        self._layers: list[tuple[int, str]] = []
+        self._qualname: dict[int, str] = {}
+        self._resident: set[StorageKey] = set()
         self._hooks: Any = None
         self._handles: list[Any] = []
 
-    def _layer_name(self, module: torch.nn.Module) -> str:
-        name = self._names.get(id(module))
-        if name is None:
-            name = f"{type(module).__name__}#{len(self._names)}"
-            self._names[id(module)] = name
-        return name
+    def _scan(self, module: torch.nn.Module) -> None:
+        """First sight of a module tree: its resident storages, and qualified names relative to it."""
+        for name, sub in module.named_modules():
+            self._qualname[id(sub)] = name
+        self._resident.update(resident_storages(module))
+
+    def _layer_name(self, module: torch.nn.Module) -> str | None:
+        from vramguard.ledger import decoder_layer
+
+        name = self._qualname.get(id(module), "")
+        if name and decoder_layer(name) == name:
+            return name[name.rfind("layers.") :]
+        if "DecoderLayer" in type(module).__name__:
+            return name or f"{type(module).__name__}#{id(module):x}"
+        return None
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        if "DecoderLayer" in type(module).__name__:
-            self._layers.append(self._layer_name(module))
+        if id(module) not in self._qualname:
+            self._scan(module)
+        if self.per_layer:
+            layer = self._layer_name(module)
+            if layer is not None:
+                self._layers.append((id(module), layer))
 
     def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
-        if "DecoderLayer" in type(module).__name__ and self._layers:
+        if self._layers and self._layers[-1][0] == id(module):
             self._layers.pop()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         slot = _MeterSlot(tensor.detach())
         if self._device_type is None or tensor.device.type == self._device_type:
             key, nbytes = storage_key(tensor), storage_nbytes(tensor)
+            if key in self._resident:
+                self.resident_saved[key] = nbytes
+                return slot
             entry = self._counts.get(key)
             if entry is None:
-                layer = self._layers[-1] if self._layers else None
+                layer = self._layers[-1][1] if self._layers else None
                 self._counts[key] = [nbytes, 1, layer]
                 self.current += nbytes
                 self.peak = max(self.peak, self.current)
@@ -477,13 +502,12 @@ class SavedBytesMeter:
         return slot.tensor
 
     def __enter__(self) -> SavedBytesMeter:
-        if self.per_layer:
-            from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-            self._handles = [
-                register_module_forward_pre_hook(self._pre),
-                register_module_forward_hook(self._post),
-            ]
+        self._handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post),
+        ]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self

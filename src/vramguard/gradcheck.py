@@ -9,6 +9,7 @@ the measured and the allowed error.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import warnings
@@ -117,6 +118,12 @@ def check_supported(case: Case) -> None:
         and (case.input_requires_grad or getattr(case, "call", "") == "functional_kn")
     ):
         raise Unsupported(KNOWN_DEFECT_4BIT_K1)
+    if isinstance(case, (Linear4bitCase, LoraCase)) and getattr(case, "base", "4bit") == "4bit":
+        kn = getattr(case, "call", "") == "functional_kn"
+        shape = (case.in_features, case.out_features) if kn else (case.out_features, case.in_features)
+        defect = dequantize_4bit_defect(case.device, shape, case.blocksize, case.quant_type, case.dtype)
+        if defect is not None:
+            raise Unsupported(defect)
     if isinstance(case, Linear8bitCase):
         lt_path = not (case.training and case.device == "cpu")
         if (
@@ -159,6 +166,41 @@ KNOWN_DEFECT_4BIT_K1 = (
 )
 
 
+@functools.cache
+def dequantize_4bit_defect(
+    device: str, shape: tuple[int, int], blocksize: int, quant_type: str, dtype: torch.dtype
+) -> str | None:
+    """Probe, once per configuration: does the installed bitsandbytes' ``dequantize_4bit`` decode a weight
+    of this shape as the format says (:func:`reference.quantized_4bit_weight`) on this device? A message
+    naming the defect where it does not (then no layer built on it can be checked), else None.
+
+    bitsandbytes 0.50.2's CPU kernel (``cdequantize_blockwise_cpu_*``, taken for an even last dimension)
+    reads the wrong block scales when the last dimension is not a multiple of ``blocksize``: a K=96, 352
+    (tiny-llama's down_proj) weight with blocksize 64 comes back up to ~40 % off on an AVX-512 CPU.
+    """
+    import bitsandbytes  # noqa: F401  (registers the torch.ops.bitsandbytes kernels)
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return None
+    # the kernels themselves, below the Python functions a test (or a patch) may replace
+    ops = torch.ops.bitsandbytes
+    w = _randn(shape, 12345, dtype, 1.0).to(device)
+    with _quiet(), torch.no_grad():
+        packed, absmax = ops.quantize_4bit.default(w, blocksize, quant_type, torch.uint8)
+        got = ops.dequantize_4bit.default(packed, absmax, blocksize, quant_type, list(shape), dtype)
+    got = got.cpu().to(torch.float64)
+    want = ref.decode_4bit(packed, absmax, blocksize, quant_type, shape, dtype)
+    if got.shape == want.shape and torch.equal(got, want):
+        return None
+    err = (got - want).norm().item() / max(want.norm().item(), 1e-30) if got.shape == want.shape else math.inf
+    cpu = f" ({torch.backends.cpu.get_cpu_capability()})" if device == "cpu" else ""
+    return (
+        f"known bitsandbytes defect: dequantize_4bit on {device}{cpu} decodes a {shape[0]}x{shape[1]} "
+        f"{quant_type} weight with blocksize {blocksize} wrongly (relative error {err:.2g}; the last "
+        f"dimension is {'not ' if shape[1] % blocksize else ''}a multiple of the blocksize)"
+    )
+
+
 def run_4bit(case: Linear4bitCase) -> Observed:
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnbF
@@ -189,7 +231,7 @@ def run_4bit(case: Linear4bitCase) -> Observed:
             m = m.to(dev)
             y = m(x)
             packed, qs = m.weight.data, m.weight.quant_state
-            w64 = ref.dequantized_4bit_weight(packed, qs)
+            w64 = _weight_4bit(case, t["weight"], packed, qs)
             _backward(y, t["grad_out"])
             grad_b = _g(m.bias) if b is not None else None
         else:
@@ -202,7 +244,7 @@ def run_4bit(case: Linear4bitCase) -> Observed:
             )
             arg = packed.t() if case.call == "functional_t" else packed
             y = bnb.matmul_4bit(x, arg, quant_state=qs, bias=b)
-            w64 = ref.dequantized_4bit_weight(packed, qs)
+            w64 = _weight_4bit(case, w, packed, qs)
             if case.call == "functional_kn":
                 w64 = w64.T
             _backward(y, t["grad_out"])
@@ -210,6 +252,19 @@ def run_4bit(case: Linear4bitCase) -> Observed:
     obs = Observed(y.detach().cpu(), {"grad_input": _g(x), "grad_bias": grad_b})
     obs.expected = _expected_linear(case, t, w64.cpu(), act_threshold=None)
     return obs
+
+
+def _weight_4bit(case: Linear4bitCase | LoraCase, original: torch.Tensor, packed: torch.Tensor, qs: object):  # type: ignore[no-untyped-def]
+    """The reference weight: decoded independently, after checking codes and scales against ``original``
+    and the case's configuration (never the quant_state's own idea of its type, blocksize or shape)."""
+    return ref.quantized_4bit_weight(
+        original,
+        packed,
+        qs,
+        blocksize=case.blocksize,
+        quant_type=case.quant_type,
+        nested=case.compress_statistics,
+    )
 
 
 def _expected_linear(
@@ -278,6 +333,7 @@ def run_8bit(case: Linear8bitCase) -> Observed:
             y = bnb.matmul(x, weight, state=state, threshold=case.threshold, bias=bias)
         cb = state.CB if state.CB is not None else weight.CB
         scb = state.SCB if state.SCB is not None else weight.SCB
+        ref.check_int8_rows(t["weight"], cb, scb, "8-bit weight")  # SCB and CB from the weight itself
         w64 = ref.dequantized_8bit_weight(cb, scb).cpu()
         _backward(y, t["grad_out"])
     lt_path = not (case.training and case.device == "cpu")
@@ -344,6 +400,7 @@ def run_lora(case: LoraCase) -> Observed:
                 r=r,
                 lora_alpha=case.alpha,
                 lora_dropout=case.dropout,
+                use_rslora=case.use_rslora,
                 target_modules=["proj"],
                 init_lora_weights=False,
             ),
@@ -354,7 +411,8 @@ def run_lora(case: LoraCase) -> Observed:
         with torch.no_grad():  # seeded adapter weights: B != 0 so that A's gradient is not trivially zero
             lora_a.copy_(_randn((r, k), case.seed + 4, lora_a.dtype, 1 / math.sqrt(k)))
             lora_b.copy_(_randn((n, r), case.seed + 5, lora_b.dtype, 1 / math.sqrt(r)))
-        scaling = float(layer.scaling["default"])
+        # from the configuration, never PEFT's layer.scaling: a wrong scaling there must not pass
+        scaling = ref.lora_scaling(case.alpha, r, case.use_rslora)
         x = _leaf(t["x"], dev, case.input_requires_grad)
         with torch.random.fork_rng(devices=[dev] if dev != "cpu" else []):
             torch.manual_seed(case.seed)
@@ -362,9 +420,10 @@ def run_lora(case: LoraCase) -> Observed:
         _backward(y, t["grad_out"])
         base_layer = layer.base_layer
         if case.base == "4bit":
-            w64 = ref.dequantized_4bit_weight(base_layer.weight.data, base_layer.weight.quant_state).cpu()
+            w64 = _weight_4bit(case, t["weight"], base_layer.weight.data, base_layer.weight.quant_state)
         else:
             st_ = base_layer.state
+            ref.check_int8_rows(t["weight"], st_.CB, st_.SCB, "8-bit weight")
             w64 = ref.dequantized_8bit_weight(st_.CB, st_.SCB).cpu()
         mask = None
         if case.dropout > 0:
@@ -407,14 +466,20 @@ def run_lora(case: LoraCase) -> Observed:
 # --- the properties --------------------------------------------------------------------------------
 
 
-def run(case: Case) -> Observed:
-    """Run ``case`` through the library (whatever is patched right now) and its reference."""
+def run(case: Case, patch: Patch | None = None) -> Observed:
+    """Run ``case`` through the library (whatever is patched right now) and its reference.
+
+    State the library derived that contradicts the case's configuration (a block scale, a code, a row
+    scale) is a :class:`GradMismatch` here, before any numbers are compared."""
     check_supported(case)
-    if isinstance(case, Linear4bitCase):
-        return run_4bit(case)
-    if isinstance(case, Linear8bitCase):
-        return run_8bit(case)
-    return run_lora(case)
+    try:
+        if isinstance(case, Linear4bitCase):
+            return run_4bit(case)
+        if isinstance(case, Linear8bitCase):
+            return run_8bit(case)
+        return run_lora(case)
+    except ref.StateMismatch as exc:
+        raise GradMismatch(f"{exc} | {_where(case, patch)}") from None
 
 
 def _where(case: Case, patch: Patch | None) -> str:
@@ -501,7 +566,7 @@ def check(case: Case, patch: Patch | None = None) -> Observed:
     assert_matches_reference(case, obs)
     if patch is not None:
         with patch.apply():
-            patched = run(case)
+            patched = run(case, patch)
         assert_dtypes_and_shapes(case, patched, patch)
         assert_matches_reference(case, patched, patch)
         if patch.claims_memory_only:

@@ -1,4 +1,5 @@
-"""pytest plugin (entry point ``pytest11``): vramguard's markers, and skipping of ``gpu`` tests without CUDA."""
+"""pytest plugin (entry point ``pytest11``): vramguard's markers, and skipping of ``gpu`` tests without CUDA
+(or, with ``--vram-require-gpu``, a session that fails at start when there is no usable CUDA device)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,50 @@ BUDGET_MARKERS: tuple[str, ...] = (
     ),
     (
         "saved_bytes(max, per_layer=None, device=None): fail when more than `max` bytes are kept alive for "
-        "backward at once during the test (saved-tensor hooks, per storage); per_layer caps any one *DecoderLayer"
+        "backward at once during the test (saved-tensor hooks, per storage; parameters, buffers and "
+        "quantization state are resident and not counted, as in the ledger and `vramguard audit`); per_layer "
+        "caps any one "
+        "decoder layer (named as the ledger does: layers.0)"
     ),
 )
+
+
+REQUIRE_GPU = "--vram-require-gpu"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("vramguard", "vramguard")
+    group.addoption(
+        REQUIRE_GPU,
+        action="store_true",
+        default=False,
+        help="fail the session at start when no usable CUDA device is present (instead of skipping every "
+        "gpu test): for GPU CI, so that a job on a runner without a GPU is red, not green with skips",
+    )
+
+
+def cuda_unusable() -> str | None:
+    """Why CUDA cannot be used here (one line), or None when a device answers a small allocation."""
+    import torch
+
+    if not torch.cuda.is_available():
+        built = f"with CUDA {torch.version.cuda}" if torch.version.cuda else "without CUDA"
+        return f"torch.cuda.is_available() is False (torch {torch.__version__}, built {built})"
+    try:
+        torch.ones(1, device="cuda").add_(1).item()
+    except (RuntimeError, AssertionError) as exc:  # driver mismatch, a device in a bad state, no CUDA build
+        text = " ".join(str(exc).split())
+        return f"a CUDA device is visible but unusable: {type(exc).__name__}: {text[:200]}"
+    return None
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS + BUDGET_MARKERS:
         config.addinivalue_line("markers", line)
+    if config.getoption("vram_require_gpu", default=False):
+        reason = cuda_unusable()
+        if reason is not None:
+            raise pytest.UsageError(f"{REQUIRE_GPU}: no usable CUDA device: {reason}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -113,12 +150,14 @@ def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
     if saved_meter is not None:
         largest = saved_meter.largest
         what = f"largest saved {largest[1]} {largest[2]} {largest[0]} B" if largest else "nothing saved"
+        resident = sum(saved_meter.resident_saved.values())
         checks.append(
             (
                 "saved_bytes: bytes kept for backward at once",
                 saved_meter.peak,
                 saved_max,
-                f"saved-tensor hooks; {what}",
+                f"saved-tensor hooks, the ledger's definition (parameters/quant state saved by ops: "
+                f"{resident} B, not counted); {what}",
             )
         )
         if layer_max is not None:

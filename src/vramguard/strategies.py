@@ -107,6 +107,7 @@ class LoraCase:
     input_requires_grad: bool
     seed: int
     device: str = "cpu"
+    use_rslora: bool = False
 
     def describe(self) -> str:
         x = "x" + str(tuple(self.lead) + (self.in_features,)).replace(" ", "")
@@ -117,7 +118,8 @@ class LoraCase:
         )
         return (
             f"lora/{self.base} {x} W({self.out_features},{self.in_features}) {_dt(self.dtype)} {quant} "
-            f"r={self.rank} alpha={self.alpha} dropout={self.dropout:g} bias={self.bias} "
+            f"r={self.rank} alpha={self.alpha}{' rslora' if self.use_rslora else ''} dropout={self.dropout:g} "
+            f"bias={self.bias} "
             f"x.requires_grad={self.input_requires_grad} seed={self.seed} {self.device}"
         )
 
@@ -234,6 +236,7 @@ def lora_cases(
         input_requires_grad=draw(st.booleans()),
         seed=draw(seeds),
         device=device,
+        use_rslora=draw(st.booleans()),
     )
 
 
@@ -328,6 +331,7 @@ def covering_lora_cases(
 ) -> list[LoraCase]:
     """Base x input rank x x.requires_grad x dropout (0 / > 0), each once (other axes rotated)."""
     rnd = random.Random(16)
+    rslora = random.Random(17)  # its own generator: the other axes keep their values
     out = []
     for base, lead, rg, dropout in itertools.product(bases, COVER_LEADS[:3], (True, False), (0.0, 0.1)):
         blocksize = rnd.choice(BLOCKSIZES)
@@ -348,6 +352,7 @@ def covering_lora_cases(
                 input_requires_grad=rg,
                 seed=rnd.randrange(2**16),
                 device=device,
+                use_rslora=rslora.random() < 0.5,
             )
         )
     return out

@@ -115,9 +115,9 @@ def available_memory(device: str) -> tuple[int, str]:
 
 
 def check_fits(config: QLoRAConfig, spec: ModelSpec | None = None) -> Budget:
-    """Refuse (:class:`UsageError`) a configuration whose analytic memory alone exceeds what the
-    device has free, before anything is allocated; the analytic model is a lower bound of the
-    step's peak (it leaves out transient buffers), so a run it refuses could not have fitted."""
+    """Refuse (:class:`UsageError`) a configuration whose analytic memory exceeds what the device
+    has free, before anything is allocated. The analytic model leaves out transient buffers (and
+    the fp32 model built once before quantization), so it errs towards letting a run start."""
     spec = spec or ModelSpec.load(config.model)
     plan = planned_budget(config, spec)
     available, what = available_memory(config.device)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from vramguard.audit import run_audit
-from vramguard.cli import main
-from vramguard.models import QLoRAConfig
+from vramguard import audit
+from vramguard.audit import planned_budget, run_audit
+from vramguard.cli import library_noise_hidden, main
+from vramguard.errors import UsageError
+from vramguard.models import ModelSpec, QLoRAConfig, build_qlora, parse_dtype
 from vramguard.report import SCHEMA_VERSION, AuditReport
 
 SMALL = QLoRAConfig(seq_len=32, batch=1)
@@ -40,6 +44,47 @@ def test_lora_training_bytes_are_16_per_parameter(report: AuditReport) -> None:
 def test_quantized_weights_match_the_exact_storage_formula(report: AuditReport) -> None:
     buffers = 2 * 16 * 4  # rotary inv_freq and original_inv_freq (head_dim / 2 fp32 each)
     assert report.budget.measured_weights_bytes == report.budget.analytic_weights_bytes + buffers
+
+
+def _same_budget(report: AuditReport, config: QLoRAConfig) -> None:
+    """The analytic model from the config alone (what the memory check uses before building)
+    equals the one computed on the built model."""
+    plan, b = planned_budget(config, ModelSpec.load(config.model)), report.budget
+    assert (plan.quantized_params, plan.other_params, plan.lora_params) == (
+        b.quantized_params,
+        b.other_params,
+        b.lora_params,
+    )
+    assert plan.weights_bytes == b.analytic_weights_bytes
+    assert plan.lora_training_bytes == b.analytic_lora_training_bytes
+    assert plan.activation_bytes == b.analytic_activation_bytes
+    assert plan.layer_bytes == [row.analytic_bytes for row in report.layers]
+
+
+def test_planned_budget_equals_the_built_models(report: AuditReport) -> None:
+    _same_budget(report, SMALL)
+
+
+def test_planned_budget_counts_tied_embeddings_once(tmp_path: Path) -> None:
+    from vramguard.budget import qlora_budget
+    from vramguard.models import presets
+
+    path = tmp_path / "tied.json"
+    path.write_text(
+        json.dumps({**json.loads(presets()["tiny-llama"].read_text()), "tie_word_embeddings": True})
+    )
+    config = QLoRAConfig(model=str(path), seq_len=16, batch=1, lora_rank=4)
+    q = build_qlora(config)
+    built = qlora_budget(
+        q.model, q.spec, batch=1, seq=16, rank=4, compute_dtype=parse_dtype(config.compute_dtype)
+    )
+    plan = planned_budget(config, q.spec)
+    assert (plan.other_params, plan.weights_bytes, plan.lora_params) == (
+        built.other_params,
+        built.weights_bytes,
+        built.lora_params,
+    )
+    assert plan.other_params == 512 * 128 + 5 * 128  # one embedding matrix, 2 norms per layer + final
 
 
 def test_verdict_ok_without_weight_copies_or_growth(report: AuditReport) -> None:
@@ -125,6 +170,9 @@ def test_growth_across_steps_fails_the_verdict(monkeypatch: pytest.MonkeyPatch) 
         (["--device", "meta"], "device must be cpu or cuda"),
         (["--quant-type", "int4"], "invalid choice"),
         (["--json", "/dev/null/report.json"], "cannot write --json"),  # checked before the run
+        (["--seed", str(2**70)], "seed must be in [-2**63, 2**64 - 1]"),  # was a traceback
+        (["--seed", "2**70"], "invalid int value"),
+        (["--quiet", "--verbose"], "not allowed with argument"),
     ],
 )
 def test_bad_options_give_one_line_and_exit_2(
@@ -144,6 +192,117 @@ def test_bad_model_file_gives_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     bad.write_text(json.dumps({"hidden_size": 64}))
     assert main(["audit", "--model", str(bad)]) == 2
     assert "lacks" in capsys.readouterr().err
+
+
+def test_binary_model_file_gives_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 16)
+    assert main(["audit", "--model", str(binary)]) == 2  # was a UnicodeDecodeError traceback
+    err = capsys.readouterr().err.strip()
+    assert err == f"vramguard: error: cannot read model config {binary}: not UTF-8 text (a binary file?)"
+
+
+def test_huge_seq_len_is_refused_before_anything_is_built(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A billion tokens: the analytic model says what it would take, nothing is allocated."""
+
+    def must_not_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was built for a run that cannot fit")
+
+    monkeypatch.setattr(audit, "build_qlora", must_not_build)
+    assert main(["audit", "--seq-len", "1000000000"]) == 2
+    err = capsys.readouterr().err.strip()
+    need = planned_budget(QLoRAConfig(seq_len=10**9), ModelSpec.load("tiny-llama")).total_bytes
+    assert need > 4 * 2 * 10**9 * 512  # the fp32 logits alone: 4 B x 2e9 tokens x 512 vocab
+    assert len(err.splitlines()) == 1
+    assert err.startswith("vramguard: error: tiny-llama at batch 2 x seq 1000000000 needs at least ")
+    assert f"({need:,} B by the analytic model: weights " in err
+    assert "of RAM is available; lower --seq-len or --batch" in err
+    with pytest.raises(UsageError, match="needs at least"):  # the API refuses too
+        run_audit(QLoRAConfig(seq_len=10**9, batch=1))
+
+
+def test_the_memory_check_refuses_only_above_what_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = QLoRAConfig(seq_len=64, batch=2)
+    need = planned_budget(config, ModelSpec.load(config.model)).total_bytes
+    monkeypatch.setattr(audit, "available_memory", lambda device: (need, "of RAM is available"))
+    assert audit.check_fits(config).total_bytes == need
+    monkeypatch.setattr(audit, "available_memory", lambda device: (need - 1, "of RAM is available"))
+    with pytest.raises(UsageError, match=rf"needs at least .*\({need:,} B by the analytic model"):
+        audit.check_fits(config)
+
+
+def test_piped_output_does_not_wrap(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not a terminal (a CI log): one line per table row, the verdict on one greppable line."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    argv = ["audit", "--seq-len", "16", "--batch", "1", "--steps", "2"]
+    assert main([*argv, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) == 1 and out.startswith("OK: no weight copies") and len(out) > 81, out
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == out.strip()
+    for layer in ("layers.0", "layers.1"):  # the top-modules cell is not folded into a second line
+        (row,) = [line for line in lines if f" {layer} " in line]
+        assert row.count("KiB") == 6, row  # saved, activations, analytic and three modules
+    (note,) = [line for line in lines if line.startswith("note: activations are fp32")]
+    assert note.endswith("(2x the bytes)")
+
+
+def test_a_set_columns_is_respected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    assert audit.stdout_console().width == 100
+    monkeypatch.delenv("COLUMNS")
+    assert audit.stdout_console().width == audit.UNWRAPPED_WIDTH
+
+
+def test_only_the_known_library_line_is_hidden(caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    noise = "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure ..."
+    with caplog.at_level(logging.WARNING), library_noise_hidden() as hidden:
+        log.warning(noise, "No module named 'kernels'")
+        log.warning(noise, "No module named 'kernels'")
+        log.warning("another bitsandbytes warning")
+        logging.getLogger("bitsandbytes.functional").warning(noise, "elsewhere")
+    assert [r.getMessage() for r in caplog.records] == [
+        "another bitsandbytes warning",
+        noise % "elsewhere",  # the filter is on the one logger that says it, not on bitsandbytes
+    ]
+    assert hidden == [noise % "No module named 'kernels'"]  # once
+    caplog.clear()
+    log.warning(noise, "x")  # the filter is gone after the block
+    assert len(caplog.records) == 1
+
+
+def test_library_noise_stays_out_of_the_commands_output() -> None:
+    """A real audit in a fresh process prints nothing on stderr; ``--verbose`` notes the hidden line once."""
+    raw = subprocess.run(
+        [sys.executable, "-c", "import bitsandbytes"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    argv = [sys.executable, "-m", "vramguard", "audit", "--seq-len", "8", "--batch", "1", "--steps", "2"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    quiet = subprocess.run(
+        [*argv, "--quiet"], check=False, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stderr == ""
+    assert quiet.stdout.startswith("OK: ") and len(quiet.stdout.splitlines()) == 1
+    if "gemm_4bit_forward" not in raw.stderr:
+        pytest.skip("bitsandbytes logs no kernels-community warning on this machine: nothing to note")
+    verbose = subprocess.run(
+        [*argv, "--verbose"], check=False, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert verbose.returncode == 0, verbose.stderr
+    assert verbose.stderr.splitlines() == [
+        "vramguard: note: a library logged (hidden without --verbose): " + raw.stderr.strip()
+    ]
 
 
 @pytest.mark.parametrize(
@@ -173,6 +332,7 @@ def test_inconsistent_model_config_gives_one_line(
 def test_console_script_error_has_no_traceback() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "vramguard", "audit", "--steps", "0"],
+        check=False,
         capture_output=True,
         text=True,
         timeout=120,
@@ -195,6 +355,7 @@ def test_console_script_error_has_no_traceback() -> None:
 def test_analytic_model_is_exact_for_every_variant_on_cpu(variant: dict[str, object]) -> None:
     config = QLoRAConfig(**{"seq_len": 32, "batch": 1, **variant})  # type: ignore[arg-type]
     r = run_audit(config, steps=1)
+    _same_budget(r, config)
     assert [row.saved_bytes for row in r.layers] == [row.analytic_bytes for row in r.layers]
     assert r.totals.outside_layers_bytes == r.budget.analytic_outside_layers_bytes
     if config.gradient_checkpointing:

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +15,9 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
+from vramguard import models
 from vramguard.errors import UsageError
-from vramguard.models import ModelSpec, QLoRAConfig, fixtures_dir, parse_dtype, presets
+from vramguard.models import ModelSpec, QLoRAConfig, parse_dtype, presets
 
 TINY = {
     "vocab_size": 512,
@@ -35,9 +41,26 @@ def _write(tmp_path: Path, data: Any, name: str = "m.json") -> Path:
 # -- ModelSpec ------------------------------------------------------------------------------
 
 
-def test_presets_are_the_fixture_files() -> None:
-    assert set(presets()) == {p.stem for p in (fixtures_dir() / "models").glob("*.json")}
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_presets_ship_inside_the_package() -> None:
+    """One copy, inside the package: what a wheel installs is what the suites use."""
+    package = Path(models.__file__).resolve().parent
     assert {"tiny-llama", "small-llama", "llama-1b-shape"} <= set(presets())
+    assert all(p.parent == package / "presets" for p in presets().values())
+    assert not (REPO / "fixtures" / "models").exists()  # no second copy to drift
+
+
+def test_presets_are_every_json_in_the_presets_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A preset added as ``presets/<name>.json`` is picked up by name, without code changes."""
+    (tmp_path / "new-model.json").write_text(json.dumps({**TINY, "num_hidden_layers": 1}))
+    (tmp_path / "notes.txt").write_text("not a preset")
+    monkeypatch.setattr(models, "PRESETS_DIR", tmp_path)
+    assert set(presets()) == {"new-model"}
+    assert ModelSpec.load("new-model").fields["num_hidden_layers"] == 1
 
 
 def test_load_tiny_preset() -> None:
@@ -104,6 +127,25 @@ def test_bad_model_configs_raise_usage_errors(tmp_path: Path, content: Any, mess
         ModelSpec.load(_write(tmp_path, content, "bad.json"))
 
 
+def test_binary_model_file_is_a_usage_error(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(bytes(range(256)) * 4)  # not UTF-8: was a UnicodeDecodeError traceback
+    with pytest.raises(UsageError, match=r"cannot read model config .*model\.safetensors: not UTF-8 text"):
+        ModelSpec.load(path)
+
+
+def test_deeply_nested_model_file_is_a_usage_error(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[" * 100_000 + "]" * 100_000, "deep.json")
+    with pytest.raises(UsageError, match=r"cannot read model config .*deep\.json: JSON nested too deeply"):
+        ModelSpec.load(path)
+
+
+def test_huge_model_file_is_refused_without_reading_it_all(tmp_path: Path) -> None:
+    path = _write(tmp_path, " " * (models.MAX_CONFIG_BYTES + 1), "huge.json")
+    with pytest.raises(UsageError, match=r"huge\.json is over 1048576 bytes: not a JSON model config"):
+        ModelSpec.load(path)
+
+
 def test_missing_json_path(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match=r"model config not found: .*absent\.json"):
         ModelSpec.load(tmp_path / "absent.json")
@@ -130,6 +172,13 @@ def test_default_config_is_valid() -> None:
         ({"attn_implementation": "flash"}, r"attention implementation must be sdpa or eager, got 'flash'"),
         ({"device": "notadevice"}, r"not a device: 'notadevice'"),
         ({"device": "meta"}, r"device must be cpu or cuda, got 'meta'"),
+        (
+            {"seed": 2**70},
+            r"seed must be in \[-2\*\*63, 2\*\*64 - 1\] \(torch's seed range\), got 1180591620",
+        ),
+        ({"seed": 2**64}, r"seed must be in .*, got 18446744073709551616"),
+        ({"seed": -(2**63) - 1}, r"seed must be in .*, got -9223372036854775809"),
+        ({"seed": 1.5}, r"seed must be an integer, got 1\.5"),
     ],
 )
 def test_bad_qlora_configs_raise_usage_errors(change: dict[str, Any], message: str) -> None:
@@ -223,3 +272,111 @@ def test_batch_is_deterministic(tiny_qlora: Any) -> None:
     assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["input_ids"], a["labels"])
     assert not torch.equal(a["input_ids"], c["input_ids"])
     assert int(a["input_ids"].max()) < q.spec.fields["vocab_size"]
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, -(2**63), -1])
+def test_every_seed_torch_accepts_gives_a_deterministic_batch(tiny_qlora: Any, seed: int) -> None:
+    """The ends of torch's seed range are valid; the per-step token seed wraps modulo 2**64 (the
+    two's complement torch applies to a negative seed, so small and negative seeds are unchanged)."""
+    config = QLoRAConfig(**{**tiny_qlora.config.to_dict(), "seed": seed})
+    config.validate()
+    q = models.QLoRAModel(model=tiny_qlora.model, spec=tiny_qlora.spec, config=config)
+    a, b = q.batch(0), q.batch(1)
+    assert torch.equal(a["input_ids"], q.batch(0)["input_ids"])
+    assert not torch.equal(a["input_ids"], b["input_ids"])
+    if seed == -1:
+        g = torch.Generator().manual_seed(-1 * 1_000_003)
+        expected = torch.randint(0, q.spec.fields["vocab_size"], (config.batch, config.seq_len), generator=g)
+        assert torch.equal(a["input_ids"], expected)
+
+
+# -- the wheel ------------------------------------------------------------------------------
+
+
+def test_a_wheel_install_has_the_presets(tmp_path: Path) -> None:
+    """``pip install .`` (not ``-e``): the installed package, away from the source tree, finds its
+    presets and runs the audit. The wheel is built from a copy of the sources without network or
+    build isolation, and installed with ``--no-deps --target``: torch and the rest stay the
+    environment's own."""
+    src = tmp_path / "src-copy"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    shutil.copytree(REPO / "src", src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VRAMGUARD_FIXTURES")}
+    env["PIP_ROOT_USER_ACTION"] = "ignore"
+    built = subprocess.run(
+        [
+            *pip,
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "dist").glob("vramguard-*.whl")
+    site = tmp_path / "site"
+    installed = subprocess.run(
+        [*pip, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert installed.returncode == 0, installed.stderr
+    shutil.rmtree(src)  # nothing of the source tree is left to fall back on
+    env["PYTHONPATH"] = str(site)  # before any editable install of the environment
+    run = tmp_path / "elsewhere"
+    run.mkdir()
+    audited = subprocess.run(  # the installed console script, as a user runs it
+        [
+            str(site / "bin" / "vramguard"),
+            "audit",
+            "--seq-len",
+            "8",
+            "--batch",
+            "1",
+            "--steps",
+            "2",
+            "--quiet",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=run,
+    )
+    assert audited.returncode == 0, audited.stderr
+    assert audited.stdout.startswith("OK: "), audited.stdout
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import vramguard, vramguard.models as m; print(vramguard.__file__, m.presets()['tiny-llama'])",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=run,
+    )
+    assert probe.returncode == 0, probe.stderr
+    module, preset = probe.stdout.split()
+    assert Path(module).is_relative_to(site) and Path(preset).is_relative_to(site / "vramguard" / "presets")
+    shipped = {n.rsplit("/", 1)[1] for n in zipfile.ZipFile(wheel).namelist() if "/presets/" in n}
+    assert shipped == {p.name for p in presets().values()}

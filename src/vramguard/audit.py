@@ -9,6 +9,7 @@ problem (weight copies saved for backward, retained memory growing across steps)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -21,10 +22,10 @@ import torch
 
 from vramguard import __version__, environment
 from vramguard.atomic import write_text_atomic
-from vramguard.budget import Budget, qlora_budget
+from vramguard.budget import QUANT_BLOCKSIZE, Budget, qlora_budget, quantized_weight_bytes
 from vramguard.errors import UsageError
 from vramguard.ledger import LedgerReport, decoder_layer
-from vramguard.models import QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
+from vramguard.models import ModelSpec, QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
 from vramguard.report import (
     SCHEMA_VERSION,
     AuditReport,
@@ -52,6 +53,85 @@ def resolve_device(name: str) -> str:
     return name
 
 
+def _projections(spec: ModelSpec) -> list[tuple[int, int]]:
+    """(in, out) features of the seven linear projections of one Llama decoder layer."""
+    f = spec.fields
+    h, i, d = f["hidden_size"], f["intermediate_size"], spec.head_dim
+    q, kv = f["num_attention_heads"] * d, f["num_key_value_heads"] * d
+    return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+
+
+def planned_budget(config: QLoRAConfig, spec: ModelSpec) -> Budget:
+    """The analytic model of ``config`` from the model config alone, before anything is built.
+
+    The activations are :func:`qlora_budget`'s own formula (given no parameters it takes the
+    norms as fp32, as ``prepare_model_for_kbit_training`` leaves them); the parameters are
+    counted from the shapes: the seven projections per layer in 4 bits, embeddings, lm_head and
+    norms in fp32, LoRA on every projection. The tests hold it equal to the budget of the built model.
+    """
+    empty = qlora_budget(
+        torch.nn.Module(),
+        spec,
+        batch=config.batch,
+        seq=config.seq_len,
+        rank=config.lora_rank,
+        compute_dtype=parse_dtype(config.compute_dtype),
+        double_quant=config.double_quant,
+        checkpointing=config.gradient_checkpointing,
+        attn_implementation=config.attn_implementation,
+        lora_dropout=config.lora_dropout > 0,
+        device_type=torch.device(config.device).type,
+    )
+    f = spec.fields
+    layers, h, vocab = f["num_hidden_layers"], f["hidden_size"], f["vocab_size"]
+    projections = _projections(spec)
+    quantized = layers * sum(i * o for i, o in projections)
+    quantized_bytes = layers * sum(
+        quantized_weight_bytes(i * o, QUANT_BLOCKSIZE, config.double_quant) for i, o in projections
+    )
+    embeddings = vocab * h * (1 if f.get("tie_word_embeddings", False) else 2)
+    other = embeddings + (2 * layers + 1) * h  # + input, post-attention and final norms
+    lora = layers * sum(config.lora_rank * (i + o) for i, o in projections)
+    return dataclasses.replace(
+        empty,
+        quantized_params=quantized,
+        other_params=other,
+        lora_params=lora,
+        quantized_weight_bytes=quantized_bytes,
+        other_weight_bytes=4 * other,
+        lora_training_bytes=16 * lora,
+    )
+
+
+def available_memory(device: str) -> tuple[int, str]:
+    """Bytes a run on ``device`` can still get, and what that number is."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free), f"is free on {device}"
+    import psutil
+
+    return int(psutil.virtual_memory().available), "of RAM is available"
+
+
+def check_fits(config: QLoRAConfig, spec: ModelSpec | None = None) -> Budget:
+    """Refuse (:class:`UsageError`) a configuration whose analytic memory exceeds what the device
+    has free, before anything is allocated. The analytic model leaves out transient buffers (and
+    the fp32 model built once before quantization), so it errs towards letting a run start."""
+    spec = spec or ModelSpec.load(config.model)
+    plan = planned_budget(config, spec)
+    available, what = available_memory(config.device)
+    if plan.total_bytes > available:
+        fb = format_bytes
+        raise UsageError(
+            f"{spec.name} at batch {config.batch} x seq {config.seq_len} needs at least {fb(plan.total_bytes)} "
+            f"({plan.total_bytes:,} B by the analytic model: weights {fb(plan.weights_bytes)}, LoRA + grads "
+            f"+ Adam {fb(plan.lora_training_bytes)}, saved activations {fb(plan.activation_bytes)}) but only "
+            f"{fb(available)} {what}; lower --seq-len or --batch"
+        )
+    return plan
+
+
 def run_audit(
     config: QLoRAConfig, steps: int = 3, progress: Progress | None = None, top: int = 3
 ) -> AuditReport:
@@ -59,6 +139,7 @@ def run_audit(
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
     config.validate()
+    check_fits(config)
     report_progress = progress or (lambda what, done, total: None)
     t0 = time.perf_counter()
     report_progress("building 4-bit model", 0, steps + 1)
@@ -338,6 +419,21 @@ def render(report: AuditReport, console: Any) -> None:
     console.print(f"[{style}]{report.verdict.line}[/]", highlight=False)
 
 
+UNWRAPPED_WIDTH = 10_000
+"""Console width when stdout is not a terminal: tables and the verdict stay one line per row in a log."""
+
+
+def stdout_console() -> Any:
+    """rich's console on stdout; when stdout is no terminal (a log, a pipe) and ``COLUMNS`` is not
+    set, wide enough that nothing wraps (rich's default there is 80 columns)."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(width=UNWRAPPED_WIDTH)
+    return console
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -373,7 +469,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--top", type=_positive_int, default=3, help="modules listed per layer")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable report here")
-    p.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    talk = p.add_mutually_exclusive_group()
+    talk.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    talk.add_argument(
+        "--verbose", action="store_true", help="also show the library log lines vramguard hides (stderr)"
+    )
     p.set_defaults(func=main)
 
 
@@ -404,17 +504,17 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     config.validate()
-    from vramguard.models import ModelSpec
-
-    ModelSpec.load(config.model)  # fail on a bad model before any heavy import
-    console = Console()
+    check_fits(config)  # fail on a bad model, or one that cannot fit, before anything is built
+    console = stdout_console()
+    progress_console = Console(stderr=True)
     progress = Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
         TimeElapsedColumn(),
-        console=Console(stderr=True),
+        console=progress_console,
         transient=True,
-        disable=args.quiet,
+        # no bar in a log: rich would leave a blank line on stderr
+        disable=args.quiet or not progress_console.is_terminal,
     )
     with progress:
         task = progress.add_task("audit", total=args.steps + 1)

@@ -7,15 +7,63 @@ raises :class:`UsageError`, which becomes one line on stderr and exit code 2, ne
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from vramguard import __version__
 from vramguard.errors import UsageError
 
 # Modules that contribute a subcommand (``register(subparsers) -> None``).
 SUBCOMMAND_MODULES: tuple[str, ...] = ("vramguard.audit", "vramguard.bisect", "vramguard.compare")
+
+
+# Log lines of the libraries that say nothing about the user's run: (logger, message prefix).
+# bitsandbytes (0.50.2 at least) warns at import, on a CPU with AVX-512 BF16, that the optional
+# ``kernels`` package is absent; it then uses its own fused CPU kernel, which is what is measured.
+LIBRARY_NOISE: tuple[tuple[str, str], ...] = (
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community"),
+)
+
+
+class _NoiseFilter(logging.Filter):
+    """Drops the known library lines of :data:`LIBRARY_NOISE`, remembering each (once) for --verbose."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.seen: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.prefix):
+            return True
+        if message not in self.seen:
+            self.seen.append(message)
+        return False
+
+
+@contextlib.contextmanager
+def library_noise_hidden() -> Iterator[list[str]]:
+    """Within the block, the lines of :data:`LIBRARY_NOISE` are not logged; yields the hidden ones.
+
+    The filters sit on those exact loggers (not on a handler or the root), so every other message
+    of the same libraries still gets through.
+    """
+    hidden: list[str] = []
+    installed = []
+    for name, prefix in LIBRARY_NOISE:
+        f = _NoiseFilter(prefix)
+        logging.getLogger(name).addFilter(f)
+        installed.append((name, f))
+    try:
+        yield hidden
+    finally:
+        for name, f in installed:
+            logging.getLogger(name).removeFilter(f)
+            hidden.extend(m for m in f.seen if m not in hidden)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,9 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    parsed: list[argparse.Namespace] = []
+    with library_noise_hidden() as hidden:
+        code = _run(argv, parsed)
+    if parsed and getattr(parsed[0], "verbose", False):
+        for message in hidden:
+            print(f"vramguard: note: a library logged (hidden without --verbose): {message}", file=sys.stderr)
+    return code
+
+
+def _run(argv: Sequence[str] | None, parsed: list[argparse.Namespace]) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
+        parsed.append(args)
         if not getattr(args, "func", None):
             parser.print_help()
             return 2

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -44,18 +43,20 @@ _CONFIG_KEYS = {
 }
 
 
-def fixtures_dir() -> Path:
-    """``fixtures/`` of the repository (or ``$VRAMGUARD_FIXTURES``)."""
-    env = os.environ.get("VRAMGUARD_FIXTURES")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / "fixtures"
+PRESETS_DIR = Path(__file__).resolve().with_name("presets")
+"""The model presets ship inside the package (package data), so a wheel install has them too;
+the suites read them from here as well: one copy."""
+
+MAX_CONFIG_BYTES = 1 << 20
+"""A model config is a few hundred bytes; anything above this is not one (``/dev/zero``, a checkpoint)."""
+
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+"""The seeds ``torch.manual_seed`` accepts."""
 
 
 def presets() -> dict[str, Path]:
-    """Preset name -> config file, from ``fixtures/models/*.json``."""
-    folder = fixtures_dir() / "models"
-    return {p.stem: p for p in sorted(folder.glob("*.json"))}
+    """Preset name -> config file: every ``*.json`` in the package's ``presets/`` folder."""
+    return {p.stem: p for p in sorted(PRESETS_DIR.glob("*.json"))}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -83,11 +84,22 @@ class ModelSpec:
                 )
             path = known[str(ref)]
         try:
-            data = json.loads(path.read_text())
+            with path.open("rb") as fh:
+                raw = fh.read(MAX_CONFIG_BYTES + 1)
         except FileNotFoundError:
             raise UsageError(f"model config not found: {path}") from None
-        except (OSError, json.JSONDecodeError) as exc:
+        except OSError as exc:
             raise UsageError(f"cannot read model config {path}: {exc}") from None
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise UsageError(f"model config {path} is over {MAX_CONFIG_BYTES} bytes: not a JSON model config")
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise UsageError(f"cannot read model config {path}: not UTF-8 text (a binary file?)") from None
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"cannot read model config {path}: {exc}") from None
+        except RecursionError:
+            raise UsageError(f"cannot read model config {path}: JSON nested too deeply") from None
         if not isinstance(data, dict):
             raise UsageError(f"model config {path} must be a JSON object")
         arch = data.get("architecture", "llama")
@@ -170,6 +182,10 @@ class QLoRAConfig:
                 raise UsageError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise UsageError(f"lora dropout must be in [0, 1), got {self.lora_dropout}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise UsageError(f"seed must be an integer, got {self.seed!r}")
+        if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise UsageError(f"seed must be in [-2**63, 2**64 - 1] (torch's seed range), got {self.seed}")
         parse_dtype(self.compute_dtype)
         if self.quant_type not in ("nf4", "fp4"):
             raise UsageError(f"quant type must be nf4 or fp4, got {self.quant_type!r}")
@@ -205,7 +221,8 @@ class QLoRAModel:
 
     def batch(self, step: int = 0) -> dict[str, torch.Tensor]:
         """Synthetic tokens for one step, deterministic in (seed, step)."""
-        g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
+        # modulo 2**64: the same seed torch derives from a negative or small value, defined for all
+        g = torch.Generator().manual_seed((self.config.seed * 1_000_003 + step) % (1 << 64))
         ids = torch.randint(
             0, self.spec.fields["vocab_size"], (self.config.batch, self.config.seq_len), generator=g
         )

@@ -2,6 +2,10 @@
 
 A subcommand's ``register`` adds its parser and sets ``func(args) -> int``. Bad input anywhere
 raises :class:`UsageError`, which becomes one line on stderr and exit code 2, never a traceback.
+
+Exit codes: 0 fine, 1 the verdict is a failure (a regression, a weight copy, a leak), 2 bad input,
+3 an internal error (a bug: one line, and the traceback with ``VRAMGUARD_DEBUG=1``), 130 interrupted.
+An unexpected exception must never exit 1, which a CI job would read as a verdict.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ import argparse
 import contextlib
 import importlib
 import logging
+import os
 import sys
+import traceback
 from collections.abc import Iterator, Sequence
 
 from vramguard import __version__
@@ -18,6 +24,9 @@ from vramguard.errors import UsageError
 
 # Modules that contribute a subcommand (``register(subparsers) -> None``).
 SUBCOMMAND_MODULES: tuple[str, ...] = ("vramguard.audit", "vramguard.bisect", "vramguard.compare")
+
+#: Exit code of an unexpected exception (a bug), distinct from a failed verdict (1) and bad input (2).
+EXIT_INTERNAL_ERROR = 3
 
 
 # Log lines of the libraries that say nothing about the user's run: (logger, message prefix).
@@ -111,6 +120,15 @@ def _run(argv: Sequence[str] | None, parsed: list[argparse.Namespace]) -> int:
     except KeyboardInterrupt:
         print("vramguard: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, never exit 1
+        if os.environ.get("VRAMGUARD_DEBUG"):
+            traceback.print_exc()
+        print(
+            f"vramguard: internal error: {type(exc).__name__}: {exc} "
+            "(a bug; VRAMGUARD_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from vramguard.families import analytic_features
 from vramguard.layer_budget import (
     checkpointed_layer_bytes,
     layer_terms,
@@ -124,7 +125,20 @@ def qlora_budget(
     lora_dropout: bool = False,
     device_type: str = "cpu",
 ) -> Budget:
-    """The budget of ``model`` (a built QLoRA model) for one training step."""
+    """The budget of ``model`` (a built QLoRA model) for one training step.
+
+    Raises :class:`vramguard.families.NoAnalyticModel` for a family (or configuration) the
+    analytic model does not cover: then there is no budget to compare against.
+    """
+    fam, arch = analytic_features(spec.model_type, spec.transformers_config(), seq, attn_implementation)
+    features = {
+        "fused_qkv": fam.fused_qkv,
+        "fused_gate_up": fam.fused_gate_up,
+        "qk_norm": fam.qk_norm,
+        "sandwich_norms": fam.sandwich_norms,
+        "norm_offset": fam.norm_offset,
+        "attn_softcap": arch["attn_softcap"],
+    }
     n_q, q_bytes, n_other, other_bytes, m, norm_dtype = _count(model, double_quant)
     act_bytes = torch.empty((), dtype=torch.promote_types(norm_dtype, compute_dtype)).element_size()
     f = spec.fields
@@ -150,11 +164,18 @@ def qlora_budget(
             mask_bytes=1 if device_type == "cuda" else act_bytes,
             attn=attn_implementation,
             first_layer=idx == 0,  # the embeddings need no grad, so layer 0's input norm keeps nothing
+            **features,
         )
         layers.append(layer_terms(shape))
-    if not checkpointing:  # cos/sin are computed once per forward and kept by layer 0's rotary muls
-        layers[0]["rotary cos/sin (shared by all layers)"] = rope_bytes(1, seq, spec.head_dim)
-    final_norm = tokens * f["hidden_size"] * 4 + tokens * 4
+    if not checkpointing:
+        # cos/sin are computed once per forward and kept by the rotary muls of the first layer
+        # using them; Gemma 3's sliding layers have a rotary embedding of their own
+        for kind in dict.fromkeys(arch["rope"]):
+            first = arch["rope"].index(kind)
+            layers[first][f"rotary cos/sin ({kind}, shared by all layers)"] = rope_bytes(1, seq, spec.head_dim)
+    final_norm = tokens * f["hidden_size"] * 4 + tokens * 4 + (f["hidden_size"] * 4 if fam.norm_offset else 0)
+    # final_logit_softcapping (Gemma 2): tanh(logits / cap) * cap keeps tanh's output
+    softcap = tokens * f["vocab_size"] * act_bytes if arch["final_softcap"] else 0
     # nll_loss keeps the int64 targets (labels padded by one position, then shifted and flattened:
     # still a view of the padded (1, s+1) storage for batch 1, a contiguous b*s copy otherwise)
     # and the fp32 total weight
@@ -167,6 +188,6 @@ def qlora_budget(
         other_weight_bytes=other_bytes,
         lora_training_bytes=16 * m,
         layer_terms=layers,
-        shared_bytes=final_norm + loss_state,
+        shared_bytes=final_norm + loss_state + softcap,
         logits_bytes=logits_fp32_bytes(batch, seq, f["vocab_size"]),
     )

@@ -73,13 +73,22 @@ class ToyDecoderLayer(torch.nn.Module):
 
 @pytest.mark.saved_bytes(max="10 MiB", per_layer="100 KiB", device="cpu")
 def test_layers():
-    m = torch.nn.Sequential(ToyDecoderLayer(), ToyDecoderLayer())
+    m = ToyModel()
     m(torch.randn(128, 128)).sum().backward()
+
+class ToyModel(torch.nn.Module):  # decoder layers are elements of a ModuleList called `layers`
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([ToyDecoderLayer(), ToyDecoderLayer()])
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
 """)
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q", "-rf")
     result.assert_outcomes(failed=1)
     line = _failure_line(result, "kept for backward")
-    assert "ToyDecoderLayer#" in line and "> budget 100.00 KiB" in line and "(+1 more)" in line
+    assert "layers.0" in line and "> budget 100.00 KiB" in line and "(+1 more)" in line
 
 
 def test_bad_size_fails_with_one_line(pytester: pytest.Pytester) -> None:

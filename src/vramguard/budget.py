@@ -61,6 +61,8 @@ class Budget:
     layer_terms: list[dict[str, int]] = field(default_factory=list)
     shared_bytes: int = 0  # outside the layers, besides the logits: final norm, loss targets
     logits_bytes: int = 0
+    family: str | None = None  # the family whose formula this is (vramguard.families)
+    no_analytic_model: str | None = None  # why there is no activation model (weights only), or None
 
     @property
     def layer_bytes(self) -> list[int]:
@@ -109,6 +111,21 @@ def _count(model: torch.nn.Module, double_quant: bool) -> tuple[int, int, int, i
             if norm_dtype is None and "norm" in name:
                 norm_dtype = p.dtype
     return quantized, quantized_bytes, other, other_bytes, lora, norm_dtype or torch.float32
+
+
+def weights_budget(model: torch.nn.Module, *, double_quant: bool = True, reason: str) -> Budget:
+    """Weights and LoRA training state only (exact for any architecture: they are counted from the
+    model's own parameters), for a model whose activations have no analytic model (``reason``)."""
+    n_q, q_bytes, n_other, other_bytes, m, _ = _count(model, double_quant)
+    return Budget(
+        quantized_params=n_q,
+        other_params=n_other,
+        lora_params=m,
+        quantized_weight_bytes=q_bytes,
+        other_weight_bytes=other_bytes,
+        lora_training_bytes=16 * m,
+        no_analytic_model=reason,
+    )
 
 
 def qlora_budget(
@@ -190,4 +207,5 @@ def qlora_budget(
         layer_terms=layers,
         shared_bytes=final_norm + loss_state + softcap,
         logits_bytes=logits_fp32_bytes(batch, seq, f["vocab_size"]),
+        family=fam.name,
     )

@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 from torch.autograd.function import BackwardCFunction
 
+from vramguard.decoder import decoder_layers_of
 from vramguard.ledger import OUTSIDE, SavedTensorLedger, _flatten_tensors, _iter_graph
 from vramguard.storage import StorageKey, resident_storages, storage_key, storage_nbytes, tensors_in
 from vramguard.tracker import StorageTracker
@@ -408,8 +409,8 @@ class SavedBytesMeter:
     ``vram_budget``, whose live tracker sees them. Saved-tensor hooks do not nest: packs made
     under an inner ``saved_tensors_hooks`` (the ledger, ``save_on_cpu``) are not seen either.
 
-    ``per_layer``: also attribute each storage to the innermost running module whose class name
-    contains ``DecoderLayer`` (transformers' naming) and keep each layer's peak in ``layer_peaks``.
+    ``per_layer``: also attribute each storage to the running decoder layer (``layers.N``, the
+    rule of :mod:`vramguard.decoder`) and keep each layer's peak in ``layer_peaks``.
     """
 
     def __init__(self, device_type: str | None = None, per_layer: bool = False) -> None:
@@ -426,19 +427,20 @@ class SavedBytesMeter:
         self._hooks: Any = None
         self._handles: list[Any] = []
 
-    def _layer_name(self, module: torch.nn.Module) -> str:
-        name = self._names.get(id(module))
-        if name is None:
-            name = f"{type(module).__name__}#{len(self._names)}"
-            self._names[id(module)] = name
-        return name
-
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        if "DecoderLayer" in type(module).__name__:
-            self._layers.append(self._layer_name(module))
+        for name, layer in decoder_layers_of(module):  # a parent runs before its layers
+            if id(layer) not in self._names:
+                taken = set(self._names.values())
+                unique, k = name, 1
+                while unique in taken:  # a second stack of layers (e.g. another model in the test)
+                    unique, k = f"{name}#{k}", k + 1
+                self._names[id(layer)] = unique
+        name = self._names.get(id(module))
+        if name is not None:
+            self._layers.append(name)
 
     def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
-        if "DecoderLayer" in type(module).__name__ and self._layers:
+        if id(module) in self._names and self._layers:
             self._layers.pop()
 
     def _pack(self, tensor: torch.Tensor) -> Any:

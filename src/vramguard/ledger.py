@@ -21,7 +21,6 @@ Double backward (``create_graph=True``) through the ledger is not supported.
 
 from __future__ import annotations
 
-import re
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -32,6 +31,7 @@ from typing import Any, Literal
 import torch
 from torch.autograd.function import BackwardCFunction
 
+from vramguard.decoder import decoder_layer  # noqa: F401  (re-exported: the one decoder-layer rule)
 from vramguard.storage import StorageKey, resident_storages, storage_key, storage_nbytes, tensors_in
 
 Source = Literal["hook", "ctx"]
@@ -431,12 +431,3 @@ class SavedTensorLedger:
             (report.resident if kind == "resident" else report.records).append(record)
         report.records.sort(key=lambda r: (-r.bytes, r.module))
         return report
-
-
-_LAYER = re.compile(r"^((?:.*\.)?layers\.\d+)(?:\.|$)")
-
-
-def decoder_layer(module: str) -> str | None:
-    """``model.layers.3`` for any module under a decoder layer (HF naming), else None."""
-    m = _LAYER.match(module)
-    return m.group(1) if m else None

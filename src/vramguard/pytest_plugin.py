@@ -18,7 +18,8 @@ BUDGET_MARKERS: tuple[str, ...] = (
     ),
     (
         "saved_bytes(max, per_layer=None, device=None): fail when more than `max` bytes are kept alive for "
-        "backward at once during the test (saved-tensor hooks, per storage); per_layer caps any one *DecoderLayer"
+        "backward at once during the test (saved-tensor hooks, per storage); per_layer caps any one "
+        "decoder layer (layers.N)"
     ),
 )
 

@@ -14,7 +14,7 @@ Bytes, for N quantized parameters and M LoRA parameters (the brief's model, made
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -147,6 +147,45 @@ def qlora_budget(
     Raises :class:`vramguard.families.NoAnalyticModel` for a family (or configuration) the
     analytic model does not cover: then there is no budget to compare against.
     """
+    n_q, q_bytes, n_other, other_bytes, m, norm_dtype = _count(model, double_quant)
+    act_bytes = torch.empty((), dtype=torch.promote_types(norm_dtype, compute_dtype)).element_size()
+    activations = activation_budget(
+        spec,
+        batch=batch,
+        seq=seq,
+        rank=rank,
+        act_bytes=act_bytes,
+        checkpointing=checkpointing,
+        attn_implementation=attn_implementation,
+        lora_dropout=lora_dropout,
+        device_type=device_type,
+    )
+    return replace(
+        activations,
+        quantized_params=n_q,
+        other_params=n_other,
+        lora_params=m,
+        quantized_weight_bytes=q_bytes,
+        other_weight_bytes=other_bytes,
+        lora_training_bytes=16 * m,
+    )
+
+
+def activation_budget(
+    spec: ModelSpec,
+    *,
+    batch: int,
+    seq: int,
+    rank: int,
+    act_bytes: int = 4,
+    checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+    lora_dropout: bool = False,
+    device_type: str = "cpu",
+) -> Budget:
+    """The saved activations of one step from the config alone (weights left at 0): an estimate
+    for shapes never built, e.g. the full-size presets. ``act_bytes`` 4: the residual stream is
+    fp32 after ``prepare_model_for_kbit_training`` (it upcasts the norms)."""
     fam, arch = analytic_features(spec.model_type, spec.transformers_config(), seq, attn_implementation)
     features = {
         "fused_qkv": fam.fused_qkv,
@@ -156,8 +195,6 @@ def qlora_budget(
         "norm_offset": fam.norm_offset,
         "attn_softcap": arch["attn_softcap"],
     }
-    n_q, q_bytes, n_other, other_bytes, m, norm_dtype = _count(model, double_quant)
-    act_bytes = torch.empty((), dtype=torch.promote_types(norm_dtype, compute_dtype)).element_size()
     f = spec.fields
     tokens = batch * seq
     layers: list[dict[str, int]] = []
@@ -181,6 +218,7 @@ def qlora_budget(
             mask_bytes=1 if device_type == "cuda" else act_bytes,
             attn=attn_implementation,
             first_layer=idx == 0,  # the embeddings need no grad, so layer 0's input norm keeps nothing
+            window_mask=arch["window_mask"][idx] and attn_implementation == "sdpa",
             **features,
         )
         layers.append(layer_terms(shape))
@@ -198,12 +236,12 @@ def qlora_budget(
     # and the fp32 total weight
     loss_state = ((seq + 1) if batch == 1 else batch * seq) * 8 + 4
     return Budget(
-        quantized_params=n_q,
-        other_params=n_other,
-        lora_params=m,
-        quantized_weight_bytes=q_bytes,
-        other_weight_bytes=other_bytes,
-        lora_training_bytes=16 * m,
+        quantized_params=0,
+        other_params=0,
+        lora_params=0,
+        quantized_weight_bytes=0,
+        other_weight_bytes=0,
+        lora_training_bytes=0,
         layer_terms=layers,
         shared_bytes=final_norm + loss_state + softcap,
         logits_bytes=logits_fp32_bytes(batch, seq, f["vocab_size"]),

@@ -45,7 +45,11 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama", "the reference"),
-    "mistral": Family("Mistral", "nothing kept differs (sliding-window attention keeps no mask while seq <= window)"),
+    "mistral": Family(
+        "Mistral",
+        "nothing kept differs while seq <= sliding window (longer: sdpa keeps a mask and k/v repeated "
+        "to all heads, in every family)",
+    ),
     "qwen2": Family("Qwen2", "nothing kept differs (q/k/v biases are frozen and keep nothing)"),
     "qwen3": Family("Qwen3", "q/k RMSNorm per head: their fp32 inputs and rsqrt", qk_norm=True),
     "phi3": Family(
@@ -87,11 +91,21 @@ def is_hf_config(data: dict[str, Any]) -> bool:
 
 def transformers_config(data: dict[str, Any]) -> Any:
     """The transformers config object of a ``config.json`` dict (``AutoConfig.for_model``)."""
+    import warnings
+
     from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
 
     d = dict(data)
     model_type = d.pop("model_type")
-    return AutoConfig.for_model(model_type, **d)
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # e.g. token ids outside a tiny vocabulary: not our business
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoConfig.for_model(model_type, **d)
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _value(config: Any, key: str) -> Any:
@@ -182,12 +196,6 @@ def analytic_features(model_type: str, config: Any, seq: int, attn: str) -> tupl
         raise NoAnalyticModel(f"no analytic model for {model_type}")
     n = int(config.num_hidden_layers)
     windows = layer_windows(config, n)
-    short = [w for w in windows if w is not None and w < seq]
-    if short:
-        raise NoAnalyticModel(
-            f"no analytic model for {model_type} with seq {seq} > sliding window {min(short)} "
-            "(the attention then keeps a materialised window mask; not modelled)"
-        )
     partial = getattr(config, "partial_rotary_factor", 1.0)
     if partial not in (None, 1, 1.0):
         raise NoAnalyticModel(f"no analytic model for {model_type} with partial_rotary_factor {partial}")
@@ -201,6 +209,8 @@ def analytic_features(model_type: str, config: Any, seq: int, attn: str) -> tupl
         "attn_softcap": attn_cap is not None,
         "final_softcap": final_cap is not None,
         "rope": rope,
+        # layers whose window is shorter than the sequence get a materialised mask
+        "window_mask": [w is not None and w < seq for w in windows],
     }
 
 

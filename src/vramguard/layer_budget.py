@@ -33,6 +33,17 @@ What one Llama decoder layer keeps (no checkpointing, LoRA on all 7 projections)
                          q, k, v, gate, up; a*d for o; i for down (first layer: q, k, v keep
                          no mask, their input does not require grad)
 
+Family features (:mod:`vramguard.families`; each one term, the same for every family that has it)::
+
+    qk_norm (Qwen3, Gemma 3)       q_norm T*a*d*4 + T*a*4, k_norm T*kv*d*4 + T*kv*4
+    fused_qkv/gate_up (Phi-3)      4 adapters; v is a view of the qkv output, so sdpa keeps
+                                   T*(a+2kv)*d*e for it; o_proj's input is a copy (sdpa, dropout 0)
+    sandwich_norms (Gemma 2/3)     pre/post-feedforward norms: four norm terms per layer
+    norm_offset (Gemma 2/3)        + h*4 per norm (the (1 + weight) vector), + d*4 per q/k norm
+    attn_softcap (Gemma 2, eager)  + b*a*s*s*e (tanh output)
+    window_mask (sdpa, sliding window < seq)
+                                   k and v repeated to a heads + a (b, 1, s, s) mask per layer
+
 The first layer (without checkpointing) keeps no input norm: the embedding output does not
 require grad, so nothing upstream of the first LoRA needs the norm's input or rsqrt.
 
@@ -76,6 +87,7 @@ class LayerShape:
     sandwich_norms: bool = False
     norm_offset: bool = False
     attn_softcap: bool = False
+    window_mask: bool = False  # a sliding window shorter than seq: attention gets an explicit mask
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -141,7 +153,14 @@ def layer_terms(shape: LayerShape) -> dict[str, int]:
     v_sdpa = T * (a + 2 * kv) * d * e if shape.fused_qkv else T * kv * d * e
     if shape.attn == "sdpa":
         terms["attn_q"] = T * a * d * e
-        terms["attn_kv"] = T * kv * d * e + v_sdpa
+        if shape.window_mask:
+            # with an explicit mask transformers repeats k and v to a heads itself (no GQA in the
+            # kernel): copies, except when kv == a (then v is still the projection's output)
+            terms["attn_kv"] = T * a * d * e + (T * a * d * e if kv != a else v_sdpa)
+            # and the CPU kernel keeps its own float copy of the (b, 1, s, s) boolean mask per layer
+            terms["attn_window_mask"] = b * s * s * e
+        else:
+            terms["attn_kv"] = T * kv * d * e + v_sdpa
         terms["attn_out(o_proj input)"] = T * a * d * e
         if shape.fused_qkv and not shape.dropout:
             # q from the fused output is not dense, so rotary makes it contiguous (b, a, s, d) and
@@ -150,9 +169,9 @@ def layer_terms(shape: LayerShape) -> dict[str, int]:
         terms["attn_logsumexp"] = b * a * s * FP32
     elif shape.attn == "eager":
         terms["attn_q"] = T * a * d * e
-        # k and v repeated to a heads (a copy unless kv == a, when v stays the projection's output)
-        v_eager = T * a * d * e if kv != a else v_sdpa
-        terms["attn_kv_repeated"] = T * a * d * e + v_eager
+        # k and v repeated to a heads; the matmuls flatten (b, a) of a non-contiguous k/v, which
+        # copies them, so each is T*a*d*e even when kv == a or v is a view of the fused qkv output
+        terms["attn_kv_repeated"] = 2 * T * a * d * e
         if not shape.dropout:  # kept only by o_proj's LoRA-A, which then keeps its dropped copy instead
             terms["attn_out(o_proj input)"] = T * a * d * e
         terms["attn_probs"] = b * a * s * s * FP32 + (b * a * s * s * e if e != FP32 else 0)

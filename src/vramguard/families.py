@@ -128,8 +128,8 @@ def spec_from_hf(path: Path, data: dict[str, Any]) -> tuple[str, dict[str, Any]]
         if "Unrecognized model" in str(exc) or "model_type" in str(exc):
             raise UsageError(f"model config {path}: model_type {model_type!r} is not known to transformers {_tf()}") from None
         raise UsageError(f"model config {path}: {_first_line(exc)}") from None
-    except (TypeError, KeyError, AttributeError) as exc:
-        raise UsageError(f"model config {path}: {_first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001  (transformers' own validation: strict dataclass errors too)
+        raise UsageError(f"model config {path}: {_last_line(exc)}") from None
     refusal = moe_refusal(model_type, config)
     if refusal:
         raise UsageError(f"model config {path}: {refusal}")
@@ -218,6 +218,12 @@ def _tf() -> str:
     import transformers
 
     return transformers.__version__
+
+
+def _last_line(exc: BaseException) -> str:
+    """The cause at the end of a (possibly wrapped, multi-line) validation message."""
+    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return text[-1] if text else type(exc).__name__
 
 
 def _first_line(exc: BaseException) -> str:

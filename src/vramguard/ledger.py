@@ -282,6 +282,12 @@ class SavedTensorLedger:
             h.remove()
         self._handles.clear()
         if exc_type is None:
+            if self.model is not None:
+                # what is resident is decided at the end: a forward may replace a parameter's storage
+                # (bitsandbytes' Linear4bit casts its bias to the input dtype on the first call), and
+                # the freed storage's key may then be reused by an activation, or the old storage
+                # be kept by autograd: neither is a parameter any more
+                self._resident = resident_storages(self.model)
             self.report = self._build_report()
         self._packs.clear()
         self._inputs.clear()

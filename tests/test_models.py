@@ -36,7 +36,9 @@ def _write(tmp_path: Path, data: Any, name: str = "m.json") -> Path:
 
 
 def test_presets_are_the_fixture_files() -> None:
-    assert set(presets()) == {p.stem for p in (fixtures_dir() / "models").glob("*.json")}
+    package = Path(__file__).resolve().parents[1] / "src" / "vramguard" / "presets"
+    files = [*(fixtures_dir() / "models").glob("*.json"), *package.glob("*.json")]
+    assert set(presets()) == {p.stem for p in files}
     assert {"tiny-llama", "small-llama", "llama-1b-shape"} <= set(presets())
 
 

@@ -286,8 +286,9 @@ class SavedTensorLedger:
                 # what is resident is decided at the end: a forward may replace a parameter's storage
                 # (bitsandbytes' Linear4bit casts its bias to the input dtype on the first call), and
                 # the freed storage's key may then be reused by an activation, or the old storage
-                # be kept by autograd: neither is a parameter any more
-                self._resident = resident_storages(self.model)
+                # be kept by autograd: neither is a parameter any more (names as first seen)
+                start = self._resident
+                self._resident = {k: start.get(k, name) for k, name in resident_storages(self.model).items()}
             self.report = self._build_report()
         self._packs.clear()
         self._inputs.clear()

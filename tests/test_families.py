@@ -69,7 +69,9 @@ def test_unknown_family_is_measured_without_a_ratio(tmp_path: Path) -> None:
     assert data["architecture"]["model_class"] == "Olmo2ForCausalLM"
     assert data["architecture"]["analytic_model"] is None
     b = data["budget"]
-    assert b["measured_activation_bytes"] > 0 and b["measured_activation_bytes"] == data["totals"]["saved_bytes"]
+    assert (
+        b["measured_activation_bytes"] > 0 and b["measured_activation_bytes"] == data["totals"]["saved_bytes"]
+    )
     assert b["activation_ratio"] is None and b["analytic_activation_bytes"] is None
     assert b["no_analytic_model"] == "no analytic model for olmo2"
     assert all(row["analytic_bytes"] is None for row in data["layers"]) and len(data["layers"]) == 2
@@ -79,7 +81,9 @@ def test_unknown_family_is_measured_without_a_ratio(tmp_path: Path) -> None:
     assert b["analytic_weights_bytes"] > 0
 
 
-def test_unknown_family_console_report_shows_no_ratio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_family_console_report_shows_no_ratio(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg = json.loads((PRESETS / "tiny-llama-hf.json").read_text())
     cfg.update(model_type="olmo2", num_hidden_layers=1)
     path = tmp_path / "config.json"
@@ -98,13 +102,21 @@ def test_unknown_family_console_report_shows_no_ratio(tmp_path: Path, capsys: py
             "mixtral is a mixture-of-experts model (4 experts)",
         ),
         (
-            {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96},
+            {
+                "model_type": "qwen3_moe",
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 96,
+            },
             "qwen3_moe is a mixture-of-experts model (4 experts)",
         ),
         ({"model_type": "no-such-model"}, "model_type 'no-such-model' is not known to transformers"),
         ({"model_type": 3}, "model_type must be a non-empty string"),
         ({"model_type": "qwen2", "num_key_value_heads": 3}, "num_key_value_heads must be a positive divisor"),
-        ({"model_type": "gemma2", "head_dim": 7}, "RoPE requires an even rotary dimension"),  # transformers' check
+        (
+            {"model_type": "gemma2", "head_dim": 7},
+            "RoPE requires an even rotary dimension",
+        ),  # transformers' check
     ],
 )
 def test_refused_configs_are_one_line(
@@ -129,7 +141,9 @@ def test_presets_include_the_hf_configs() -> None:
     assert set(TINY) | set(FULL) <= set(presets())
     for name in [*TINY, *FULL]:
         spec = ModelSpec.load(name)
-        assert spec.hf is not None and spec.model_type == json.loads(presets()[name].read_text())["model_type"]
+        assert (
+            spec.hf is not None and spec.model_type == json.loads(presets()[name].read_text())["model_type"]
+        )
 
 
 @pytest.mark.parametrize("name", FULL)

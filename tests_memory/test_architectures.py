@@ -19,7 +19,15 @@ from vramguard.ledger import SavedTensorLedger
 from vramguard.models import parse_dtype
 
 LAYERS = "base_model.model.model.layers"
-ARCHS = ["tiny-llama-hf", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3", "tiny-gemma2", "tiny-gemma3"]
+ARCHS = [
+    "tiny-llama-hf",
+    "tiny-mistral",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-phi3",
+    "tiny-gemma2",
+    "tiny-gemma3",
+]
 VARIANTS = {
     "sdpa": {},
     "eager-dropout": {"attn_implementation": "eager", "lora_dropout": 0.1},
@@ -31,7 +39,9 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(VARIANTS.values()), ids=list(VARIANTS))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_each_layer_keeps_its_family_formula(device: str, qlora, arch: str, variant: dict[str, object]) -> None:
+def test_each_layer_keeps_its_family_formula(
+    device: str, qlora, arch: str, variant: dict[str, object]
+) -> None:
     q = qlora(device, model=arch, **variant)
     budget = qlora_budget(
         q.model,
@@ -51,7 +61,9 @@ def test_each_layer_keeps_its_family_formula(device: str, qlora, arch: str, vari
         out = q.model(**batch)
         ledger.add_roots(out.loss)
     report = ledger.report
-    by_layer = {k: sum(r.bytes for r in v) for k, v in report.group(lambda r: decoder_layer(r.module)).items()}
+    by_layer = {
+        k: sum(r.bytes for r in v) for k, v in report.group(lambda r: decoder_layer(r.module)).items()
+    }
     measured = [by_layer.get(f"{LAYERS}.{i}", 0) for i in range(len(budget.layer_terms))]
     out.loss.backward()
     release(q.model)

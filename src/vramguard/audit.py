@@ -22,9 +22,9 @@ import torch
 from vramguard import __version__, environment
 from vramguard.atomic import write_text_atomic
 from vramguard.budget import Budget, qlora_budget, weights_budget
+from vramguard.decoder import decoder_layer
 from vramguard.errors import UsageError
 from vramguard.families import NoAnalyticModel
-from vramguard.decoder import decoder_layer
 from vramguard.ledger import LedgerReport
 from vramguard.models import QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
 from vramguard.report import (
@@ -326,7 +326,12 @@ def render(report: AuditReport, console: Any) -> None:
     s.add_column("note")
     probes = f"hooks {fb(tot.hook_bytes)}, ctx attributes {fb(tot.ctx_bytes)}"
     if b.activation_ratio is None or b.analytic_activation_bytes is None:
-        s.add_row("saved activations (all)", fb(b.measured_activation_bytes), "-", f"{b.no_analytic_model}; {probes}")
+        s.add_row(
+            "saved activations (all)",
+            fb(b.measured_activation_bytes),
+            "-",
+            f"{b.no_analytic_model}; {probes}",
+        )
         s.add_row("  outside decoder layers", fb(tot.outside_layers_bytes), "-", "")
     else:
         s.add_row(

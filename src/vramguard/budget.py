@@ -227,7 +227,9 @@ def activation_budget(
         # using them; Gemma 3's sliding layers have a rotary embedding of their own
         for kind in dict.fromkeys(arch["rope"]):
             first = arch["rope"].index(kind)
-            layers[first][f"rotary cos/sin ({kind}, shared by all layers)"] = rope_bytes(1, seq, spec.head_dim)
+            layers[first][f"rotary cos/sin ({kind}, shared by all layers)"] = rope_bytes(
+                1, seq, spec.head_dim
+            )
     final_norm = tokens * f["hidden_size"] * 4 + tokens * 4 + (f["hidden_size"] * 4 if fam.norm_offset else 0)
     # final_logit_softcapping (Gemma 2): tanh(logits / cap) * cap keeps tanh's output
     softcap = tokens * f["vocab_size"] * act_bytes if arch["final_softcap"] else 0

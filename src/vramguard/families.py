@@ -17,7 +17,15 @@ from typing import Any
 
 from vramguard.errors import UsageError
 
-LLAMA_ADAPTERS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LLAMA_ADAPTERS: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
 FUSED_ADAPTERS: tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -126,7 +134,9 @@ def spec_from_hf(path: Path, data: dict[str, Any]) -> tuple[str, dict[str, Any]]
         config = transformers_config(data)
     except ValueError as exc:
         if "Unrecognized model" in str(exc) or "model_type" in str(exc):
-            raise UsageError(f"model config {path}: model_type {model_type!r} is not known to transformers {_tf()}") from None
+            raise UsageError(
+                f"model config {path}: model_type {model_type!r} is not known to transformers {_tf()}"
+            ) from None
         raise UsageError(f"model config {path}: {_first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001  (transformers' own validation: strict dataclass errors too)
         raise UsageError(f"model config {path}: {_last_line(exc)}") from None

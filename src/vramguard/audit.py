@@ -22,9 +22,19 @@ import torch
 
 from vramguard import __version__, environment
 from vramguard.atomic import write_text_atomic
-from vramguard.budget import QUANT_BLOCKSIZE, Budget, qlora_budget, quantized_weight_bytes
+from vramguard.budget import (
+    QUANT_BLOCKSIZE,
+    Budget,
+    activation_budget,
+    qlora_budget,
+    quantized_weight_bytes,
+    weights_budget,
+)
+from vramguard.decoder import decoder_layer
 from vramguard.errors import UsageError
-from vramguard.ledger import LedgerReport, decoder_layer
+from vramguard.families import NoAnalyticModel
+from vramguard.ledger import LedgerReport
+from vramguard.layer_budget import checkpointed_layer_bytes, logits_fp32_bytes
 from vramguard.models import ModelSpec, QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
 from vramguard.report import (
     SCHEMA_VERSION,
@@ -64,25 +74,38 @@ def _projections(spec: ModelSpec) -> list[tuple[int, int]]:
 def planned_budget(config: QLoRAConfig, spec: ModelSpec) -> Budget:
     """The analytic model of ``config`` from the model config alone, before anything is built.
 
-    The activations are :func:`qlora_budget`'s own formula (given no parameters it takes the
-    norms as fp32, as ``prepare_model_for_kbit_training`` leaves them); the parameters are
-    counted from the shapes: the seven projections per layer in 4 bits, embeddings, lm_head and
-    norms in fp32, LoRA on every projection. The tests hold it equal to the budget of the built model.
+    The activations are the family's own formula (:func:`activation_budget`, norms in fp32 as
+    ``prepare_model_for_kbit_training`` leaves them); for a family without one, a lower bound any
+    decoder keeps (each layer's input hidden state and the fp32 logits). The parameters are counted
+    from the shapes: the seven projections per layer in 4 bits (fused projections hold the same
+    elements), embeddings, lm_head and norms in fp32, LoRA on every projection. The tests hold it equal
+    to the budget of the built model.
     """
-    empty = qlora_budget(
-        torch.nn.Module(),
-        spec,
-        batch=config.batch,
-        seq=config.seq_len,
-        rank=config.lora_rank,
-        compute_dtype=parse_dtype(config.compute_dtype),
-        double_quant=config.double_quant,
-        checkpointing=config.gradient_checkpointing,
-        attn_implementation=config.attn_implementation,
-        lora_dropout=config.lora_dropout > 0,
-        device_type=torch.device(config.device).type,
-    )
     f = spec.fields
+    try:
+        empty = activation_budget(
+            spec,
+            batch=config.batch,
+            seq=config.seq_len,
+            rank=config.lora_rank,
+            checkpointing=config.gradient_checkpointing,
+            attn_implementation=config.attn_implementation,
+            lora_dropout=config.lora_dropout > 0,
+            device_type=torch.device(config.device).type,
+        )
+    except NoAnalyticModel as exc:
+        per_layer = checkpointed_layer_bytes(config.batch, config.seq_len, f["hidden_size"])
+        empty = Budget(
+            quantized_params=0,
+            other_params=0,
+            lora_params=0,
+            quantized_weight_bytes=0,
+            other_weight_bytes=0,
+            lora_training_bytes=0,
+            layer_terms=[{"layer input (lower bound)": per_layer}] * f["num_hidden_layers"],
+            logits_bytes=logits_fp32_bytes(config.batch, config.seq_len, f["vocab_size"]),
+            no_analytic_model=str(exc),
+        )
     layers, h, vocab = f["num_hidden_layers"], f["hidden_size"], f["vocab_size"]
     projections = _projections(spec)
     quantized = layers * sum(i * o for i, o in projections)
@@ -145,19 +168,22 @@ def run_audit(
     report_progress("building 4-bit model", 0, steps + 1)
     q = build_qlora(config)
     optimizer = make_optimizer(q)
-    budget = qlora_budget(
-        q.model,
-        q.spec,
-        batch=config.batch,
-        seq=config.seq_len,
-        rank=config.lora_rank,
-        compute_dtype=parse_dtype(config.compute_dtype),
-        double_quant=config.double_quant,
-        checkpointing=config.gradient_checkpointing,
-        attn_implementation=config.attn_implementation,
-        lora_dropout=config.lora_dropout > 0,
-        device_type=torch.device(config.device).type,
-    )
+    try:
+        budget = qlora_budget(
+            q.model,
+            q.spec,
+            batch=config.batch,
+            seq=config.seq_len,
+            rank=config.lora_rank,
+            compute_dtype=parse_dtype(config.compute_dtype),
+            double_quant=config.double_quant,
+            checkpointing=config.gradient_checkpointing,
+            attn_implementation=q.attn_implementation,
+            lora_dropout=config.lora_dropout > 0,
+            device_type=torch.device(config.device).type,
+        )
+    except NoAnalyticModel as exc:  # measured all the same; compared with nothing
+        budget = weights_budget(q.model, double_quant=config.double_quant, reason=str(exc))
     report_progress("step 1", 1, steps + 1)
 
     def on_step(r: StepResult) -> None:
@@ -194,7 +220,13 @@ def _layers(ledger: LedgerReport, budget: Budget, top: int) -> list[LayerRow]:
                 saved_bytes=sum(r.bytes for r in records),
                 activation_bytes=sum(r.bytes for r in records if r.kind == "activation"),
                 weight_copy_bytes=sum(r.bytes for r in records if r.kind == "weight-copy"),
-                analytic_bytes=budget.layer_bytes[index] if index < len(budget.layer_bytes) else 0,
+                analytic_bytes=(
+                    None
+                    if budget.no_analytic_model
+                    else budget.layer_bytes[index]
+                    if index < len(budget.layer_bytes)
+                    else 0
+                ),
                 top_modules=sorted(by_module.items(), key=lambda kv: -kv[1])[:top],
             )
         )
@@ -224,6 +256,7 @@ def _assemble(
         model_resident_bytes=frozen_resident_bytes(q.model),
         outside_layers_bytes=ledger.saved_bytes - in_layers,
     )
+    modelled = None if budget.no_analytic_model else budget.family
     phases = {
         name: PhasePeak(
             peak_bytes=tracker.result.phases[name].peak_bytes,
@@ -240,11 +273,19 @@ def _assemble(
         measured_weights_bytes=totals.model_resident_bytes,
         analytic_lora_training_bytes=budget.lora_training_bytes,
         measured_lora_training_bytes=_lora_training_bytes(q, optimizer),
-        analytic_activation_bytes=budget.activation_bytes,
+        analytic_activation_bytes=None if modelled is None else budget.activation_bytes,
         measured_activation_bytes=ledger.saved_bytes,
-        analytic_logits_bytes=budget.logits_bytes,
-        analytic_outside_layers_bytes=budget.logits_bytes + budget.shared_bytes,
-        activation_ratio=ledger.saved_bytes / budget.activation_bytes if budget.activation_bytes else 0.0,
+        analytic_logits_bytes=None if modelled is None else budget.logits_bytes,
+        analytic_outside_layers_bytes=None if modelled is None else budget.logits_bytes + budget.shared_bytes,
+        activation_ratio=(
+            None
+            if modelled is None
+            else ledger.saved_bytes / budget.activation_bytes
+            if budget.activation_bytes
+            else 0.0
+        ),
+        analytic_model=modelled,
+        no_analytic_model=budget.no_analytic_model,
     )
     steps = [
         StepRow(
@@ -276,6 +317,12 @@ def _assemble(
         verdict=verdict,
         records=[r.to_dict() for r in ledger.records],
         elapsed_s=round(elapsed, 3),
+        architecture={
+            "model_type": q.spec.model_type,
+            "model_class": q.model_class,
+            "attn_implementation": q.attn_implementation,
+            "analytic_model": modelled,
+        },
     )
 
 
@@ -304,7 +351,13 @@ def _verdict(
     if leak > _leak_tolerance(config.device):
         problems.append(f"retained memory grew by {format_bytes(leak)} over {len(steps)} steps (a leak)")
     ratio = budget.activation_ratio
-    if abs(ratio - 1.0) > ACTIVATION_BAND:
+    notes.extend(q.notes)
+    if ratio is None:
+        notes.append(
+            f"{budget.no_analytic_model}: saved activations measured "
+            f"({format_bytes(budget.measured_activation_bytes)}), not compared with any formula"
+        )
+    elif abs(ratio - 1.0) > ACTIVATION_BAND:
         notes.append(
             f"saved activations are {ratio:.1%} of the analytic model "
             f"({format_bytes(budget.measured_activation_bytes)} vs {format_bytes(budget.analytic_activation_bytes)})"
@@ -322,10 +375,12 @@ def _verdict(
         line = "PROBLEM: " + "; ".join(problems)
     else:
         checked = f"no growth across {len(steps)} steps" if len(steps) > 1 else "leak not checked"
-        line = (
-            f"OK: no weight copies saved for backward, {checked}; "
-            f"saved activations {ratio:.1%} of the analytic model"
+        against = (
+            f"{budget.no_analytic_model} (saved activations measured only)"
+            if ratio is None
+            else f"saved activations {ratio:.1%} of the analytic model"
         )
+        line = f"OK: no weight copies saved for backward, {checked}; {against}"
     return Verdict(ok=not problems, line=line, problems=problems, notes=notes)
 
 
@@ -338,8 +393,14 @@ def render(report: AuditReport, console: Any) -> None:
 
     fb = format_bytes
     c = report.config
+    arch = report.architecture
+    kind = (
+        f" ({arch.get('model_type')}, {arch.get('model_class')}, {arch.get('attn_implementation')} attention)"
+        if arch
+        else ""
+    )
     console.print(
-        f"[bold]vramguard audit[/] {c['model']} on {report.device}: batch {c['batch']} x seq {c['seq_len']}, "
+        f"[bold]vramguard audit[/] {c['model']}{kind} on {report.device}: batch {c['batch']} x seq {c['seq_len']}, "
         f"LoRA r={c['lora_rank']}, {c['quant_type']}{' +double-quant' if c['double_quant'] else ''}, "
         f"compute {c['compute_dtype']}, checkpointing {'on' if c['gradient_checkpointing'] else 'off'}, "
         f"{len(report.steps)} steps"
@@ -354,7 +415,8 @@ def render(report: AuditReport, console: Any) -> None:
         tops = ", ".join(f"{m} {fb(b)}" for m, b in row.top_modules)
         short = row.name[row.name.find("layers.") :] if "layers." in row.name else row.name
         wc = f"[red]{fb(row.weight_copy_bytes)}[/]" if row.weight_copy_bytes else fb(0)
-        t.add_row(short, fb(row.saved_bytes), fb(row.activation_bytes), wc, fb(row.analytic_bytes), tops)
+        analytic = "-" if row.analytic_bytes is None else fb(row.analytic_bytes)
+        t.add_row(short, fb(row.saved_bytes), fb(row.activation_bytes), wc, analytic, tops)
     console.print(t)
 
     tot = report.totals
@@ -364,18 +426,28 @@ def render(report: AuditReport, console: Any) -> None:
     s.add_column("measured", justify="right")
     s.add_column("analytic", justify="right")
     s.add_column("note")
-    s.add_row(
-        "saved activations (all)",
-        fb(b.measured_activation_bytes),
-        fb(b.analytic_activation_bytes),
-        f"{b.activation_ratio:.1%}; hooks {fb(tot.hook_bytes)}, ctx attributes {fb(tot.ctx_bytes)}",
-    )
-    s.add_row(
-        "  outside decoder layers",
-        fb(tot.outside_layers_bytes),
-        fb(b.analytic_outside_layers_bytes),
-        f"fp32 logits 4*b*s*V = {fb(b.analytic_logits_bytes)}, final norm, loss",
-    )
+    probes = f"hooks {fb(tot.hook_bytes)}, ctx attributes {fb(tot.ctx_bytes)}"
+    if b.activation_ratio is None or b.analytic_activation_bytes is None:
+        s.add_row(
+            "saved activations (all)",
+            fb(b.measured_activation_bytes),
+            "-",
+            f"{b.no_analytic_model}; {probes}",
+        )
+        s.add_row("  outside decoder layers", fb(tot.outside_layers_bytes), "-", "")
+    else:
+        s.add_row(
+            "saved activations (all)",
+            fb(b.measured_activation_bytes),
+            fb(b.analytic_activation_bytes),
+            f"{b.activation_ratio:.1%} ({b.analytic_model}); {probes}",
+        )
+        s.add_row(
+            "  outside decoder layers",
+            fb(tot.outside_layers_bytes),
+            fb(b.analytic_outside_layers_bytes or 0),
+            f"fp32 logits 4*b*s*V = {fb(b.analytic_logits_bytes or 0)}, final norm, loss",
+        )
     s.add_row("  weight copies", fb(tot.weight_copy_bytes), fb(0), "dequantized weights kept for backward")
     s.add_row(
         "frozen weights (4-bit + absmax, others)",
@@ -451,7 +523,11 @@ def register(subparsers: Any) -> None:
         description=__doc__.splitlines()[0],
     )
     d = QLoRAConfig()
-    p.add_argument("--model", default=d.model, help="preset name (fixtures/models) or a JSON config path")
+    p.add_argument(
+        "--model",
+        default=d.model,
+        help="preset name, a vramguard preset JSON, or a Hugging Face config.json (any model_type)",
+    )
     p.add_argument("--seq-len", type=_positive_int, default=d.seq_len)
     p.add_argument("--batch", type=_positive_int, default=d.batch)
     p.add_argument("--lora-rank", type=_positive_int, default=d.lora_rank)

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from vramguard.compare import MEMORY_METRICS, TIME_METRICS  # noqa: F401  (re-exported)
-from vramguard.ledger import SavedTensorLedger, decoder_layer
+from vramguard.decoder import decoder_layer
+from vramguard.ledger import SavedTensorLedger
 from vramguard.models import QLoRAConfig, QLoRAModel, build_qlora
 from vramguard.storage import storage_key, storage_nbytes
 from vramguard.tracker import CudaAllocatorSource, MemoryTracker

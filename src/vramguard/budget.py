@@ -14,11 +14,12 @@ Bytes, for N quantized parameters and M LoRA parameters (the brief's model, made
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 
+from vramguard.families import analytic_features
 from vramguard.layer_budget import (
     checkpointed_layer_bytes,
     layer_terms,
@@ -60,6 +61,8 @@ class Budget:
     layer_terms: list[dict[str, int]] = field(default_factory=list)
     shared_bytes: int = 0  # outside the layers, besides the logits: final norm, loss targets
     logits_bytes: int = 0
+    family: str | None = None  # the family whose formula this is (vramguard.families)
+    no_analytic_model: str | None = None  # why there is no activation model (weights only), or None
 
     @property
     def layer_bytes(self) -> list[int]:
@@ -110,6 +113,21 @@ def _count(model: torch.nn.Module, double_quant: bool) -> tuple[int, int, int, i
     return quantized, quantized_bytes, other, other_bytes, lora, norm_dtype or torch.float32
 
 
+def weights_budget(model: torch.nn.Module, *, double_quant: bool = True, reason: str) -> Budget:
+    """Weights and LoRA training state only (exact for any architecture: they are counted from the
+    model's own parameters), for a model whose activations have no analytic model (``reason``)."""
+    n_q, q_bytes, n_other, other_bytes, m, _ = _count(model, double_quant)
+    return Budget(
+        quantized_params=n_q,
+        other_params=n_other,
+        lora_params=m,
+        quantized_weight_bytes=q_bytes,
+        other_weight_bytes=other_bytes,
+        lora_training_bytes=16 * m,
+        no_analytic_model=reason,
+    )
+
+
 def qlora_budget(
     model: torch.nn.Module,
     spec: ModelSpec,
@@ -124,9 +142,59 @@ def qlora_budget(
     lora_dropout: bool = False,
     device_type: str = "cpu",
 ) -> Budget:
-    """The budget of ``model`` (a built QLoRA model) for one training step."""
+    """The budget of ``model`` (a built QLoRA model) for one training step.
+
+    Raises :class:`vramguard.families.NoAnalyticModel` for a family (or configuration) the
+    analytic model does not cover: then there is no budget to compare against.
+    """
     n_q, q_bytes, n_other, other_bytes, m, norm_dtype = _count(model, double_quant)
     act_bytes = torch.empty((), dtype=torch.promote_types(norm_dtype, compute_dtype)).element_size()
+    activations = activation_budget(
+        spec,
+        batch=batch,
+        seq=seq,
+        rank=rank,
+        act_bytes=act_bytes,
+        checkpointing=checkpointing,
+        attn_implementation=attn_implementation,
+        lora_dropout=lora_dropout,
+        device_type=device_type,
+    )
+    return replace(
+        activations,
+        quantized_params=n_q,
+        other_params=n_other,
+        lora_params=m,
+        quantized_weight_bytes=q_bytes,
+        other_weight_bytes=other_bytes,
+        lora_training_bytes=16 * m,
+    )
+
+
+def activation_budget(
+    spec: ModelSpec,
+    *,
+    batch: int,
+    seq: int,
+    rank: int,
+    act_bytes: int = 4,
+    checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+    lora_dropout: bool = False,
+    device_type: str = "cpu",
+) -> Budget:
+    """The saved activations of one step from the config alone (weights left at 0): an estimate
+    for shapes never built, e.g. the full-size presets. ``act_bytes`` 4: the residual stream is
+    fp32 after ``prepare_model_for_kbit_training`` (it upcasts the norms)."""
+    fam, arch = analytic_features(spec.model_type, spec.transformers_config(), seq, attn_implementation)
+    features = {
+        "fused_qkv": fam.fused_qkv,
+        "fused_gate_up": fam.fused_gate_up,
+        "qk_norm": fam.qk_norm,
+        "sandwich_norms": fam.sandwich_norms,
+        "norm_offset": fam.norm_offset,
+        "attn_softcap": arch["attn_softcap"],
+    }
     f = spec.fields
     tokens = batch * seq
     layers: list[dict[str, int]] = []
@@ -150,23 +218,34 @@ def qlora_budget(
             mask_bytes=1 if device_type == "cuda" else act_bytes,
             attn=attn_implementation,
             first_layer=idx == 0,  # the embeddings need no grad, so layer 0's input norm keeps nothing
+            window_mask=arch["window_mask"][idx] and attn_implementation == "sdpa",
+            **features,
         )
         layers.append(layer_terms(shape))
-    if not checkpointing:  # cos/sin are computed once per forward and kept by layer 0's rotary muls
-        layers[0]["rotary cos/sin (shared by all layers)"] = rope_bytes(1, seq, spec.head_dim)
-    final_norm = tokens * f["hidden_size"] * 4 + tokens * 4
+    if not checkpointing:
+        # cos/sin are computed once per forward and kept by the rotary muls of the first layer
+        # using them; Gemma 3's sliding layers have a rotary embedding of their own
+        for kind in dict.fromkeys(arch["rope"]):
+            first = arch["rope"].index(kind)
+            layers[first][f"rotary cos/sin ({kind}, shared by all layers)"] = rope_bytes(
+                1, seq, spec.head_dim
+            )
+    final_norm = tokens * f["hidden_size"] * 4 + tokens * 4 + (f["hidden_size"] * 4 if fam.norm_offset else 0)
+    # final_logit_softcapping (Gemma 2): tanh(logits / cap) * cap keeps tanh's output
+    softcap = tokens * f["vocab_size"] * act_bytes if arch["final_softcap"] else 0
     # nll_loss keeps the int64 targets (labels padded by one position, then shifted and flattened:
     # still a view of the padded (1, s+1) storage for batch 1, a contiguous b*s copy otherwise)
     # and the fp32 total weight
     loss_state = ((seq + 1) if batch == 1 else batch * seq) * 8 + 4
     return Budget(
-        quantized_params=n_q,
-        other_params=n_other,
-        lora_params=m,
-        quantized_weight_bytes=q_bytes,
-        other_weight_bytes=other_bytes,
-        lora_training_bytes=16 * m,
+        quantized_params=0,
+        other_params=0,
+        lora_params=0,
+        quantized_weight_bytes=0,
+        other_weight_bytes=0,
+        lora_training_bytes=0,
         layer_terms=layers,
-        shared_bytes=final_norm + loss_state,
+        shared_bytes=final_norm + loss_state + softcap,
         logits_bytes=logits_fp32_bytes(batch, seq, f["vocab_size"]),
+        family=fam.name,
     )

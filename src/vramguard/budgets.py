@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 from torch.autograd.function import BackwardCFunction
 
+from vramguard.decoder import decoder_layers_of
 from vramguard.ledger import OUTSIDE, SavedTensorLedger, _flatten_tensors, _iter_graph
 from vramguard.storage import StorageKey, resident_storages, storage_key, storage_nbytes, tensors_in
 from vramguard.tracker import StorageTracker
@@ -413,9 +414,8 @@ class SavedBytesMeter:
     that use them) are resident, not saved, and are not counted. They are found from every module whose
     forward runs in the block (its whole tree, the first time it is seen).
 
-    ``per_layer``: also attribute each storage to the innermost running decoder layer and keep each
-    layer's peak in ``layer_peaks``, named as the ledger names it: ``layers.0`` (the qualified name
-    from ``layers.``; a module whose class name contains ``DecoderLayer`` elsewhere keeps its own name).
+    ``per_layer``: also attribute each storage to the running decoder layer (``layers.N``, the
+    rule of :mod:`vramguard.decoder`) and keep each layer's peak in ``layer_peaks``.
     """
 
     def __init__(self, device_type: str | None = None, per_layer: bool = False) -> None:
@@ -429,38 +429,37 @@ class SavedBytesMeter:
         self.layer_peaks: dict[str, int] = {}
         #: bytes of resident storages (parameters etc.) that ops saved: not counted, reported apart
         self.resident_saved: dict[StorageKey, int] = {}
-        self._layers: list[tuple[int, str]] = []
-        self._qualname: dict[int, str] = {}
+        self._layers: list[str] = []
+        self._names: dict[int, str] = {}  # decoder layer id -> layers.N
+        self._seen: set[int] = set()
         self._resident: set[StorageKey] = set()
         self._hooks: Any = None
         self._handles: list[Any] = []
 
     def _scan(self, module: torch.nn.Module) -> None:
-        """First sight of a module tree: its resident storages, and qualified names relative to it."""
-        for name, sub in module.named_modules():
-            self._qualname[id(sub)] = name
+        """First sight of a module tree: its resident storages."""
+        for sub in module.modules():
+            self._seen.add(id(sub))
         self._resident.update(resident_storages(module))
 
-    def _layer_name(self, module: torch.nn.Module) -> str | None:
-        from vramguard.ledger import decoder_layer
-
-        name = self._qualname.get(id(module), "")
-        if name and decoder_layer(name) == name:
-            return name[name.rfind("layers.") :]
-        if "DecoderLayer" in type(module).__name__:
-            return name or f"{type(module).__name__}#{id(module):x}"
-        return None
-
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        if id(module) not in self._qualname:
+        if id(module) not in self._seen:
             self._scan(module)
-        if self.per_layer:
-            layer = self._layer_name(module)
-            if layer is not None:
-                self._layers.append((id(module), layer))
+        if not self.per_layer:
+            return
+        for name, layer in decoder_layers_of(module):  # a parent runs before its layers
+            if id(layer) not in self._names:
+                taken = set(self._names.values())
+                unique, k = name, 1
+                while unique in taken:  # a second stack of layers (e.g. another model in the test)
+                    unique, k = f"{name}#{k}", k + 1
+                self._names[id(layer)] = unique
+        name = self._names.get(id(module))
+        if name is not None:
+            self._layers.append(name)
 
     def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
-        if self._layers and self._layers[-1][0] == id(module):
+        if id(module) in self._names and self._layers:
             self._layers.pop()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -472,7 +471,7 @@ class SavedBytesMeter:
                 return slot
             entry = self._counts.get(key)
             if entry is None:
-                layer = self._layers[-1][1] if self._layers else None
+                layer = self._layers[-1] if self._layers else None
                 self._counts[key] = [nbytes, 1, layer]
                 self.current += nbytes
                 self.peak = max(self.peak, self.current)

@@ -21,7 +21,6 @@ Double backward (``create_graph=True``) through the ledger is not supported.
 
 from __future__ import annotations
 
-import re
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -32,6 +31,7 @@ from typing import Any, Literal
 import torch
 from torch.autograd.function import BackwardCFunction
 
+from vramguard.decoder import decoder_layer  # noqa: F401  (re-exported: the one decoder-layer rule)
 from vramguard.storage import StorageKey, resident_storages, storage_key, storage_nbytes, tensors_in
 
 Source = Literal["hook", "ctx"]
@@ -282,6 +282,13 @@ class SavedTensorLedger:
             h.remove()
         self._handles.clear()
         if exc_type is None:
+            if self.model is not None:
+                # what is resident is decided at the end: a forward may replace a parameter's storage
+                # (bitsandbytes' Linear4bit casts its bias to the input dtype on the first call), and
+                # the freed storage's key may then be reused by an activation, or the old storage
+                # be kept by autograd: neither is a parameter any more (names as first seen)
+                start = self._resident
+                self._resident = {k: start.get(k, name) for k, name in resident_storages(self.model).items()}
             self.report = self._build_report()
         self._packs.clear()
         self._inputs.clear()
@@ -431,12 +438,3 @@ class SavedTensorLedger:
             (report.resident if kind == "resident" else report.records).append(record)
         report.records.sort(key=lambda r: (-r.bytes, r.module))
         return report
-
-
-_LAYER = re.compile(r"^((?:.*\.)?layers\.\d+)(?:\.|$)")
-
-
-def decoder_layer(module: str) -> str | None:
-    """``model.layers.3`` for any module under a decoder layer (HF naming), else None."""
-    m = _LAYER.match(module)
-    return m.group(1) if m else None

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from vramguard.errors import UsageError
+from vramguard.families import is_hf_config, moe_refusal, spec_from_hf, transformers_config
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -68,10 +69,16 @@ def parse_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama-architecture config: preset name or JSON path, resolved to its fields."""
+    """A model config: preset name or JSON path, resolved to its shape fields.
+
+    Either vramguard's Llama preset format, or a Hugging Face ``config.json`` (it has a
+    ``model_type``; kept whole in ``hf`` and built with ``AutoModelForCausalLM``).
+    """
 
     name: str
     fields: dict[str, Any]
+    model_type: str = "llama"
+    hf: dict[str, Any] | None = None
 
     @classmethod
     def load(cls, ref: str | Path) -> ModelSpec:
@@ -102,6 +109,9 @@ class ModelSpec:
             raise UsageError(f"cannot read model config {path}: JSON nested too deeply") from None
         if not isinstance(data, dict):
             raise UsageError(f"model config {path} must be a JSON object")
+        if is_hf_config(data):
+            model_type, hf_fields = spec_from_hf(path, data)
+            return cls(name=path.stem, fields=hf_fields, model_type=model_type, hf=data)
         arch = data.get("architecture", "llama")
         if arch != "llama":
             raise UsageError(f"model config {path}: architecture {arch!r} is not supported (only 'llama')")
@@ -148,6 +158,10 @@ class ModelSpec:
         config = LlamaConfig(**self.fields)
         config._attn_implementation = attn_implementation
         return config
+
+    def transformers_config(self) -> Any:
+        """The transformers config to build: the Hugging Face config itself, or a LlamaConfig."""
+        return transformers_config(self.hf) if self.hf is not None else self.llama_config()
 
     @property
     def head_dim(self) -> int:
@@ -214,6 +228,13 @@ class QLoRAModel:
     model: torch.nn.Module
     spec: ModelSpec
     config: QLoRAConfig
+    attn_implementation: str = "sdpa"  # what the model runs (config's, or eager where sdpa is missing)
+    notes: tuple[str, ...] = ()  # what the build changed from the request, and why
+
+    @property
+    def model_class(self) -> str:
+        base = getattr(self.model, "get_base_model", None)
+        return type(base() if callable(base) else self.model).__name__
 
     @property
     def device(self) -> torch.device:
@@ -233,34 +254,69 @@ class QLoRAModel:
         return [p for p in self.model.parameters() if p.requires_grad]
 
 
+def causal_lm_class(hf_config: Any) -> Any:
+    """The ``AutoModelForCausalLM`` class of a transformers config (UsageError when there is none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except KeyError:
+        raise UsageError(
+            f"model_type {hf_config.model_type!r} has no causal language model class in transformers"
+        ) from None
+
+
 def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAModel:
-    """Random-weight Llama -> 4-bit via ``BitsAndBytesConfig`` -> PEFT LoRA on all linear layers."""
+    """Random-weight model -> 4-bit via ``BitsAndBytesConfig`` -> PEFT LoRA on all linear layers.
+
+    Any architecture transformers builds with ``AutoModelForCausalLM``; one without sdpa attention
+    (Gemma 2) runs eager, as ``from_pretrained`` would by default, and says so in ``notes``.
+    """
     config.validate()
     spec = spec or ModelSpec.load(config.model)
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+    from transformers import BitsAndBytesConfig
     from transformers.utils import logging as hf_logging
 
+    hf_config = spec.transformers_config()
+    model_class = causal_lm_class(hf_config)
+    attn = config.attn_implementation
+    notes: list[str] = []
+    if attn == "sdpa" and not getattr(model_class, "_supports_sdpa", False):
+        attn = "eager"
+        notes.append(
+            f"{model_class.__name__} has no sdpa attention in transformers: it ran eager attention "
+            "(what from_pretrained picks by default)"
+        )
+    hf_config._attn_implementation = attn
     compute_dtype = parse_dtype(config.compute_dtype)
     torch.manual_seed(config.seed)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="vramguard-model-") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        LlamaForCausalLM(spec.llama_config(config.attn_implementation)).save_pretrained(tmp)
+        model_class(hf_config).save_pretrained(tmp)
         quant = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=config.quant_type,
             bnb_4bit_compute_dtype=compute_dtype,
             bnb_4bit_use_double_quant=config.double_quant,
         )
-        model = LlamaForCausalLM.from_pretrained(
+        model = model_class.from_pretrained(
             tmp,
             quantization_config=quant,
             device_map={"": config.device},
             dtype=compute_dtype,
-            attn_implementation=config.attn_implementation,
+            attn_implementation=attn,
         )
+        unquantized = [
+            n for n, p in model.named_parameters() if p.dim() >= 3 and getattr(p, "quant_state", None) is None
+        ]
+        if unquantized:  # fused experts (mixture of experts) that 4-bit loading left in full precision
+            raise UsageError(
+                moe_refusal(spec.model_type, hf_config)
+                or f"{spec.model_type}: parameters bitsandbytes does not quantize ({unquantized[0]}, ...)"
+            )
         model = prepare_model_for_kbit_training(
             model,
             use_gradient_checkpointing=config.gradient_checkpointing,
@@ -276,4 +332,4 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAMode
         model = get_peft_model(model, lora)
     model.train()
     model.config.use_cache = False
-    return QLoRAModel(model=model, spec=spec, config=config)
+    return QLoRAModel(model=model, spec=spec, config=config, attn_implementation=attn, notes=tuple(notes))

@@ -20,9 +20,8 @@ BUDGET_MARKERS: tuple[str, ...] = (
     (
         "saved_bytes(max, per_layer=None, device=None): fail when more than `max` bytes are kept alive for "
         "backward at once during the test (saved-tensor hooks, per storage; parameters, buffers and "
-        "quantization state are resident and not counted, as in the ledger and `vramguard audit`); per_layer "
-        "caps any one "
-        "decoder layer (named as the ledger does: layers.0)"
+        "quantization state are resident and not counted, as in the ledger and `vramguard audit`); "
+        "per_layer caps any one decoder layer (named as the ledger does: layers.N)"
     ),
 )
 

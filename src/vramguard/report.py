@@ -1,7 +1,9 @@
 """The ``vramguard audit --json`` document, as typed dataclasses (this module is its schema).
 
 ``schema_version`` changes whenever a field is removed or changes meaning; new fields may be added
-within a version. All sizes are bytes (int); all ratios are floats (measured / analytic).
+within a version. All sizes are bytes (int); all ratios are floats (measured / analytic). The
+analytic numbers and the ratio are ``null`` for an architecture without an analytic model
+(``budget.no_analytic_model`` says so): a measurement is never compared with another family's formula.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class LayerRow:
     saved_bytes: int
     activation_bytes: int
     weight_copy_bytes: int
-    analytic_bytes: int
+    analytic_bytes: int | None  # None: no analytic model for this architecture
     top_modules: list[tuple[str, int]] = field(default_factory=list)
 
 
@@ -58,11 +60,13 @@ class BudgetComparison:
     measured_weights_bytes: int
     analytic_lora_training_bytes: int
     measured_lora_training_bytes: int
-    analytic_activation_bytes: int
+    analytic_activation_bytes: int | None
     measured_activation_bytes: int
-    analytic_logits_bytes: int
-    analytic_outside_layers_bytes: int
-    activation_ratio: float
+    analytic_logits_bytes: int | None
+    analytic_outside_layers_bytes: int | None
+    activation_ratio: float | None  # None (and the analytic_* above): no analytic model, see below
+    analytic_model: str | None = None  # the family whose formula was used
+    no_analytic_model: str | None = None  # e.g. "no analytic model for olmo2"
 
 
 @dataclass
@@ -100,6 +104,8 @@ class AuditReport:
     verdict: Verdict
     records: list[dict[str, Any]] = field(default_factory=list)
     elapsed_s: float = 0.0
+    # model_type, model_class, attn_implementation (what ran), analytic_model (family or None)
+    architecture: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -1,0 +1,238 @@
+"""Hugging Face ``config.json`` models: built as their own architecture, audited against their own
+family's formula, or honestly without one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from vramguard.budget import activation_budget
+from vramguard.budgets import SavedBytesMeter
+from vramguard.cli import main
+from vramguard.decoder import decoder_layer
+from vramguard.families import FAMILIES, NoAnalyticModel
+from vramguard.models import ModelSpec, presets
+
+PRESETS = Path(__file__).resolve().parents[1] / "src" / "vramguard" / "presets"
+TINY = {
+    "tiny-llama-hf": ("llama", "LlamaForCausalLM"),
+    "tiny-mistral": ("mistral", "MistralForCausalLM"),
+    "tiny-qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "tiny-qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "tiny-phi3": ("phi3", "Phi3ForCausalLM"),
+    "tiny-gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "tiny-gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+}
+FULL = ["llama-3.1-8b", "mistral-7b-v0.3", "qwen2.5-7b", "qwen3-8b", "gemma-2-9b", "phi-3-mini-4k"]
+SMALL_RUN = ["--seq-len", "24", "--batch", "2", "--steps", "2", "--quiet"]
+
+
+def _audit(tmp_path: Path, model: str | Path, *extra: str) -> tuple[int, dict]:
+    out = tmp_path / "audit.json"
+    code = main(["audit", "--model", str(model), *SMALL_RUN, *extra, "--json", str(out)])
+    return code, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_hf_config_is_audited_as_its_own_architecture_exactly(tmp_path: Path, name: str) -> None:
+    """The acceptance: a plain Hugging Face config.json, exit 0, the architecture named, the
+    analytic model of its family equal to the measurement to the byte (layer by layer)."""
+    model_type, model_class = TINY[name]
+    path = PRESETS / f"{name}.json"
+    assert json.loads(path.read_text())["model_type"] == model_type  # a plain HF config file
+    code, data = _audit(tmp_path, path)
+    assert code == 0, data["verdict"]
+    arch = data["architecture"]
+    assert (arch["model_type"], arch["model_class"]) == (model_type, model_class)
+    assert arch["analytic_model"] == FAMILIES[model_type].name
+    b = data["budget"]
+    assert b["measured_activation_bytes"] == b["analytic_activation_bytes"] == data["totals"]["saved_bytes"]
+    assert b["activation_ratio"] == 1.0 and b["no_analytic_model"] is None
+    assert len(data["layers"]) == 2
+    assert all(row["saved_bytes"] == row["analytic_bytes"] for row in data["layers"])
+    assert "100.0% of the analytic model" in data["verdict"]["line"]
+    if model_type == "gemma2":  # no sdpa in transformers: eager, and the report says so
+        assert arch["attn_implementation"] == "eager"
+        assert any("no sdpa attention" in n for n in data["verdict"]["notes"])
+
+
+def test_unknown_family_is_measured_without_a_ratio(tmp_path: Path) -> None:
+    cfg = json.loads((PRESETS / "tiny-llama-hf.json").read_text())
+    cfg.update(model_type="olmo2", architectures=["Olmo2ForCausalLM"])  # q/k norms over all heads
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    code, data = _audit(tmp_path, path)
+    assert code == 0
+    assert data["architecture"]["model_class"] == "Olmo2ForCausalLM"
+    assert data["architecture"]["analytic_model"] is None
+    b = data["budget"]
+    assert (
+        b["measured_activation_bytes"] > 0 and b["measured_activation_bytes"] == data["totals"]["saved_bytes"]
+    )
+    assert b["activation_ratio"] is None and b["analytic_activation_bytes"] is None
+    assert b["no_analytic_model"] == "no analytic model for olmo2"
+    assert all(row["analytic_bytes"] is None for row in data["layers"]) and len(data["layers"]) == 2
+    line = data["verdict"]["line"]
+    assert "no analytic model for olmo2" in line and "%" not in line
+    # the weights need no family formula: still counted exactly from the model's parameters
+    assert b["analytic_weights_bytes"] > 0
+
+
+def test_unknown_family_console_report_shows_no_ratio(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = json.loads((PRESETS / "tiny-llama-hf.json").read_text())
+    cfg.update(model_type="olmo2", num_hidden_layers=1)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["audit", "--model", str(path), "--seq-len", "8", "--batch", "1", "--steps", "2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(olmo2, Olmo2ForCausalLM, sdpa attention)" in out
+    assert "no analytic model for olmo2" in out and "% of the analytic model" not in out
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
+            "mixtral is a mixture-of-experts model (4 experts)",
+        ),
+        (
+            {
+                "model_type": "qwen3_moe",
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 96,
+            },
+            "qwen3_moe is a mixture-of-experts model (4 experts)",
+        ),
+        ({"model_type": "no-such-model"}, "model_type 'no-such-model' is not known to transformers"),
+        ({"model_type": 3}, "model_type must be a non-empty string"),
+        ({"model_type": "qwen2", "num_key_value_heads": 3}, "num_key_value_heads must be a positive divisor"),
+        (
+            {"model_type": "gemma2", "head_dim": 7},
+            "RoPE requires an even rotary dimension",
+        ),  # transformers' check
+    ],
+)
+def test_refused_configs_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: dict, message: str
+) -> None:
+    shape = {
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 352,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**shape, **config}))
+    assert main(["audit", "--model", str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_presets_include_the_hf_configs() -> None:
+    assert set(TINY) | set(FULL) <= set(presets())
+    for name in [*TINY, *FULL]:
+        spec = ModelSpec.load(name)
+        assert (
+            spec.hf is not None and spec.model_type == json.loads(presets()[name].read_text())["model_type"]
+        )
+
+
+@pytest.mark.parametrize("name", FULL)
+def test_full_size_presets_estimate_without_weights(name: str) -> None:
+    """The public full-size shapes: the analytic model from the config alone (nothing is built)."""
+    spec = ModelSpec.load(name)
+    attn = "eager" if spec.model_type == "gemma2" else "sdpa"
+    b = activation_budget(spec, batch=1, seq=2048, rank=16, attn_implementation=attn)
+    assert len(b.layer_bytes) == spec.fields["num_hidden_layers"]
+    assert b.family == FAMILIES[spec.model_type].name
+    # every layer keeps at least its MLP (4 x tokens x intermediate x fp32), layers past the first alike
+    assert min(b.layer_bytes) >= 4 * 2048 * spec.fields["intermediate_size"] * 4
+    assert len(set(b.layer_bytes[1:])) <= 2  # global/local layers at most
+
+
+def test_soft_capped_attention_has_no_sdpa_formula() -> None:
+    with pytest.raises(NoAnalyticModel, match="soft-capping under sdpa"):
+        activation_budget(ModelSpec.load("gemma-2-9b"), batch=1, seq=128, rank=8, attn_implementation="sdpa")
+
+
+def test_sliding_window_shorter_than_seq_is_a_term_per_layer() -> None:
+    spec = ModelSpec.load("phi-3-mini-4k")  # window 2047
+    short, long = (
+        activation_budget(spec, batch=1, seq=s, rank=8, attn_implementation="sdpa") for s in (2047, 2048)
+    )
+    assert "attn_window_mask" not in short.layer_terms[1]
+    assert long.layer_terms[1]["attn_window_mask"] == 2048 * 2048 * 4
+    assert all("attn_window_mask" in t for t in long.layer_terms)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class _Net(torch.nn.Module):  # like GPT-NeoX's GPTNeoXLayer: not named *DecoderLayer
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_per_layer_meter_and_ledger_use_one_rule() -> None:
+    """The saved_bytes(per_layer=...) meter finds decoder layers by the same rule as the ledger's
+    grouping (elements of a ModuleList called `layers`), whatever the layer class is called."""
+    net = _Net()
+    with SavedBytesMeter("cpu", per_layer=True) as meter:
+        y = net(torch.randn(8, 16))
+    assert set(meter.layer_peaks) == {"layers.0", "layers.1"}
+    assert meter.layer_peaks["layers.0"] == 2 * 8 * 16 * 4  # its input and tanh's output
+    assert {decoder_layer(n) for n, _ in net.named_modules()} == {None, "layers.0", "layers.1"}
+    y.sum().backward()
+
+
+def test_decoder_layer_is_the_outermost_layers_index() -> None:
+    assert decoder_layer("model.layers.3.mlp.layers.1.lin") == "model.layers.3"
+
+
+class _CastsItsBias(torch.nn.Module):
+    """Like bitsandbytes' Linear4bit on its first call: the bias is cast to the input's dtype by
+    replacing its storage, and here the old storage is then used (and kept) as an activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(32, 32, dtype=torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        old = self.bias.data
+        self.bias.data = old.to(x.dtype)
+        return (x.to(torch.bfloat16) * old).float() + self.bias  # the mul keeps `old` for backward
+
+
+def test_a_storage_that_stopped_being_a_parameter_is_saved_not_resident() -> None:
+    """Qwen2's q/k/v biases: the storage bitsandbytes frees on the first forward was sometimes reused
+    by an activation, which the ledger then took for the bias and left out (24-40 KiB missing)."""
+    from vramguard.ledger import SavedTensorLedger
+
+    m = _CastsItsBias()
+    x = torch.randn(32, 32, requires_grad=True)
+    with SavedTensorLedger(m) as ledger:
+        y = m(x)
+    kept = {(r.shape, r.dtype) for r in ledger.report.records}
+    assert ((32, 32), "bfloat16") in kept and ledger.report.resident == []
+    y.sum().backward()

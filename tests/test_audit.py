@@ -361,3 +361,34 @@ def test_analytic_model_is_exact_for_every_variant_on_cpu(variant: dict[str, obj
     if config.gradient_checkpointing:
         tokens_x_hidden_fp32 = 32 * 128 * 4
         assert [row.saved_bytes for row in r.layers] == [tokens_x_hidden_fp32] * 2
+
+
+def test_a_full_size_preset_that_cannot_be_built_here_is_refused_with_the_figure(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The audit builds the model once in fp32 on the host: 8B parameters need 32 GB of RAM and disk.
+    Refused before anything is built, with the figure (was: the kernel's OOM killer mid-build)."""
+
+    def must_not_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was built although it cannot fit")
+
+    monkeypatch.setattr(audit, "build_qlora", must_not_build)
+    plan = planned_budget(QLoRAConfig(model="llama-3.1-8b"), ModelSpec.load("llama-3.1-8b"))
+    params = plan.quantized_params + plan.other_params
+    assert 7.9e9 < params < 8.1e9  # Llama-3.1-8B: 8.03e9
+    monkeypatch.setattr(audit, "available_memory", lambda device: (4 * params - 1, "of RAM is available"))
+    assert main(["audit", "--model", "llama-3.1-8b", "--seq-len", "16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith(f"vramguard: error: llama-3.1-8b has {params:,} parameters: the audit builds them once")
+    assert "of RAM is available; audit a smaller preset" in err
+    monkeypatch.setattr(audit, "available_memory", lambda device: (10**15, "of RAM is available"))
+    monkeypatch.setattr(audit.shutil, "disk_usage", lambda path: shutil_usage(4 * params - 1))
+    assert main(["audit", "--model", "llama-3.1-8b", "--seq-len", "16"]) == 2
+    assert "free on " in capsys.readouterr().err
+
+
+def shutil_usage(free: int) -> object:
+    import shutil
+
+    return shutil._ntuple_diskusage(10**15, 10**15 - free, free)  # type: ignore[attr-defined]

@@ -12,6 +12,8 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -138,14 +140,30 @@ def available_memory(device: str) -> tuple[int, str]:
 
 
 def check_fits(config: QLoRAConfig, spec: ModelSpec | None = None) -> Budget:
-    """Refuse (:class:`UsageError`) a configuration whose analytic memory exceeds what the device
-    has free, before anything is allocated. The analytic model leaves out transient buffers (and
-    the fp32 model built once before quantization), so it errs towards letting a run start."""
+    """Refuse (:class:`UsageError`) a configuration that cannot run here, before anything is allocated.
+
+    Two checks. The audit builds the model once unquantized, in fp32 on the host, and writes that
+    checkpoint to a temporary folder (random weights go through ``from_pretrained`` as users' do), so
+    the host needs 4 B per parameter of RAM and of disk: a full-size preset (8B parameters: 32 GB) is
+    refused here with that figure, not killed by the kernel mid-build. Then the training step's
+    analytic memory must fit what the device has free; that model leaves out transient buffers, so it
+    errs towards letting a run start.
+    """
     spec = spec or ModelSpec.load(config.model)
     plan = planned_budget(config, spec)
+    fb = format_bytes
+    build = 4 * (plan.quantized_params + plan.other_params)
+    host, host_what = available_memory("cpu")
+    disk = shutil.disk_usage(tempfile.gettempdir()).free
+    for room, what in ((host, host_what), (disk, f"free on {tempfile.gettempdir()}")):
+        if build > room:
+            raise UsageError(
+                f"{spec.name} has {plan.quantized_params + plan.other_params:,} parameters: the audit builds "
+                f"them once in fp32 from random weights ({fb(build)}) but only {fb(room)} {what}; audit a "
+                "smaller preset"
+            )
     available, what = available_memory(config.device)
     if plan.total_bytes > available:
-        fb = format_bytes
         raise UsageError(
             f"{spec.name} at batch {config.batch} x seq {config.seq_len} needs at least {fb(plan.total_bytes)} "
             f"({plan.total_bytes:,} B by the analytic model: weights {fb(plan.weights_bytes)}, LoRA + grads "

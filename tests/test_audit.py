@@ -392,3 +392,13 @@ def shutil_usage(free: int) -> object:
     import shutil
 
     return shutil._ntuple_diskusage(10**15, 10**15 - free, free)  # type: ignore[attr-defined]
+
+
+def test_the_verdict_is_one_line_even_with_columns_set(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """COLUMNS=80 (pytest-xdist workers set it, so do some CI runners): tables may wrap, the verdict not."""
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["audit", "--seq-len", "8", "--batch", "1", "--steps", "1", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK: ") and len(out.splitlines()) == 1 and len(out) > 80, out

@@ -506,7 +506,9 @@ def render(report: AuditReport, console: Any) -> None:
     for n in report.verdict.notes:
         console.print(f"[yellow]note:[/] {n}", highlight=False)
     style = "bold green" if report.verdict.ok else "bold red"
-    console.print(f"[{style}]{report.verdict.line}[/]", highlight=False)
+    # the verdict is one greppable line whatever the width (COLUMNS=80 is set under pytest-xdist, and
+    # by some CI runners)
+    console.print(f"[{style}]{report.verdict.line}[/]", highlight=False, soft_wrap=True)
 
 
 UNWRAPPED_WIDTH = 10_000
@@ -618,7 +620,7 @@ def main(args: argparse.Namespace) -> int:
 
         report = run_audit(config, steps=args.steps, progress=update, top=args.top)
     if args.quiet:
-        console.print(report.verdict.line, highlight=False)
+        console.print(report.verdict.line, highlight=False, soft_wrap=True)
     else:
         render(report, console)
     if args.json is not None:

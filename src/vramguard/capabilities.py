@@ -295,12 +295,12 @@ PROBES: dict[str, Callable[[], tuple[bool, str]]] = {
 }
 
 
-def _child(names: list[str]) -> None:
+def _child(names: list[str], probes: dict[str, Callable[[], tuple[bool, str]]] | None = None) -> None:
     _quiet()
     for name in names:
         print(f"{_PREFIX}start {json.dumps(name)}", flush=True)
         try:
-            ok, detail = PROBES[name]()
+            ok, detail = (probes or PROBES)[name]()
         except Exception as exc:  # noqa: BLE001 -- a probe that raises is a missing capability
             ok, detail = False, _err(exc)
         print(f"{_PREFIX}done {json.dumps({'name': name, 'ok': ok, 'detail': detail})}", flush=True)
@@ -318,16 +318,18 @@ def _describe_exit(code: int) -> str:
     return f"exited {code}"
 
 
-def run_probes(names: list[str], timeout: float = PROBE_TIMEOUT_S) -> dict[str, Probe]:
-    """Run ``names`` in child processes; a probe that crashes its child is a failed probe naming the
-    signal, and the remaining probes run in a fresh child."""
+def run_probes(
+    names: list[str], timeout: float = PROBE_TIMEOUT_S, module: str = "vramguard.capabilities"
+) -> dict[str, Probe]:
+    """Run ``names`` in child processes (``python -m module NAME...``); a probe that crashes its child is
+    a failed probe naming the signal, and the remaining probes run in a fresh child."""
     results: dict[str, Probe] = {}
     left = list(names)
     env = dict(os.environ)  # the same PYTHONPATH (a bisect overlay stays first), plus vramguard itself
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), src]))
     while left:
-        cmd = [sys.executable, "-m", "vramguard.capabilities", *left]
+        cmd = [sys.executable, "-m", module, *left]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
             stdout, code = out.stdout, out.returncode

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from memhelpers import BATCH, RANK, SEQ
+from memhelpers import BATCH, RANK, SEQ, need
 
 from vramguard.models import QLoRAConfig, QLoRAModel, build_qlora
 
@@ -31,6 +31,9 @@ def qlora() -> Callable[..., QLoRAModel]:
     """``qlora(device, **QLoRAConfig fields)``: a model built once per session per configuration."""
 
     def get(device: str = "cpu", **kw: Any) -> QLoRAModel:
+        need("transformers_4bit", device)
+        if kw.get("quant_type") == "fp4":
+            need("fp4_cpu", device)
         cfg = QLoRAConfig(
             **{
                 "model": "tiny-llama",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+from vramguard import capabilities
 
 # T = BATCH * SEQ = 80 tokens: no activation shape coincides with a weight shape of the presets
 # (h=128, kv*d=64, i=352, V=512, r=8), so the ledger's weight-copy classification is unambiguous.
@@ -36,3 +39,18 @@ def versions() -> dict[str, str]:
 
 
 V = versions()
+
+
+def need(name: str, device: str = "cpu") -> None:
+    """Skip, naming the missing capability (probed, vramguard.capabilities), when the installed
+    bitsandbytes cannot run what the test needs on CPU. CUDA paths are not probed here."""
+    if torch.device(device).type != "cpu":
+        return
+    cap = capabilities.get(name)
+    if not cap:
+        pytest.skip(f"bitsandbytes {V['bitsandbytes']} lacks {name}: {cap.detail}")
+
+
+def defect_expected(key: str) -> bool:
+    """Strict-xfail condition: the known defect reproduces with the installed release (and CPU)."""
+    return capabilities.KNOWN_DEFECTS[key].expected_here()

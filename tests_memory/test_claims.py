@@ -3,12 +3,14 @@ around the dequantize + F.linear of bitsandbytes' forward (bitsandbytes PR 1935)
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
-from memhelpers import BATCH, SEQ, release
+from memhelpers import BATCH, SEQ, need, release
 from test_bnb_layers import IN, linear4bit, linear8bit
 
-from vramguard import patches
+from vramguard import capabilities, patches
 from vramguard.budgets import Budget, assert_within_budget, measure, report_section
 from vramguard.layer_budget import logits_fp32_bytes
 
@@ -89,35 +91,134 @@ def _old_matmul4bit_forward(no_grad: bool):  # type: ignore[no-untyped-def]
     return staticmethod(forward)
 
 
+def _forward_under_test(no_grad: bool, monkeypatch):  # type: ignore[no-untyped-def]
+    """(context manager factory, description, call counter) for the MatMul4Bit.forward the claim is about: the
+    installed one where it still calls F.linear (bitsandbytes <= 0.49; the PR's no_grad is the registered
+    patch), else the old forward re-created (the installed one has no F.linear left to wrap)."""
+    from bitsandbytes.autograd._functions import MatMul4Bit
+
+    patch = patches.get("no-grad-linear:4bit")
+    if patch.applies():
+        import bitsandbytes.functional as bnbF
+
+        original = bnbF.dequantize_4bit
+        calls = {"n": 0}
+
+        def counting(*args, **kw):  # type: ignore[no-untyped-def]
+            calls["n"] += 1  # the installed forward dequantizes once per call (backward is not run yet)
+            return original(*args, **kw)
+
+        monkeypatch.setattr(bnbF, "dequantize_4bit", counting)
+        what = "installed MatMul4Bit.forward (dequantize + F.linear)"
+        return (patch.apply if no_grad else contextlib.nullcontext), what, lambda: calls["n"]
+    old_forward = _old_matmul4bit_forward(no_grad)
+    monkeypatch.setattr(MatMul4Bit, "forward", old_forward)
+    what = "old MatMul4Bit.forward re-created (the installed one does not call F.linear)"
+    return contextlib.nullcontext, what, lambda: old_forward.__func__.calls
+
+
 @pytest.mark.parametrize("no_grad", [False, True], ids=["as-is", "PR-1935-no_grad"])
 def test_no_grad_claim_4bit(device: str, qlora, no_grad: bool, request, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Inside autograd.Function.forward grad mode is off: F.linear saves nothing either way."""
-    from bitsandbytes.autograd._functions import MatMul4Bit
-
-    assert not patches.get("no-grad-linear:4bit").applies(), "the installed MatMul4Bit calls F.linear again"
-    old_forward = _old_matmul4bit_forward(no_grad)
-    monkeypatch.setattr(MatMul4Bit, "forward", old_forward)
+    applied, what, calls = _forward_under_test(no_grad, monkeypatch)
+    what += " + PR 1935 no_grad" if no_grad else ""
     model = linear4bit(device)
     x = torch.randn(BATCH, SEQ, IN, dtype=torch.bfloat16, device=device, requires_grad=True)
-    m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
-    assert old_forward.__func__.calls == 1, "the old forward under test did not run"  # else 0 B is vacuous
-    assert_within_budget(m, Budget("old MatMul4Bit" + (" + no_grad" if no_grad else ""), 0), request)
+    with applied():
+        m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
+    assert calls() == 1, "the forward under test did not run"  # else 0 B is vacuous
+    assert_within_budget(m, Budget(what, 0), request)
+    need("transformers_4bit", device)
     q = qlora(device)
     batch = q.batch(0)
-    mq, out = measure(
-        lambda: q.model(**batch), model=q.model, device=device, roots=lambda o: o.loss, inputs=batch
-    )
-    assert old_forward.__func__.calls > 1, "the QLoRA model's 4-bit layers did not run the old forward"
+    with applied():
+        mq, out = measure(
+            lambda: q.model(**batch), model=q.model, device=device, roots=lambda o: o.loss, inputs=batch
+        )
+    assert calls() > 1, "the QLoRA model's 4-bit layers did not run the forward under test"
     assert not [k for k in mq.kept if k.kind == "weight-copy"], mq.table()
     report_section(
         request,
         "no_grad claim",
-        f"QLoRA model saved bytes with old MatMul4Bit "
-        f"{'with' if no_grad else 'without'} no_grad: {mq.ledger_bytes()} B; weight copies: 0 B",
+        f"QLoRA model saved bytes, {what}: {mq.ledger_bytes()} B; weight copies: 0 B",
     )
     request.node.user_properties.append(("saved_bytes", mq.ledger_bytes()))
     out.loss.backward()
     release(q.model)
+
+
+def _grads(model: torch.nn.Module, x: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    if x is not None and x.grad is not None:
+        out["input"] = x.grad.detach().clone()
+    return out
+
+
+def test_no_grad_patch_4bit_measured(device: str, qlora, request) -> None:  # type: ignore[no-untyped-def]
+    """bitsandbytes PR 1935 applied to the installed MatMul4Bit.forward (where it still calls F.linear:
+    0.49.x and older): saved bytes with and without it are equal (grad mode is off inside
+    Function.forward), and outputs and gradients are bit-identical."""
+    from bitsandbytes.autograd._functions import MatMul4Bit
+
+    patch = patches.get("no-grad-linear:4bit")
+    if not (can := patch.applies()):
+        pytest.skip(f"nothing to measure: {can.reason}; test_no_grad_claim_4bit measures the old forward")
+    original_code = MatMul4Bit.forward.__code__
+    rows = []
+    model = linear4bit(device)
+    x = torch.randn(BATCH, SEQ, IN, dtype=torch.bfloat16, device=device, requires_grad=True)
+    g = torch.randn(BATCH, SEQ, model.layer.out_features, dtype=torch.bfloat16, device=device)
+    runs = {}
+    for patched in (False, True):
+        x.grad = None
+        with patch.apply() if patched else contextlib.nullcontext():
+            assert (MatMul4Bit.forward.__code__ is not original_code) == patched, (
+                "the patch did not take effect"
+            )
+            m, y = measure(lambda: model(x), model=model, device=device, inputs=x)
+            y.backward(g)
+        runs[patched] = (m, y.detach().clone(), _grads(model, x))
+    (m0, y0, g0), (m1, y1, g1) = runs[False], runs[True]
+    assert m0.ledger_bytes() == m1.ledger_bytes() and m0.tracker_bytes() == m1.tracker_bytes(), (
+        m0.table(),
+        m1.table(),
+    )
+    assert torch.equal(y0, y1) and g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
+    rows.append(
+        f"Linear4bit: {m0.ledger_bytes()} B -> {m1.ledger_bytes()} B, output and grad_input bit-identical"
+    )
+    if capabilities.get("transformers_4bit"):
+        q = qlora(device)
+        batch = q.batch(0)
+        qruns = {}
+        for patched in (False, True):
+            release(q.model)
+            with patch.apply() if patched else contextlib.nullcontext():
+                mq, out = measure(
+                    lambda: q.model(**batch),
+                    model=q.model,
+                    device=device,
+                    roots=lambda o: o.loss,
+                    inputs=batch,
+                )
+                out.loss.backward()
+            qruns[patched] = (mq, out.loss.detach().clone(), _grads(q.model))
+        release(q.model)
+        (q0, l0, qg0), (q1, l1, qg1) = qruns[False], qruns[True]
+        assert q0.ledger_bytes() == q1.ledger_bytes() and q0.tracker_bytes() == q1.tracker_bytes()
+        assert not [k for k in q0.kept + q1.kept if k.kind == "weight-copy"]
+        assert torch.equal(l0, l1) and qg0.keys() == qg1.keys() and qg0
+        assert all(torch.equal(qg0[k], qg1[k]) for k in qg0), "a LoRA gradient changed under the patch"
+        rows.append(
+            f"QLoRA tiny-llama: {q0.ledger_bytes()} B -> {q1.ledger_bytes()} B saved for backward, "
+            f"weight copies 0 B, loss and {len(qg0)} LoRA gradients bit-identical"
+        )
+    text = (
+        f"bitsandbytes {capabilities.bnb_version()}, PR 1935 no_grad on the installed forward: "
+        + "; ".join(rows)
+    )
+    report_section(request, "no_grad claim (PR 1935, installed forward)", text)
+    request.node.user_properties.append(("no_grad_claim", text))
 
 
 def test_no_grad_claim_8bit_patch(device: str, request) -> None:  # type: ignore[no-untyped-def]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vramguard import capabilities
 from vramguard import reference as ref
 from vramguard.patches import Patch
 from vramguard.strategies import Linear4bitCase, Linear8bitCase, LoraCase
@@ -104,42 +105,70 @@ def _g(t: torch.Tensor | None) -> torch.Tensor | None:
 # --- 4-bit -----------------------------------------------------------------------------------------
 
 
+def _cap(name: str) -> capabilities.Probe:
+    return capabilities.get(name)
+
+
+def runs_8bit_lt(case: Linear8bitCase) -> bool:
+    """Does ``case`` run MatMul8bitLt (int8 activations)? CPU training runs MatMul8bitFp where the installed
+    bitsandbytes has that path (probed: 0.48+; 0.46/0.47 without IPEX train through MatMul8bitLt)."""
+    if not (case.training and case.device == "cpu"):
+        return True
+    return not _cap("cpu_8bit_training_fp")
+
+
 def check_supported(case: Case) -> None:
-    """Raise :class:`Unsupported` (with the reason) for combinations the installed library cannot run."""
+    """Raise :class:`Unsupported` (with the reason) for combinations the installed library cannot run, or
+    runs into a known defect (probed on this machine, see :mod:`vramguard.capabilities`)."""
     if case.device.startswith("cuda") and not torch.cuda.is_available():
         raise Unsupported("CUDA is not available")
-    # a 2-element weight packs to [1, 1], read as transposed: MatMul4Bit.backward (x needs grad) and the
-    # deprecated [K, N] forward fail; the forward of the other forms is fine (and checked)
-    if (
-        isinstance(case, (Linear4bitCase, LoraCase))
-        and getattr(case, "base", "4bit") == "4bit"
-        and case.in_features * case.out_features == 2
-        and 0 not in case.lead
-        and (case.input_requires_grad or getattr(case, "call", "") == "functional_kn")
-    ):
-        raise Unsupported(KNOWN_DEFECT_4BIT_K1)
+    cpu = case.device == "cpu"
     if isinstance(case, (Linear4bitCase, LoraCase)) and getattr(case, "base", "4bit") == "4bit":
-        kn = getattr(case, "call", "") == "functional_kn"
+        numel = case.in_features * case.out_features
+        if cpu and case.quant_type == "fp4" and not (c := _cap("fp4_cpu")):
+            raise Unsupported(f"no fp4 on CPU: {c.detail}")
+        if cpu and numel % case.blocksize and not (c := _cap("blocksize_remainder_cpu")):
+            raise Unsupported(f"no CPU 4-bit quantization of a weight that is not whole blocks: {c.detail}")
+        if cpu and numel % 2 and not (c := _cap("defect:odd_numel_4bit")):
+            raise Unsupported(f"{KNOWN_DEFECT_ODD_NUMEL}: {c.detail}")
+        one_block = numel <= case.blocksize
+        if cpu and case.compress_statistics and one_block and not (c := _cap("defect:nested_single_block")):
+            raise Unsupported(f"{KNOWN_DEFECT_NESTED_ONE_BLOCK}: {c.detail}")
+        call = getattr(case, "call", "module")
+        if call != "module" and not (c := _cap(f"matmul_4bit:{call}")):
+            raise Unsupported(f"call form {call} not taken by this bitsandbytes: {c.detail}")
+        # a 2-element weight packs to [1, 1], read as transposed: MatMul4Bit.backward (x needs grad) and the
+        # deprecated [K, N] forward fail; the forward of the other forms is fine (and checked)
+        if numel == 2 and 0 not in case.lead:
+            if call == "functional_kn" and not _cap("defect:one_byte_weight"):
+                raise Unsupported(KNOWN_DEFECT_4BIT_K1)
+            if case.input_requires_grad and not _cap("defect:one_byte_backward"):
+                raise Unsupported(KNOWN_DEFECT_4BIT_K1)
+        kn = call == "functional_kn"
         shape = (case.in_features, case.out_features) if kn else (case.out_features, case.in_features)
         defect = dequantize_4bit_defect(case.device, shape, case.blocksize, case.quant_type, case.dtype)
         if defect is not None:
             raise Unsupported(defect)
+    if isinstance(case, LoraCase) and case.base == "8bit" and cpu and not _cap("cpu_8bit_training_fp"):
+        raise Unsupported(
+            "8-bit LoRA on CPU: this bitsandbytes trains 8-bit layers on CPU through MatMul8bitLt, "
+            "the reference models MatMul8bitFp (bitsandbytes >= 0.48)"
+        )
     if isinstance(case, Linear8bitCase):
-        lt_path = not (case.training and case.device == "cpu")
-        if (
-            lt_path
-            and case.has_fp16_weights
-            and case.device == "cpu"
-            and case.input_requires_grad is not None
-        ):
+        lt = runs_8bit_lt(case)
+        if lt and case.has_fp16_weights and cpu:
             # MatMul8bitLt needs int8_double_quant to form the weight gradient; no CPU kernel exists
             raise Unsupported(
                 "MatMul8bitLt with has_fp16_weights on CPU: bitsandbytes::int8_double_quant has no CPU kernel"
             )
-        if not lt_path and case.has_fp16_weights and len(case.lead) == 2 and 0 not in case.lead:
+        three_d = len(case.lead) == 2 and 0 not in case.lead
+        if not lt and case.has_fp16_weights and three_d and not _cap("defect:8bit_fp_3d_backward"):
             raise Unsupported(KNOWN_DEFECT_8BIT_FP_3D)
-        if case.device == "cpu" and 0 in case.lead and not lt_path:
+        if cpu and 0 in case.lead and not lt:
             raise Unsupported("MatMul8bitFp on CPU does not handle empty inputs (no is_empty branch)")
+        k1 = case.in_features == 1 and 0 not in case.lead
+        if cpu and lt and k1 and not (c := _cap("defect:int8_k1_cpu")):
+            raise Unsupported(f"{KNOWN_DEFECT_INT8_K1}: {c.detail}")
 
 
 def supported_cases(cases: list[Case]) -> list[Case]:
@@ -154,7 +183,8 @@ def supported_cases(cases: list[Case]) -> list[Case]:
     return out
 
 
-#: defects of bitsandbytes 0.50.2, pinned by tests_grad/test_known_defects.py so that it is noticed when fixed
+#: known bitsandbytes defects (tests_grad/test_known_defects.py pins each for the releases where it
+#: reproduces); a case is skipped for one only where its probe reproduces it on this machine
 KNOWN_DEFECT_8BIT_FP_3D = (
     "known bitsandbytes defect: MatMul8bitFp.backward calls A.t() on a 3-D input when the weight needs a "
     "gradient (has_fp16_weights=True, CPU training)"
@@ -163,6 +193,18 @@ KNOWN_DEFECT_4BIT_K1 = (
     "known bitsandbytes defect: a 4-bit weight of 2 elements packs to [1, 1], which dequantize_4bit reads "
     "as transposed, so MatMul4Bit.backward (x needs grad) and the [K, N] form fail with 'mat1 and mat2 "
     "shapes cannot be multiplied'"
+)
+KNOWN_DEFECT_INT8_K1 = (
+    "known defect: int8_linear_matmul on CPU with one input feature (K=1) returns uninitialised memory "
+    "(bitsandbytes routes it to torch._int_mm, whose CPU kernel ignores a [1, N] operand with strides (1, 1))"
+)
+KNOWN_DEFECT_ODD_NUMEL = (
+    "known bitsandbytes defect: CPU quantize_4bit of a weight with an odd number of elements fails "
+    "('The size of tensor a must match the size of tensor b')"
+)
+KNOWN_DEFECT_NESTED_ONE_BLOCK = (
+    "known bitsandbytes defect: nested statistics of a weight with one 4-bit block crash the process "
+    "(CPU quantize_blockwise of the all-zero absmax - mean)"
 )
 
 
@@ -336,7 +378,7 @@ def run_8bit(case: Linear8bitCase) -> Observed:
         ref.check_int8_rows(t["weight"], cb, scb, "8-bit weight")  # SCB and CB from the weight itself
         w64 = ref.dequantized_8bit_weight(cb, scb).cpu()
         _backward(y, t["grad_out"])
-    lt_path = not (case.training and case.device == "cpu")
+    lt_path = runs_8bit_lt(case)
     grads = {"grad_input": _g(x), "grad_bias": _g(bias) if case.bias else None}
     obs = Observed(y.detach().cpu(), grads)
     obs.expected = _expected_linear(case, t, w64, act_threshold=case.threshold if lt_path else None)

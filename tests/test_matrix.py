@@ -1,0 +1,103 @@
+"""vramguard.matrix: the release x suite table reads pytest's JUnit XML honestly, and a warm overlay
+cache installs nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vramguard import matrix
+from vramguard.overlay import MARKER, OverlayCache
+
+
+def _run_pytest(tmp_path: Path, body: str, xml: Path) -> None:
+    test = tmp_path / "test_fake.py"
+    test.write_text("import pytest\n" + body)
+    subprocess.run(
+        [
+            "python",
+            "-m",
+            "pytest",
+            str(test),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            f"--junitxml={xml}",
+            "-o",
+            "addopts=",
+            "--rootdir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+
+
+GREEN = """
+def test_ok(): pass
+@pytest.mark.skip(reason="lacks fp4_cpu")
+def test_skip(): pass
+@pytest.mark.xfail(strict=True, reason="known defect")
+def test_xfail(): assert False
+"""
+
+
+def test_table_counts_outcomes_and_flags_strict_xpass(tmp_path: Path) -> None:
+    _run_pytest(tmp_path, GREEN, tmp_path / "r" / "bitsandbytes-0.46.0" / "tests_grad.xml")
+    _run_pytest(
+        tmp_path,
+        GREEN + '@pytest.mark.xfail(strict=True, reason="fixed?")\ndef test_xpass(): pass\n',
+        tmp_path / "r" / "bitsandbytes-0.50.2" / "tests_grad.xml",
+    )
+    text, green = matrix.table(tmp_path / "r")
+    assert not green, text
+    rows = text.splitlines()
+    assert rows[2].startswith("| bitsandbytes-0.46.0 | 1 passed, 1 skipped, 1 xfailed ("), text
+    assert "**1 passed, 1 skipped, 1 xfailed, 1 xpassed" in rows[3], text
+    assert "test_xpass" in text
+
+
+def test_table_is_green_only_when_every_suite_is(tmp_path: Path) -> None:
+    _run_pytest(tmp_path, GREEN, tmp_path / "r" / "bitsandbytes-0.47.0" / "tests_grad.xml")
+    assert matrix.table(tmp_path / "r")[1]
+    _run_pytest(
+        tmp_path, "def test_bad(): assert 0\n", tmp_path / "r" / "bitsandbytes-0.47.0" / "tests_memory.xml"
+    )
+    text, green = matrix.table(tmp_path / "r")
+    assert not green and "**1 failed" in text
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "x" / "a").mkdir(parents=True)
+    (tmp_path / "x" / "a" / "s.xml").write_text("not xml")
+    assert matrix.main(["table", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("vramguard matrix: error:")
+    assert matrix.main(["table", str(tmp_path / "missing")]) == 2
+    assert matrix.main(["releases", "bitsandbytes", "not a spec"]) == 2
+
+
+def test_warm_cache_installs_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    cache = OverlayCache(tmp_path, 10**9)
+    entry = cache.entry_dir("bitsandbytes", "0.47.0")
+    entry.mkdir(parents=True)
+    (entry / MARKER).write_text(json.dumps({"import_names": ["bitsandbytes"], "size": 1}))
+
+    def no_pip(*a, **k):  # type: ignore[no-untyped-def]
+        raise AssertionError("pip was called for a cached overlay")
+
+    monkeypatch.setattr(subprocess, "run", no_pip)
+    monkeypatch.setenv("VRAMGUARD_CACHE", str(tmp_path))
+    assert matrix.main(["overlay", "bitsandbytes", "0.47.0"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str(entry) and "cached: installed nothing" in err
+    # and a cold entry does go to pip (the check above can fail)
+    with pytest.raises(AssertionError, match="pip was called"):
+        matrix.main(["overlay", "bitsandbytes", "0.48.0"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vramguard import matrix
+from vramguard import matrix, overlay
 from vramguard.overlay import MARKER, OverlayCache
 
 
@@ -93,7 +93,7 @@ def test_warm_cache_installs_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
     def no_pip(*a, **k):  # type: ignore[no-untyped-def]
         raise AssertionError("pip was called for a cached overlay")
 
-    monkeypatch.setattr(subprocess, "run", no_pip)
+    monkeypatch.setattr(overlay, "run_with_tail", no_pip)  # how the cache runs pip
     monkeypatch.setenv("VRAMGUARD_CACHE", str(tmp_path))
     assert matrix.main(["overlay", "bitsandbytes", "0.47.0"]) == 0
     out, err = capsys.readouterr()

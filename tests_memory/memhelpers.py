@@ -54,3 +54,33 @@ def need(name: str, device: str = "cpu") -> None:
 def defect_expected(key: str) -> bool:
     """Strict-xfail condition: the known defect reproduces with the installed release (and CPU)."""
     return capabilities.KNOWN_DEFECTS[key].expected_here()
+
+
+#: transformers releases that give an unpadded batch without ``attention_mask`` an explicit causal mask:
+#: the model passes its default ``position_ids`` to ``create_causal_mask``, whose packed-sequence
+#: detection (``find_packed_sequence_indices``) returns a mask even when nothing is packed, which turns
+#: off sdpa's ``is_causal`` skip. sdpa then runs with ``attn_mask``: no GQA in the kernel, so every layer
+#: keeps k and v repeated to all heads, and the CPU kernel keeps a float copy of the (b, 1, s, s) mask.
+#: Checked on 4.56.2 and 4.57.6 (present) and 5.0.0 (``find_packed_sequence_indices`` returns None when
+#: nothing is packed); the reproducer is test_decoder_layer.py::test_unpadded_batch_runs_sdpa_causal.
+EXPLICIT_CAUSAL_MASK = ("4.56.0", "4.57.6")
+
+
+def explicit_causal_mask() -> bool:
+    """Does the installed transformers lie in :data:`EXPLICIT_CAUSAL_MASK` (the defect is expected)?"""
+    from packaging.version import Version
+
+    first, last = EXPLICIT_CAUSAL_MASK
+    return V["transformers"] != "absent" and Version(first) <= Version(V["transformers"]) <= Version(last)
+
+
+def checkpoint_wraps_module_hooks() -> bool:
+    """Does transformers' ``GradientCheckpointingLayer`` checkpoint ``__call__`` (module hooks inside the
+    checkpoint, as up to at least 5.0.0) rather than ``forward`` (hooks outside, as in 5.23)?
+
+    Inside: the checkpoint keeps the layer's input before the layer's forward pre-hook runs, so the
+    ledger attributes it to the enclosing decoder stack, not to the layer (same bytes, one level up).
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return "__call__" in vars(GradientCheckpointingLayer)

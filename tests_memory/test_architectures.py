@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from memhelpers import BAND, BATCH, RANK, SEQ, release
+from memhelpers import BAND, BATCH, RANK, SEQ, explicit_causal_mask, release
 
 from vramguard.budget import qlora_budget
 from vramguard.decoder import decoder_layer
+from vramguard.families import NoAnalyticModel
 from vramguard.ledger import SavedTensorLedger
 from vramguard.models import parse_dtype
 
@@ -43,19 +44,23 @@ def test_each_layer_keeps_its_family_formula(
     device: str, qlora, arch: str, variant: dict[str, object]
 ) -> None:
     q = qlora(device, model=arch, **variant)
-    budget = qlora_budget(
-        q.model,
-        q.spec,
-        batch=BATCH,
-        seq=SEQ,
-        rank=RANK,
-        compute_dtype=parse_dtype(q.config.compute_dtype),
-        double_quant=q.config.double_quant,
-        checkpointing=q.config.gradient_checkpointing,
-        attn_implementation=q.attn_implementation,
-        lora_dropout=q.config.lora_dropout > 0,
-        device_type=device,
-    )
+    try:
+        budget = qlora_budget(
+            q.model,
+            q.spec,
+            batch=BATCH,
+            seq=SEQ,
+            rank=RANK,
+            compute_dtype=parse_dtype(q.config.compute_dtype),
+            double_quant=q.config.double_quant,
+            checkpointing=q.config.gradient_checkpointing,
+            attn_implementation=q.attn_implementation,
+            lora_dropout=q.config.lora_dropout > 0,
+            device_type=device,
+            explicit_mask=explicit_causal_mask(),
+        )
+    except NoAnalyticModel as exc:  # Gemma 2's soft-capping under sdpa: transformers 4.x runs it there
+        pytest.skip(f"transformers runs {arch} with {q.attn_implementation} attention: {exc}")
     batch = q.batch(0)
     with SavedTensorLedger(q.model) as ledger:
         out = q.model(**batch)

@@ -141,6 +141,7 @@ def qlora_budget(
     attn_implementation: str = "sdpa",
     lora_dropout: bool = False,
     device_type: str = "cpu",
+    explicit_mask: bool = False,
 ) -> Budget:
     """The budget of ``model`` (a built QLoRA model) for one training step.
 
@@ -159,6 +160,7 @@ def qlora_budget(
         attn_implementation=attn_implementation,
         lora_dropout=lora_dropout,
         device_type=device_type,
+        explicit_mask=explicit_mask,
     )
     return replace(
         activations,
@@ -182,10 +184,13 @@ def activation_budget(
     attn_implementation: str = "sdpa",
     lora_dropout: bool = False,
     device_type: str = "cpu",
+    explicit_mask: bool = False,
 ) -> Budget:
     """The saved activations of one step from the config alone (weights left at 0): an estimate
     for shapes never built, e.g. the full-size presets. ``act_bytes`` 4: the residual stream is
-    fp32 after ``prepare_model_for_kbit_training`` (it upcasts the norms)."""
+    fp32 after ``prepare_model_for_kbit_training`` (it upcasts the norms). ``explicit_mask``: sdpa gets
+    an explicit causal mask in every layer (transformers 4.56-4.57 for a batch without attention_mask),
+    which costs what a sliding-window mask does."""
     fam, arch = analytic_features(spec.model_type, spec.transformers_config(), seq, attn_implementation)
     features = {
         "fused_qkv": fam.fused_qkv,
@@ -218,7 +223,7 @@ def activation_budget(
             mask_bytes=1 if device_type == "cuda" else act_bytes,
             attn=attn_implementation,
             first_layer=idx == 0,  # the embeddings need no grad, so layer 0's input norm keeps nothing
-            window_mask=arch["window_mask"][idx] and attn_implementation == "sdpa",
+            window_mask=(arch["window_mask"][idx] or explicit_mask) and attn_implementation == "sdpa",
             **features,
         )
         layers.append(layer_terms(shape))

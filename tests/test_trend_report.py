@@ -134,3 +134,15 @@ def test_report_cli_writes_both_files_and_rejects_bad_input(tmp_path: Path, caps
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+def test_a_sweep_marker_is_shown_with_its_run(tmp_path: Path) -> None:
+    store = ResultStore(tmp_path / "store")
+    first = doc("1.0", 100.0)
+    path = store.add(first, "run-a")
+    marker = {"machine_info": first["machine_info"], "benchmarks": [],
+              "vramguard_sweep": {"package": "bitsandbytes", "version": "1.0", "outcome": "failed", "exit_code": 1}}
+    store.add(marker, "run-a", "sweep")
+    trend = build(store)
+    assert path.is_file() and len(trend.runs) == 1 and trend.runs[0].sweep["outcome"] == "failed"
+    assert "failed (exit 1)" in render_markdown(trend, "s")

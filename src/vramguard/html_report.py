@@ -169,26 +169,27 @@ def render_html(trend: Trend, source: str) -> str:
 
 
 def _values_table(trend: Trend) -> tuple[list[str], list[list[tuple[str, bool]]]]:
-    """Rows: one per run; columns: benchmark/metric. Cells: (text, is a regression)."""
-    header = ["run"] + [f"{_bench_title(s.bench, s.params)} {s.metric}" for s in trend.series]
+    """Rows: one per benchmark and metric; columns: the runs. Cells: (text, is a regression)."""
+    header = ["benchmark", "metric"] + [r.label for r in trend.runs]
     rows = []
-    for i, run in enumerate(trend.runs):
-        row = [(run.label, False)]
-        for s in trend.series:
-            reg = any(r.run == i for r in s.regressions)
-            row.append((_value(s.metric, s.values[i]), reg))
+    for s in trend.series:
+        regressed = {r.run for r in s.regressions}
+        row = [(_bench_title(s.bench, s.params), False), (s.metric, False)]
+        row += [(_value(s.metric, v), i in regressed) for i, v in enumerate(s.values)]
         rows.append(row)
     return header, rows
 
 
 def _env_table(trend: Trend) -> tuple[list[str], list[list[tuple[str, bool]]]]:
     packages = sorted({k for r in trend.runs for k in (r.environment.get("packages") or {})})
-    header = ["seq", "run", "date", "device", "gpu", "cuda", "driver", "python", *packages]
+    header = ["seq", "run", "date", "sweep outcome", "device", "gpu", "cuda", "driver", "python", *packages]
     rows = []
     for r in trend.runs:
         env = r.environment
         pk = env.get("packages") or {}
-        cells = [r.seq, r.run_id, r.datetime, env.get("device"), env.get("gpu_name"), env.get("cuda")]
+        sweep = r.sweep or {}
+        outcome = f"{sweep.get('outcome')} (exit {sweep.get('exit_code')})" if sweep else None
+        cells = [r.seq, r.run_id, r.datetime, outcome, env.get("device"), env.get("gpu_name"), env.get("cuda")]
         cells += [env.get("driver"), env.get("python"), *[pk.get(p) for p in packages]]
         rows.append([("-" if c is None else str(c), False) for c in cells])
     return header, rows

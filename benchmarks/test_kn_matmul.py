@@ -29,7 +29,8 @@ class KNLayer(torch.nn.Module):
         super().__init__()
         layer = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
         layer.weight = bnb.nn.Params4bit(torch.randn(k, n), requires_grad=False, quant_type="nf4")  # [K, N]
-        self.weight = layer.to("cpu").weight  # quantized; held here, so the ledger sees a copy as this layer's
+        # quantized; held by this layer itself, so the ledger counts a copy of it as this layer's
+        self.weight = layer.to("cpu").weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return bnb.matmul_4bit(x, self.weight, quant_state=self.weight.quant_state)
@@ -79,7 +80,12 @@ def test_matmul_4bit_kn_form_cpu(benchmark) -> None:
                 "saved_per_layer_max": per_layer["max_bytes"],
                 "step_time": elapsed,
             },
-            phases={"forward": {"peak_allocated": tracker.result.phases["forward"].peak_bytes, "peak_reserved": None}},
+            phases={
+                "forward": {
+                    "peak_allocated": tracker.result.phases["forward"].peak_bytes,
+                    "peak_reserved": None,
+                }
+            },
             saved_per_layer=per_layer,
             weight_copy_bytes=ledger.report.weight_copy_bytes,
             output_shape=list(y.shape),

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_trend_report import MiB, doc
 
-from test_trend_report import MiB, doc  # noqa: I001
 from vramguard.cli import main
 from vramguard.store import ResultStore
 
@@ -126,7 +126,9 @@ def load(browser: Browser, page: Path) -> dict[str, Any]:
     logs = [e["params"]["entry"] for e in ev if e.get("method") == "Log.entryAdded"]
     return {
         "url": url,
-        "requests": [e["params"]["request"]["url"] for e in ev if e.get("method") == "Network.requestWillBeSent"],
+        "requests": [
+            e["params"]["request"]["url"] for e in ev if e.get("method") == "Network.requestWillBeSent"
+        ],
         "problems": [c for c in console if c["type"] in ("error", "warning", "assert")]
         + [entry for entry in logs if entry["level"] in ("error", "warning")]
         + [e["params"] for e in ev if e.get("method") == "Runtime.exceptionThrown"],
@@ -174,7 +176,9 @@ def test_report_loads_clean_with_every_plot_drawn_and_an_injected_regression_mar
     clean = load(browser, clean_html)
     assert clean["problems"] == []
     assert set(clean["requests"]) <= {clean["url"]}, clean["requests"]
-    assert len(clean["plots"]) == 3 and all(p["svg"] == 1 and p["w"] > 100 and p["h"] > 100 for p in clean["plots"])
+    assert len(clean["plots"]) == 3 and all(
+        p["svg"] == 1 and p["w"] > 100 and p["h"] > 100 for p in clean["plots"]
+    )
     for box in clean["plots"]:
         assert ink(browser, box) > 0.01, box  # drawn, not a blank box
     assert clean["marked"] == [] and clean["named"] == []

@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
+from test_bisect_cli import VERSIONS, assert_cache_consistent, assert_one_line_error, build_wheel
 
-from test_bisect_cli import assert_cache_consistent, assert_one_line_error, build_wheel, VERSIONS  # noqa: I001
 from vramguard.cli import main
 from vramguard.compare import entries
 from vramguard.store import ResultStore
 from vramguard.sweep import select_releases
-from packaging.version import Version
 
 PROBE = r"""
 import os, sys, vgdummy
@@ -81,7 +81,7 @@ def stored_peaks(store: Path) -> dict[str, float]:
 
 def test_every_release_is_measured_stored_and_logged(capsys, wheels, cache, probe, tmp_path) -> None:
     store, log = tmp_path / "store", tmp_path / "log.json"
-    code, out, err = sweep(
+    code, _out, err = sweep(
         capsys, wheels, cache, store, "--from", "1.2", "--to", "1.6", "--log", str(log),
         command=[sys.executable, str(probe)],
     )  # fmt: skip
@@ -101,7 +101,9 @@ def test_every_release_is_measured_stored_and_logged(capsys, wheels, cache, prob
 
 def test_rerun_resumes_and_measures_only_what_is_missing(capsys, wheels, cache, probe, tmp_path) -> None:
     store = tmp_path / "store"
-    code, _, err = sweep(capsys, wheels, cache, store, "--versions", "1.0,1.1", command=[sys.executable, str(probe)])
+    code, _, err = sweep(
+        capsys, wheels, cache, store, "--versions", "1.0,1.1", command=[sys.executable, str(probe)]
+    )
     assert code == 0, err
     runs_before = len(ResultStore(store).runs())
     log = tmp_path / "again.json"
@@ -123,11 +125,15 @@ def test_rerun_resumes_and_measures_only_what_is_missing(capsys, wheels, cache, 
 
 def test_a_failed_release_is_retried_not_resumed(capsys, wheels, cache, probe, tmp_path) -> None:
     store = tmp_path / "store"
-    code, out, err = sweep(capsys, wheels, cache, store, "--versions", "1.0", command=[sys.executable, str(probe), "1"])
+    code, out, err = sweep(
+        capsys, wheels, cache, store, "--versions", "1.0", command=[sys.executable, str(probe), "1"]
+    )
     assert code == 1, err
     assert "1.0: failed - the command exited 1" in out
     assert len(ResultStore(store).runs()) == 1  # what it stored is kept
-    code, _, err = sweep(capsys, wheels, cache, store, "--versions", "1.0", command=[sys.executable, str(probe)])
+    code, _, err = sweep(
+        capsys, wheels, cache, store, "--versions", "1.0", command=[sys.executable, str(probe)]
+    )
     assert code == 0 and "[1/1] vg-dummy 1.0: ok" in err
     assert len(ResultStore(store).runs()) == 2
 
@@ -136,7 +142,9 @@ def test_a_command_that_always_fails_is_reported_per_release_and_loses_nothing(
     capsys, wheels, cache, probe, tmp_path
 ) -> None:
     store = tmp_path / "store"
-    code, _, err = sweep(capsys, wheels, cache, store, "--versions", "1.0", command=[sys.executable, str(probe)])
+    code, _, err = sweep(
+        capsys, wheels, cache, store, "--versions", "1.0", command=[sys.executable, str(probe)]
+    )
     assert code == 0, err
     before = stored_peaks(store)
     log = tmp_path / "log.json"
@@ -152,13 +160,17 @@ def test_a_command_that_always_fails_is_reported_per_release_and_loses_nothing(
 
 
 def test_exit_zero_without_a_stored_run_is_a_failure(capsys, wheels, cache, tmp_path) -> None:
-    code, out, err = sweep(capsys, wheels, cache, tmp_path / "s", "--versions", "1.0", command=["true"])
+    code, out, _err = sweep(capsys, wheels, cache, tmp_path / "s", "--versions", "1.0", command=["true"])
     assert code == 1 and "stored no run" in out
 
 
 def test_exit_125_is_a_recorded_skip_and_timeout_is_a_failure(capsys, wheels, cache, tmp_path) -> None:
     log = tmp_path / "log.json"
-    cmd = [sys.executable, "-c", "import sys, time, vgdummy; time.sleep(30) if vgdummy.LEAK else sys.exit(125)"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys, time, vgdummy; time.sleep(30) if vgdummy.LEAK else sys.exit(125)",
+    ]
     code, _, err = sweep(
         capsys, wheels, cache, tmp_path / "s", "--versions", "1.4,1.5", "--timeout", "3", "--log", str(log),
         command=cmd,
@@ -186,7 +198,20 @@ def test_bad_input_is_one_line(capsys, wheels, cache, tmp_path, args, needle) ->
 
 
 def test_unknown_package_and_missing_parts_are_one_line(capsys, wheels, tmp_path) -> None:
-    code = main(["sweep", "nope-pkg", "--versions", "1.0", "--store", str(tmp_path), "--find-links", str(wheels), "--", "true"])
+    code = main(
+        [
+            "sweep",
+            "nope-pkg",
+            "--versions",
+            "1.0",
+            "--store",
+            str(tmp_path),
+            "--find-links",
+            str(wheels),
+            "--",
+            "true",
+        ]
+    )
     assert_one_line_error(code, *capsys.readouterr(), "'nope-pkg' not found")
     code = main(["sweep", "vg-dummy", "--versions", "1.0", "--find-links", str(wheels), "--", "true"])
     assert_one_line_error(code, *capsys.readouterr(), "--store")

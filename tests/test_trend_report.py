@@ -28,7 +28,9 @@ def doc(bnb: str, peak: float | None, saved: int = 10 * MiB, layers: dict | None
             "by_layer_kind": layers,
         }
     return {
-        "machine_info": {"vramguard": {"packages": {"torch": "2.13.0", "bitsandbytes": bnb}, "device": "cpu"}},
+        "machine_info": {
+            "vramguard": {"packages": {"torch": "2.13.0", "bitsandbytes": bnb}, "device": "cpu"}
+        },
         "benchmarks": [{"name": "test_step[a]", "params": {"seq": 64}, "extra_info": {"vramguard": payload}}],
     }
 
@@ -55,13 +57,24 @@ def test_values_per_run_labels_and_the_release_that_introduced_a_regression(tmp_
         doc("0.50.2", 120 * MiB),  # an improvement is no regression
     )
     trend = build(store)
-    assert [r.label for r in trend.runs] == [f"bitsandbytes {v}" for v in ("0.49.1", "0.49.2", "0.50.0", "0.50.1", "0.50.2")]
+    assert [r.label for r in trend.runs] == [
+        f"bitsandbytes {v}" for v in ("0.49.1", "0.49.2", "0.50.0", "0.50.1", "0.50.2")
+    ]
     peak = series(trend, "peak_allocated")
     assert peak.values == [100 * MiB, 101 * MiB, 150 * MiB, 150 * MiB, 120 * MiB]
     (reg,) = trend.regressions
-    assert (reg.metric, reg.run, reg.previous, reg.base, reg.current) == ("peak_allocated", 2, 1, 101 * MiB, 150 * MiB)
+    assert (reg.metric, reg.run, reg.previous, reg.base, reg.current) == (
+        "peak_allocated",
+        2,
+        1,
+        101 * MiB,
+        150 * MiB,
+    )
     assert reg.introduced_by == "bitsandbytes 0.49.2 -> 0.50.0"
-    assert [s.metric for s in trend.series] == ["peak_allocated", "saved_bytes"]  # peak_reserved: null everywhere
+    assert [s.metric for s in trend.series] == [
+        "peak_allocated",
+        "saved_bytes",
+    ]  # peak_reserved: null everywhere
 
 
 def test_threshold_and_gaps(tmp_path: Path) -> None:
@@ -99,14 +112,18 @@ def test_layer_bars_of_the_newest_run_and_the_diff_against_the_previous(tmp_path
 def test_runs_without_memory_fields_are_listed_and_an_empty_store_is_an_error(tmp_path: Path) -> None:
     store = store_of(tmp_path, doc("1.0", 1.0), {"machine_info": {}, "benchmarks": []})
     trend = build(store)
-    assert len(trend.runs) == 1 and len(trend.skipped_runs) == 1 and "no benchmarks" in trend.skipped_runs[0][1]
+    assert (
+        len(trend.runs) == 1 and len(trend.skipped_runs) == 1 and "no benchmarks" in trend.skipped_runs[0][1]
+    )
     with pytest.raises(UsageError, match="holds no runs"):
         build(ResultStore(tmp_path / "empty"))
 
 
 def test_html_is_self_contained_and_marks_the_regression(tmp_path: Path) -> None:
     layers = {"model.layers.0": {"activation": 100, "weight-copy": 50}}
-    store = store_of(tmp_path, doc("0.49.2", 100 * MiB, layers=layers), doc("0.50.0", 150 * MiB, layers=layers))
+    store = store_of(
+        tmp_path, doc("0.49.2", 100 * MiB, layers=layers), doc("0.50.0", 150 * MiB, layers=layers)
+    )
     trend = build(store)
     page = render_html(trend, "store")
     assert page.count("<svg") == 3  # peak_allocated, saved_bytes, the layer figure
@@ -140,8 +157,11 @@ def test_a_sweep_marker_is_shown_with_its_run(tmp_path: Path) -> None:
     store = ResultStore(tmp_path / "store")
     first = doc("1.0", 100.0)
     path = store.add(first, "run-a")
-    marker = {"machine_info": first["machine_info"], "benchmarks": [],
-              "vramguard_sweep": {"package": "bitsandbytes", "version": "1.0", "outcome": "failed", "exit_code": 1}}
+    marker = {
+        "machine_info": first["machine_info"],
+        "benchmarks": [],
+        "vramguard_sweep": {"package": "bitsandbytes", "version": "1.0", "outcome": "failed", "exit_code": 1},
+    }
     store.add(marker, "run-a", "sweep")
     trend = build(store)
     assert path.is_file() and len(trend.runs) == 1 and trend.runs[0].sweep["outcome"] == "failed"

@@ -42,7 +42,7 @@ def _figure_svg(fig: Any, salt: str) -> str:
         buf = io.StringIO()
         fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
     text = buf.getvalue()
-    text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)  # RDF namespaces: nothing to fetch
+    text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.DOTALL)  # RDF namespaces: nothing to fetch
     return text[text.index("<svg") :]
 
 
@@ -65,7 +65,9 @@ def series_svg(trend: Trend, s: Series, salt: str) -> str:
         xs = [i for i, v in enumerate(s.values) if v is not None]
         ax.plot(xs, [s.values[i] / 2**20 for i in xs], marker="o", color="#4c72b0", label=s.metric)
         for n, r in enumerate(s.regressions):
-            (mark,) = ax.plot([r.run], [r.current / 2**20], marker="o", markersize=12, color="#c00", ls="none")
+            (mark,) = ax.plot(
+                [r.run], [r.current / 2**20], marker="o", markersize=12, color="#c00", ls="none"
+            )
             mark.set_gid(f"regression-{salt}-{n}")
             ax.annotate(
                 f"+{r.relative * 100:.1f}% ({r.introduced_by})",
@@ -105,7 +107,8 @@ def layers_svg(bars: LayerBars, salt: str) -> str:
         dx.set_xticks(list(xs), bars.layers, rotation=45, ha="right", fontsize=7)
         dx.set_ylabel("MiB")
         dx.set_title(
-            "change vs the previous run" if bars.previous is not None else "no previous run to compare", fontsize=10
+            "change vs the previous run" if bars.previous is not None else "no previous run to compare",
+            fontsize=10,
         )
         return _figure_svg(fig, salt)
     finally:
@@ -126,8 +129,10 @@ def render_html(trend: Trend, source: str) -> str:
     out = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>vramguard report: {e(source)}</title><style>{CSS}</style></head><body>",
-        f"<h1>vramguard report</h1><p>results store <code>{e(source)}</code>: {len(trend.runs)} run(s), "
-        f"threshold {'off' if trend.threshold is None else f'{trend.threshold * 100:g}%'}</p>",
+        (
+            f"<h1>vramguard report</h1><p>results store <code>{e(source)}</code>: {len(trend.runs)} run(s), "
+            f"threshold {'off' if trend.threshold is None else f'{trend.threshold * 100:g}%'}</p>"
+        ),
         "<h2 id='regressions'>Regressions</h2>",
     ]
     regs = trend.regressions
@@ -150,7 +155,9 @@ def render_html(trend: Trend, source: str) -> str:
             if (s.bench, s.params) != (bench, params):
                 continue
             n += 1
-            out.append(f"<figure class='plot' data-metric='{e(s.metric)}'>{series_svg(trend, s, f'f{n}')}</figure>")
+            out.append(
+                f"<figure class='plot' data-metric='{e(s.metric)}'>{series_svg(trend, s, f'f{n}')}</figure>"
+            )
         for bars in trend.layers:
             if (bars.bench, bars.params) == (bench, params):
                 n += 1
@@ -189,7 +196,15 @@ def _env_table(trend: Trend) -> tuple[list[str], list[list[tuple[str, bool]]]]:
         pk = env.get("packages") or {}
         sweep = r.sweep or {}
         outcome = f"{sweep.get('outcome')} (exit {sweep.get('exit_code')})" if sweep else None
-        cells = [r.seq, r.run_id, r.datetime, outcome, env.get("device"), env.get("gpu_name"), env.get("cuda")]
+        cells = [
+            r.seq,
+            r.run_id,
+            r.datetime,
+            outcome,
+            env.get("device"),
+            env.get("gpu_name"),
+            env.get("cuda"),
+        ]
         cells += [env.get("driver"), env.get("python"), *[pk.get(p) for p in packages]]
         rows.append([("-" if c is None else str(c), False) for c in cells])
     return header, rows
@@ -229,8 +244,14 @@ def render_markdown(trend: Trend, source: str) -> str:
         lines.append("None beyond the threshold.")
     lines += ["", "### Values per run", ""] + _md_table(*_values_table(trend))
     for bars in trend.layers:
-        lines += ["", f"### Per-layer saved bytes: {_bench_title(bars.bench, bars.params)}, "
-                  f"{trend.runs[bars.run].label}", ""]
+        lines += [
+            "",
+            (
+                f"### Per-layer saved bytes: {_bench_title(bars.bench, bars.params)}, "
+                f"{trend.runs[bars.run].label}"
+            ),
+            "",
+        ]
         header = ["layer", *bars.kinds, "change vs previous run"]
         rows = []
         for i, layer in enumerate(bars.layers):
@@ -285,6 +306,8 @@ def run(args: argparse.Namespace) -> int:
     regs = trend.regressions
     print(f"report: {args.output} ({len(trend.runs)} runs, {len(regs)} regression(s))")
     for r in regs:
-        print(f"  regression: {_bench_title(r.bench, r.params)} {r.metric} +{r.relative * 100:.1f}% "
-              f"at {trend.runs[r.run].label} ({r.introduced_by})")
+        print(
+            f"  regression: {_bench_title(r.bench, r.params)} {r.metric} +{r.relative * 100:.1f}% "
+            f"at {trend.runs[r.run].label} ({r.introduced_by})"
+        )
     return 0

@@ -351,7 +351,10 @@ class Sweep:
             "sweep_id": self.sweep_id,
             "started_at": self.started,
             "elapsed_s": round(time.time() - self.started, 3),
-            "counts": {o: sum(r.outcome == o for r in self.results) for o in sorted({r.outcome for r in self.results})},
+            "counts": {
+                o: sum(r.outcome == o for r in self.results)
+                for o in sorted({r.outcome for r in self.results})
+            },
             "results": [asdict(r) for r in self.results],
         }
 
@@ -371,7 +374,10 @@ class Sweep:
 
     def summary(self) -> str:
         counts = self.log()["counts"]
-        lines = [f"{self.package}: {len(self.results)} release(s): " + ", ".join(f"{v} {k}" for k, v in counts.items())]
+        lines = [
+            f"{self.package}: {len(self.results)} release(s): "
+            + ", ".join(f"{v} {k}" for k, v in counts.items())
+        ]
         for r in self.failures():
             lines.append(f"  {r.version}: {r.outcome} - {r.reason}")
         if self.log_path is not None:
@@ -399,16 +405,22 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--versions", metavar="LIST", help="comma-separated releases, each listed by the index")
     p.add_argument("--from", dest="start", metavar="V1", help="first release of the range")
     p.add_argument("--to", dest="end", metavar="V2", help="last release of the range")
-    p.add_argument("--every", type=_positive_int, default=1, metavar="N", help="every N-th release of the range")
+    p.add_argument(
+        "--every", type=_positive_int, default=1, metavar="N", help="every N-th release of the range"
+    )
     p.add_argument("--pre", action="store_true", help="include pre-releases and dev releases in the range")
     p.add_argument("--store", type=Path, metavar="DIR", help=f"results store (default ${STORE_ENV})")
     p.add_argument("--timeout", type=_positive_float, default=None, metavar="S", help="seconds per release")
     p.add_argument("--index-url", metavar="URL", help="package index (default: pip's configuration)")
-    p.add_argument("--find-links", action="append", default=[], metavar="DIR", help="wheel dir; alone: offline")
+    p.add_argument(
+        "--find-links", action="append", default=[], metavar="DIR", help="wheel dir; alone: offline"
+    )
     p.add_argument("--index-timeout", type=_positive_float, default=30.0, metavar="S")
     p.add_argument("--cache-dir", type=Path, default=None, help="overlay cache (shared with bisect)")
     p.add_argument("--cache-max", default="10 GiB", metavar="SIZE", help="cache bound, LRU eviction")
-    p.add_argument("--log", type=Path, default=None, metavar="PATH", help="JSON log (default: in the cache dir)")
+    p.add_argument(
+        "--log", type=Path, default=None, metavar="PATH", help="JSON log (default: in the cache dir)"
+    )
     p.add_argument("--no-resume", dest="resume", action="store_false", help="measure releases stored already")
     p.add_argument("--no-import-check", dest="import_check", action="store_false")
 
@@ -442,13 +454,17 @@ def _log_path(args: argparse.Namespace, cache: OverlayCache) -> Path:
             raise UsageError(f"--log {args.log}: cannot write a file there")
         return args.log
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return cache.root / ".logs" / f"sweep-{canonicalize_name(args.package)}-{stamp}-{uuid.uuid4().hex[:6]}.json"
+    return (
+        cache.root / ".logs" / f"sweep-{canonicalize_name(args.package)}-{stamp}-{uuid.uuid4().hex[:6]}.json"
+    )
 
 
 def run_sweep(args: argparse.Namespace) -> int:
     args, command = _reparse(args)
     if not command:
-        raise UsageError("missing COMMAND: give it after --, e.g. -- python -m pytest benchmarks -m benchmark")
+        raise UsageError(
+            "missing COMMAND: give it after --, e.g. -- python -m pytest benchmarks -m benchmark"
+        )
     if not _PROJECT_NAME.match(args.package):
         raise UsageError(f"not a package name: {args.package!r}")
     store_dir = args.store or (Path(os.environ[STORE_ENV]) if os.environ.get(STORE_ENV) else None)

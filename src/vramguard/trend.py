@@ -134,7 +134,11 @@ def _labels(infos: list[RunInfo]) -> None:
 
 def _changes(a: RunInfo, b: RunInfo) -> str:
     keys = sorted(set(a.versions) | set(b.versions))
-    parts = [f"{k} {a.versions.get(k)} -> {b.versions.get(k)}" for k in keys if a.versions.get(k) != b.versions.get(k)]
+    parts = [
+        f"{k} {a.versions.get(k)} -> {b.versions.get(k)}"
+        for k in keys
+        if a.versions.get(k) != b.versions.get(k)
+    ]
     return ", ".join(parts) or "no version changed"
 
 
@@ -150,7 +154,11 @@ def build(store: ResultStore, threshold: float | None = DEFAULT_MEMORY_THRESHOLD
     for run in runs:
         doc = store.load(run)
         sweep = next(
-            (json.loads(f.read_text()).get("vramguard_sweep") for f in run.files if f.name.startswith("sweep-")),
+            (
+                json.loads(f.read_text()).get("vramguard_sweep")
+                for f in run.files
+                if f.name.startswith("sweep-")
+            ),
             None,
         )
         try:
@@ -160,7 +168,9 @@ def build(store: ResultStore, threshold: float | None = DEFAULT_MEMORY_THRESHOLD
             continue
         info = (doc.get("machine_info") or {}).get("vramguard") or {}
         infos.append(
-            RunInfo(run.seq, run.run_id, run.key, "", versions(doc, run.run_id), info, doc.get("datetime"), sweep)
+            RunInfo(
+                run.seq, run.run_id, run.key, "", versions(doc, run.run_id), info, doc.get("datetime"), sweep
+            )
         )
         data.append(measured)
         payloads.append(_payloads(doc))
@@ -203,7 +213,17 @@ def _series(
                     assert base is not None
                     if judge(metric, base, value, limit) == "REGRESSION":
                         s.regressions.append(
-                            Regression(key[0], key[1], metric, i, last, base, value, limit, _changes(infos[last], infos[i]))
+                            Regression(
+                                key[0],
+                                key[1],
+                                metric,
+                                i,
+                                last,
+                                base,
+                                value,
+                                limit,
+                                _changes(infos[last], infos[i]),
+                            )
                         )
                 last = i
             out.append(s)

@@ -96,4 +96,5 @@ def test_matmul_4bit_kn_form_cpu(benchmark) -> None:
     # Only the memory is this benchmark's to check: some releases (0.46-0.47 at least) give another output
     # width for this deprecated form (recorded in ``output_shape``; correctness is tests_grad's and capabilities').
     assert payload["output_shape"][0] == TOKENS
-    assert payload["metrics"]["peak_allocated"] > 0 and payload["saved_per_layer"]["layers"] == LAYERS
+    # the step was measured; saved bytes may be 0 (0.49.x and older keep nothing weight-sized here)
+    assert payload["metrics"]["peak_allocated"] > 0

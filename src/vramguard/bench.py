@@ -115,10 +115,13 @@ def process_memory(device: torch.device) -> dict[str, Any] | None:
 
 def _saved_per_layer(ledger: SavedTensorLedger) -> dict[str, Any]:
     by_layer: dict[str, int] = {}
+    by_kind: dict[str, dict[str, int]] = {}  # layer -> {"activation": n, "weight-copy": n}
     for record in ledger.report.records:
         layer = decoder_layer(record.module)
         if layer is not None:
             by_layer[layer] = by_layer.get(layer, 0) + record.bytes
+            kinds = by_kind.setdefault(layer, {})
+            kinds[record.kind] = kinds.get(record.kind, 0) + record.bytes
     values = list(by_layer.values()) or [0]
     return {
         "layers": len(by_layer),
@@ -127,6 +130,7 @@ def _saved_per_layer(ledger: SavedTensorLedger) -> dict[str, Any]:
         "max_bytes": max(values),
         "min_bytes": min(values),
         "by_layer": by_layer,
+        "by_layer_kind": by_kind,
     }
 
 

@@ -99,7 +99,7 @@ def machine_block() -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     env = collect(device)
     block: dict[str, Any] = {
-        "packages": env.packages,
+        "packages": _with_swept(env.packages),
         "python": env.python,
         "device": device,
         "gpu_name": env.gpu_name,
@@ -111,6 +111,16 @@ def machine_block() -> dict[str, Any]:
     }
     block["key"] = env_key({"vramguard": block})
     return block
+
+
+def _with_swept(packages: dict[str, Any]) -> dict[str, Any]:
+    """Also the version of the package that `vramguard sweep` / `bisect` varies, when not tracked."""
+    from vramguard.environment import package_version
+
+    swept = os.environ.get("VRAMGUARD_BISECT_PACKAGE")
+    if swept and swept not in packages:
+        return dict(packages, **{swept: package_version(swept)})
+    return packages
 
 
 def _driver_version() -> str | None:
@@ -148,8 +158,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--vram-store",
         metavar="DIR",
-        default=None,
-        help="write this run's benchmark records to a results store",
+        default=os.environ.get("VRAMGUARD_STORE") or None,  # set by `vramguard sweep`
+        help="write this run's benchmark records to a results store (default $VRAMGUARD_STORE)",
     )
     group.addoption(
         "--vram-summary",
@@ -189,7 +199,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if workerinput is None and not hasattr(config, _RUN_ID):
         from vramguard.store import new_run_id
 
-        setattr(config, _RUN_ID, new_run_id())
+        setattr(config, _RUN_ID, os.environ.get("VRAMGUARD_RUN_ID") or new_run_id())  # set by sweep
     elif workerinput is not None:
         setattr(config, _RUN_ID, workerinput.get(_RUN_ID))
 

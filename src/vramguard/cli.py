@@ -24,6 +24,7 @@ from vramguard.errors import UsageError
 
 # Modules that contribute a subcommand (``register(subparsers) -> None``).
 SUBCOMMAND_MODULES: tuple[str, ...] = ("vramguard.audit", "vramguard.bisect", "vramguard.compare")
+SUBCOMMAND_MODULES += ("vramguard.sweep", "vramguard.html_report")  # issue 14
 
 #: Exit code of an unexpected exception (a bug), distinct from a failed verdict (1) and bad input (2).
 EXIT_INTERNAL_ERROR = 3

@@ -72,7 +72,7 @@ class BudgetComparison:
 @dataclass
 class StepRow:
     step: int
-    loss: float
+    loss: float | None  # None for an estimate (meta device: no values)
     retained_bytes: int
     retained_after_forward: int
     peak_bytes: dict[str, int]

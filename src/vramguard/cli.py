@@ -23,7 +23,12 @@ from vramguard import __version__
 from vramguard.errors import UsageError
 
 # Modules that contribute a subcommand (``register(subparsers) -> None``).
-SUBCOMMAND_MODULES: tuple[str, ...] = ("vramguard.audit", "vramguard.bisect", "vramguard.compare")
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "vramguard.audit",
+    "vramguard.bisect",
+    "vramguard.compare",
+    "vramguard.estimate",
+)
 
 #: Exit code of an unexpected exception (a bug), distinct from a failed verdict (1) and bad input (2).
 EXIT_INTERNAL_ERROR = 3

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from vramguard.errors import UsageError
 from vramguard.families import moe_refusal
@@ -126,10 +126,11 @@ def _sdpa_as_on_cpu(
         row = torch.zeros(t.shape[-1], dtype=t.dtype)
         return row.expand(t.shape) if t.stride(-1) == 1 else torch.zeros(1, dtype=t.dtype).expand(t.shape)
 
-    choice = torch._fused_sdp_choice(
-        stand_in(query), stand_in(key), stand_in(value), stand_in(mask), dropout, causal, scale=scale,
-        enable_gqa=gqa,
-    )
+    with _disable_current_modes():  # the stand-ins are no part of the run: trackers must not count them
+        choice = torch._fused_sdp_choice(
+            stand_in(query), stand_in(key), stand_in(value), stand_in(mask), dropout, causal, scale=scale,
+            enable_gqa=gqa,
+        )
     if choice != _FLASH:
         return original(query, key, value, *args, **kwargs)
     out, _logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -223,7 +224,18 @@ def build_meta(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAModel
     model.train()
     model.config.use_cache = False
     meta_config = _with_device(config, META)
-    return QLoRAModel(model=model, spec=spec, config=meta_config, attn_implementation=attn, notes=tuple(notes))
+    return MetaQLoRAModel(
+        model=model, spec=spec, config=meta_config, attn_implementation=attn, notes=tuple(notes)
+    )
+
+
+class MetaQLoRAModel(QLoRAModel):
+    """A :class:`QLoRAModel` on meta: its batches are meta tensors of the real shape and dtype
+    (``randint`` on the host first would allocate batch x seq x 8 bytes for nothing)."""
+
+    def batch(self, step: int = 0) -> dict[str, torch.Tensor]:
+        ids = torch.empty((self.config.batch, self.config.seq_len), dtype=torch.long, device=META)
+        return {"input_ids": ids, "labels": ids}
 
 
 def _with_device(config: QLoRAConfig, device: str) -> QLoRAConfig:

@@ -1,0 +1,193 @@
+"""``vramguard estimate``: a meta-device run equals the CPU audit's measurement to the byte.
+
+The CPU audit (:func:`vramguard.audit.run_audit`) builds the model through ``from_pretrained`` and
+trains it on real tensors; the estimate builds it on meta and trains on shapes. Everything both
+count above the model's weights (saved bytes per record and per layer, peaks per phase, bytes
+retained after each step) and the weights themselves must be equal, not close.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vramguard.audit import run_audit
+from vramguard.cli import main
+from vramguard.models import QLoRAConfig
+from vramguard.report import AuditReport
+
+STEPS = 2
+
+
+def _records(report: AuditReport) -> list[dict[str, Any]]:
+    keep = ("module", "node", "shape", "dtype", "bytes", "source", "kind", "attribute", "owner", "also_saved_by")
+    return sorted(
+        (tuple((k, json.dumps(r[k])) for k in keep) for r in report.records),
+    )
+
+
+def _above_weights(report: AuditReport) -> dict[str, Any]:
+    """Everything the audit measures above the model's weights (and the weights), as plain data."""
+    return {
+        "layers": [(row.name, row.saved_bytes, row.activation_bytes, row.weight_copy_bytes) for row in report.layers],
+        "totals": report.totals,
+        "phases": {k: (v.peak_bytes, v.peak_above_start) for k, v in report.phases.items()},
+        "retained": [(s.retained_bytes, s.retained_after_forward, s.peak_bytes) for s in report.steps],
+        "lora_training": report.budget.measured_lora_training_bytes,
+        "weights": report.budget.measured_weights_bytes,
+        "records": _records(report),
+    }
+
+
+VARIANTS = [
+    pytest.param({"model": "tiny-llama"}, id="llama"),
+    pytest.param({"model": "tiny-llama", "gradient_checkpointing": True}, id="llama-checkpointing"),
+    pytest.param({"model": "tiny-qwen2"}, id="qwen2"),
+    pytest.param({"model": "tiny-gemma2"}, id="gemma2-eager-sliding-window"),
+    pytest.param({"model": "tiny-phi3"}, id="phi3-fused", marks=pytest.mark.slow),
+    pytest.param({"model": "tiny-qwen3"}, id="qwen3", marks=pytest.mark.slow),
+    pytest.param({"model": "tiny-gemma3"}, id="gemma3", marks=pytest.mark.slow),
+    pytest.param({"model": "tiny-mistral"}, id="mistral", marks=pytest.mark.slow),
+    pytest.param({"model": "tiny-llama", "batch": 1, "seq_len": 96, "lora_dropout": 0.1}, id="llama-b1-dropout",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_meta_estimate_equals_the_cpu_audit_to_the_byte(variant: dict[str, Any]) -> None:
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=64, batch=2, **variant)
+    estimate = run_estimate(config, steps=STEPS)
+    audit = run_audit(config, steps=STEPS)
+    assert estimate.device == "meta" and audit.device == "cpu"
+    assert estimate.totals.saved_bytes > 0
+    got, want = _above_weights(estimate), _above_weights(audit)
+    for key in want:
+        assert got[key] == want[key], key
+    # the decisions were forced, not skipped: the mask branch ran once per forward
+    assert estimate.estimate is not None
+    assert estimate.estimate.forced_decisions["find_packed_sequence_indices"] == STEPS * (
+        2 if variant["model"] == "tiny-gemma2" else 1  # a full and a sliding-window mask
+    )
+
+
+def test_without_the_forced_mask_decision_meta_cannot_run() -> None:
+    """The obstacle the estimate works around: transformers' mask creation calls ``.item()``."""
+    from vramguard.estimate.meta import build_meta
+    from vramguard.training import make_optimizer, train_step
+    from vramguard.tracker import MemoryTracker
+
+    q = build_meta(QLoRAConfig(seq_len=32, batch=1))
+    with pytest.raises((RuntimeError, NotImplementedError), match="meta|item|data"), MemoryTracker(
+        "meta", model=q.model
+    ) as tracker:
+        train_step(q, make_optimizer(q), tracker, 0)
+
+
+def test_attention_saves_what_the_fused_cpu_kernel_saves() -> None:
+    """On meta, torch's sdpa always takes the math path and keeps the b x h x s x s attention
+    matrix; the estimate must take the fused kernel a device takes (output + logsumexp)."""
+    from vramguard.estimate.run import run_estimate
+
+    report = run_estimate(QLoRAConfig(seq_len=128, batch=2), steps=1)
+    per_layer = [r for r in report.records if ".layers.1.self_attn" in r["module"]]
+    b, h, s = 2, 4, 128
+    assert not any(r["shape"] == [b, h, s, s] for r in per_layer), "the attention matrix was saved"
+    assert any(r["shape"] == [b, h, s] and r["dtype"] == "torch.float32" for r in per_layer), "no logsumexp"
+
+
+def test_full_size_config_runs_on_meta_without_allocating(tmp_path: Path) -> None:
+    """A 4096-wide, 2-layer cut of Llama-3.1-8B at seq 4096: the host allocates nothing of its size."""
+    import resource
+
+    from vramguard.estimate.run import run_estimate
+
+    data = json.loads(Path(__file__).parents[1].joinpath("src/vramguard/presets/llama-3.1-8b.json").read_text())
+    data["num_hidden_layers"] = 2
+    cfg = tmp_path / "llama-8b-2layers.json"
+    cfg.write_text(json.dumps(data))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    report = run_estimate(QLoRAConfig(model=str(cfg), seq_len=4096, batch=4, lora_rank=16), steps=1)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    est = report.estimate
+    assert est is not None
+    # fp32 logits alone: 4 x 4096 x 128256 x 4 B = 7.8 GiB; on the host the run grew by far less
+    assert report.totals.outside_layers_bytes > 4 * 4096 * 128256 * 4
+    assert grown_kib < 1 << 20  # < 1 GiB
+    assert est.allocator_peak_bytes == est.weights_bytes + est.trainable_bytes + est.step_peak_bytes
+    assert est.total_bytes == est.allocator_peak_bytes + sum(o.bytes for o in est.overheads)
+
+
+def test_cli_json_is_the_audit_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "estimate.json"
+    code = main(["estimate", "--model", "tiny-llama", "--seq-len", "32", "--batch", "1", "--json", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "vramguard estimate tiny-llama" in text and "cuBLAS workspace" in text
+    doc = json.loads(out.read_text())
+    report = AuditReport.from_dict(doc)
+    assert report.device == "meta"
+    assert report.estimate is not None and report.estimate.overheads
+    assert [s["loss"] for s in doc["steps"]] == [None, None]  # no values on meta, and valid JSON
+    assert report.verdict.line.startswith("estimate: ")
+
+
+def test_audit_json_still_round_trips_without_an_estimate() -> None:
+    config = QLoRAConfig(seq_len=16, batch=1)
+    report = run_audit(config, steps=1)
+    assert report.estimate is None
+    assert AuditReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--model", "no-such-model"], "unknown model"),
+        (["--seq-len", "0"], "must be positive"),
+        (["--dtype", "int3"], "unknown dtype"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_unknown_model_type_and_rejected_config_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"model_type": "no-such-arch", "hidden_size": 64}))
+    rejected = tmp_path / "rejected.json"
+    data = json.loads(Path(__file__).parents[1].joinpath("src/vramguard/presets/tiny-qwen2.json").read_text())
+    data["num_attention_heads"] = 3  # hidden 128 is no multiple of 3 heads
+    rejected.write_text(json.dumps(data))
+    for path in (unknown, rejected):
+        assert main(["estimate", "--model", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("vramguard: error: ") and err.count("\n") == 1, err
+
+
+def test_absurd_seq_len_is_answered_with_the_number(capsys: pytest.CaptureFixture[str]) -> None:
+    """seq 10^9: one line, exit 2, with the estimate's figure; nothing of that size is allocated."""
+    assert main(["estimate", "--model", "tiny-llama", "--seq-len", str(10**9), "--batch", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "1,000,000,000" in err and "1,024 positions" in err and "would need" in err and "TiB" in err
+
+
+def test_console_script_error_has_no_traceback() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "vramguard", "estimate", "--model", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1

@@ -140,15 +140,27 @@ def _sdpa_as_on_cpu(
 
 
 def _quantize_on_meta(model: torch.nn.Module) -> int:
-    import bitsandbytes as bnb
+    """Quantize every ``Linear4bit`` weight on meta; returns how many.
 
+    bitsandbytes caches the 8-bit code of double quantization (``functional.name2qmap``) on the
+    device of its first use: created on meta, it would break every later real quantization in the
+    process ("Cannot copy out of meta tensor"). The cache is restored as it was.
+    """
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnb_functional
+
+    cached = dict(bnb_functional.name2qmap)
     count = 0
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit) and not getattr(module.weight, "bnb_quantized", False):
-            w = module.weight
-            # as transformers' Bnb4bitQuantize: Params4bit(value, requires_grad=False, **old.__dict__)
-            module.weight = bnb.nn.Params4bit(w.data, requires_grad=False, **w.__dict__)._quantize(META)
-            count += 1
+    try:
+        for module in model.modules():
+            if isinstance(module, bnb.nn.Linear4bit) and not getattr(module.weight, "bnb_quantized", False):
+                w = module.weight
+                # as transformers' Bnb4bitQuantize: Params4bit(value, requires_grad=False, **old.__dict__)
+                module.weight = bnb.nn.Params4bit(w.data, requires_grad=False, **w.__dict__)._quantize(META)
+                count += 1
+    finally:
+        bnb_functional.name2qmap.clear()
+        bnb_functional.name2qmap.update(cached)
     return count
 
 

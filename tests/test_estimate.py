@@ -8,6 +8,7 @@ retained after each step) and the weights themselves must be equal, not close.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -205,3 +206,27 @@ def test_a_meta_build_leaves_real_quantization_working() -> None:
     build_meta(QLoRAConfig(seq_len=16, batch=1))
     packed, state = F.quantize_4bit(torch.randn(64, 64), quant_type="nf4", compress_statistics=True)
     assert packed.device.type == "cpu" and state.state2 is not None
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
+def test_lora_and_full_on_meta_equal_the_same_run_on_cpu(method: str, checkpointing: bool) -> None:
+    """``--method lora`` (bf16 base) and ``full`` (fp32, every parameter trained): the meta run
+    equals the same build and step on real CPU tensors, to the byte."""
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=64, batch=2, gradient_checkpointing=checkpointing)
+    meta = run_estimate(config, steps=STEPS, method=method)
+    cpu = run_estimate(config, steps=STEPS, method=method, device="cpu")
+    assert (meta.device, cpu.device) == ("meta", "cpu")
+    got, want = _above_weights(meta), _above_weights(cpu)
+    for key in want:
+        assert got[key] == want[key], key
+    assert meta.estimate == dataclasses.replace(cpu.estimate, forced_decisions=meta.estimate.forced_decisions)
+    if method == "full":  # the textbook's 16 bytes per parameter, exactly, plus Adam's fp32 step counters
+        from vramguard.estimate.meta import build_meta
+
+        tensors = list(build_meta(config, method="full").model.parameters())
+        n = sum(t.numel() for t in tensors)
+        assert meta.budget.lora_params == n
+        assert meta.budget.measured_lora_training_bytes == 16 * n + 4 * len(tensors)

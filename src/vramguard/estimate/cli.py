@@ -47,6 +47,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
                    default=d.gradient_checkpointing)
     p.add_argument("--attn", default=d.attn_implementation, choices=("sdpa", "eager"))
+    p.add_argument("--method", default="qlora", choices=("qlora", "lora", "full"),
+                   help="qlora: 4-bit base + LoRA; lora: LoRA on a base in --dtype; full: all parameters, fp32 + "
+                   "AdamW (default: qlora)")
     p.add_argument("--steps", type=_positive_int, default=2,
                    help="meta steps (the second has the optimizer state of the first: the steady state)")
     p.add_argument("--top", type=_positive_int, default=3, help="modules listed per layer")
@@ -65,8 +68,9 @@ def render(report: AuditReport, console: Any) -> None:
     assert e is not None
     console.print(
         f"[bold]vramguard estimate[/] {c['model']} ({arch.get('model_type')}, {arch.get('model_class')}, "
-        f"{arch.get('attn_implementation')} attention) on meta: batch {c['batch']} x seq {c['seq_len']}, "
-        f"LoRA r={c['lora_rank']}, {c['quant_type']}{' +double-quant' if c['double_quant'] else ''}, "
+        f"{arch.get('attn_implementation')} attention) on {report.device}: batch {c['batch']} x seq {c['seq_len']}, "
+        + _method(c)
+        + ", "
         f"compute {c['compute_dtype']}, checkpointing {'on' if c['gradient_checkpointing'] else 'off'}, "
         f"{len(report.steps)} steps in {report.elapsed_s:.1f} s",
         highlight=False,
@@ -89,8 +93,8 @@ def render(report: AuditReport, console: Any) -> None:
               f"{fb(tot.outside_layers_bytes)} outside decoder layers (logits, final norm, loss)")
     s.add_row("frozen weights (4-bit + absmax, others)", fb(e.weights_bytes),
               f"N={b.quantized_params:,} quantized, {b.other_params:,} unquantized")
-    s.add_row("LoRA weights + grads + optimizer", fb(b.measured_lora_training_bytes),
-              f"M={b.lora_params:,}; textbook 16 B x M = {fb(16 * b.lora_params)}")
+    s.add_row("trainable weights + grads + AdamW", fb(b.measured_lora_training_bytes),
+              f"M={b.lora_params:,} trainable; textbook 16 B x M = {fb(16 * b.lora_params)}")
     console.print(s)
     p = Table(title="Peak per phase (tracker on meta; above the weights and LoRA parameters)",
               title_justify="left")
@@ -106,7 +110,7 @@ def render(report: AuditReport, console: Any) -> None:
     o.add_column("bytes", justify="right")
     o.add_column("basis")
     o.add_row("allocator peak (max_memory_allocated)", fb(e.allocator_peak_bytes),
-              f"weights {fb(e.weights_bytes)} + LoRA params {fb(e.trainable_bytes)} + {e.peak_phase} peak "
+              f"weights {fb(e.weights_bytes)} + trainable params {fb(e.trainable_bytes)} + {e.peak_phase} peak "
               f"{fb(e.step_peak_bytes)}")
     for x in e.overheads:
         o.add_row(f"  + {x.name}", fb(x.bytes), x.basis)
@@ -116,6 +120,16 @@ def render(report: AuditReport, console: Any) -> None:
         console.print(f"[yellow]note:[/] {n}", highlight=False)
     style = "bold green" if report.verdict.ok else "bold red"
     console.print(f"[{style}]{report.verdict.line}[/]", highlight=False, soft_wrap=True)
+
+
+def _method(c: dict[str, Any]) -> str:
+    method = c.get("extra", {}).get("method", "qlora")
+    if method == "full":
+        return "full fine-tuning (fp32 weights + AdamW)"
+    lora = f"LoRA r={c['lora_rank']}"
+    if method == "lora":
+        return f"{lora} on a {c['compute_dtype']} base"
+    return f"{lora}, {c['quant_type']}{' +double-quant' if c['double_quant'] else ''}"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -143,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
         attn_implementation=args.attn,
         device="cpu",  # validated as a real device; the run is on meta
     )
-    report = run_estimate(config, steps=args.steps, top=args.top)
+    report = run_estimate(config, steps=args.steps, top=args.top, method=args.method)
     console = stdout_console()
     if args.quiet:
         console.print(report.verdict.line, highlight=False, soft_wrap=True)

@@ -164,12 +164,25 @@ def _quantize_on_meta(model: torch.nn.Module) -> int:
     return count
 
 
-def build_meta(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAModel:
+METHODS: tuple[str, ...] = ("qlora", "lora", "full")
+"""qlora: 4-bit base + LoRA (as ``vramguard audit``); lora: LoRA on a base in the compute dtype;
+full: every parameter trained, in fp32 (fp32 weights, gradients and AdamW moments: 16 B/param)."""
+
+
+def build_meta(
+    config: QLoRAConfig, spec: ModelSpec | None = None, method: str = "qlora", device: str = META
+) -> QLoRAModel:
     """The model :func:`vramguard.models.build_qlora` builds for ``config``, on the meta device.
 
     ``config.device`` is ignored for the build (validated as given); the returned model's config
-    says ``meta``, so its batches are created there.
+    says ``device`` (``meta``), so its batches are created there. ``method`` picks what is trained
+    (:data:`METHODS`). ``device="cpu"`` builds the ``lora`` and ``full`` models with random weights on
+    the host, the reference the tests hold the meta run against (``qlora``'s is ``build_qlora``).
     """
+    if method not in METHODS:
+        raise UsageError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if device != META and method == "qlora":
+        raise ValueError("build the real-device QLoRA model with vramguard.models.build_qlora")
     config.validate()
     spec = spec or ModelSpec.load(config.model)
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -177,10 +190,7 @@ def build_meta(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAModel
     from transformers.quantizers import AutoHfQuantizer
     from transformers.utils import logging as hf_logging
 
-    try:
-        hf_config = spec.transformers_config()
-    except UsageError:
-        raise
+    hf_config = spec.transformers_config()
     model_class = causal_lm_class(hf_config)
     attn = config.attn_implementation
     notes: list[str] = []
@@ -192,60 +202,72 @@ def build_meta(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAModel
         )
     hf_config._attn_implementation = attn
     compute_dtype = parse_dtype(config.compute_dtype)
+    weights_dtype = torch.float32 if method == "full" else compute_dtype
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=config.quant_type,
-        bnb_4bit_compute_dtype=compute_dtype,
-        bnb_4bit_use_double_quant=config.double_quant,
-    )
+    checkpointing = {"use_reentrant": False} if config.gradient_checkpointing else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            with torch.device(META):
-                model = model_class._from_config(hf_config, dtype=compute_dtype, attn_implementation=attn)
+            with torch.device(device):
+                model = model_class._from_config(hf_config, dtype=weights_dtype, attn_implementation=attn)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise UsageError(f"transformers cannot build {spec.name}: {_first_line(exc)}") from None
-        quantizer = AutoHfQuantizer.from_config(quant, pre_quantized=False)
-        quantizer.preprocess_model(model, device_map={"": META}, dtype=compute_dtype)
-        _quantize_on_meta(model)
-        quantizer.postprocess_model(model)
-        model.hf_quantizer = quantizer
-        unquantized = [
-            n for n, p in model.named_parameters() if p.dim() >= 3 and getattr(p, "quant_state", None) is None
-        ]
-        if unquantized:
-            raise UsageError(
-                moe_refusal(spec.model_type, hf_config)
-                or f"{spec.model_type}: parameters bitsandbytes does not quantize ({unquantized[0]}, ...)"
+        if method == "qlora":
+            quant = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type=config.quant_type,
+                bnb_4bit_compute_dtype=compute_dtype,
+                bnb_4bit_use_double_quant=config.double_quant,
             )
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=config.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False} if config.gradient_checkpointing else None,
-        )
-        lora = LoraConfig(
-            r=config.lora_rank,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            target_modules=config.target_modules,
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, lora)
+            quantizer = AutoHfQuantizer.from_config(quant, pre_quantized=False)
+            quantizer.preprocess_model(model, device_map={"": META}, dtype=compute_dtype)
+            _quantize_on_meta(model)
+            quantizer.postprocess_model(model)
+            model.hf_quantizer = quantizer
+            unquantized = [
+                n
+                for n, p in model.named_parameters()
+                if p.dim() >= 3 and getattr(p, "quant_state", None) is None
+            ]
+            if unquantized:
+                raise UsageError(
+                    moe_refusal(spec.model_type, hf_config)
+                    or f"{spec.model_type}: parameters bitsandbytes does not quantize ({unquantized[0]}, ...)"
+                )
+            model = prepare_model_for_kbit_training(
+                model,
+                use_gradient_checkpointing=config.gradient_checkpointing,
+                gradient_checkpointing_kwargs=checkpointing,
+            )
+        elif config.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        if method == "full":
+            for p in model.parameters():
+                p.requires_grad_(True)
+        else:
+            lora = LoraConfig(
+                r=config.lora_rank,
+                lora_alpha=config.lora_alpha,
+                lora_dropout=config.lora_dropout,
+                target_modules=config.target_modules,
+                task_type="CAUSAL_LM",
+            )
+            model = get_peft_model(model, lora)
     model.train()
     model.config.use_cache = False
-    meta_config = _with_device(config, META)
     return MetaQLoRAModel(
-        model=model, spec=spec, config=meta_config, attn_implementation=attn, notes=tuple(notes)
+        model=model, spec=spec, config=_with_device(config, device), attn_implementation=attn, notes=tuple(notes)
     )
 
 
 class MetaQLoRAModel(QLoRAModel):
-    """A :class:`QLoRAModel` on meta: its batches are meta tensors of the real shape and dtype
-    (``randint`` on the host first would allocate batch x seq x 8 bytes for nothing)."""
+    """A :class:`QLoRAModel` built here: its batches are uninitialised tensors of the real shape and
+    dtype (on meta, ``randint`` on the host first would allocate batch x seq x 8 bytes for nothing)."""
 
     def batch(self, step: int = 0) -> dict[str, torch.Tensor]:
+        if self.config.device != META:
+            return super().batch(step)
         ids = torch.empty((self.config.batch, self.config.seq_len), dtype=torch.long, device=META)
         return {"input_ids": ids, "labels": ids}
 

@@ -75,11 +75,19 @@ class _TooLong(Exception):
         self.limit = limit
 
 
-def run_estimate(config: QLoRAConfig, steps: int = 2, top: int = 3) -> AuditReport:
+def run_estimate(
+    config: QLoRAConfig, steps: int = 2, top: int = 3, method: str = "qlora", device: str = META
+) -> AuditReport:
     """Build ``config``'s model on meta, run ``steps`` steps under the tracker (the ledger on the
-    first) and return the report. ``config.device`` is only validated; the run is on meta."""
+    first) and return the report. ``config.device`` is only validated; the run is on meta.
+
+    ``method``: :data:`vramguard.estimate.meta.METHODS`. ``device="cpu"`` runs the same code on real
+    tensors (random weights; not for ``qlora``, whose CPU reference is ``vramguard audit``): the
+    tests' reference for ``lora`` and ``full``.
+    """
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
+    config = dataclasses.replace(config, extra={**config.extra, "method": method})
     config.validate()
     spec = ModelSpec.load(config.model)
     too_long: _TooLong | None = None
@@ -88,9 +96,11 @@ def run_estimate(config: QLoRAConfig, steps: int = 2, top: int = 3) -> AuditRepo
     except _TooLong as exc:
         too_long = exc
     t0 = time.perf_counter()
-    q = build_meta(config, spec)
+    q = build_meta(config, spec, method=method, device=device)
     optimizer = make_optimizer(q)
     try:
+        if method != "qlora":
+            raise NoAnalyticModel(f"no analytic model for --method {method}")
         budget = qlora_budget(
             q.model,
             q.spec,
@@ -109,8 +119,8 @@ def run_estimate(config: QLoRAConfig, steps: int = 2, top: int = 3) -> AuditRepo
     # every device: meta storages and the host-side ones the libraries keep (Adam's step counters),
     # as the CPU audit counts them
     source = StorageTracker(None)
-    source.device = META
-    with forced_decisions() as taken, MemoryTracker(META, model=q.model, source=source) as tracker:
+    source.device = device
+    with forced_decisions() as taken, MemoryTracker(device, model=q.model, source=source) as tracker:
         results, ledger = run_steps(q, steps, tracker, optimizer=optimizer, ledger_step=0)
     assert ledger is not None
     if taken["find_packed_sequence_indices"] == 0 and taken["scaled_dot_product_attention"] == 0:
@@ -145,7 +155,11 @@ def run_estimate(config: QLoRAConfig, steps: int = 2, top: int = 3) -> AuditRepo
         f"(weights {fb(weights)}, trainable {fb(trainable)}, {phase} peak {fb(step_peak)}) "
         f"+ {fb(estimate.overhead_bytes)} outside it (assumed)"
     )
-    notes = [n for n in report.verdict.notes if not n.startswith("one step only")]
+    notes = [
+        n
+        for n in report.verdict.notes
+        if not n.startswith("one step only") and (method == "qlora" or "prepare_model_for_kbit" not in n)
+    ]
     notes.append("estimated on the meta device: shapes and dtypes are real, values are not; unvalidated on GPU")
     verdict = Verdict(
         ok=report.verdict.ok,
@@ -153,5 +167,5 @@ def run_estimate(config: QLoRAConfig, steps: int = 2, top: int = 3) -> AuditRepo
         problems=report.verdict.problems,
         notes=notes,
     )
-    return dataclasses.replace(report, verdict=verdict, estimate=estimate, device=META)
+    return dataclasses.replace(report, verdict=verdict, estimate=estimate, device=device)
 

@@ -230,3 +230,61 @@ def test_lora_and_full_on_meta_equal_the_same_run_on_cpu(method: str, checkpoint
         n = sum(t.numel() for t in tensors)
         assert meta.budget.lora_params == n
         assert meta.budget.measured_lora_training_bytes == 16 * n + 4 * len(tensors)
+
+
+class _Fake:
+    """An estimator of known totals (bytes as a function of batch), counting its calls."""
+
+    def __init__(self, total: Any) -> None:
+        self.total = total
+        self.calls: list[int] = []
+
+    def __call__(self, config: QLoRAConfig) -> AuditReport:
+        from types import SimpleNamespace
+
+        self.calls.append(config.batch)
+        return SimpleNamespace(estimate=SimpleNamespace(total_bytes=self.total(config.batch)))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    "total",
+    [
+        lambda b: 100 + 10 * b,  # linear: the extrapolation is right
+        lambda b: 100 + 10 * b + (5 if b == 1 else 0),  # the batch-1 special case of the loss
+        lambda b: 100 + b * b,  # quadratic (eager attention along seq)
+        lambda b: 100 + 10 * b + (b // 7) * 50,  # steps
+    ],
+    ids=["linear", "batch1-special", "quadratic", "steps"],
+)
+@pytest.mark.parametrize("size", [99, 115, 120, 1000, 5000, 10**9])
+def test_fit_search_finds_the_largest_that_fits(total: Any, size: int) -> None:
+    import math
+
+    from vramguard.estimate.fit import search
+
+    limit = 4096
+    fake = _Fake(total)
+    fit = search(QLoRAConfig(), size, fake, limit=limit)
+    want = max((b for b in range(1, limit + 1) if total(b) <= size), default=0)
+    assert fit.largest == want
+    assert fit.run_count == len(fake.calls) == len(set(fake.calls))
+    assert fit.run_count <= 2 + 2 + math.ceil(math.log2(limit))
+
+
+def test_fit_on_meta_is_right_at_the_border_and_names_cheaper_changes(capsys: pytest.CaptureFixture[str]) -> None:
+    from vramguard.estimate.run import run_estimate
+
+    base = ["estimate", "--model", "tiny-llama", "--seq-len", "64", "--steps", "2"]
+    at = {b: run_estimate(QLoRAConfig(seq_len=64, batch=b), steps=2).estimate.total_bytes for b in (3, 4)}
+    size = (at[3] + at[4]) // 2  # batch 3 fits, batch 4 does not
+    assert main([*base, "--batch", "8", "--fit", str(size), "--quiet"]) == 1  # the requested shape does not fit
+    out = capsys.readouterr().out
+    assert "the largest batch that fits" in out and " is 3 (" in out
+    assert "--gradient-checkpointing:" in out
+    assert main([*base, "--batch", "2", "--fit", str(size), "--quiet"]) == 0
+
+
+def test_fit_with_a_bad_size_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--fit", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert "not a size" in err and err.count("\n") == 1

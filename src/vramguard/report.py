@@ -113,6 +113,7 @@ class DeviceEstimate:
     total_bytes: int
     overheads: list[Overhead] = field(default_factory=list)
     forced_decisions: dict[str, int] = field(default_factory=dict)
+    fit: dict[str, Any] | None = None  # ``--fit``: the search's answer, runs and cheaper changes
 
 
 @dataclass

@@ -12,7 +12,7 @@ from vramguard.atomic import write_text_atomic
 from vramguard.errors import UsageError
 from vramguard.models import QLoRAConfig
 from vramguard.report import AuditReport
-from vramguard.units import format_bytes
+from vramguard.units import format_bytes, parse_size
 
 DESCRIPTION = (
     "Will it fit? The memory of one QLoRA training step (4-bit base, LoRA, AdamW) at full size, "
@@ -50,6 +50,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--method", default="qlora", choices=("qlora", "lora", "full"),
                    help="qlora: 4-bit base + LoRA; lora: LoRA on a base in --dtype; full: all parameters, fp32 + "
                    "AdamW (default: qlora)")
+    p.add_argument("--fit", metavar="SIZE", help="device memory, e.g. 24GiB: find the largest batch (or --fit-dim "
+                   "seq) that fits, and for a shape that does not fit, the changes that would make it")
+    p.add_argument("--fit-dim", default="batch", choices=("batch", "seq"))
     p.add_argument("--steps", type=_positive_int, default=2,
                    help="meta steps (the second has the optimizer state of the first: the steady state)")
     p.add_argument("--top", type=_positive_int, default=3, help="modules listed per layer")
@@ -157,15 +160,58 @@ def main(args: argparse.Namespace) -> int:
         attn_implementation=args.attn,
         device="cpu",  # validated as a real device; the run is on meta
     )
+    size = parse_size(args.fit) if args.fit is not None else None
+    if size is not None and size <= 0:
+        raise UsageError(f"--fit must be a positive size, got {args.fit!r}")
     report = run_estimate(config, steps=args.steps, top=args.top, method=args.method)
     console = stdout_console()
     if args.quiet:
         console.print(report.verdict.line, highlight=False, soft_wrap=True)
     else:
         render(report, console)
+    fits = True
+    if size is not None:
+        fit = _fit(config, size, args, report)
+        assert report.estimate is not None
+        report.estimate.fit = fit
+        fits = report.estimate.total_bytes <= size
+        _render_fit(fit, config, args.fit_dim, console)
     if args.json is not None:
         try:
             write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
         except OSError as exc:
             raise UsageError(f"cannot write --json {args.json}: {exc}") from None
-    return 0 if report.verdict.ok else 1
+    return 0 if report.verdict.ok and fits else 1
+
+
+def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: AuditReport) -> dict[str, Any]:
+    from vramguard.estimate.fit import FIT_LIMIT, cheaper_changes, search
+    from vramguard.estimate.run import run_estimate
+    from vramguard.models import ModelSpec
+
+    def estimate(c: QLoRAConfig) -> AuditReport:
+        return run_estimate(c, steps=args.steps, top=1, method=args.method)
+
+    limit = FIT_LIMIT
+    if args.fit_dim == "seq":
+        positions = ModelSpec.load(config.model).fields.get("max_position_embeddings")
+        limit = min(limit, positions) if isinstance(positions, int) and positions > 0 else limit
+    result = search(config, size, estimate, dim=args.fit_dim, limit=limit)
+    assert report.estimate is not None
+    if report.estimate.total_bytes > size:
+        result.changes = cheaper_changes(config, size, estimate)
+    return result.to_dict()
+
+
+def _render_fit(fit: dict[str, Any], config: QLoRAConfig, dim: str, console: Any) -> None:
+    fb = format_bytes
+    what = "batch" if dim == "batch" else "sequence length"
+    fixed = f"at seq {config.seq_len}" if dim == "batch" else f"at batch {config.batch}"
+    if fit["largest"]:
+        line = f"fit: the largest {what} that fits in {fb(fit['size_bytes'])} {fixed} is {fit['largest']}"
+    else:
+        line = f"fit: not even {what} 1 fits in {fb(fit['size_bytes'])} {fixed}"
+    console.print(f"{line} ({fit['run_count']} meta runs)", highlight=False, soft_wrap=True)
+    for row in fit["changes"]:
+        verdict = "fits" if row["fits"] else "does not fit"
+        console.print(f"  {row['change']}: {fb(row['total_bytes'])} ({verdict})", highlight=False, soft_wrap=True)

@@ -26,7 +26,18 @@ STEPS = 2
 
 
 def _records(report: AuditReport) -> list[dict[str, Any]]:
-    keep = ("module", "node", "shape", "dtype", "bytes", "source", "kind", "attribute", "owner", "also_saved_by")
+    keep = (
+        "module",
+        "node",
+        "shape",
+        "dtype",
+        "bytes",
+        "source",
+        "kind",
+        "attribute",
+        "owner",
+        "also_saved_by",
+    )
     return sorted(
         (tuple((k, json.dumps(r[k])) for k in keep) for r in report.records),
     )
@@ -35,7 +46,9 @@ def _records(report: AuditReport) -> list[dict[str, Any]]:
 def _above_weights(report: AuditReport) -> dict[str, Any]:
     """Everything the audit measures above the model's weights (and the weights), as plain data."""
     return {
-        "layers": [(row.name, row.saved_bytes, row.activation_bytes, row.weight_copy_bytes) for row in report.layers],
+        "layers": [
+            (row.name, row.saved_bytes, row.activation_bytes, row.weight_copy_bytes) for row in report.layers
+        ],
         "totals": report.totals,
         "phases": {k: (v.peak_bytes, v.peak_above_start) for k, v in report.phases.items()},
         "retained": [(s.retained_bytes, s.retained_after_forward, s.peak_bytes) for s in report.steps],
@@ -54,8 +67,11 @@ VARIANTS = [
     pytest.param({"model": "tiny-qwen3"}, id="qwen3", marks=pytest.mark.slow),
     pytest.param({"model": "tiny-gemma3"}, id="gemma3", marks=pytest.mark.slow),
     pytest.param({"model": "tiny-mistral"}, id="mistral", marks=pytest.mark.slow),
-    pytest.param({"model": "tiny-llama", "batch": 1, "seq_len": 96, "lora_dropout": 0.1}, id="llama-b1-dropout",
-                 marks=pytest.mark.slow),
+    pytest.param(
+        {"model": "tiny-llama", "batch": 1, "seq_len": 96, "lora_dropout": 0.1},
+        id="llama-b1-dropout",
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
@@ -81,13 +97,14 @@ def test_meta_estimate_equals_the_cpu_audit_to_the_byte(variant: dict[str, Any])
 def test_without_the_forced_mask_decision_meta_cannot_run() -> None:
     """The obstacle the estimate works around: transformers' mask creation calls ``.item()``."""
     from vramguard.estimate.meta import build_meta
-    from vramguard.training import make_optimizer, train_step
     from vramguard.tracker import MemoryTracker
+    from vramguard.training import make_optimizer, train_step
 
     q = build_meta(QLoRAConfig(seq_len=32, batch=1))
-    with pytest.raises((RuntimeError, NotImplementedError), match="meta|item|data"), MemoryTracker(
-        "meta", model=q.model
-    ) as tracker:
+    with (
+        pytest.raises((RuntimeError, NotImplementedError), match="meta|item|data"),
+        MemoryTracker("meta", model=q.model) as tracker,
+    ):
         train_step(q, make_optimizer(q), tracker, 0)
 
 
@@ -109,7 +126,9 @@ def test_full_size_config_runs_on_meta_without_allocating(tmp_path: Path) -> Non
 
     from vramguard.estimate.run import run_estimate
 
-    data = json.loads(Path(__file__).parents[1].joinpath("src/vramguard/presets/llama-3.1-8b.json").read_text())
+    data = json.loads(
+        Path(__file__).parents[1].joinpath("src/vramguard/presets/llama-3.1-8b.json").read_text()
+    )
     data["num_hidden_layers"] = 2
     cfg = tmp_path / "llama-8b-2layers.json"
     cfg.write_text(json.dumps(data))
@@ -154,7 +173,9 @@ def test_audit_json_still_round_trips_without_an_estimate() -> None:
         (["--dtype", "int3"], "unknown dtype"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_one_line_and_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["estimate", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
@@ -186,6 +207,7 @@ def test_absurd_seq_len_is_answered_with_the_number(capsys: pytest.CaptureFixtur
 def test_console_script_error_has_no_traceback() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "vramguard", "estimate", "--model", "nope"],
+        check=False,
         capture_output=True,
         text=True,
         timeout=120,
@@ -271,13 +293,17 @@ def test_fit_search_finds_the_largest_that_fits(total: Any, size: int) -> None:
     assert fit.run_count <= 2 + 2 + math.ceil(math.log2(limit))
 
 
-def test_fit_on_meta_is_right_at_the_border_and_names_cheaper_changes(capsys: pytest.CaptureFixture[str]) -> None:
+def test_fit_on_meta_is_right_at_the_border_and_names_cheaper_changes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from vramguard.estimate.run import run_estimate
 
     base = ["estimate", "--model", "tiny-llama", "--seq-len", "64", "--steps", "2"]
     at = {b: run_estimate(QLoRAConfig(seq_len=64, batch=b), steps=2).estimate.total_bytes for b in (3, 4)}
     size = (at[3] + at[4]) // 2  # batch 3 fits, batch 4 does not
-    assert main([*base, "--batch", "8", "--fit", str(size), "--quiet"]) == 1  # the requested shape does not fit
+    assert (
+        main([*base, "--batch", "8", "--fit", str(size), "--quiet"]) == 1
+    )  # the requested shape does not fit
     out = capsys.readouterr().out
     assert "the largest batch that fits" in out and " is 3 (" in out
     assert "--gradient-checkpointing:" in out

@@ -31,11 +31,15 @@ def _positive_int(text: str) -> int:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("estimate", help="estimate a QLoRA step's memory at full size (meta device)",
-                              description=DESCRIPTION)
+    p = subparsers.add_parser(
+        "estimate", help="estimate a QLoRA step's memory at full size (meta device)", description=DESCRIPTION
+    )
     d = QLoRAConfig()
-    p.add_argument("--model", default=d.model,
-                   help="preset name (e.g. llama-3.1-8b), a vramguard preset JSON, or a Hugging Face config.json")
+    p.add_argument(
+        "--model",
+        default=d.model,
+        help="preset name (e.g. llama-3.1-8b), a vramguard preset JSON, or a Hugging Face config.json",
+    )
     p.add_argument("--seq-len", type=_positive_int, default=d.seq_len)
     p.add_argument("--batch", type=_positive_int, default=d.batch)
     p.add_argument("--lora-rank", type=_positive_int, default=d.lora_rank)
@@ -44,17 +48,30 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dtype", default=d.compute_dtype, help="compute dtype: bf16, fp16 or fp32")
     p.add_argument("--quant-type", default=d.quant_type, choices=("nf4", "fp4"))
     p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=d.double_quant)
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
-                   default=d.gradient_checkpointing)
+    p.add_argument(
+        "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing
+    )
     p.add_argument("--attn", default=d.attn_implementation, choices=("sdpa", "eager"))
-    p.add_argument("--method", default="qlora", choices=("qlora", "lora", "full"),
-                   help="qlora: 4-bit base + LoRA; lora: LoRA on a base in --dtype; full: all parameters, fp32 + "
-                   "AdamW (default: qlora)")
-    p.add_argument("--fit", metavar="SIZE", help="device memory, e.g. 24GiB: find the largest batch (or --fit-dim "
-                   "seq) that fits, and for a shape that does not fit, the changes that would make it")
+    p.add_argument(
+        "--method",
+        default="qlora",
+        choices=("qlora", "lora", "full"),
+        help="qlora: 4-bit base + LoRA; lora: LoRA on a base in --dtype; full: all parameters, fp32 + "
+        "AdamW (default: qlora)",
+    )
+    p.add_argument(
+        "--fit",
+        metavar="SIZE",
+        help="device memory, e.g. 24GiB: find the largest batch (or --fit-dim "
+        "seq) that fits, and for a shape that does not fit, the changes that would make it",
+    )
     p.add_argument("--fit-dim", default="batch", choices=("batch", "seq"))
-    p.add_argument("--steps", type=_positive_int, default=2,
-                   help="meta steps (the second has the optimizer state of the first: the steady state)")
+    p.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=2,
+        help="meta steps (the second has the optimizer state of the first: the steady state)",
+    )
     p.add_argument("--top", type=_positive_int, default=3, help="modules listed per layer")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the report (the audit's schema) here")
     p.add_argument("--quiet", action="store_true", help="print only the estimate line")
@@ -92,29 +109,44 @@ def render(report: AuditReport, console: Any) -> None:
     s.add_column("what")
     s.add_column("bytes", justify="right")
     s.add_column("note")
-    s.add_row("saved activations (all)", fb(tot.saved_bytes),
-              f"{fb(tot.outside_layers_bytes)} outside decoder layers (logits, final norm, loss)")
-    s.add_row("frozen weights (4-bit + absmax, others)", fb(e.weights_bytes),
-              f"N={b.quantized_params:,} quantized, {b.other_params:,} unquantized")
-    s.add_row("trainable weights + grads + AdamW", fb(b.measured_lora_training_bytes),
-              f"M={b.lora_params:,} trainable; textbook 16 B x M = {fb(16 * b.lora_params)}")
+    s.add_row(
+        "saved activations (all)",
+        fb(tot.saved_bytes),
+        f"{fb(tot.outside_layers_bytes)} outside decoder layers (logits, final norm, loss)",
+    )
+    s.add_row(
+        "frozen weights (4-bit + absmax, others)",
+        fb(e.weights_bytes),
+        f"N={b.quantized_params:,} quantized, {b.other_params:,} unquantized",
+    )
+    s.add_row(
+        "trainable weights + grads + AdamW",
+        fb(b.measured_lora_training_bytes),
+        f"M={b.lora_params:,} trainable; textbook 16 B x M = {fb(16 * b.lora_params)}",
+    )
     console.print(s)
-    p = Table(title="Peak per phase (tracker on meta; above the weights and LoRA parameters)",
-              title_justify="left")
+    p = Table(
+        title="Peak per phase (tracker on meta; above the weights and LoRA parameters)", title_justify="left"
+    )
     p.add_column("phase")
     p.add_column("peak", justify="right")
     p.add_column("above phase start", justify="right")
     for name, v in report.phases.items():
         p.add_row(name, fb(v.peak_bytes), fb(v.peak_above_start))
     console.print(p)
-    o = Table(title="On the device: the allocator peak, then what it leaves out (assumed figures)",
-              title_justify="left")
+    o = Table(
+        title="On the device: the allocator peak, then what it leaves out (assumed figures)",
+        title_justify="left",
+    )
     o.add_column("what")
     o.add_column("bytes", justify="right")
     o.add_column("basis")
-    o.add_row("allocator peak (max_memory_allocated)", fb(e.allocator_peak_bytes),
-              f"weights {fb(e.weights_bytes)} + trainable params {fb(e.trainable_bytes)} + {e.peak_phase} peak "
-              f"{fb(e.step_peak_bytes)}")
+    o.add_row(
+        "allocator peak (max_memory_allocated)",
+        fb(e.allocator_peak_bytes),
+        f"weights {fb(e.weights_bytes)} + trainable params {fb(e.trainable_bytes)} + {e.peak_phase} peak "
+        f"{fb(e.step_peak_bytes)}",
+    )
     for x in e.overheads:
         o.add_row(f"  + {x.name}", fb(x.bytes), x.basis)
     o.add_row("total", fb(e.total_bytes), "")
@@ -144,8 +176,9 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError(f"--json {args.json} is a directory")
         parent = next((p for p in args.json.absolute().parents if p.exists()), None)
         if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise UsageError(f"cannot write --json {args.json}: {parent or args.json.parent} is not a writable "
-                             "directory")
+            raise UsageError(
+                f"cannot write --json {args.json}: {parent or args.json.parent} is not a writable directory"
+            )
     config = QLoRAConfig(
         model=args.model,
         seq_len=args.seq_len,
@@ -214,4 +247,6 @@ def _render_fit(fit: dict[str, Any], config: QLoRAConfig, dim: str, console: Any
     console.print(f"{line} ({fit['run_count']} meta runs)", highlight=False, soft_wrap=True)
     for row in fit["changes"]:
         verdict = "fits" if row["fits"] else "does not fit"
-        console.print(f"  {row['change']}: {fb(row['total_bytes'])} ({verdict})", highlight=False, soft_wrap=True)
+        console.print(
+            f"  {row['change']}: {fb(row['total_bytes'])} ({verdict})", highlight=False, soft_wrap=True
+        )

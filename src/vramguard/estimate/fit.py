@@ -52,7 +52,9 @@ def _total(report: AuditReport) -> int:
     return report.estimate.total_bytes
 
 
-def search(config: QLoRAConfig, size: int, estimate: Estimator, dim: str = "batch", limit: int = FIT_LIMIT) -> Fit:
+def search(
+    config: QLoRAConfig, size: int, estimate: Estimator, dim: str = "batch", limit: int = FIT_LIMIT
+) -> Fit:
     """The largest value of ``dim`` (batch or seq) in [1, ``limit``] whose estimated total fits ``size``."""
     if dim not in DIMS:
         raise ValueError(f"dim must be one of {DIMS}, got {dim!r}")
@@ -112,7 +114,9 @@ def cheaper_changes(config: QLoRAConfig, size: int, estimate: Estimator) -> list
         options.append(
             (
                 f"--gradient-checkpointing --lora-rank {max(1, config.lora_rank // 2)}",
-                dataclasses.replace(config, gradient_checkpointing=True, lora_rank=max(1, config.lora_rank // 2)),
+                dataclasses.replace(
+                    config, gradient_checkpointing=True, lora_rank=max(1, config.lora_rank // 2)
+                ),
             )
         )
     rows = []

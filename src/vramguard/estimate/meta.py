@@ -79,8 +79,9 @@ def forced_decisions() -> Iterator[dict[str, int]]:
     original_sdpa = functional.scaled_dot_product_attention
     taken["scaled_dot_product_attention"] = 0
 
-    def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
-                                      **kwargs: Any) -> torch.Tensor:
+    def scaled_dot_product_attention(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         if query.device.type != META:
             return original_sdpa(query, key, value, *args, **kwargs)
         taken["scaled_dot_product_attention"] += 1
@@ -128,7 +129,13 @@ def _sdpa_as_on_cpu(
 
     with _disable_current_modes():  # the stand-ins are no part of the run: trackers must not count them
         choice = torch._fused_sdp_choice(
-            stand_in(query), stand_in(key), stand_in(value), stand_in(mask), dropout, causal, scale=scale,
+            stand_in(query),
+            stand_in(key),
+            stand_in(value),
+            stand_in(mask),
+            dropout,
+            causal,
+            scale=scale,
             enable_gqa=gqa,
         )
     if choice != _FLASH:
@@ -257,7 +264,11 @@ def build_meta(
     model.train()
     model.config.use_cache = False
     return MetaQLoRAModel(
-        model=model, spec=spec, config=_with_device(config, device), attn_implementation=attn, notes=tuple(notes)
+        model=model,
+        spec=spec,
+        config=_with_device(config, device),
+        attn_implementation=attn,
+        notes=tuple(notes),
     )
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import torch
-
 from vramguard.audit import _assemble
 from vramguard.budget import qlora_budget, weights_budget
 from vramguard.errors import UsageError
@@ -125,7 +123,9 @@ def run_estimate(
     assert ledger is not None
     if taken["find_packed_sequence_indices"] == 0 and taken["scaled_dot_product_attention"] == 0:
         taken = {}  # neither branch exists in this transformers version / model: nothing was forced
-    report = _assemble(q, q.config, budget, tracker, results, ledger, optimizer, top, time.perf_counter() - t0)
+    report = _assemble(
+        q, q.config, budget, tracker, results, ledger, optimizer, top, time.perf_counter() - t0
+    )
     weights = report.totals.model_resident_bytes
     trainable = sum(p.numel() * p.element_size() for p in q.trainable_parameters())
     phase = max(PHASES, key=lambda name: report.phases[name].peak_bytes)
@@ -160,7 +160,9 @@ def run_estimate(
         for n in report.verdict.notes
         if not n.startswith("one step only") and (method == "qlora" or "prepare_model_for_kbit" not in n)
     ]
-    notes.append("estimated on the meta device: shapes and dtypes are real, values are not; unvalidated on GPU")
+    notes.append(
+        "estimated on the meta device: shapes and dtypes are real, values are not; unvalidated on GPU"
+    )
     verdict = Verdict(
         ok=report.verdict.ok,
         line=line if report.verdict.ok else report.verdict.line + "; " + line,
@@ -168,4 +170,3 @@ def run_estimate(
         notes=notes,
     )
     return dataclasses.replace(report, verdict=verdict, estimate=estimate, device=device)
-

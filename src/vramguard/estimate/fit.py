@@ -102,8 +102,8 @@ def search(
 
 
 def cheaper_changes(config: QLoRAConfig, size: int, estimate: Estimator) -> list[dict[str, Any]]:
-    """For a shape that does not fit: the estimate of each single change vramguard can run, cheapest
-    first (what fits, then the smallest total)."""
+    """For a shape that does not fit: the estimate of each change vramguard can run, cheapest first
+    (what fits, then the fewest flags changed, then the smallest total)."""
     options: list[tuple[str, QLoRAConfig]] = []
     if not config.gradient_checkpointing:
         options.append(("--gradient-checkpointing", dataclasses.replace(config, gradient_checkpointing=True)))
@@ -123,5 +123,6 @@ def cheaper_changes(config: QLoRAConfig, size: int, estimate: Estimator) -> list
     for flag, changed in options:
         total = _total(estimate(changed))
         rows.append({"change": flag, "total_bytes": total, "fits": total <= size})
-    rows.sort(key=lambda r: (not r["fits"], r["total_bytes"]))
+    # cheapest: what fits, then the fewest flags changed (a single change before a combination)
+    rows.sort(key=lambda r: (not r["fits"], r["change"].count("--"), r["total_bytes"]))
     return rows

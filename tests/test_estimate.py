@@ -314,3 +314,22 @@ def test_fit_with_a_bad_size_is_one_line(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["estimate", "--fit", "lots"]) == 2
     err = capsys.readouterr().err
     assert "not a size" in err and err.count("\n") == 1
+
+
+def test_adamw_8bit_on_meta_equals_the_same_run_on_cpu() -> None:
+    """bitsandbytes' AdamW8bit runs on meta; its state and the optimizer phase equal the CPU run's."""
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=64, batch=2)
+    meta = run_estimate(config, steps=STEPS, method="lora", optimizer="adamw-8bit")
+    cpu = run_estimate(config, steps=STEPS, method="lora", optimizer="adamw-8bit", device="cpu")
+    got, want = _above_weights(meta), _above_weights(cpu)
+    for key in want:
+        assert got[key] == want[key], key
+    assert meta.config["extra"] == {"method": "lora", "optimizer": "adamw-8bit"}
+
+
+def test_an_unknown_optimizer_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--optimizer", "paged-adamw-8bit"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice" in err and err.count("\n") == 1

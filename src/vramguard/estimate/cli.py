@@ -60,6 +60,12 @@ def register(subparsers: Any) -> None:
         "AdamW (default: qlora)",
     )
     p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=("adamw", "adamw-8bit"),
+        help="adamw: torch AdamW (fp32 moments); adamw-8bit: bitsandbytes AdamW8bit (default: adamw)",
+    )
+    p.add_argument(
         "--fit",
         metavar="SIZE",
         help="device memory, e.g. 24GiB: find the largest batch (or --fit-dim "
@@ -196,7 +202,9 @@ def main(args: argparse.Namespace) -> int:
     size = parse_size(args.fit) if args.fit is not None else None
     if size is not None and size <= 0:
         raise UsageError(f"--fit must be a positive size, got {args.fit!r}")
-    report = run_estimate(config, steps=args.steps, top=args.top, method=args.method)
+    report = run_estimate(
+        config, steps=args.steps, top=args.top, method=args.method, optimizer=args.optimizer
+    )
     console = stdout_console()
     if args.quiet:
         console.print(report.verdict.line, highlight=False, soft_wrap=True)
@@ -223,7 +231,7 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
     from vramguard.models import ModelSpec
 
     def estimate(c: QLoRAConfig) -> AuditReport:
-        return run_estimate(c, steps=args.steps, top=1, method=args.method)
+        return run_estimate(c, steps=args.steps, top=1, method=args.method, optimizer=args.optimizer)
 
     limit = FIT_LIMIT
     if args.fit_dim == "seq":

@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import torch
+
 from vramguard.audit import _assemble
 from vramguard.budget import qlora_budget, weights_budget
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import META, build_meta, forced_decisions
 from vramguard.families import NoAnalyticModel
-from vramguard.models import ModelSpec, QLoRAConfig, parse_dtype
+from vramguard.models import ModelSpec, QLoRAConfig, QLoRAModel, parse_dtype
 from vramguard.report import AuditReport, DeviceEstimate, Overhead, Verdict
 from vramguard.tracker import MemoryTracker, StorageTracker
 from vramguard.training import PHASES, make_optimizer, run_steps
@@ -73,8 +75,28 @@ class _TooLong(Exception):
         self.limit = limit
 
 
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit")
+"""adamw: ``torch.optim.AdamW`` (what the audit uses); adamw-8bit: ``bitsandbytes.optim.AdamW8bit``
+(two uint8 moments with blockwise absmax). Paged optimizers need CUDA unified memory: not offered."""
+
+
+def make_estimate_optimizer(q: QLoRAModel, name: str = "adamw") -> torch.optim.Optimizer:
+    if name == "adamw":
+        return make_optimizer(q)
+    if name == "adamw-8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(q.trainable_parameters(), lr=1e-4)
+    raise UsageError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+
+
 def run_estimate(
-    config: QLoRAConfig, steps: int = 2, top: int = 3, method: str = "qlora", device: str = META
+    config: QLoRAConfig,
+    steps: int = 2,
+    top: int = 3,
+    method: str = "qlora",
+    device: str = META,
+    optimizer: str = "adamw",
 ) -> AuditReport:
     """Build ``config``'s model on meta, run ``steps`` steps under the tracker (the ledger on the
     first) and return the report. ``config.device`` is only validated; the run is on meta.
@@ -85,7 +107,9 @@ def run_estimate(
     """
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
-    config = dataclasses.replace(config, extra={**config.extra, "method": method})
+    if optimizer not in OPTIMIZERS:
+        raise UsageError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    config = dataclasses.replace(config, extra={**config.extra, "method": method, "optimizer": optimizer})
     config.validate()
     spec = ModelSpec.load(config.model)
     too_long: _TooLong | None = None
@@ -95,7 +119,7 @@ def run_estimate(
         too_long = exc
     t0 = time.perf_counter()
     q = build_meta(config, spec, method=method, device=device)
-    optimizer = make_optimizer(q)
+    opt = make_estimate_optimizer(q, optimizer)
     try:
         if method != "qlora":
             raise NoAnalyticModel(f"no analytic model for --method {method}")
@@ -119,13 +143,11 @@ def run_estimate(
     source = StorageTracker(None)
     source.device = device
     with forced_decisions() as taken, MemoryTracker(device, model=q.model, source=source) as tracker:
-        results, ledger = run_steps(q, steps, tracker, optimizer=optimizer, ledger_step=0)
+        results, ledger = run_steps(q, steps, tracker, optimizer=opt, ledger_step=0)
     assert ledger is not None
     if taken["find_packed_sequence_indices"] == 0 and taken["scaled_dot_product_attention"] == 0:
         taken = {}  # neither branch exists in this transformers version / model: nothing was forced
-    report = _assemble(
-        q, q.config, budget, tracker, results, ledger, optimizer, top, time.perf_counter() - t0
-    )
+    report = _assemble(q, q.config, budget, tracker, results, ledger, opt, top, time.perf_counter() - t0)
     weights = report.totals.model_resident_bytes
     trainable = sum(p.numel() * p.element_size() for p in q.trainable_parameters())
     phase = max(PHASES, key=lambda name: report.phases[name].peak_bytes)

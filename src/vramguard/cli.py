@@ -23,8 +23,14 @@ from vramguard import __version__
 from vramguard.errors import UsageError
 
 # Modules that contribute a subcommand (``register(subparsers) -> None``).
-SUBCOMMAND_MODULES: tuple[str, ...] = ("vramguard.audit", "vramguard.bisect", "vramguard.compare")
-SUBCOMMAND_MODULES += ("vramguard.sweep", "vramguard.html_report")  # issue 14
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "vramguard.audit",
+    "vramguard.estimate",
+    "vramguard.compare",
+    "vramguard.sweep",
+    "vramguard.html_report",
+    "vramguard.bisect",
+)
 
 #: Exit code of an unexpected exception (a bug), distinct from a failed verdict (1) and bad input (2).
 EXIT_INTERNAL_ERROR = 3

@@ -72,7 +72,7 @@ class BudgetComparison:
 @dataclass
 class StepRow:
     step: int
-    loss: float
+    loss: float | None  # None for an estimate (meta device: no values)
     retained_bytes: int
     retained_after_forward: int
     peak_bytes: dict[str, int]
@@ -84,6 +84,36 @@ class Verdict:
     line: str
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Overhead:
+    """Device memory a report's peaks do not count, with the figure used and where it comes from."""
+
+    name: str
+    bytes: int
+    basis: str
+
+
+@dataclass
+class DeviceEstimate:
+    """``vramguard estimate``: the device's allocator peak for one step, from a meta-device run.
+
+    ``allocator_peak_bytes`` = frozen weights + trainable parameters + the highest phase peak (what
+    the step creates: activations, gradients, optimizer state, batch). ``total_bytes`` adds the
+    :class:`Overhead` figures, which are assumptions, not measurements.
+    """
+
+    weights_bytes: int
+    trainable_bytes: int
+    step_peak_bytes: int
+    peak_phase: str
+    allocator_peak_bytes: int
+    overhead_bytes: int
+    total_bytes: int
+    overheads: list[Overhead] = field(default_factory=list)
+    forced_decisions: dict[str, int] = field(default_factory=dict)
+    fit: dict[str, Any] | None = None  # ``--fit``: the search's answer, runs and cheaper changes
 
 
 @dataclass
@@ -106,6 +136,8 @@ class AuditReport:
     elapsed_s: float = 0.0
     # model_type, model_class, attn_implementation (what ran), analytic_model (family or None)
     architecture: dict[str, Any] = field(default_factory=dict)
+    # set by ``vramguard estimate`` (device "meta"), None for a measured audit
+    estimate: DeviceEstimate | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -127,6 +159,10 @@ class AuditReport:
         d["budget"] = BudgetComparison(**d["budget"])
         d["steps"] = [StepRow(**s) for s in d["steps"]]
         d["verdict"] = Verdict(**d["verdict"])
+        if d.get("estimate") is not None:
+            e = dict(d["estimate"])
+            e["overheads"] = [Overhead(**o) for o in e.get("overheads", [])]
+            d["estimate"] = DeviceEstimate(**e)
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:

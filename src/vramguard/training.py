@@ -23,7 +23,7 @@ class StepResult:
     """Live bytes of one step; ``retained_bytes`` is what stays after the step is done."""
 
     step: int
-    loss: float
+    loss: float | None  # None on the meta device (vramguard estimate): no values
     start_bytes: int
     after_forward_bytes: int
     retained_bytes: int
@@ -78,7 +78,7 @@ def train_step(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
-    value = float(loss.detach().float().item())
+    value = None if loss.is_meta else float(loss.detach().float().item())  # meta: shapes, no values
     del loss
     peaks = {name: stats.peak_bytes for name, stats in calls.items()}
     return StepResult(

@@ -1,0 +1,294 @@
+"""A QLoRA model on the meta device: the libraries' own modules, shapes and dtypes, no weights.
+
+:func:`build_meta` follows :func:`vramguard.models.build_qlora` step for step, with the one
+difference that no checkpoint is written and loaded:
+
+* the transformers model is instantiated on ``meta`` (``_from_config`` at the compute dtype, what
+  ``from_pretrained(dtype=...)`` gives every parameter);
+* transformers' own bitsandbytes quantizer (``AutoHfQuantizer`` from the same ``BitsAndBytesConfig``)
+  swaps the linear layers for ``bnb.nn.Linear4bit`` (``preprocess_model``, as ``from_pretrained``
+  does before loading), and each weight is quantized by ``Params4bit._quantize`` on meta, which
+  is what transformers' ``Bnb4bitQuantize`` reaches through ``Params4bit(...).to(device)`` on a
+  real device (``Params4bit.to`` skips meta, so it is called directly): packed nibbles, absmax and
+  the double-quantization state get their real shapes and dtypes;
+* ``postprocess_model`` marks the model 4-bit, then PEFT's ``prepare_model_for_kbit_training`` and
+  ``get_peft_model`` run unchanged.
+
+On meta every data-dependent branch (``.item()``, ``bool(tensor)``) raises. transformers 5.x takes
+one such branch per forward: ``masking_utils.find_packed_sequence_indices`` asks whether the
+position ids hold several packed sequences. :func:`forced_decisions` answers it as the real run
+does (synthetic batches have ``position_ids = arange(seq)``: one sequence per row, no packing, no
+padding mask), while still running the function's own ops, so the temporaries are the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from vramguard.errors import UsageError
+from vramguard.families import moe_refusal
+from vramguard.models import ModelSpec, QLoRAConfig, QLoRAModel, causal_lm_class, parse_dtype
+
+META = "meta"
+
+
+class _AnswerScalars(TorchDispatchMode):
+    """Answers ``_local_scalar_dense`` (``.item()``, ``bool()``) of a meta tensor with ``answer``."""
+
+    def __init__(self, answer: bool) -> None:
+        super().__init__()
+        self.answer = answer
+        self.answered = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == META:
+            self.answered += 1
+            return self.answer
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def forced_decisions() -> Iterator[dict[str, int]]:
+    """Within the block, ``find_packed_sequence_indices`` on meta position ids decides "one sequence
+    per row" (returns None), as it does for the synthetic batch on a real device.
+
+    Yields a counter of the decisions taken, so a caller can check the branch was reached.
+    """
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    taken = {"find_packed_sequence_indices": 0}
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+        if position_ids.device.type != META:
+            return original(position_ids)
+        # the real ops run (same temporaries); only the `(mask[:, -1] == 0).all()` test is answered:
+        # yes, every row is one sequence, so no packed-sequence mask
+        with _AnswerScalars(True):
+            result = original(position_ids)
+        taken["find_packed_sequence_indices"] += 1
+        return result
+
+    functional = torch.nn.functional
+    original_sdpa = functional.scaled_dot_product_attention
+    taken["scaled_dot_product_attention"] = 0
+
+    def scaled_dot_product_attention(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        if query.device.type != META:
+            return original_sdpa(query, key, value, *args, **kwargs)
+        taken["scaled_dot_product_attention"] += 1
+        return _sdpa_as_on_cpu(original_sdpa, query, key, value, *args, **kwargs)
+
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    functional.scaled_dot_product_attention = scaled_dot_product_attention
+    try:
+        yield taken
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+        functional.scaled_dot_product_attention = original_sdpa
+
+
+_SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_FLASH = 1  # torch's SDPBackend.flash_attention
+
+
+def _sdpa_as_on_cpu(
+    original: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` on meta tensors, through the kernel the CPU would pick.
+
+    On meta, torch always takes the math path (it materialises the attention matrix and saves it
+    for backward); a CPU or GPU run takes a fused kernel that saves the output and the logsumexp
+    only. torch's own backend choice (``torch._fused_sdp_choice``) is asked about stand-ins of the
+    same shapes, dtypes and last-dimension strides on the CPU (one row each, so nothing is allocated
+    in proportion to the model); when it picks flash attention, the meta run calls the op the CPU
+    composite calls, ``_scaled_dot_product_flash_attention_for_cpu``, whose meta kernel and
+    backward are torch's own (the CPU kernel takes fewer key/value heads as they are: ``enable_gqa``).
+    """
+    params = dict(zip(_SDPA_PARAMS, args, strict=False))
+    params.update(kwargs)
+    mask = params.get("attn_mask")
+    dropout = float(params.get("dropout_p", 0.0) or 0.0)
+    causal = bool(params.get("is_causal", False))
+    scale = params.get("scale")
+    gqa = bool(params.get("enable_gqa", False))
+
+    def stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        row = torch.zeros(t.shape[-1], dtype=t.dtype)
+        return row.expand(t.shape) if t.stride(-1) == 1 else torch.zeros(1, dtype=t.dtype).expand(t.shape)
+
+    with _disable_current_modes():  # the stand-ins are no part of the run: trackers must not count them
+        choice = torch._fused_sdp_choice(
+            stand_in(query),
+            stand_in(key),
+            stand_in(value),
+            stand_in(mask),
+            dropout,
+            causal,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+    if choice != _FLASH:
+        return original(query, key, value, *args, **kwargs)
+    out, _logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout, causal, attn_mask=mask, scale=scale
+    )
+    return out
+
+
+def _quantize_on_meta(model: torch.nn.Module) -> int:
+    """Quantize every ``Linear4bit`` weight on meta; returns how many.
+
+    bitsandbytes caches the 8-bit code of double quantization (``functional.name2qmap``) on the
+    device of its first use: created on meta, it would break every later real quantization in the
+    process ("Cannot copy out of meta tensor"). The cache is restored as it was.
+    """
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnb_functional
+
+    cached = dict(bnb_functional.name2qmap)
+    count = 0
+    try:
+        for module in model.modules():
+            if isinstance(module, bnb.nn.Linear4bit) and not getattr(module.weight, "bnb_quantized", False):
+                w = module.weight
+                # as transformers' Bnb4bitQuantize: Params4bit(value, requires_grad=False, **old.__dict__)
+                module.weight = bnb.nn.Params4bit(w.data, requires_grad=False, **w.__dict__)._quantize(META)
+                count += 1
+    finally:
+        bnb_functional.name2qmap.clear()
+        bnb_functional.name2qmap.update(cached)
+    return count
+
+
+METHODS: tuple[str, ...] = ("qlora", "lora", "full")
+"""qlora: 4-bit base + LoRA (as ``vramguard audit``); lora: LoRA on a base in the compute dtype;
+full: every parameter trained, in fp32 (fp32 weights, gradients and AdamW moments: 16 B/param)."""
+
+
+def build_meta(
+    config: QLoRAConfig, spec: ModelSpec | None = None, method: str = "qlora", device: str = META
+) -> QLoRAModel:
+    """The model :func:`vramguard.models.build_qlora` builds for ``config``, on the meta device.
+
+    ``config.device`` is ignored for the build (validated as given); the returned model's config
+    says ``device`` (``meta``), so its batches are created there. ``method`` picks what is trained
+    (:data:`METHODS`). ``device="cpu"`` builds the ``lora`` and ``full`` models with random weights on
+    the host, the reference the tests hold the meta run against (``qlora``'s is ``build_qlora``).
+    """
+    if method not in METHODS:
+        raise UsageError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if device != META and method == "qlora":
+        raise ValueError("build the real-device QLoRA model with vramguard.models.build_qlora")
+    config.validate()
+    spec = spec or ModelSpec.load(config.model)
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+    from transformers.quantizers import AutoHfQuantizer
+    from transformers.utils import logging as hf_logging
+
+    hf_config = spec.transformers_config()
+    model_class = causal_lm_class(hf_config)
+    attn = config.attn_implementation
+    notes: list[str] = []
+    if attn == "sdpa" and not getattr(model_class, "_supports_sdpa", False):
+        attn = "eager"
+        notes.append(
+            f"{model_class.__name__} has no sdpa attention in transformers: it ran eager attention "
+            "(what from_pretrained picks by default)"
+        )
+    hf_config._attn_implementation = attn
+    compute_dtype = parse_dtype(config.compute_dtype)
+    weights_dtype = torch.float32 if method == "full" else compute_dtype
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    checkpointing = {"use_reentrant": False} if config.gradient_checkpointing else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with torch.device(device):
+                model = model_class._from_config(hf_config, dtype=weights_dtype, attn_implementation=attn)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise UsageError(f"transformers cannot build {spec.name}: {_first_line(exc)}") from None
+        if method == "qlora":
+            quant = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type=config.quant_type,
+                bnb_4bit_compute_dtype=compute_dtype,
+                bnb_4bit_use_double_quant=config.double_quant,
+            )
+            quantizer = AutoHfQuantizer.from_config(quant, pre_quantized=False)
+            quantizer.preprocess_model(model, device_map={"": META}, dtype=compute_dtype)
+            _quantize_on_meta(model)
+            quantizer.postprocess_model(model)
+            model.hf_quantizer = quantizer
+            unquantized = [
+                n
+                for n, p in model.named_parameters()
+                if p.dim() >= 3 and getattr(p, "quant_state", None) is None
+            ]
+            if unquantized:
+                raise UsageError(
+                    moe_refusal(spec.model_type, hf_config)
+                    or f"{spec.model_type}: parameters bitsandbytes does not quantize ({unquantized[0]}, ...)"
+                )
+            model = prepare_model_for_kbit_training(
+                model,
+                use_gradient_checkpointing=config.gradient_checkpointing,
+                gradient_checkpointing_kwargs=checkpointing,
+            )
+        elif config.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        if method == "full":
+            for p in model.parameters():
+                p.requires_grad_(True)
+        else:
+            lora = LoraConfig(
+                r=config.lora_rank,
+                lora_alpha=config.lora_alpha,
+                lora_dropout=config.lora_dropout,
+                target_modules=config.target_modules,
+                task_type="CAUSAL_LM",
+            )
+            model = get_peft_model(model, lora)
+    model.train()
+    model.config.use_cache = False
+    return MetaQLoRAModel(
+        model=model,
+        spec=spec,
+        config=_with_device(config, device),
+        attn_implementation=attn,
+        notes=tuple(notes),
+    )
+
+
+class MetaQLoRAModel(QLoRAModel):
+    """A :class:`QLoRAModel` built here: its batches are uninitialised tensors of the real shape and
+    dtype (on meta, ``randint`` on the host first would allocate batch x seq x 8 bytes for nothing)."""
+
+    def batch(self, step: int = 0) -> dict[str, torch.Tensor]:
+        if self.config.device != META:
+            return super().batch(step)
+        ids = torch.empty((self.config.batch, self.config.seq_len), dtype=torch.long, device=META)
+        return {"input_ids": ids, "labels": ids}
+
+
+def _with_device(config: QLoRAConfig, device: str) -> QLoRAConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, device=device)  # not validated: validate() allows cpu/cuda only
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

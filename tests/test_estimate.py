@@ -1,0 +1,335 @@
+"""``vramguard estimate``: a meta-device run equals the CPU audit's measurement to the byte.
+
+The CPU audit (:func:`vramguard.audit.run_audit`) builds the model through ``from_pretrained`` and
+trains it on real tensors; the estimate builds it on meta and trains on shapes. Everything both
+count above the model's weights (saved bytes per record and per layer, peaks per phase, bytes
+retained after each step) and the weights themselves must be equal, not close.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vramguard.audit import run_audit
+from vramguard.cli import main
+from vramguard.models import QLoRAConfig
+from vramguard.report import AuditReport
+
+STEPS = 2
+
+
+def _records(report: AuditReport) -> list[dict[str, Any]]:
+    keep = (
+        "module",
+        "node",
+        "shape",
+        "dtype",
+        "bytes",
+        "source",
+        "kind",
+        "attribute",
+        "owner",
+        "also_saved_by",
+    )
+    return sorted(
+        (tuple((k, json.dumps(r[k])) for k in keep) for r in report.records),
+    )
+
+
+def _above_weights(report: AuditReport) -> dict[str, Any]:
+    """Everything the audit measures above the model's weights (and the weights), as plain data."""
+    return {
+        "layers": [
+            (row.name, row.saved_bytes, row.activation_bytes, row.weight_copy_bytes) for row in report.layers
+        ],
+        "totals": report.totals,
+        "phases": {k: (v.peak_bytes, v.peak_above_start) for k, v in report.phases.items()},
+        "retained": [(s.retained_bytes, s.retained_after_forward, s.peak_bytes) for s in report.steps],
+        "lora_training": report.budget.measured_lora_training_bytes,
+        "weights": report.budget.measured_weights_bytes,
+        "records": _records(report),
+    }
+
+
+VARIANTS = [
+    pytest.param({"model": "tiny-llama"}, id="llama"),
+    pytest.param({"model": "tiny-llama", "gradient_checkpointing": True}, id="llama-checkpointing"),
+    pytest.param({"model": "tiny-qwen2"}, id="qwen2"),
+    pytest.param({"model": "tiny-gemma2"}, id="gemma2-eager-sliding-window"),
+    pytest.param({"model": "tiny-phi3"}, id="phi3-fused", marks=pytest.mark.slow),
+    pytest.param({"model": "tiny-qwen3"}, id="qwen3", marks=pytest.mark.slow),
+    pytest.param({"model": "tiny-gemma3"}, id="gemma3", marks=pytest.mark.slow),
+    pytest.param({"model": "tiny-mistral"}, id="mistral", marks=pytest.mark.slow),
+    pytest.param(
+        {"model": "tiny-llama", "batch": 1, "seq_len": 96, "lora_dropout": 0.1},
+        id="llama-b1-dropout",
+        marks=pytest.mark.slow,
+    ),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_meta_estimate_equals_the_cpu_audit_to_the_byte(variant: dict[str, Any]) -> None:
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(**{"seq_len": 64, "batch": 2, **variant})
+    estimate = run_estimate(config, steps=STEPS)
+    audit = run_audit(config, steps=STEPS)
+    assert estimate.device == "meta" and audit.device == "cpu"
+    assert estimate.totals.saved_bytes > 0
+    got, want = _above_weights(estimate), _above_weights(audit)
+    for key in want:
+        assert got[key] == want[key], key
+    # the decisions were forced, not skipped: the mask branch ran once per forward
+    assert estimate.estimate is not None
+    assert estimate.estimate.forced_decisions["find_packed_sequence_indices"] == STEPS * (
+        2 if variant["model"] in ("tiny-gemma2", "tiny-gemma3") else 1  # a full and a sliding-window mask
+    )
+
+
+def test_without_the_forced_mask_decision_meta_cannot_run() -> None:
+    """The obstacle the estimate works around: transformers' mask creation calls ``.item()``."""
+    from vramguard.estimate.meta import build_meta
+    from vramguard.tracker import MemoryTracker
+    from vramguard.training import make_optimizer, train_step
+
+    q = build_meta(QLoRAConfig(seq_len=32, batch=1))
+    with (
+        pytest.raises((RuntimeError, NotImplementedError), match="meta|item|data"),
+        MemoryTracker("meta", model=q.model) as tracker,
+    ):
+        train_step(q, make_optimizer(q), tracker, 0)
+
+
+def test_attention_saves_what_the_fused_cpu_kernel_saves() -> None:
+    """On meta, torch's sdpa always takes the math path and keeps the b x h x s x s attention
+    matrix; the estimate must take the fused kernel a device takes (output + logsumexp)."""
+    from vramguard.estimate.run import run_estimate
+
+    report = run_estimate(QLoRAConfig(seq_len=128, batch=2), steps=1)
+    per_layer = [r for r in report.records if ".layers.1.self_attn" in r["module"]]
+    b, h, s = 2, 4, 128
+    assert not any(r["shape"] == [b, h, s, s] for r in per_layer), "the attention matrix was saved"
+    assert any(r["shape"] == [b, h, s] and r["dtype"] == "float32" for r in per_layer), "no logsumexp"
+
+
+def test_full_size_config_runs_on_meta_without_allocating(tmp_path: Path) -> None:
+    """A 4096-wide, 2-layer cut of Llama-3.1-8B at seq 4096: the host allocates nothing of its size."""
+    import resource
+
+    from vramguard.estimate.run import run_estimate
+
+    data = json.loads(
+        Path(__file__).parents[1].joinpath("src/vramguard/presets/llama-3.1-8b.json").read_text()
+    )
+    data["num_hidden_layers"] = 2
+    cfg = tmp_path / "llama-8b-2layers.json"
+    cfg.write_text(json.dumps(data))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    report = run_estimate(QLoRAConfig(model=str(cfg), seq_len=4096, batch=4, lora_rank=16), steps=1)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    est = report.estimate
+    assert est is not None
+    # fp32 logits alone: 4 x 4096 x 128256 x 4 B = 7.8 GiB; on the host the run grew by far less
+    assert report.totals.outside_layers_bytes > 4 * 4096 * 128256 * 4
+    assert grown_kib < 1 << 20  # < 1 GiB
+    assert est.allocator_peak_bytes == est.weights_bytes + est.trainable_bytes + est.step_peak_bytes
+    assert est.total_bytes == est.allocator_peak_bytes + sum(o.bytes for o in est.overheads)
+
+
+def test_cli_json_is_the_audit_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "estimate.json"
+    code = main(["estimate", "--model", "tiny-llama", "--seq-len", "32", "--batch", "1", "--json", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "vramguard estimate tiny-llama" in text and "cuBLAS workspace" in text
+    doc = json.loads(out.read_text())
+    report = AuditReport.from_dict(doc)
+    assert report.device == "meta"
+    assert report.estimate is not None and report.estimate.overheads
+    assert [s["loss"] for s in doc["steps"]] == [None, None]  # no values on meta, and valid JSON
+    assert report.verdict.line.startswith("estimate: ")
+
+
+def test_audit_json_still_round_trips_without_an_estimate() -> None:
+    config = QLoRAConfig(seq_len=16, batch=1)
+    report = run_audit(config, steps=1)
+    assert report.estimate is None
+    assert AuditReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--model", "no-such-model"], "unknown model"),
+        (["--seq-len", "0"], "must be positive"),
+        (["--dtype", "int3"], "unknown dtype"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["estimate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_unknown_model_type_and_rejected_config_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"model_type": "no-such-arch", "hidden_size": 64}))
+    rejected = tmp_path / "rejected.json"
+    data = json.loads(Path(__file__).parents[1].joinpath("src/vramguard/presets/tiny-qwen2.json").read_text())
+    data["num_attention_heads"] = 3  # hidden 128 is no multiple of 3 heads
+    rejected.write_text(json.dumps(data))
+    for path in (unknown, rejected):
+        assert main(["estimate", "--model", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("vramguard: error: ") and err.count("\n") == 1, err
+
+
+def test_absurd_seq_len_is_answered_with_the_number(capsys: pytest.CaptureFixture[str]) -> None:
+    """seq 10^9: one line, exit 2, with the estimate's figure; nothing of that size is allocated."""
+    assert main(["estimate", "--model", "tiny-llama", "--seq-len", str(10**9), "--batch", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "1,000,000,000" in err and "1,024 positions" in err and "would need" in err and "TiB" in err
+
+
+def test_console_script_error_has_no_traceback() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "vramguard", "estimate", "--model", "nope"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_a_meta_build_leaves_real_quantization_working() -> None:
+    """bitsandbytes caches its double-quantization code on the device of first use; a meta build
+    must not leave it on meta (every later real 4-bit load in the process would fail)."""
+    import bitsandbytes.functional as F
+    import torch
+
+    from vramguard.estimate.meta import build_meta
+
+    F.name2qmap.pop("dynamic", None)  # as in a fresh process: the meta build is the first use
+    build_meta(QLoRAConfig(seq_len=16, batch=1))
+    packed, state = F.quantize_4bit(torch.randn(64, 64), quant_type="nf4", compress_statistics=True)
+    assert packed.device.type == "cpu" and state.state2 is not None
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
+def test_lora_and_full_on_meta_equal_the_same_run_on_cpu(method: str, checkpointing: bool) -> None:
+    """``--method lora`` (bf16 base) and ``full`` (fp32, every parameter trained): the meta run
+    equals the same build and step on real CPU tensors, to the byte."""
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=64, batch=2, gradient_checkpointing=checkpointing)
+    meta = run_estimate(config, steps=STEPS, method=method)
+    cpu = run_estimate(config, steps=STEPS, method=method, device="cpu")
+    assert (meta.device, cpu.device) == ("meta", "cpu")
+    got, want = _above_weights(meta), _above_weights(cpu)
+    for key in want:
+        assert got[key] == want[key], key
+    assert meta.estimate == dataclasses.replace(cpu.estimate, forced_decisions=meta.estimate.forced_decisions)
+    if method == "full":  # the textbook's 16 bytes per parameter, exactly, plus Adam's fp32 step counters
+        from vramguard.estimate.meta import build_meta
+
+        tensors = list(build_meta(config, method="full").model.parameters())
+        n = sum(t.numel() for t in tensors)
+        assert meta.budget.lora_params == n
+        assert meta.budget.measured_lora_training_bytes == 16 * n + 4 * len(tensors)
+
+
+class _Fake:
+    """An estimator of known totals (bytes as a function of batch), counting its calls."""
+
+    def __init__(self, total: Any) -> None:
+        self.total = total
+        self.calls: list[int] = []
+
+    def __call__(self, config: QLoRAConfig) -> AuditReport:
+        from types import SimpleNamespace
+
+        self.calls.append(config.batch)
+        return SimpleNamespace(estimate=SimpleNamespace(total_bytes=self.total(config.batch)))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    "total",
+    [
+        lambda b: 100 + 10 * b,  # linear: the extrapolation is right
+        lambda b: 100 + 10 * b + (5 if b == 1 else 0),  # the batch-1 special case of the loss
+        lambda b: 100 + b * b,  # quadratic (eager attention along seq)
+        lambda b: 100 + 10 * b + (b // 7) * 50,  # steps
+    ],
+    ids=["linear", "batch1-special", "quadratic", "steps"],
+)
+@pytest.mark.parametrize("size", [99, 115, 120, 1000, 5000, 10**9])
+def test_fit_search_finds_the_largest_that_fits(total: Any, size: int) -> None:
+    import math
+
+    from vramguard.estimate.fit import search
+
+    limit = 4096
+    fake = _Fake(total)
+    fit = search(QLoRAConfig(), size, fake, limit=limit)
+    want = max((b for b in range(1, limit + 1) if total(b) <= size), default=0)
+    assert fit.largest == want
+    assert fit.run_count == len(fake.calls) == len(set(fake.calls))
+    assert fit.run_count <= 2 + 2 + math.ceil(math.log2(limit))
+
+
+def test_fit_on_meta_is_right_at_the_border_and_names_cheaper_changes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from vramguard.estimate.run import run_estimate
+
+    base = ["estimate", "--model", "tiny-llama", "--seq-len", "64", "--steps", "2"]
+    at = {b: run_estimate(QLoRAConfig(seq_len=64, batch=b), steps=2).estimate.total_bytes for b in (3, 4)}
+    size = (at[3] + at[4]) // 2  # batch 3 fits, batch 4 does not
+    assert (
+        main([*base, "--batch", "8", "--fit", str(size), "--quiet"]) == 1
+    )  # the requested shape does not fit
+    out = capsys.readouterr().out
+    assert "the largest batch that fits" in out and " is 3 (" in out
+    assert "--gradient-checkpointing:" in out
+    assert main([*base, "--batch", "2", "--fit", str(size), "--quiet"]) == 0
+
+
+def test_fit_with_a_bad_size_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--fit", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert "not a size" in err and err.count("\n") == 1
+
+
+def test_adamw_8bit_on_meta_equals_the_same_run_on_cpu() -> None:
+    """bitsandbytes' AdamW8bit runs on meta; its state and the optimizer phase equal the CPU run's."""
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=64, batch=2)
+    meta = run_estimate(config, steps=STEPS, method="lora", optimizer="adamw-8bit")
+    cpu = run_estimate(config, steps=STEPS, method="lora", optimizer="adamw-8bit", device="cpu")
+    got, want = _above_weights(meta), _above_weights(cpu)
+    for key in want:
+        assert got[key] == want[key], key
+    assert meta.config["extra"] == {"method": "lora", "optimizer": "adamw-8bit"}
+
+
+def test_an_unknown_optimizer_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--optimizer", "paged-adamw-8bit"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice" in err and err.count("\n") == 1

@@ -85,6 +85,9 @@ def test_trainer_callback_equals_audit(tmp_path):
     ] + [-next_batch]
     assert [round(s.loss, 4) for s in report.steps] == [round(s.loss, 4) for s in audit.steps]
     assert report.budget.measured_lora_training_bytes == audit.budget.measured_lora_training_bytes
+    where, stats = cb.backward_peak()  # the fp32 log-softmax's backward (its 4*b*s*V gradient)
+    assert where == "base_model.model LogSoftmaxBackward0", where
+    assert stats.peak_above_start == 4 * CONFIG.batch * CONFIG.seq_len * 512
 
 
 def _tokenizer():
@@ -137,6 +140,11 @@ def test_sft_trainer_callback(tmp_path, capsys):
     assert [row["name"].rsplit(".", 2)[-2:] for row in doc["layers"]] == [["layers", "0"], ["layers", "1"]]
     assert all(row["saved_bytes"] > 0 for row in doc["layers"])
     assert doc["budget"]["no_analytic_model"]  # the analytic model is not claimed for TRL's path
+    # backward has a place: the ledger step's backward peak is reached inside TRL's chunked loss
+    where, stats = cb.backward_peak()
+    assert where.endswith("ChunkedLogProbFunctionBackward"), where
+    assert stats.peak_bytes == doc["steps"][0]["peak_bytes"]["backward"]
+    assert any("ChunkedLogProbFunctionBackward" in n for n in doc["verdict"]["notes"])
     out = capsys.readouterr().out
     assert "Peak live memory per phase" in out and "per decoder layer" in out
     # the metrics reached the trainer's logs (what TensorBoard / W&B callbacks receive)

@@ -41,7 +41,7 @@ from vramguard.atomic import write_text_atomic
 from vramguard.budget import weights_budget
 from vramguard.decoder import decoder_layer
 from vramguard.errors import UsageError
-from vramguard.ledger import LedgerReport, SavedTensorLedger
+from vramguard.ledger import LedgerReport, SavedTensorLedger, _iter_graph
 from vramguard.report import (
     SCHEMA_VERSION,
     AuditReport,
@@ -107,6 +107,7 @@ class VramGuardCallback(TrainerCallback):
         self.ledger: LedgerReport | None = None
         self.report: AuditReport | None = None
         self.stopped: str | None = None
+        self.backward_nodes: dict[str, FrameStats] = {}
         self._reset()
 
     def _reset(self) -> None:
@@ -119,7 +120,7 @@ class VramGuardCallback(TrainerCallback):
         self._current: _Step | None = None
         self._calls: dict[str, FrameStats] = {}
         self._ledger: SavedTensorLedger | None = None
-        self._in_backward = False
+        self._node_frames: list[Any] = []
         self._t0 = 0.0
         self._trainer_name = "Trainer"
         self._config: dict[str, Any] = {}
@@ -141,6 +142,7 @@ class VramGuardCallback(TrainerCallback):
                 f"(max_steps={state.max_steps})"
             )
         self.steps, self.ledger, self.report, self.stopped = [], None, None, None
+        self.backward_nodes = {}
         self._reset()
         self._t0 = time.perf_counter()
         self._model = model
@@ -275,6 +277,30 @@ class VramGuardCallback(TrainerCallback):
             ledger.add_roots(output)
             ledger.__exit__(None, None, None)
             self.ledger = ledger.report
+            self._attribute_backward(ledger, _tensors(output))
+
+    def _attribute_backward(self, ledger: SavedTensorLedger, roots: list[torch.Tensor]) -> None:
+        """On the ledger step, a frame per autograd node of the graph (pre/post hooks), named by the module
+        whose forward created it (the ledger's map) or ``<outside>``: where backward's peak was reached."""
+        tracker = self._tracker
+        if tracker is None:
+            return
+        self.backward_nodes = {}
+        self._node_frames = []
+        for node in _iter_graph(roots):
+            name = f"{ledger._module_of_seq(int(node._sequence_nr())) or '<root>'} {node.name()}"
+            agg = self.backward_nodes.setdefault(name, FrameStats(name))
+
+            def pre(*_: Any, agg: FrameStats = agg) -> None:
+                if self._phase is not None and self._phase[0] == "backward":
+                    self._node_frames.append(tracker._push(FrameStats(agg.name), agg))
+
+            def post(*_: Any, agg: FrameStats = agg) -> None:
+                if self._node_frames and self._node_frames[-1].aggregate is agg:
+                    tracker._pop(self._node_frames.pop())
+
+            node.register_prehook(pre)
+            node.register_hook(post)
 
     def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._phase is None or self._phase[0] != "forward" or self._current is None:
@@ -306,7 +332,17 @@ class VramGuardCallback(TrainerCallback):
         if self._phase is not None and self._phase[0] == "backward":
             if isinstance(self._tracker.source if self._tracker else None, CudaAllocatorSource):
                 torch.cuda.synchronize()
+            while self._node_frames and self._tracker is not None:  # a node whose post hook did not run
+                self._tracker._pop(self._node_frames.pop())
             self._close()
+
+    def backward_peak(self) -> tuple[str, FrameStats] | None:
+        """On the ledger step: the autograd node (``module node``) running when backward peaked, and its
+        stats (``peak_above_start``: what it allocated on top of what was live when it started)."""
+        if not self.backward_nodes:
+            return None
+        best = max(self.backward_nodes.values(), key=lambda f: (f.peak_bytes, f.peak_above_start))
+        return best.name, best
 
     # -- verdict and report ------------------------------------------------------------------
 
@@ -407,6 +443,13 @@ class VramGuardCallback(TrainerCallback):
             problems.append(f"the ledger of step {self.ledger_step} was not taken (training ended before it)")
         if len(steps) < 2:
             notes.append("one step only: retained memory growth (leaks) needs >= 2 steps")
+        where = self.backward_peak()
+        if where is not None:
+            name, stats = where
+            notes.append(
+                f"step {self.ledger_step}'s backward peaked at {format_bytes(stats.peak_bytes)} while autograd ran "
+                f"{name} (+{format_bytes(stats.peak_above_start)} above what was live when it started)"
+            )
         if problems:
             line = "FAIL: " + "; ".join(problems)
         else:
@@ -505,6 +548,8 @@ def render(report: AuditReport, console: Any) -> None:
         t.add_row(short, fb(row.saved_bytes), fb(row.activation_bytes), wc, tops)
     t.add_row("outside decoder layers", fb(report.totals.outside_layers_bytes), "", "", "")
     console.print(t)
+    for note in report.verdict.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
     console.print(
         "retained after each step: "
         + ", ".join(fb(s.retained_bytes) for s in report.steps)

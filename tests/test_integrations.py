@@ -12,6 +12,7 @@ from vramguard.audit import run_audit
 from vramguard.errors import UsageError
 from vramguard.integrations.transformers import VramGuardCallback
 from vramguard.models import QLoRAConfig, build_qlora
+from vramguard.report import AuditReport
 from vramguard.training import make_optimizer
 
 pytest.importorskip("transformers")
@@ -30,17 +31,17 @@ def _dataset(q, steps: int, labels: bool = True):
 def _trainer(q, callback, tmp_path, steps: int = STEPS, **overrides):
     from transformers import Trainer, TrainingArguments
 
-    kwargs = dict(
-        max_steps=steps,
-        per_device_train_batch_size=CONFIG.batch,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        use_cpu=True,
-        train_sampling_strategy="sequential",  # batch k is the audit's q.batch(k)
-        max_grad_norm=0.0,  # the audit's loop does not clip
-        disable_tqdm=True,
-    )
+    kwargs = {
+        "max_steps": steps,
+        "per_device_train_batch_size": CONFIG.batch,
+        "report_to": [],
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "use_cpu": True,
+        "train_sampling_strategy": "sequential",  # batch k is the audit's q.batch(k)
+        "max_grad_norm": 0.0,  # the audit's loop does not clip
+        "disable_tqdm": True,
+    }
     kwargs.update(overrides)
     args = TrainingArguments(str(tmp_path / "out"), **kwargs)
     trainer = Trainer(
@@ -102,18 +103,18 @@ def _tokenizer():
 
 def _sft(q, callback, tmp_path, steps: int = STEPS, **overrides):
     trl = pytest.importorskip("trl")
-    kwargs = dict(
-        max_steps=steps,
-        per_device_train_batch_size=CONFIG.batch,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        use_cpu=True,
-        max_length=CONFIG.seq_len,
-        train_sampling_strategy="sequential",
-        bf16=False,
-        disable_tqdm=True,
-    )
+    kwargs = {
+        "max_steps": steps,
+        "per_device_train_batch_size": CONFIG.batch,
+        "report_to": [],
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "use_cpu": True,
+        "max_length": CONFIG.seq_len,
+        "train_sampling_strategy": "sequential",
+        "bf16": False,
+        "disable_tqdm": True,
+    }
     kwargs.update(overrides)
     args = trl.SFTConfig(str(tmp_path / "out"), **kwargs)
     return trl.SFTTrainer(
@@ -131,6 +132,7 @@ def test_sft_trainer_callback(tmp_path, capsys):
     trainer = _sft(q, cb, tmp_path)
     trainer.train()
     doc = json.loads((tmp_path / "sft.json").read_text())
+    assert AuditReport.from_dict(doc).to_dict() == doc  # the audit's own schema, strict JSON (no NaN)
     assert doc["config"]["trainer"] == "SFTTrainer"
     assert doc["verdict"]["ok"], doc["verdict"]["line"]
     assert [s["step"] for s in doc["steps"]] == [1, 2]
@@ -151,6 +153,18 @@ def test_sft_trainer_callback(tmp_path, capsys):
     logged = [h for h in trainer.state.log_history if "vramguard/peak_backward_bytes" in h]
     assert len(logged) == STEPS
     assert logged[-1]["vramguard/peak_backward_bytes"] == doc["steps"][-1]["peak_bytes"]["backward"]
+
+
+def test_gradient_accumulation_measures_every_micro_batch(tmp_path):
+    q = build_qlora(CONFIG)
+    cb = VramGuardCallback(table=False)
+    _trainer(q, cb, tmp_path, steps=2, gradient_accumulation_steps=2, per_device_train_batch_size=1).train()
+    report = cb.report
+    assert [s.step for s in report.steps] == [1, 2]
+    assert report.verdict.ok, report.verdict.line
+    # two micro-batches of one sequence per step: each phase seen, the ledger of one micro-batch's forward
+    assert all(set(s.peak_bytes) == {"forward", "backward", "optimizer"} for s in report.steps)
+    assert len(report.layers) == 2 and all(row.saved_bytes > 0 for row in report.layers)
 
 
 def test_max_peak_stops_training_with_one_line(tmp_path, capsys):
@@ -256,9 +270,8 @@ def _trl_version():
 
 def _in_defect_range() -> bool:
     try:
-        from packaging.version import Version
-
         import trl
+        from packaging.version import Version
 
         first, last = TRL_CHUNK_WIDTH_DEFECT
         return Version(first) <= Version(trl.__version__) <= Version(last)

@@ -26,7 +26,6 @@ callback is inserted first, see them).
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -94,7 +93,9 @@ class VramGuardCallback(TrainerCallback):
         leak_tolerance: str | int | None = None,
     ) -> None:
         if isinstance(ledger_step, bool) or not isinstance(ledger_step, int) or ledger_step < 1:
-            raise UsageError(f"ledger_step must be a step number >= 1 (1 is the first step), got {ledger_step!r}")
+            raise UsageError(
+                f"ledger_step must be a step number >= 1 (1 is the first step), got {ledger_step!r}"
+            )
         self.ledger_step = ledger_step
         self.max_peak = None if max_peak is None else parse_size(max_peak)
         self.max_saved_per_layer = None if max_saved_per_layer is None else parse_size(max_saved_per_layer)
@@ -194,7 +195,9 @@ class VramGuardCallback(TrainerCallback):
             print(f"vramguard: stopping training: {problem}", file=sys.stderr)
             control.should_training_stop = True
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         if logs is None or not self.steps or "loss" not in logs:
             return
         s = self.steps[-1]
@@ -354,7 +357,11 @@ class VramGuardCallback(TrainerCallback):
     def _tolerance(self) -> int:
         if self.leak_tolerance is not None:
             return self.leak_tolerance
-        return 64 * 1024 if isinstance(self._tracker.source if self._tracker else None, CudaAllocatorSource) else 0
+        return (
+            64 * 1024
+            if isinstance(self._tracker.source if self._tracker else None, CudaAllocatorSource)
+            else 0
+        )
 
     def _limit_problem(self, s: _Step) -> str | None:
         if self.max_peak is not None:
@@ -414,7 +421,7 @@ class VramGuardCallback(TrainerCallback):
         steps = [
             StepRow(
                 step=s.step,
-                loss=s.loss if s.loss is not None else math.nan,
+                loss=s.loss,  # type: ignore[arg-type]  # None (JSON null): the model returned no loss (TRL's fused head)
                 retained_bytes=s.retained,
                 retained_after_forward=(s.after_forward or s.start) - s.start,
                 peak_bytes=dict(s.peaks),
@@ -483,7 +490,9 @@ class VramGuardCallback(TrainerCallback):
 
 def _trainer_name(args: Any) -> str:
     name = type(args).__name__
-    return {"SFTConfig": "SFTTrainer", "TrainingArguments": "Trainer"}.get(name, name.replace("Config", "Trainer"))
+    return {"SFTConfig": "SFTTrainer", "TrainingArguments": "Trainer"}.get(
+        name, name.replace("Config", "Trainer")
+    )
 
 
 def _base_class(model: torch.nn.Module) -> str:
@@ -515,8 +524,6 @@ def _layer_rows(ledger: LedgerReport, top: int = 3) -> list[LayerRow]:
     from vramguard.audit import _layers
 
     return _layers(ledger, weights_budget(torch.nn.Module(), reason="-"), top)
-
-
 
 
 def render(report: AuditReport, console: Any) -> None:

@@ -301,3 +301,19 @@ def test_chunked_logprob_scratch_is_no_wider_than_the_vocabulary():
     tile = 254 * 512 * 4
     peak = _chunked_logprob_peak(chunk_size=trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE)
     assert peak <= 16 * tile, f"peak {peak} B for a 254 x 512 problem ({peak / tile:.0f} tiles of {tile} B)"
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_train_that_raised_leaves_no_tracker_behind(tmp_path):
+    """Trainer calls no callback when training raises: the next train() detaches what was left."""
+    q = build_qlora(CONFIG)
+    cb = VramGuardCallback(table=False)
+    trainer = _trainer(q, cb, tmp_path, steps=2)
+    real_forward = q.model.forward
+    q.model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    q.model.forward = real_forward
+    trainer.train()
+    assert cb.report is not None and cb.report.verdict.ok, cb.report.verdict.line
+    assert torch._C._len_torch_dispatch_stack() == 0  # no storage tracker left on the mode stack

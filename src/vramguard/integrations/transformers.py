@@ -109,6 +109,7 @@ class VramGuardCallback(TrainerCallback):
         self.report: AuditReport | None = None
         self.stopped: str | None = None
         self.backward_nodes: dict[str, FrameStats] = {}
+        self._attached = False
         self._reset()
 
     def _reset(self) -> None:
@@ -142,6 +143,8 @@ class VramGuardCallback(TrainerCallback):
                 f"VramGuardCallback: ledger_step={self.ledger_step} is past the end of training "
                 f"(max_steps={state.max_steps})"
             )
+        if self._attached:  # an earlier train() that raised: on_train_end never came
+            self._detach()
         self.steps, self.ledger, self.report, self.stopped = [], None, None, None
         self.backward_nodes = {}
         self._reset()
@@ -162,6 +165,7 @@ class VramGuardCallback(TrainerCallback):
         }
         self._tracker = MemoryTracker(device, source=source_for(device))
         self._tracker.__enter__()
+        self._attached = True
         self._handles.append(model.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._forward_post))
 
@@ -209,14 +213,9 @@ class VramGuardCallback(TrainerCallback):
             state.log_history[-1].update(metrics)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._tracker is None:
+        if self._tracker is None or not self._attached:
             return
-        try:
-            self._close()
-            if self._step_cm is not None and self._current is not None:
-                self._step_cm.__exit__(None, None, None)
-        finally:
-            self._detach()
+        self._detach()
         self.report = self._assemble()
         if self.report_path is not None and getattr(state, "is_world_process_zero", True):
             write_text_atomic(self.report_path, json.dumps(self.report.to_dict(), indent=2) + "\n")
@@ -226,14 +225,26 @@ class VramGuardCallback(TrainerCallback):
             render(self.report, stdout_console())
 
     def _detach(self) -> None:
+        try:  # frames still open (training stopped mid-step): closed before the tracker goes
+            while self._node_frames and self._tracker is not None:
+                self._tracker._pop(self._node_frames.pop())
+            self._close()
+            if self._step_cm is not None and self._current is not None:
+                self._step_cm.__exit__(None, None, None)
+        finally:
+            self._step_cm = self._current = None
+            self._detach_hooks()
+
+    def _detach_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
         if self._ledger is not None:  # a ledger still open (training stopped mid-forward)
             self._ledger.__exit__(None, None, None)
             self._ledger = None
-        if self._tracker is not None:
+        if self._tracker is not None and self._attached:
             self._tracker.__exit__(None, None, None)
+        self._attached = False
 
     # -- phases ------------------------------------------------------------------------------
 

@@ -317,3 +317,27 @@ def test_a_train_that_raised_leaves_no_tracker_behind(tmp_path):
     trainer.train()
     assert cb.report is not None and cb.report.verdict.ok, cb.report.verdict.line
     assert torch._C._len_torch_dispatch_stack() == 0  # no storage tracker left on the mode stack
+
+
+@pytest.mark.parametrize("trainer, name", [("trainer", "Trainer"), ("sft", "SFTTrainer")])
+def test_audit_through_the_real_trainer(tmp_path, capsys, trainer, name):
+    """``vramguard audit --trainer``: the audit's model and batches through the trainer with its own defaults."""
+    from vramguard.cli import main
+
+    out = tmp_path / "audit.json"
+    assert (
+        main(
+            ["audit", "--trainer", trainer, "--steps", "2", "--device", "cpu", "--json", str(out), "--quiet"]
+        )
+        == 0
+    )
+    doc = AuditReport.from_dict(json.loads(out.read_text()))
+    assert doc.config["trainer"] == name and doc.config["seq_len"] == CONFIG.seq_len
+    assert [s.step for s in doc.steps] == [1, 2] and len(doc.layers) == 2
+    assert doc.budget.no_analytic_model  # the analytic activation model is not claimed for a trainer run
+    # LoRA weights + grads + AdamW state: fp32 adapters under Trainer (16 B a parameter, + 4 B step counters);
+    # SFTTrainer (bf16 by default) casts the adapters to bf16: 8 B a parameter
+    per_param = 16 if trainer == "trainer" else 8
+    counters = 4 * 2 * 7 * 2  # one fp32 step counter per LoRA A/B matrix, 7 projections, 2 layers
+    assert doc.budget.measured_lora_training_bytes == per_param * doc.budget.lora_params + counters
+    assert capsys.readouterr().out.strip() == doc.verdict.line

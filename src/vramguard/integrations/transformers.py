@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import TrainerCallback
 
 from vramguard import __version__, environment
@@ -166,6 +167,9 @@ class VramGuardCallback(TrainerCallback):
         self._tracker = MemoryTracker(device, source=source_for(device))
         self._tracker.__enter__()
         self._attached = True
+        # the trainer hands callbacks the optimizer it had when built (None when it creates its own later):
+        # the optimizer that steps is taken from a global step hook
+        self._handles.append(register_optimizer_step_post_hook(self._saw_optimizer))
         self._handles.append(model.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._forward_post))
 
@@ -245,6 +249,9 @@ class VramGuardCallback(TrainerCallback):
         if self._tracker is not None and self._attached:
             self._tracker.__exit__(None, None, None)
         self._attached = False
+
+    def _saw_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizer = optimizer
 
     # -- phases ------------------------------------------------------------------------------
 

@@ -561,6 +561,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--attn", default=d.attn_implementation, choices=("sdpa", "eager"))
     p.add_argument("--steps", type=_positive_int, default=3, help="training steps (>= 2 to check for leaks)")
+    p.add_argument(
+        "--trainer",
+        default="loop",
+        choices=("loop", "trainer", "sft"),
+        help="run the steps in vramguard's loop, transformers' Trainer or TRL's SFTTrainer",
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--top", type=_positive_int, default=3, help="modules listed per layer")
@@ -618,7 +624,13 @@ def main(args: argparse.Namespace) -> int:
         def update(what: str, done: int, total: int) -> None:
             progress.update(task, description=what, completed=done, total=total)
 
-        report = run_audit(config, steps=args.steps, progress=update, top=args.top)
+        if args.trainer == "loop":
+            report = run_audit(config, steps=args.steps, progress=update, top=args.top)
+        else:
+            from vramguard.integrations.trainer_audit import run_trainer_audit
+
+            with tempfile.TemporaryDirectory(prefix="vramguard-trainer-") as tmp:
+                report = run_trainer_audit(config, args.steps, args.trainer, tmp)
     if args.quiet:
         console.print(report.verdict.line, highlight=False, soft_wrap=True)
     else:

@@ -1,0 +1,1 @@
+"""Integrations with training frameworks (``vramguard.integrations.transformers``: Trainer / SFTTrainer)."""

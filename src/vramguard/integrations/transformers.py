@@ -1,0 +1,585 @@
+"""``VramGuardCallback``: vramguard's measurements inside a user's own ``Trainer`` / ``SFTTrainer`` run.
+
+>>> trainer = SFTTrainer(model=model, args=args, train_dataset=ds, callbacks=[VramGuardCallback(report_path="m.json")])
+>>> trainer.train()
+
+Per optimizer step it records the peak live bytes of three phases, with the same tracker and the same
+phase boundaries as ``vramguard audit``'s loop:
+
+* ``forward``: from the model's first forward call of the step (a forward pre-hook on the model the
+  trainer calls) until backward starts, loss included;
+* ``backward``: from the first backward node of the model's outputs (an autograd pre-hook on their
+  ``grad_fn``) until the autograd engine finishes (a callback queued on the engine);
+* ``optimizer``: from ``on_pre_optimizer_step`` to ``on_step_end`` (step, scheduler, ``zero_grad``).
+
+Live bytes come from the CUDA caching allocator on a GPU and from the storage tracker elsewhere
+(:mod:`vramguard.tracker`). After each step the bytes still live are the step's ``retained`` bytes;
+retained memory that grows after the first step is a leak. One chosen step (``ledger_step``, 1-based)
+also runs the saved-tensor ledger over its first forward, which gives the per-decoder-layer table.
+
+The result is the ``vramguard audit --json`` document (:class:`vramguard.report.AuditReport`), written
+atomically to ``report_path`` at the end of training, and ``vramguard/*`` metrics added to the logs
+the trainer hands to ``on_log`` (callbacks that run after this one, e.g. TensorBoard or W&B when this
+callback is inserted first, see them).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from transformers import TrainerCallback
+
+from vramguard import __version__, environment
+from vramguard.atomic import write_text_atomic
+from vramguard.budget import weights_budget
+from vramguard.decoder import decoder_layer
+from vramguard.errors import UsageError
+from vramguard.ledger import LedgerReport, SavedTensorLedger, _iter_graph
+from vramguard.report import (
+    SCHEMA_VERSION,
+    AuditReport,
+    BudgetComparison,
+    LayerRow,
+    PhasePeak,
+    StepRow,
+    Totals,
+    Verdict,
+)
+from vramguard.storage import frozen_resident_bytes, storage_nbytes
+from vramguard.tracker import CudaAllocatorSource, FrameStats, MemoryTracker, source_for
+from vramguard.units import format_bytes, parse_size
+
+PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
+
+NO_ANALYTIC_MODEL = (
+    "the analytic activation model is not applied to a Trainer run (its loss, dtypes and collator are the "
+    "trainer's: TRL's chunked log-prob loss and bf16 adapter inputs are not modelled)"
+)
+
+
+@dataclass
+class _Step:
+    step: int
+    start: int
+    loss: float | None = None
+    after_forward: int | None = None
+    retained: int = 0
+    peaks: dict[str, int] = field(default_factory=dict)
+    above: dict[str, int] = field(default_factory=dict)
+
+
+class VramGuardCallback(TrainerCallback):
+    """Per-phase peaks, retained bytes, a leak verdict and the per-layer ledger of one step.
+
+    ``max_peak`` / ``max_saved_per_layer`` (size strings such as ``"20 GiB"``) stop training at the end
+    of the first step that exceeds them, with one line on stderr; ``report.verdict`` says why.
+    Bad arguments raise :class:`vramguard.errors.UsageError` here; a model without decoder layers or a
+    ``ledger_step`` past ``max_steps`` raise it in ``on_train_begin``, before the first step.
+    """
+
+    def __init__(
+        self,
+        ledger_step: int = 1,
+        max_peak: str | int | None = None,
+        max_saved_per_layer: str | int | None = None,
+        report_path: str | Path | None = None,
+        table: bool = True,
+        leak_tolerance: str | int | None = None,
+    ) -> None:
+        if isinstance(ledger_step, bool) or not isinstance(ledger_step, int) or ledger_step < 1:
+            raise UsageError(
+                f"ledger_step must be a step number >= 1 (1 is the first step), got {ledger_step!r}"
+            )
+        self.ledger_step = ledger_step
+        self.max_peak = None if max_peak is None else parse_size(max_peak)
+        self.max_saved_per_layer = None if max_saved_per_layer is None else parse_size(max_saved_per_layer)
+        self.leak_tolerance = None if leak_tolerance is None else parse_size(leak_tolerance)
+        self.report_path = None if report_path is None else Path(report_path)
+        if self.report_path is not None and self.report_path.is_dir():
+            raise UsageError(f"report_path {self.report_path} is a directory")
+        self.table = table
+        self.steps: list[_Step] = []
+        self.ledger: LedgerReport | None = None
+        self.report: AuditReport | None = None
+        self.stopped: str | None = None
+        self.backward_nodes: dict[str, FrameStats] = {}
+        self._attached = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._tracker: MemoryTracker | None = None
+        self._model: torch.nn.Module | None = None
+        self._optimizer: Any = None
+        self._handles: list[Any] = []
+        self._phase: tuple[str, Any] | None = None  # (name, open phase context)
+        self._step_cm: Any = None
+        self._current: _Step | None = None
+        self._calls: dict[str, FrameStats] = {}
+        self._ledger: SavedTensorLedger | None = None
+        self._node_frames: list[Any] = []
+        self._t0 = 0.0
+        self._trainer_name = "Trainer"
+        self._config: dict[str, Any] = {}
+
+    # -- trainer events ---------------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if model is None:
+            raise UsageError("VramGuardCallback: the trainer passed no model to on_train_begin")
+        layers = {decoder_layer(n) for n, _ in model.named_modules()} - {None}
+        if not layers:
+            raise UsageError(
+                f"VramGuardCallback: {type(model).__name__} has no decoder layers (no module named '...layers.N'), "
+                "so there is no per-layer ledger to take"
+            )
+        if state.max_steps and self.ledger_step > state.max_steps:
+            raise UsageError(
+                f"VramGuardCallback: ledger_step={self.ledger_step} is past the end of training "
+                f"(max_steps={state.max_steps})"
+            )
+        if self._attached:  # an earlier train() that raised: on_train_end never came
+            self._detach()
+        self.steps, self.ledger, self.report, self.stopped = [], None, None, None
+        self.backward_nodes = {}
+        self._reset()
+        self._t0 = time.perf_counter()
+        self._model = model
+        self._optimizer = kwargs.get("optimizer")
+        device = args.device
+        self._trainer_name = _trainer_name(args)
+        self._config = {
+            "trainer": self._trainer_name,
+            "model": getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
+            "batch": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "gradient_checkpointing": bool(args.gradient_checkpointing),
+            "max_steps": state.max_steps,
+            "ledger_step": self.ledger_step,
+            "device": str(device),
+        }
+        self._tracker = MemoryTracker(device, source=source_for(device))
+        self._tracker.__enter__()
+        self._attached = True
+        # the trainer hands callbacks the optimizer it had when built (None when it creates its own later):
+        # the optimizer that steps is taken from a global step hook
+        self._handles.append(register_optimizer_step_post_hook(self._saw_optimizer))
+        self._handles.append(model.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._forward_post))
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._tracker is None:
+            return
+        self._step_cm = self._tracker.phase("step")
+        self._step_cm.__enter__()
+        self._current = _Step(step=state.global_step + 1, start=self._tracker.current())
+        self._calls = {}
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._current is not None:
+            self._open("optimizer")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._tracker is None or self._current is None:
+            return
+        self._close()
+        self._step_cm.__exit__(None, None, None)
+        s = self._current
+        s.retained = self._tracker.current()
+        for name, stats in self._calls.items():
+            s.peaks[name] = stats.peak_bytes
+            s.above[name] = stats.peak_above_start
+        self.steps.append(s)
+        self._current = None
+        problem = self._limit_problem(s)
+        if problem is not None and self.stopped is None:
+            self.stopped = problem
+            print(f"vramguard: stopping training: {problem}", file=sys.stderr)
+            control.should_training_stop = True
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        if logs is None or not self.steps or "loss" not in logs:
+            return
+        s = self.steps[-1]
+        metrics: dict[str, float] = {f"vramguard/peak_{k}_bytes": float(v) for k, v in s.peaks.items()}
+        metrics["vramguard/retained_bytes"] = float(s.retained)
+        metrics["vramguard/leak_bytes"] = float(self._leak())
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._tracker is None or not self._attached:
+            return
+        self._detach()
+        self.report = self._assemble()
+        if self.report_path is not None and getattr(state, "is_world_process_zero", True):
+            write_text_atomic(self.report_path, json.dumps(self.report.to_dict(), indent=2) + "\n")
+        if self.table and getattr(state, "is_world_process_zero", True):
+            from vramguard.audit import stdout_console
+
+            render(self.report, stdout_console())
+
+    def _detach(self) -> None:
+        try:  # frames still open (training stopped mid-step): closed before the tracker goes
+            while self._node_frames and self._tracker is not None:
+                self._tracker._pop(self._node_frames.pop())
+            self._close()
+            if self._step_cm is not None and self._current is not None:
+                self._step_cm.__exit__(None, None, None)
+        finally:
+            self._step_cm = self._current = None
+            self._detach_hooks()
+
+    def _detach_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._ledger is not None:  # a ledger still open (training stopped mid-forward)
+            self._ledger.__exit__(None, None, None)
+            self._ledger = None
+        if self._tracker is not None and self._attached:
+            self._tracker.__exit__(None, None, None)
+        self._attached = False
+
+    def _saw_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizer = optimizer
+
+    # -- phases ------------------------------------------------------------------------------
+
+    def _open(self, name: str) -> None:
+        assert self._tracker is not None
+        self._close()
+        cm = self._tracker.phase(name)
+        call = cm.__enter__()
+        self._phase = (name, cm)
+        agg = self._calls.setdefault(name, FrameStats(name))
+        self._pending = (call, agg)
+
+    def _close(self) -> None:
+        if self._phase is None:
+            return
+        name, cm = self._phase
+        self._phase = None
+        cm.__exit__(None, None, None)
+        call, agg = self._pending
+        agg.merge(call)
+        if name == "forward" and self._current is not None and self._current.after_forward is None:
+            assert self._tracker is not None
+            self._current.after_forward = self._tracker.current()
+
+    def _forward_pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if self._current is None or not torch.is_grad_enabled() or not module.training:
+            return
+        if self._phase is not None and self._phase[0] == "forward":
+            return  # a second forward in the same micro-step (e.g. a no_grad metrics pass): same phase
+        self._open("forward")
+        ids = kwargs.get("input_ids")
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and "seq_len" not in self._config:
+            self._config["seq_len"] = int(ids.shape[1])
+        if self._current.step == self.ledger_step and self.ledger is None and self._ledger is None:
+            self._ledger = SavedTensorLedger(module)
+            self._ledger.__enter__()
+            # registered after the ledger's own hooks, so it runs after the ledger has taken the outputs as roots
+            self._handles.append(module.register_forward_hook(self._ledger_exit))
+
+    def _ledger_exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        ledger, self._ledger = self._ledger, None
+        self._handles.pop().remove()
+        if ledger is not None:
+            ledger.add_roots(output)
+            ledger.__exit__(None, None, None)
+            self.ledger = ledger.report
+            self._attribute_backward(ledger, _tensors(output))
+
+    def _attribute_backward(self, ledger: SavedTensorLedger, roots: list[torch.Tensor]) -> None:
+        """On the ledger step, a frame per autograd node of the graph (pre/post hooks), named by the module
+        whose forward created it (the ledger's map) or ``<outside>``: where backward's peak was reached."""
+        tracker = self._tracker
+        if tracker is None:
+            return
+        self.backward_nodes = {}
+        self._node_frames = []
+        for node in _iter_graph(roots):
+            name = f"{ledger._module_of_seq(int(node._sequence_nr())) or '<root>'} {node.name()}"
+            agg = self.backward_nodes.setdefault(name, FrameStats(name))
+
+            def pre(*_: Any, agg: FrameStats = agg) -> None:
+                if self._phase is not None and self._phase[0] == "backward":
+                    self._node_frames.append(tracker._push(FrameStats(agg.name), agg))
+
+            def post(*_: Any, agg: FrameStats = agg) -> None:
+                if self._node_frames and self._node_frames[-1].aggregate is agg:
+                    tracker._pop(self._node_frames.pop())
+
+            node.register_prehook(pre)
+            node.register_hook(post)
+
+    def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._phase is None or self._phase[0] != "forward" or self._current is None:
+            return
+        loss = getattr(output, "loss", None) if not isinstance(output, torch.Tensor) else None
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and self._current.loss is None:
+            self._current.loss = float(loss.detach().float().item())
+        nodes = {t.grad_fn for t in _tensors(output) if t.grad_fn is not None}
+        if not nodes:
+            return
+        fired = [False]
+
+        def pre(*_: Any) -> None:
+            if fired[0]:
+                return
+            fired[0] = True
+            self._backward_begin()
+
+        for node in nodes:
+            node.register_prehook(pre)
+
+    def _backward_begin(self) -> None:
+        if self._phase is None or self._phase[0] != "forward":
+            return
+        self._open("backward")
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+
+    def _backward_end(self) -> None:
+        if self._phase is not None and self._phase[0] == "backward":
+            if isinstance(self._tracker.source if self._tracker else None, CudaAllocatorSource):
+                torch.cuda.synchronize()
+            while self._node_frames and self._tracker is not None:  # a node whose post hook did not run
+                self._tracker._pop(self._node_frames.pop())
+            self._close()
+
+    def backward_peak(self) -> tuple[str, FrameStats] | None:
+        """On the ledger step: the autograd node (``module node``) running when backward peaked, and its
+        stats (``peak_above_start``: what it allocated on top of what was live when it started)."""
+        if not self.backward_nodes:
+            return None
+        best = max(self.backward_nodes.values(), key=lambda f: (f.peak_bytes, f.peak_above_start))
+        return best.name, best
+
+    # -- verdict and report ------------------------------------------------------------------
+
+    def _leak(self) -> int:
+        if len(self.steps) < 2:
+            return 0
+        return max(s.retained for s in self.steps) - self.steps[0].retained
+
+    def _tolerance(self) -> int:
+        if self.leak_tolerance is not None:
+            return self.leak_tolerance
+        return (
+            64 * 1024
+            if isinstance(self._tracker.source if self._tracker else None, CudaAllocatorSource)
+            else 0
+        )
+
+    def _limit_problem(self, s: _Step) -> str | None:
+        if self.max_peak is not None:
+            worst = max(s.peaks.items(), key=lambda kv: kv[1], default=None)
+            if worst is not None and worst[1] > self.max_peak:
+                return (
+                    f"step {s.step} peaked at {format_bytes(worst[1])} in {worst[0]}, above max_peak "
+                    f"{format_bytes(self.max_peak)}"
+                )
+        if self.max_saved_per_layer is not None and self.ledger is not None and s.step == self.ledger_step:
+            for row in _layer_rows(self.ledger):
+                if row.saved_bytes > self.max_saved_per_layer:
+                    return (
+                        f"{row.name} saved {format_bytes(row.saved_bytes)} for backward in step {s.step}, above "
+                        f"max_saved_per_layer {format_bytes(self.max_saved_per_layer)}"
+                    )
+        return None
+
+    def _assemble(self) -> AuditReport:
+        assert self._model is not None and self._tracker is not None
+        model = self._model
+        ledger = self.ledger or LedgerReport()
+        layers = _layer_rows(ledger)
+        in_layers = sum(r.saved_bytes for r in layers)
+        totals = Totals(
+            saved_bytes=ledger.saved_bytes,
+            hook_bytes=ledger.bytes_by("hook"),
+            ctx_bytes=ledger.bytes_by("ctx"),
+            activation_bytes=ledger.activation_bytes,
+            weight_copy_bytes=ledger.weight_copy_bytes,
+            resident_seen_bytes=ledger.resident_bytes,
+            model_resident_bytes=frozen_resident_bytes(model),
+            outside_layers_bytes=ledger.saved_bytes - in_layers,
+        )
+        budget = weights_budget(model, reason=NO_ANALYTIC_MODEL)
+        comparison = BudgetComparison(
+            quantized_params=budget.quantized_params,
+            lora_params=budget.lora_params,
+            other_params=budget.other_params,
+            analytic_weights_bytes=budget.weights_bytes,
+            measured_weights_bytes=totals.model_resident_bytes,
+            analytic_lora_training_bytes=budget.lora_training_bytes,
+            measured_lora_training_bytes=_lora_training_bytes(model, self._optimizer),
+            analytic_activation_bytes=None,
+            measured_activation_bytes=ledger.saved_bytes,
+            analytic_logits_bytes=None,
+            analytic_outside_layers_bytes=None,
+            activation_ratio=None,
+            analytic_model=None,
+            no_analytic_model=NO_ANALYTIC_MODEL,
+        )
+        phases = {}
+        for name in PHASES:
+            stats = self._tracker.result.phases.get(name)
+            if stats is not None:
+                phases[name] = PhasePeak(stats.peak_bytes, stats.peak_above_start, stats.reserved_peak_bytes)
+        steps = [
+            StepRow(
+                step=s.step,
+                loss=s.loss,  # type: ignore[arg-type]  # None (JSON null): the model returned no loss (TRL's fused head)
+                retained_bytes=s.retained,
+                retained_after_forward=(s.after_forward or s.start) - s.start,
+                peak_bytes=dict(s.peaks),
+            )
+            for s in self.steps
+        ]
+        leak = self._leak()
+        problems: list[str] = []
+        notes: list[str] = []
+        if self.stopped:
+            problems.append(self.stopped)
+        if ledger.weight_copy_bytes:
+            worst = next(r for r in ledger.records if r.kind == "weight-copy")
+            problems.append(
+                f"{format_bytes(ledger.weight_copy_bytes)} of weight copies saved for backward "
+                f"(largest: {worst.describe()})"
+            )
+        if leak > self._tolerance():
+            problems.append(f"retained memory grew by {format_bytes(leak)} over {len(steps)} steps (a leak)")
+        missing = [p for p in PHASES if p not in phases]
+        if not steps:
+            problems.append("no training step was measured")
+        elif missing:
+            problems.append(f"phases not seen: {', '.join(missing)} (nothing measured is not a pass)")
+        if self.ledger is None:
+            problems.append(f"the ledger of step {self.ledger_step} was not taken (training ended before it)")
+        if len(steps) < 2:
+            notes.append("one step only: retained memory growth (leaks) needs >= 2 steps")
+        where = self.backward_peak()
+        if where is not None:
+            name, stats = where
+            notes.append(
+                f"step {self.ledger_step}'s backward peaked at {format_bytes(stats.peak_bytes)} while autograd ran "
+                f"{name} (+{format_bytes(stats.peak_above_start)} above what was live when it started)"
+            )
+        if problems:
+            line = "FAIL: " + "; ".join(problems)
+        else:
+            line = (
+                f"OK: no weight copies saved for backward, retained memory steady over {len(steps)} steps "
+                f"({self._trainer_name})"
+            )
+        return AuditReport(
+            schema_version=SCHEMA_VERSION,
+            vramguard_version=__version__,
+            environment=environment.collect(self._config["device"]).to_dict(),
+            config=dict(self._config),
+            device=self._tracker.result.device,
+            layers=layers,
+            totals=totals,
+            phases=phases,
+            budget=comparison,
+            steps=steps,
+            leak_bytes=leak,
+            verdict=Verdict(ok=not problems, line=line, problems=problems, notes=notes),
+            records=[r.to_dict() for r in ledger.records],
+            elapsed_s=round(time.perf_counter() - self._t0, 3),
+            architecture={
+                "model_type": getattr(getattr(model, "config", None), "model_type", None),
+                "model_class": _base_class(model),
+                "attn_implementation": getattr(getattr(model, "config", None), "_attn_implementation", None),
+                "analytic_model": None,
+            },
+        )
+
+
+def _trainer_name(args: Any) -> str:
+    name = type(args).__name__
+    return {"SFTConfig": "SFTTrainer", "TrainingArguments": "Trainer"}.get(
+        name, name.replace("Config", "Trainer")
+    )
+
+
+def _base_class(model: torch.nn.Module) -> str:
+    base = getattr(model, "get_base_model", None)
+    return type(base() if callable(base) else model).__name__
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _lora_training_bytes(model: torch.nn.Module, optimizer: Any) -> int:
+    """Trainable weights + their gradients + the optimizer state (as ``vramguard audit`` counts them)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    state = getattr(inner, "state", {})
+    return 2 * weights + sum(
+        storage_nbytes(t) for s in state.values() for t in s.values() if isinstance(t, torch.Tensor)
+    )
+
+
+def _layer_rows(ledger: LedgerReport, top: int = 3) -> list[LayerRow]:
+    from vramguard.audit import _layers
+
+    return _layers(ledger, weights_budget(torch.nn.Module(), reason="-"), top)
+
+
+def render(report: AuditReport, console: Any) -> None:
+    """The callback's tables (rich, imported here only): per phase, per decoder layer, retained, verdict."""
+    from rich.table import Table
+
+    fb = format_bytes
+    c = report.config
+    console.print(
+        f"[bold]vramguard[/] {c.get('trainer')} run of {report.architecture.get('model_class')} on {report.device}: "
+        f"batch {c.get('batch')} x seq {c.get('seq_len', '?')}, {len(report.steps)} steps",
+        highlight=False,
+    )
+    p = Table(title="Peak live memory per phase (max over steps)", title_justify="left")
+    for col in ("phase", "peak", "above phase start"):
+        p.add_column(col, justify="left" if col == "phase" else "right")
+    for name, v in report.phases.items():
+        p.add_row(name, fb(v.peak_bytes), fb(v.peak_above_start))
+    console.print(p)
+    t = Table(
+        title=f"Saved for backward, per decoder layer (step {c.get('ledger_step')})", title_justify="left"
+    )
+    for col in ("layer", "saved", "activations", "weight copies", "top modules"):
+        t.add_column(col, justify="left" if col in ("layer", "top modules") else "right")
+    for row in report.layers:
+        tops = ", ".join(f"{m} {fb(b)}" for m, b in row.top_modules)
+        short = row.name[row.name.find("layers.") :] if "layers." in row.name else row.name
+        wc = f"[red]{fb(row.weight_copy_bytes)}[/]" if row.weight_copy_bytes else fb(0)
+        t.add_row(short, fb(row.saved_bytes), fb(row.activation_bytes), wc, tops)
+    t.add_row("outside decoder layers", fb(report.totals.outside_layers_bytes), "", "", "")
+    console.print(t)
+    for note in report.verdict.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    console.print(
+        "retained after each step: "
+        + ", ".join(fb(s.retained_bytes) for s in report.steps)
+        + f"; growth {fb(report.leak_bytes, signed=True)}",
+        highlight=False,
+    )
+    style = "bold green" if report.verdict.ok else "bold red"
+    console.print(f"[{style}]{report.verdict.line}[/]", highlight=False, soft_wrap=True)

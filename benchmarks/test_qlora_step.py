@@ -2,7 +2,7 @@
 
 CPU (reduced matrix, part of CI): the live storage tracker measures bytes above the model's weights.
 GPU (``pytest -m "gpu and benchmark"``): the CUDA caching allocator's absolute numbers, every case
-starting from emptied caches and reset peaks (see ``vramguard.bench``). Each case records its memory
+starting from emptied caches and reset peaks (see ``vramguard.history.bench``). Each case records its memory
 in ``benchmark.extra_info["vramguard"]``; ``vramguard compare`` gates on it.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from vramguard.bench import MEMORY_METRICS, Case, run_case
+from vramguard.history.bench import Case, run_case
+from vramguard.history.compare import MEMORY_METRICS
 
 # (model preset, sequence length, gradient checkpointing, LoRA rank)
 CPU_MATRIX = [

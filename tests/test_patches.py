@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vramguard import patches
 from vramguard.errors import UsageError
+from vramguard.grad import patches
 
 TARGET_SOURCE = textwrap.dedent(
     """
@@ -43,7 +43,7 @@ TARGET_SOURCE = textwrap.dedent(
 
 USER_SOURCE = textwrap.dedent(
     """
-    from vramguard.patches import Patch, no_grad_around
+    from vramguard.grad.patches import Patch, no_grad_around
 
     def make():
         return no_grad_around("vg_target_mod:uses_linear", ("linear",), "user-patch", "a user's patch")
@@ -261,7 +261,7 @@ def test_entry_point_group(target, fresh_registry: None, monkeypatch: pytest.Mon
 
     monkeypatch.setattr(patches.importlib.metadata, "entry_points", entry_points)
     names = patches.names()
-    assert asked == ["vramguard.patches"]
+    assert asked == ["vramguard.grad.patches"]
     assert {"user-patch", "ready-patch"} <= set(names)
 
 

@@ -114,7 +114,7 @@ def qwen():
 
 def test_saved_bytes_is_the_ledgers_number(pytester: pytest.Pytester) -> None:
     """A budget copied from the ledger (what `vramguard audit` prints) holds exactly under the marker."""
-    from vramguard.ledger import SavedTensorLedger, decoder_layer
+    from vramguard.measure.ledger import SavedTensorLedger, decoder_layer
 
     namespace: dict[str, object] = {}
     exec(QWEN, namespace)  # the same model the test file below builds

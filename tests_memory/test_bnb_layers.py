@@ -2,7 +2,7 @@
 
 Budgets from shapes: a 4-bit matmul needs nothing but the packed weight and its quantization
 state (resident) to compute grad_input, so it may keep 0 new bytes and nothing weight-sized. The
-8-bit path is stated tensor by tensor. Every check runs the three probes of vramguard.budgets.
+8-bit path is stated tensor by tensor. Every check runs the three probes of vramguard.measure.meters.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 from memhelpers import BATCH, SEQ, V, defect_expected, need
 
-from vramguard.budgets import Budget, assert_within_budget, check, measure
+from vramguard.measure.meters import Budget, assert_within_budget, check, measure
 
 IN, OUT = 128, 96  # a weight shape no activation has (T = 80)
 

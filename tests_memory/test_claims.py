@@ -10,9 +10,9 @@ import torch
 from memhelpers import BATCH, SEQ, need, release
 from test_bnb_layers import IN, linear4bit, linear8bit
 
-from vramguard import capabilities, patches
-from vramguard.budgets import Budget, assert_within_budget, measure, report_section
-from vramguard.layer_budget import logits_fp32_bytes
+from vramguard.grad import capabilities, patches
+from vramguard.measure.meters import Budget, assert_within_budget, measure, report_section
+from vramguard.model.layers import logits_fp32_bytes
 
 LAYERS = "base_model.model.model.layers"
 

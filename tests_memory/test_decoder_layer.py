@@ -1,13 +1,13 @@
 """A decoder layer of a small Llama under QLoRA (transformers + PEFT + bitsandbytes, real code):
-saved bytes per layer within BAND of the analytic formula of vramguard.layer_budget."""
+saved bytes per layer within BAND of the analytic formula of vramguard.model.layers."""
 
 from __future__ import annotations
 
 import pytest
 from memhelpers import BAND, BATCH, RANK, SEQ, V, mask_bytes, release
 
-from vramguard.budgets import Budget, assert_within_budget, check, measure
-from vramguard.layer_budget import (
+from vramguard.measure.meters import Budget, assert_within_budget, check, measure
+from vramguard.model.layers import (
     checkpointed_layer_bytes,
     layer_saved_bytes,
     layer_terms,

@@ -10,8 +10,8 @@ import torch
 from memhelpers import BATCH, RANK, SEQ, V, mask_bytes
 from test_bnb_layers import IN, linear4bit, linear8bit
 
-from vramguard.budgets import Budget, assert_within_budget, measure
-from vramguard.layer_budget import lora_adapter_bytes
+from vramguard.measure.meters import Budget, assert_within_budget, measure
+from vramguard.model.layers import lora_adapter_bytes
 
 
 def lora(base: torch.nn.Module, dropout: float) -> torch.nn.Module:

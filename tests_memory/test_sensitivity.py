@@ -13,8 +13,8 @@ from memhelpers import BATCH, RANK, SEQ, release
 from test_bnb_layers import IN, linear4bit
 from test_lora_adapters import lora
 
-from vramguard.budgets import Budget, check, measure
-from vramguard.layer_budget import checkpointed_layer_bytes, logits_fp32_bytes, lora_adapter_bytes
+from vramguard.measure.meters import Budget, check, measure
+from vramguard.model.layers import checkpointed_layer_bytes, logits_fp32_bytes, lora_adapter_bytes
 
 LAYERS = "base_model.model.model.layers"
 

@@ -66,7 +66,7 @@ print(f"{pkg} {got} from {root}")
 
 
 @dataclass
-class Probe:
+class VersionProbe:
     """One probe of one version: what the JSON log records."""
 
     version: str
@@ -271,7 +271,7 @@ class BisectRun:
     import_check: bool = True
     log_path: Path | None = None
     console: Reporter = field(default_factory=lambda: Silent())
-    probes: list[Probe] = field(default_factory=list)
+    probes: list[VersionProbe] = field(default_factory=list)
     status: str = "running"
     error: str = ""
     run_id: str = field(default_factory=lambda: f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
@@ -293,11 +293,11 @@ class BisectRun:
             raise UsageError(f"overlay cache {self.cache.root}: {exc.strerror or exc}{where}") from None
         return overlay, "", time.monotonic() - start
 
-    def probe(self, version: str) -> Probe:
+    def probe(self, version: str) -> VersionProbe:
         """Install (or reuse) the overlay, check it is what gets imported, run the command."""
         overlay, reason, install_s = self._overlay(version)
         if overlay is None:
-            return Probe(version, "skip", None, 0.0, "install-failed", round(install_s, 3), reason)
+            return VersionProbe(version, "skip", None, 0.0, "install-failed", round(install_s, 3), reason)
         env = probe_env(overlay.path, self.package, version)
         how = "installed" if overlay.installed_now else "cached"
         start = time.monotonic()
@@ -307,7 +307,7 @@ class BisectRun:
                 code, tail = run_command(check + list(overlay.import_names), env, self.timeout)
                 if code != 0:
                     why = tail[-1] if tail else f"exit {code}"
-                    return Probe(
+                    return VersionProbe(
                         version,
                         "skip",
                         code,
@@ -319,7 +319,7 @@ class BisectRun:
                     )
             code, tail = run_command(self.command, env, self.timeout)
         reason = "timeout" if code is None else ""
-        return Probe(
+        return VersionProbe(
             version,
             verdict_for(code),
             code,
@@ -381,7 +381,7 @@ class BisectRun:
             f"{flag} {probe.version} is not {claimed}: the probe {how} on it, so there is nothing to bisect"
         )
 
-    def _progress(self, p: Probe, bound: int) -> None:
+    def _progress(self, p: VersionProbe, bound: int) -> None:
         lo, hi = self.candidates[self.search.lo], self.candidates[self.search.hi]
         colour = {"good": "green", "bad": "red", "skip": "yellow"}[p.verdict]
         how = "timeout" if p.reason == "timeout" else f"exit {p.exit_code}"

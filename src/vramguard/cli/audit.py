@@ -187,10 +187,10 @@ def register(subparsers: Any) -> None:
     talk.add_argument(
         "--verbose", action="store_true", help="also show the library log lines vramguard hides (stderr)"
     )
-    p.set_defaults(func=main)
+    p.set_defaults(func=handle)
 
 
-def main(args: argparse.Namespace) -> int:
+def handle(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -113,7 +113,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_options(p)
     p.add_argument("rest", nargs=argparse.REMAINDER, metavar="PACKAGE [options] -- COMMAND")
-    p.set_defaults(func=run_bisect)
+    p.set_defaults(func=handle)
 
 
 def _reparse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
@@ -146,7 +146,7 @@ def _candidates(args: argparse.Namespace, index: IndexOptions) -> list[Version]:
     return select_range(versions, args.good, args.bad, args.find_fix, source)
 
 
-def run_bisect(args: argparse.Namespace) -> int:
+def handle(args: argparse.Namespace) -> int:
     """Validate everything that can be validated before the first install, then bisect."""
     args, command = _reparse(args)
     if not command:

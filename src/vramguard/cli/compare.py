@@ -147,10 +147,10 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the comparison as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="show every metric, not only headline ones")
-    p.set_defaults(func=run)
+    p.set_defaults(func=handle)
 
 
-def run(args: argparse.Namespace) -> int:
+def handle(args: argparse.Namespace) -> int:
     if args.allow_missing and args.fail_on_missing:
         raise UsageError("--allow-missing and --fail-on-missing contradict each other")
     gate = Gate.from_options(

@@ -12,7 +12,7 @@ the patch really took effect. Both questions need the *same* patch object::
 
 Sources of patches: the built-ins below, the ``vramguard.grad.patches`` entry-point group (each entry
 point loads a :class:`Patch` or a zero-argument callable returning one), and ``module:function``
-strings (:func:`load_spec`) -- from ``VRAMGUARD_PATCHES`` (comma separated) or ``--vram-patch`` in
+strings (:func:`load_patch`) -- from ``VRAMGUARD_PATCHES`` (comma separated) or ``--vram-patch`` in
 ``tests_grad``. The gradient suite runs every property for every patch in :func:`available`.
 """
 
@@ -244,7 +244,7 @@ def _coerce(obj: Any, origin: str) -> Patch:
     raise UsageError(f"{origin} is neither a Patch nor a callable returning one")
 
 
-def load_spec(spec: str) -> Patch:
+def load_patch(spec: str) -> Patch:
     """A user patch from ``"module:attribute"`` (a Patch, or a zero-argument callable returning one)."""
     module_name, sep, attr = spec.strip().partition(":")
     if not sep or not module_name or not attr:
@@ -268,7 +268,7 @@ def _load_all() -> None:
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         register(_coerce(ep.load(), f"entry point {ep.name!r}"), replace=True)
     for spec in filter(None, (s.strip() for s in os.environ.get(ENV_VAR, "").split(","))):
-        register(load_spec(spec), replace=True)
+        register(load_patch(spec), replace=True)
 
 
 def names() -> list[str]:

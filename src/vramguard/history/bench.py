@@ -31,7 +31,7 @@ SCHEMA = 1
 
 
 @dataclass(frozen=True)
-class Case:
+class BenchCase:
     """One point of the benchmark matrix; ``id`` is the pytest parameter id."""
 
     model: str
@@ -146,7 +146,7 @@ class Prepared:
     The warm-up step carries the ledger so that its hooks never slow the timed step.
     """
 
-    def __init__(self, case: Case, device: str) -> None:
+    def __init__(self, case: BenchCase, device: str) -> None:
         self.case = case
         self.device = torch.device(device)
         reset_cuda(self.device)
@@ -169,7 +169,7 @@ class Prepared:
         reset_cuda(self.device)
 
 
-def measure(prepared: Prepared) -> dict[str, Any]:
+def measure_case(prepared: Prepared) -> dict[str, Any]:
     """The timed step (step 1), measured phase by phase; returns the ``extra_info`` payload."""
     device = prepared.device
     with MemoryTracker(device) as tracker:
@@ -208,7 +208,7 @@ def measure(prepared: Prepared) -> dict[str, Any]:
     }
 
 
-def run_case(benchmark: Any, case: Case, device: str) -> dict[str, Any]:
+def run_case(benchmark: Any, case: BenchCase, device: str) -> dict[str, Any]:
     """Run ``case`` under pytest-benchmark (pedantic, 1 round) and record the payload in extra_info.
 
     Without pytest-benchmark timing (e.g. disabled under xdist) the step still runs once.
@@ -218,7 +218,7 @@ def run_case(benchmark: Any, case: Case, device: str) -> dict[str, Any]:
     try:
 
         def target() -> None:
-            payload.update(measure(prepared))
+            payload.update(measure_case(prepared))
 
         benchmark.pedantic(target, rounds=1, iterations=1, warmup_rounds=0)
     finally:

@@ -15,8 +15,8 @@ Why three: each probe alone can be fooled.
 sees alive that neither the hooks nor the ctx walk account for, and that are not the block's
 outputs, are ``tracker``-only records ("unexplained"): a stray cache or a private copy.
 
-A :class:`Budget` limits the bytes of one selection (all, a module prefix, new storages only).
-:func:`check` compares **both** totals with it -- the ledger's (hook + ctx) and the tracker's
+A :class:`SavedLimit` limits the bytes of one selection (all, a module prefix, new storages only).
+:func:`check_limit` compares **both** totals with it -- the ledger's (hook + ctx) and the tracker's
 (its new live storages plus the ledger's pre-existing ones, which it cannot see) -- and demands
 that they agree within ``tolerance``. :func:`assert_within_budget` turns violations into one
 line (module, tensor, shape, dtype, bytes, budget, probe) and puts the itemised detail in a
@@ -40,7 +40,7 @@ from vramguard.measure.storage import StorageKey, resident_storages, storage_key
 from vramguard.measure.tracker import StorageTracker
 from vramguard.units import format_bytes
 
-Probe = Literal["hook", "ctx", "tracker"]
+KeptBy = Literal["hook", "ctx", "tracker"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Kept:
     shape: tuple[int, ...]
     dtype: str
     bytes: int
-    probe: Probe
+    probe: KeptBy
     new: bool
     kind: str = "activation"
     attribute: str | None = None
@@ -100,7 +100,7 @@ class Measurement:
         """What the live tracker sees kept (new storages), plus pre-existing ones it cannot see."""
         return sum(k.bytes for k in (self.kept if items is None else items) if k.new or k.probe != "tracker")
 
-    def bytes_by(self, probe: Probe, items: Iterable[Kept] | None = None) -> int:
+    def bytes_by(self, probe: KeptBy, items: Iterable[Kept] | None = None) -> int:
         return sum(k.bytes for k in (self.kept if items is None else items) if k.probe == probe)
 
     @property
@@ -280,7 +280,7 @@ def _outputs(obj: Any) -> list[torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class Budget:
+class SavedLimit:
     """At most ``max_bytes`` (and, with ``min_bytes``, at least that: a band) kept by a selection.
 
     ``prefix``: only storages attributed to this module and its submodules. ``new_only``: only
@@ -299,8 +299,8 @@ class Budget:
 
 
 @dataclass
-class Verdict:
-    budget: Budget
+class LimitVerdict:
+    budget: SavedLimit
     ledger_bytes: int
     tracker_bytes: int
     hook_bytes: int
@@ -332,7 +332,7 @@ class Verdict:
         return "\n".join(head + ["  kept:"] + ["    " + line for line in m.table(self.items).splitlines()])
 
 
-def check(m: Measurement, budget: Budget) -> Verdict:
+def check_limit(m: Measurement, budget: SavedLimit) -> LimitVerdict:
     """Both totals against the budget, and the probes against each other."""
     items = m.select(budget.prefix, budget.new_only, budget.predicate)
     led, trk = m.ledger_bytes(items), m.tracker_bytes(items)
@@ -364,7 +364,7 @@ def check(m: Measurement, budget: Budget) -> Verdict:
             f"{budget.name}: tracker sees {unexplained} B alive that no saved-tensor hook or ctx holds "
             f"(a cache or private copy); {culprit(lambda k: k.probe == 'tracker')}"
         )
-    return Verdict(
+    return LimitVerdict(
         budget, led, trk, m.bytes_by("hook", items), m.bytes_by("ctx", items), unexplained, items, failures
     )
 
@@ -381,9 +381,9 @@ def report_section(request: Any, title: str, text: str) -> None:
         props.append((f"vramguard:{title}", text))
 
 
-def assert_within_budget(m: Measurement, budget: Budget, request: Any = None) -> Verdict:
+def assert_within_budget(m: Measurement, budget: SavedLimit, request: Any = None) -> LimitVerdict:
     """Fail with one line per violated check (the first is the message); detail in the report."""
-    verdict = check(m, budget)
+    verdict = check_limit(m, budget)
     if request is not None:
         report_section(request, budget.name, verdict.detail(m))
     if verdict.failures:

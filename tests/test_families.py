@@ -13,7 +13,7 @@ from vramguard.cli import main
 from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.meters import SavedBytesMeter
 from vramguard.model.estimate import activation_budget
-from vramguard.model.families import FAMILIES, NoAnalyticModel
+from vramguard.workload.families import FAMILIES, NoAnalyticModel
 from vramguard.workload.models import ModelSpec, presets
 
 PRESETS = Path(__file__).resolve().parents[1] / "src" / "vramguard" / "workload" / "presets"

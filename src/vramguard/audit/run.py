@@ -41,9 +41,9 @@ from vramguard.model.estimate import (
     quantized_weight_bytes,
     weights_budget,
 )
-from vramguard.model.families import NoAnalyticModel
 from vramguard.model.layers import checkpointed_layer_bytes, logits_fp32_bytes
 from vramguard.units import format_bytes
+from vramguard.workload.families import NoAnalyticModel
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
 from vramguard.workload.training import PHASES, StepResult, make_optimizer, run_steps
 

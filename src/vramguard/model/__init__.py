@@ -1,1 +1,1 @@
-"""Expected bytes, from shapes alone: per-layer terms, the whole-model estimate, and the architecture families it covers."""
+"""Expected bytes, from shapes alone: per-layer terms and the whole-model estimate."""

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from vramguard.model.families import analytic_features
 from vramguard.model.layers import (
     checkpointed_layer_bytes,
     layer_terms,
@@ -27,6 +26,7 @@ from vramguard.model.layers import (
     rope_bytes,
     shape_from,
 )
+from vramguard.workload.families import analytic_features
 from vramguard.workload.models import ModelSpec
 
 QUANT_BLOCKSIZE = 64
@@ -61,7 +61,7 @@ class Budget:
     layer_terms: list[dict[str, int]] = field(default_factory=list)
     shared_bytes: int = 0  # outside the layers, besides the logits: final norm, loss targets
     logits_bytes: int = 0
-    family: str | None = None  # the family whose formula this is (vramguard.model.families)
+    family: str | None = None  # the family whose formula this is (vramguard.workload.families)
     no_analytic_model: str | None = None  # why there is no activation model (weights only), or None
 
     @property
@@ -144,7 +144,7 @@ def qlora_budget(
 ) -> Budget:
     """The budget of ``model`` (a built QLoRA model) for one training step.
 
-    Raises :class:`vramguard.model.families.NoAnalyticModel` for a family (or configuration) the
+    Raises :class:`vramguard.workload.families.NoAnalyticModel` for a family (or configuration) the
     analytic model does not cover: then there is no budget to compare against.
     """
     n_q, q_bytes, n_other, other_bytes, m, norm_dtype = _count(model, double_quant)

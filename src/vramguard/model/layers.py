@@ -33,7 +33,7 @@ What one Llama decoder layer keeps (no checkpointing, LoRA on all 7 projections)
                          q, k, v, gate, up; a*d for o; i for down (first layer: q, k, v keep
                          no mask, their input does not require grad)
 
-Family features (:mod:`vramguard.model.families`; each one term, the same for every family that has it)::
+Family features (:mod:`vramguard.workload.families`; each one term, the same for every family that has it)::
 
     qk_norm (Qwen3, Gemma 3)       q_norm T*a*d*4 + T*a*4, k_norm T*kv*d*4 + T*kv*4
     fused_qkv/gate_up (Phi-3)      4 adapters; v is a view of the qkv output, so sdpa keeps
@@ -80,7 +80,7 @@ class LayerShape:
     mask_bytes: int = FP32
     attn: str = "sdpa"
     first_layer: bool = False
-    # family features (vramguard.model.families), all off for Llama
+    # family features (vramguard.workload.families), all off for Llama
     fused_qkv: bool = False
     fused_gate_up: bool = False
     qk_norm: bool = False
@@ -126,7 +126,7 @@ def lora_adapter_bytes(
 def layer_terms(shape: LayerShape) -> dict[str, int]:
     """Bytes a decoder layer keeps, term by term (names as in the module docstring).
 
-    Llama's layer; each family feature of the shape (:mod:`vramguard.model.families`) adds or changes
+    Llama's layer; each family feature of the shape (:mod:`vramguard.workload.families`) adds or changes
     the terms marked with it, the same way for every family that has it.
     """
     T, h, e = shape.tokens, shape.hidden, shape.act_bytes

@@ -65,14 +65,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu:  # torch is imported only when a vramguard marker or option asks for it
+        return
     import torch
 
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (gpu marker) and none is available")
-    for item in items:
-        if item.get_closest_marker("gpu") is not None:
-            item.add_marker(skip)
+    for item in gpu:
+        item.add_marker(skip)
 
 
 # --- memory-budget markers (vram_budget, saved_bytes) --------------------------------------------

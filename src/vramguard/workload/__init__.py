@@ -1,1 +1,1 @@
-"""What is measured: model presets and the QLoRA builder, and the training step."""
+"""What is measured: model presets, architecture families, the QLoRA builder, and the training step."""

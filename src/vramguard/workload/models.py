@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from vramguard.errors import UsageError
-from vramguard.model.families import is_hf_config, moe_refusal, spec_from_hf, transformers_config
+from vramguard.workload.families import is_hf_config, moe_refusal, spec_from_hf, transformers_config
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,

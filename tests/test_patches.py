@@ -261,7 +261,7 @@ def test_entry_point_group(target, fresh_registry: None, monkeypatch: pytest.Mon
 
     monkeypatch.setattr(patches.importlib.metadata, "entry_points", entry_points)
     names = patches.names()
-    assert asked == ["vramguard.grad.patches"]
+    assert asked == ["vramguard.patches"]
     assert {"user-patch", "ready-patch"} <= set(names)
 
 

@@ -10,7 +10,7 @@ the patch really took effect. Both questions need the *same* patch object::
     with p.apply():             # raises PatchNotApplicable instead of silently doing nothing
         ...
 
-Sources of patches: the built-ins below, the ``vramguard.grad.patches`` entry-point group (each entry
+Sources of patches: the built-ins below, the ``vramguard.patches`` entry-point group (each entry
 point loads a :class:`Patch` or a zero-argument callable returning one), and ``module:function``
 strings (:func:`load_patch`) -- from ``VRAMGUARD_PATCHES`` (comma separated) or ``--vram-patch`` in
 ``tests_grad``. The gradient suite runs every property for every patch in :func:`available`.
@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 from vramguard.errors import UsageError
 
-ENTRY_POINT_GROUP = "vramguard.grad.patches"
+ENTRY_POINT_GROUP = "vramguard.patches"
 ENV_VAR = "VRAMGUARD_PATCHES"
 
 

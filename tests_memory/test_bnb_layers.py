@@ -191,7 +191,7 @@ def test_linear8bit_keeps_exactly_its_input(
     # the caller's storage (CUDA's MatMul8bitLt keeps a 2-D view of it): same bytes, not new
     assert (kept.dtype, kept.bytes, kept.new) == (str(x_dtype)[6:], x.numel() * x.element_size(), False)
     assert kept.key == x.untyped_storage()._cdata
-    assert kept.probe == "ctx", "bitsandbytes keeps it as a ctx attribute: only the ctx probe can see it"
+    assert kept.source == "ctx", "bitsandbytes keeps it as a ctx attribute: only the ctx probe can see it"
     y.float().sum().backward()
     assert x.grad is not None
 

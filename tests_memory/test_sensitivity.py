@@ -65,7 +65,7 @@ def test_4bit_weight_copy_is_caught(device: str, fault: str, probe: str, request
         m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
     v = check_limit(m, budget)
     assert not v.ok and (f"via {probe}" in v.failures[0] or "via ctx.w_cache" in v.failures[0]), v.failures
-    assert [k.kind for k in m.kept] == ["weight-copy"] and m.kept[0].probe == probe
+    assert [k.kind for k in m.kept] == ["weight-copy"] and m.kept[0].source == probe
     if probe == "ctx":
         assert m.hook_bytes == 0, "hooks alone would have passed it: the ctx probe is needed"
     m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)

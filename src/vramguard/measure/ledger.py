@@ -34,8 +34,11 @@ from torch.autograd.function import BackwardCFunction
 from vramguard.measure.decoder import decoder_layer  # noqa: F401  (re-exported: the one decoder-layer rule)
 from vramguard.measure.storage import StorageKey, resident_storages, storage_key, storage_nbytes, tensors_in
 
-Source = Literal["hook", "ctx"]
-Kind = Literal["activation", "weight-copy", "resident"]
+Source = Literal["hook", "ctx", "tracker"]
+"""Which probe saw a storage first: ``saved_tensors_hooks`` (hook), the walk of custom Functions'
+contexts (ctx), or only the live-storage tracker (:func:`vramguard.measure.meters.measure`)."""
+Kind = Literal["activation", "weight-copy", "resident", "unexplained"]
+"""What a kept storage is; ``unexplained``: alive after the block, held by no hook or ctx (tracker only)."""
 
 OUTSIDE = "<outside>"
 """Module name for tensors saved by ops that ran outside any module's forward (e.g. a user's loss)."""
@@ -56,9 +59,15 @@ class SavedRecord:
     attribute: str | None = None
     owner: str | None = None
     also_saved_by: tuple[str, ...] = ()
+    key: StorageKey | None = field(default=None, compare=False, repr=False)
+    """The storage's identity in this process (not written to JSON)."""
+    new: bool | None = None
+    """Whether the measured block created the storage: known only when the live tracker ran along
+    (:func:`vramguard.measure.meters.measure`); not written to JSON."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["key"], d["new"]
         d["shape"] = list(self.shape)
         d["also_saved_by"] = list(self.also_saved_by)
         return d
@@ -66,9 +75,10 @@ class SavedRecord:
     def describe(self) -> str:
         """One line a maintainer can act on."""
         where = f"ctx.{self.attribute}" if self.source == "ctx" and self.attribute else self.source
+        age = " (pre-existing)" if self.new is False else ""
         return (
             f"{self.module or '<root>'} {self.node}: {self.kind} {tuple(self.shape)} {self.dtype} "
-            f"{self.bytes} B via {where}"
+            f"{self.bytes} B via {where}{age}"
         )
 
 
@@ -252,6 +262,11 @@ class SavedTensorLedger:
         self._weights: dict[str, set[tuple[int, ...]]] = {}
         self._inputs: dict[str, set[StorageKey]] = defaultdict(set)  # storages passed into each module
 
+    @property
+    def resident_keys(self) -> frozenset[StorageKey]:
+        """The storages of the model's parameters, buffers and quantization state (as of the block's end)."""
+        return frozenset(self._resident)
+
     def add_roots(self, *tensors: Any) -> None:
         for t in _flatten_tensors(tensors):
             self._roots.append(weakref.ref(t))
@@ -434,6 +449,7 @@ class SavedTensorLedger:
                 attribute=e["attribute"],
                 owner=self._resident.get(key),
                 also_saved_by=tuple(name for _, name in e["nodes"][1:]),
+                key=key,
             )
             (report.resident if kind == "resident" else report.records).append(record)
         report.records.sort(key=lambda r: (-r.bytes, r.module))

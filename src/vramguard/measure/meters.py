@@ -28,50 +28,23 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
-from torch.autograd.function import BackwardCFunction
 
 from vramguard.measure.decoder import decoder_layers_of
-from vramguard.measure.ledger import OUTSIDE, SavedTensorLedger, _flatten_tensors, _iter_graph
-from vramguard.measure.storage import StorageKey, resident_storages, storage_key, storage_nbytes, tensors_in
+from vramguard.measure.ledger import OUTSIDE, SavedRecord, SavedTensorLedger, Source, _flatten_tensors
+from vramguard.measure.storage import StorageKey, resident_storages, storage_key, storage_nbytes
 from vramguard.measure.tracker import StorageTracker
 from vramguard.units import format_bytes
-
-KeptBy = Literal["hook", "ctx", "tracker"]
-
-
-@dataclass(frozen=True)
-class Kept:
-    """One storage kept alive after the measured block, as one probe first saw it."""
-
-    key: StorageKey
-    module: str
-    node: str
-    shape: tuple[int, ...]
-    dtype: str
-    bytes: int
-    probe: KeptBy
-    new: bool
-    kind: str = "activation"
-    attribute: str | None = None
-
-    def describe(self) -> str:
-        where = f"ctx.{self.attribute}" if self.probe == "ctx" and self.attribute else self.probe
-        age = "" if self.new else " (pre-existing)"
-        return (
-            f"{self.module or '<root>'} {self.node}: {self.kind} {tuple(self.shape)} {self.dtype} "
-            f"{self.bytes} B via {where}{age}"
-        )
 
 
 @dataclass
 class Measurement:
     """Storages a block left alive for backward, each once, with the probe that saw it."""
 
-    kept: list[Kept] = field(default_factory=list)
+    kept: list[SavedRecord] = field(default_factory=list)
     output_bytes: int = 0
     allocator_delta: int | None = None
 
@@ -79,8 +52,8 @@ class Measurement:
         self,
         prefix: str | None = None,
         new_only: bool = False,
-        predicate: Callable[[Kept], bool] | None = None,
-    ) -> list[Kept]:
+        predicate: Callable[[SavedRecord], bool] | None = None,
+    ) -> list[SavedRecord]:
         out = []
         for k in self.kept:
             if prefix is not None and not (k.module == prefix or k.module.startswith(prefix + ".")):
@@ -92,16 +65,16 @@ class Measurement:
             out.append(k)
         return out
 
-    def ledger_bytes(self, items: Iterable[Kept] | None = None) -> int:
+    def ledger_bytes(self, items: Iterable[SavedRecord] | None = None) -> int:
         """What the saved-tensor probes (hook + ctx) account for."""
-        return sum(k.bytes for k in (self.kept if items is None else items) if k.probe != "tracker")
+        return sum(k.bytes for k in (self.kept if items is None else items) if k.source != "tracker")
 
-    def tracker_bytes(self, items: Iterable[Kept] | None = None) -> int:
+    def tracker_bytes(self, items: Iterable[SavedRecord] | None = None) -> int:
         """What the live tracker sees kept (new storages), plus pre-existing ones it cannot see."""
-        return sum(k.bytes for k in (self.kept if items is None else items) if k.new or k.probe != "tracker")
+        return sum(k.bytes for k in (self.kept if items is None else items) if k.new or k.source != "tracker")
 
-    def bytes_by(self, probe: KeptBy, items: Iterable[Kept] | None = None) -> int:
-        return sum(k.bytes for k in (self.kept if items is None else items) if k.probe == probe)
+    def bytes_by(self, source: Source, items: Iterable[SavedRecord] | None = None) -> int:
+        return sum(k.bytes for k in (self.kept if items is None else items) if k.source == source)
 
     @property
     def hook_bytes(self) -> int:
@@ -115,7 +88,7 @@ class Measurement:
     def unexplained_bytes(self) -> int:
         return self.bytes_by("tracker")
 
-    def table(self, items: Iterable[Kept] | None = None, limit: int = 60) -> str:
+    def table(self, items: Iterable[SavedRecord] | None = None, limit: int = 60) -> str:
         rows = sorted(self.kept if items is None else items, key=lambda k: (-k.bytes, k.module))
         lines = [k.describe() for k in rows[:limit]]
         if len(rows) > limit:
@@ -149,51 +122,6 @@ class _AnnotatedTracker(StorageTracker):
         return out
 
 
-class _KeyedLedger(SavedTensorLedger):
-    """The ledger, plus the storage key of every record (so the tracker can be reconciled)."""
-
-    def _build_report(self) -> Any:
-        roots = [t for t in (r() for r in self._roots) if t is not None]
-        nodes = list(_iter_graph(roots))
-        names = {int(n._sequence_nr()): n.name() for n in nodes}
-        self.keyed: dict[StorageKey, dict[str, Any]] = {}
-        for p in self._packs:
-            if p.slot() is None or p.key in self.keyed:
-                continue
-            self.keyed[p.key] = {
-                "module": p.module,
-                "node": names.get(p.node_seq, "<unknown>"),
-                "shape": p.shape,
-                "dtype": p.dtype,
-                "bytes": p.nbytes,
-                "probe": "hook",
-                "attribute": None,
-            }
-        for node in nodes:
-            if not isinstance(node, BackwardCFunction):
-                continue
-            module = self._module_of_seq(int(node._sequence_nr()))
-            for attr, value in list(vars(node).items()):
-                if attr.startswith("_") or attr in ("saved_tensors", "to_save"):
-                    continue
-                for path, t in tensors_in(value):
-                    key = storage_key(t)
-                    if key in self.keyed:
-                        continue
-                    self.keyed[key] = {
-                        "module": module,
-                        "node": node.name(),
-                        "shape": tuple(t.shape),
-                        "dtype": str(t.dtype).removeprefix("torch."),
-                        "bytes": storage_nbytes(t),
-                        "probe": "ctx",
-                        "attribute": attr + path,
-                    }
-        self.resident_keys = set(self._resident)
-        self.kinds = {k: self._kind(v["module"], v["shape"], k) for k, v in self.keyed.items()}
-        return super()._build_report()
-
-
 def _tracker_device(device: str | torch.device) -> str:
     return torch.device(device).type
 
@@ -213,7 +141,7 @@ def measure(
     tracker first meets their storage through a view taken inside the block.
     """
     pre = {storage_key(t) for t in _flatten_tensors(inputs) if isinstance(t, torch.Tensor)}
-    ledger = _KeyedLedger(model)
+    ledger = SavedTensorLedger(model)
     tracker = _AnnotatedTracker(
         _tracker_device(device), lambda: ledger._stack[-1] if ledger._stack else OUTSIDE
     )
@@ -241,12 +169,12 @@ def measure(
     if cuda:
         torch.cuda.synchronize()
         m.allocator_delta = torch.cuda.memory_allocated() - alloc_before
-    keyed = getattr(ledger, "keyed", {})
-    for key, e in keyed.items():
-        if key in ledger.resident_keys or key in outs:
-            continue
-        m.kept.append(Kept(key=key, new=key in live, kind=ledger.kinds[key], **e))
-    resident = set(getattr(ledger, "resident_keys", set()))
+    saved = ledger.report.records + ledger.report.resident
+    keyed = {r.key for r in saved}
+    for r in ledger.report.records:  # (resident ones are the model's, not kept)
+        if r.key not in outs:
+            m.kept.append(replace(r, new=r.key in live))
+    resident = set(ledger.resident_keys)
     if model is not None:  # parameters whose storage the forward replaced (Linear4bit casts its bias
         resident |= set(resident_storages(model))  # in place): the model's from now on, not kept
     for key, nbytes in live.items():
@@ -256,16 +184,17 @@ def measure(
             continue
         op, shape, dtype, module = meta.get(key, ("<unknown>", (), "?", OUTSIDE))
         m.kept.append(
-            Kept(
-                key=key,
+            SavedRecord(
                 module=module,
                 node=op,
                 shape=shape,
                 dtype=dtype,
                 bytes=nbytes,
-                probe="tracker",
-                new=True,
+                source="tracker",
                 kind="unexplained",
+                device=str(device),
+                key=key,
+                new=True,
             )
         )
     m.kept.sort(key=lambda k: (-k.bytes, k.module))
@@ -293,7 +222,7 @@ class SavedLimit:
     min_bytes: int | None = None
     prefix: str | None = None
     new_only: bool = False
-    predicate: Callable[[Kept], bool] | None = None
+    predicate: Callable[[SavedRecord], bool] | None = None
     tolerance: int = 0
     formula: str = ""
 
@@ -306,7 +235,7 @@ class LimitVerdict:
     hook_bytes: int
     ctx_bytes: int
     unexplained_bytes: int
-    items: list[Kept]
+    items: list[SavedRecord]
     failures: list[str]
 
     @property
@@ -340,13 +269,13 @@ def check_limit(m: Measurement, budget: SavedLimit) -> LimitVerdict:
     failures: list[str] = []
     top_over = max(items, key=lambda k: k.bytes, default=None)
 
-    def culprit(probe_filter: Callable[[Kept], bool]) -> str:
+    def culprit(probe_filter: Callable[[SavedRecord], bool]) -> str:
         cands = [k for k in items if probe_filter(k)]
         k = max(cands, key=lambda k: k.bytes, default=top_over)
         return f"largest: {k.describe()}" if k is not None else "nothing kept"
 
     for probe, total, filt in (
-        ("ledger (hook+ctx)", led, lambda k: k.probe != "tracker"),
+        ("ledger (hook+ctx)", led, lambda k: k.source != "tracker"),
         ("tracker", trk, lambda k: True),
     ):
         if total > budget.max_bytes:
@@ -362,7 +291,7 @@ def check_limit(m: Measurement, budget: SavedLimit) -> LimitVerdict:
     if unexplained > budget.tolerance:
         failures.append(
             f"{budget.name}: tracker sees {unexplained} B alive that no saved-tensor hook or ctx holds "
-            f"(a cache or private copy); {culprit(lambda k: k.probe == 'tracker')}"
+            f"(a cache or private copy); {culprit(lambda k: k.source == 'tracker')}"
         )
     return LimitVerdict(
         budget, led, trk, m.bytes_by("hook", items), m.bytes_by("ctx", items), unexplained, items, failures

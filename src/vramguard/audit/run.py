@@ -29,7 +29,6 @@ from vramguard.audit.report import (
     Verdict,
 )
 from vramguard.errors import UsageError
-from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.storage import frozen_resident_bytes, storage_nbytes
 from vramguard.measure.tracker import MemoryTracker
@@ -218,7 +217,7 @@ def _lora_training_bytes(q: QLoRAModel, optimizer: torch.optim.Optimizer) -> int
 
 
 def _layers(ledger: LedgerReport, budget: Budget, top: int) -> list[LayerRow]:
-    groups = ledger.group(lambda r: decoder_layer(r.module))
+    groups = ledger.by_layer()
     rows: list[LayerRow] = []
     for name in sorted(groups, key=lambda n: int(n.rsplit(".", 1)[1])):
         records = groups[name]

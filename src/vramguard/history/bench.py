@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.ledger import SavedTensorLedger
 from vramguard.measure.storage import storage_key, storage_nbytes
 from vramguard.measure.tracker import CudaAllocatorSource, MemoryTracker
@@ -113,11 +112,7 @@ def process_memory(device: torch.device) -> dict[str, Any] | None:
 
 
 def _saved_per_layer(ledger: SavedTensorLedger) -> dict[str, Any]:
-    by_layer: dict[str, int] = {}
-    for record in ledger.report.records:
-        layer = decoder_layer(record.module)
-        if layer is not None:
-            by_layer[layer] = by_layer.get(layer, 0) + record.bytes
+    by_layer = {layer: sum(r.bytes for r in records) for layer, records in ledger.report.by_layer().items()}
     values = list(by_layer.values()) or [0]
     return {
         "layers": len(by_layer),

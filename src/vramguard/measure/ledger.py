@@ -31,8 +31,15 @@ from typing import Any, Literal
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from vramguard.measure.decoder import decoder_layer  # noqa: F401  (re-exported: the one decoder-layer rule)
-from vramguard.measure.storage import StorageKey, resident_storages, storage_key, storage_nbytes, tensors_in
+from vramguard.measure.decoder import decoder_layer
+from vramguard.measure.storage import (
+    StorageKey,
+    flat_tensors,
+    resident_storages,
+    storage_key,
+    storage_nbytes,
+    tensors_in,
+)
 
 Source = Literal["hook", "ctx", "tracker"]
 """Which probe saw a storage first: ``saved_tensors_hooks`` (hook), the walk of custom Functions'
@@ -123,6 +130,11 @@ class LedgerReport:
                 out[k].append(r)
         return dict(out)
 
+    def by_layer(self) -> dict[str, list[SavedRecord]]:
+        """Records grouped by decoder layer (``layers.N``, the one rule of :mod:`vramguard.measure.decoder`);
+        records outside every decoder layer are left out."""
+        return self.group(lambda r: decoder_layer(r.module))
+
     def under(self, prefix: str) -> list[SavedRecord]:
         """Records of ``prefix`` and its submodules."""
         return [r for r in self.records if r.module == prefix or r.module.startswith(prefix + ".")]
@@ -211,17 +223,6 @@ def _weight_shapes(model: torch.nn.Module | None) -> dict[str, set[tuple[int, ..
     return shapes
 
 
-def _flatten_tensors(obj: Any, depth: int = 4) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth > 0 and isinstance(obj, dict):
-        for v in obj.values():
-            yield from _flatten_tensors(v, depth - 1)
-    elif depth > 0 and isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from _flatten_tensors(v, depth - 1)
-
-
 def _iter_graph(roots: Iterable[torch.Tensor]) -> Iterator[Any]:
     """Every autograd node reachable from ``roots``' grad_fns, each once."""
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
@@ -268,7 +269,7 @@ class SavedTensorLedger:
         return frozenset(self._resident)
 
     def add_roots(self, *tensors: Any) -> None:
-        for t in _flatten_tensors(tensors):
+        for t in flat_tensors(tensors):
             self._roots.append(weakref.ref(t))
 
     # -- recording ---------------------------------------------------------------------------
@@ -311,7 +312,7 @@ class SavedTensorLedger:
     def _pre_hook(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             assert self._clock is not None
-            for t in _flatten_tensors((args, kwargs)):
+            for t in flat_tensors((args, kwargs)):
                 try:
                     self._inputs[name].add(storage_key(t))
                 except (RuntimeError, NotImplementedError):  # tensors without a storage (sparse, wrappers)

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from vramguard.measure.decoder import decoder_layers_of
-from vramguard.measure.ledger import OUTSIDE, SavedRecord, SavedTensorLedger, Source, _flatten_tensors
-from vramguard.measure.storage import StorageKey, resident_storages, storage_key, storage_nbytes
+from vramguard.measure.ledger import OUTSIDE, SavedRecord, SavedTensorLedger, Source
+from vramguard.measure.storage import StorageKey, flat_tensors, resident_storages, storage_key, storage_nbytes
 from vramguard.measure.tracker import StorageTracker
 from vramguard.units import format_bytes
 
@@ -106,7 +106,7 @@ class _AnnotatedTracker(StorageTracker):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for t in _flatten_tensors(out):
+        for t in flat_tensors(out):
             if isinstance(t, torch.Tensor):
                 before = len(self._live)
                 self.track(t)
@@ -140,7 +140,7 @@ def measure(
     ``inputs``: tensors the caller made before the block (and holds): never "new", even when the
     tracker first meets their storage through a view taken inside the block.
     """
-    pre = {storage_key(t) for t in _flatten_tensors(inputs) if isinstance(t, torch.Tensor)}
+    pre = {storage_key(t) for t in flat_tensors(inputs) if isinstance(t, torch.Tensor)}
     ledger = SavedTensorLedger(model)
     tracker = _AnnotatedTracker(
         _tracker_device(device), lambda: ledger._stack[-1] if ledger._stack else OUTSIDE
@@ -205,7 +205,7 @@ def _outputs(obj: Any) -> list[torch.Tensor]:
     """Tensors of a forward's result: tensors, tuples, dicts, HF ModelOutput."""
     if hasattr(obj, "to_tuple") and callable(obj.to_tuple):
         obj = obj.to_tuple()
-    return [t for t in _flatten_tensors(obj) if isinstance(t, torch.Tensor)]
+    return [t for t in flat_tensors(obj) if isinstance(t, torch.Tensor)]
 
 
 @dataclass(frozen=True)

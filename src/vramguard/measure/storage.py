@@ -28,6 +28,19 @@ def storage_nbytes(t: torch.Tensor) -> int:
     return int(t.untyped_storage().nbytes())
 
 
+def flat_tensors(obj: Any, depth: int = 4) -> Iterator[torch.Tensor]:
+    """The tensors of nested tuples, lists and dicts (a forward's arguments or result, an op's output),
+    ``depth`` levels deep; unlike :func:`tensors_in`, no paths and no look into objects' attributes."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 0 and isinstance(obj, dict):
+        for v in obj.values():
+            yield from flat_tensors(v, depth - 1)
+    elif depth > 0 and isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from flat_tensors(v, depth - 1)
+
+
 def tensors_in(
     obj: Any, depth: int = _MAX_DEPTH, _seen: set[int] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
@@ -27,9 +27,8 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from vramguard.measure.storage import StorageKey, storage_key
+from vramguard.measure.storage import StorageKey, flat_tensors, storage_key
 
 
 class MemorySource(Protocol):
@@ -131,13 +130,13 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs: frozenset[StorageKey] | None = None
-        for t in tree_flatten(out)[0]:
+        for t in flat_tensors(out):
             if isinstance(t, torch.Tensor):
                 if inputs is None:
                     # ``torch.tensor(data)`` builds its storage outside the dispatcher and only then
                     # lifts it: the lifted tensor is an allocation although it shares its input's storage
                     fresh = func in _LIFTS
-                    inputs = frozenset() if fresh else _storage_keys(tree_flatten((args, kwargs))[0])
+                    inputs = frozenset() if fresh else _storage_keys(flat_tensors((args, kwargs)))
                 self.track(t, inputs)
         return out
 
@@ -145,7 +144,7 @@ class StorageTracker(TorchDispatchMode):
 _LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default})
 
 
-def _storage_keys(values: list[Any]) -> frozenset[StorageKey]:
+def _storage_keys(values: Iterable[Any]) -> frozenset[StorageKey]:
     keys = set()
     for v in values:
         if isinstance(v, torch.Tensor):

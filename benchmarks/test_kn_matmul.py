@@ -17,9 +17,9 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from vramguard.bench import _saved_per_layer
-from vramguard.ledger import SavedTensorLedger
-from vramguard.tracker import MemoryTracker
+from vramguard.history.bench import _saved_per_layer
+from vramguard.measure.ledger import SavedTensorLedger
+from vramguard.measure.tracker import MemoryTracker
 
 K, N, LAYERS, TOKENS = 256, 384, 4, 64
 

@@ -2,7 +2,7 @@
 
 CPU (reduced matrix, part of CI): the live storage tracker measures bytes above the model's weights.
 GPU (``pytest -m "gpu and benchmark"``): the CUDA caching allocator's absolute numbers, every case
-starting from emptied caches and reset peaks (see ``vramguard.bench``). Each case records its memory
+starting from emptied caches and reset peaks (see ``vramguard.history.bench``). Each case records its memory
 in ``benchmark.extra_info["vramguard"]``; ``vramguard compare`` gates on it.
 """
 
@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import pytest
 
-from vramguard.bench import MEMORY_METRICS, Case, run_case
+from vramguard.history.bench import BenchCase, run_case
+from vramguard.history.compare import MEMORY_METRICS
 
 # (model preset, sequence length, gradient checkpointing, LoRA rank)
 CPU_MATRIX = [
-    Case("tiny-llama", 64, False, 8),
-    Case("tiny-llama", 64, True, 8),
-    Case("tiny-llama", 64, False, 32),
+    BenchCase("tiny-llama", 64, False, 8),
+    BenchCase("tiny-llama", 64, True, 8),
+    BenchCase("tiny-llama", 64, False, 32),
 ]
 GPU_MATRIX = [
-    Case(model, seq, ckpt, rank, batch=4)
+    BenchCase(model, seq, ckpt, rank, batch=4)
     for model in ("small-llama", "llama-1b-shape")
     for seq in (512, 2048)
     for ckpt in (False, True)
@@ -27,14 +28,14 @@ GPU_MATRIX = [
 ]
 
 
-def _args(cases: list[Case]) -> list[pytest.param]:
+def _args(cases: list[BenchCase]) -> list[pytest.param]:
     return [
         pytest.param(c.model, c.seq_len, c.gradient_checkpointing, c.lora_rank, c.batch, id=c.id)
         for c in cases
     ]
 
 
-def _check(payload: dict, case: Case) -> None:
+def _check(payload: dict, case: BenchCase) -> None:
     """Sanity of the measurement itself: a step that allocated nothing was not measured."""
     metrics = payload["metrics"]
     assert payload["params"] == case.params()
@@ -49,7 +50,7 @@ def _check(payload: dict, case: Case) -> None:
 @pytest.mark.benchmark
 @pytest.mark.parametrize("model,seq_len,gradient_checkpointing,lora_rank,batch", _args(CPU_MATRIX))
 def test_qlora_step_cpu(benchmark, model, seq_len, gradient_checkpointing, lora_rank, batch):
-    case = Case(model, seq_len, gradient_checkpointing, lora_rank, batch)
+    case = BenchCase(model, seq_len, gradient_checkpointing, lora_rank, batch)
     payload = run_case(benchmark, case, "cpu")
     _check(payload, case)
     assert payload["process"] is None  # no CUDA context on CPU
@@ -59,7 +60,7 @@ def test_qlora_step_cpu(benchmark, model, seq_len, gradient_checkpointing, lora_
 @pytest.mark.gpu
 @pytest.mark.parametrize("model,seq_len,gradient_checkpointing,lora_rank,batch", _args(GPU_MATRIX))
 def test_qlora_step_gpu(benchmark, model, seq_len, gradient_checkpointing, lora_rank, batch):
-    case = Case(model, seq_len, gradient_checkpointing, lora_rank, batch)
+    case = BenchCase(model, seq_len, gradient_checkpointing, lora_rank, batch)
     payload = run_case(benchmark, case, "cuda")
     _check(payload, case)
     process = payload["process"]

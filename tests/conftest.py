@@ -12,6 +12,6 @@ def tiny_qlora():  # type: ignore[no-untyped-def]
 
     Tests must not train it (no optimizer step) so that every user sees the same model.
     """
-    from vramguard.models import QLoRAConfig, build_qlora
+    from vramguard.workload.models import QLoRAConfig, build_qlora
 
     return build_qlora(QLoRAConfig(model="tiny-llama", seq_len=64, batch=2, lora_rank=8))

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from vramguard import audit
-from vramguard.audit import planned_budget, run_audit
-from vramguard.cli import library_noise_hidden, main
+from vramguard.audit import run as audit
+from vramguard.audit.report import SCHEMA_VERSION, AuditReport
+from vramguard.audit.run import planned_budget, run_audit
+from vramguard.cli import audit as audit_cli
+from vramguard.cli.app import library_noise_hidden, main
 from vramguard.errors import UsageError
-from vramguard.models import ModelSpec, QLoRAConfig, build_qlora, parse_dtype
-from vramguard.report import SCHEMA_VERSION, AuditReport
+from vramguard.workload.models import ModelSpec, QLoRAConfig, build_qlora, parse_dtype
 
 SMALL = QLoRAConfig(seq_len=32, batch=1)
 
@@ -66,8 +67,8 @@ def test_planned_budget_equals_the_built_models(report: AuditReport) -> None:
 
 
 def test_planned_budget_counts_tied_embeddings_once(tmp_path: Path) -> None:
-    from vramguard.budget import qlora_budget
-    from vramguard.models import presets
+    from vramguard.model.estimate import qlora_budget
+    from vramguard.workload.models import presets
 
     path = tmp_path / "tied.json"
     path.write_text(
@@ -254,9 +255,9 @@ def test_piped_output_does_not_wrap(
 
 def test_a_set_columns_is_respected(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "100")
-    assert audit.stdout_console().width == 100
+    assert audit_cli.stdout_console().width == 100
     monkeypatch.delenv("COLUMNS")
-    assert audit.stdout_console().width == audit.UNWRAPPED_WIDTH
+    assert audit_cli.stdout_console().width == audit_cli.UNWRAPPED_WIDTH
 
 
 def test_only_the_known_library_line_is_hidden(caplog: pytest.LogCaptureFixture) -> None:
@@ -319,7 +320,7 @@ def test_inconsistent_model_config_gives_one_line(
     override: dict[str, object], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Values transformers would reject with a traceback (or fail on mid-forward) are caught up front."""
-    from vramguard.models import presets
+    from vramguard.workload.models import presets
 
     fields = {**json.loads(presets()["tiny-llama"].read_text()), **override}
     bad = tmp_path / "m.json"

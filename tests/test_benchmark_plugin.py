@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from vramguard.history.store import ResultStore
+
 # The pytester fixture restores sys.modules when a test ends: a heavy module imported for the first
 # time inside such a test (bitsandbytes, transformers) would be dropped and later imported again, and
 # torch refuses to register its operator libraries twice. So: import nothing new inside these tests.
-from vramguard.benchmark_plugin import pin_gpu, visible_gpus
-from vramguard.store import ResultStore
+from vramguard.pytest.benchmark import pin_gpu, visible_gpus
 
 pytest_plugins = ["pytester"]
 

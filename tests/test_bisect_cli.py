@@ -26,10 +26,10 @@ import pytest
 from packaging.version import Version
 
 import vramguard
-from vramguard.bisect import _IMPORT_CHECK, probe_env, run_command, verdict_for
-from vramguard.bisect_search import probe_bound
+from vramguard.bisect.overlay import MARKER, InstallError, OverlayCache
+from vramguard.bisect.run import _IMPORT_CHECK, probe_env, run_command, verdict_for
+from vramguard.bisect.search import probe_bound
 from vramguard.cli import main
-from vramguard.overlay import MARKER, InstallError, OverlayCache
 
 VERSIONS = [f"1.{i}" for i in range(10)] + ["1.8rc1"]
 BROKEN = "1.3"
@@ -883,7 +883,7 @@ def test_a_live_install_s_temporary_folder_is_kept(wheelhouse: Path, tmp_path: P
 
 
 def test_only_dead_runs_logs_are_marked_killed(tmp_path: Path) -> None:
-    from vramguard.bisect import LiveRuns
+    from vramguard.bisect.run import LiveRuns
 
     runs = LiveRuns(tmp_path / ".runs")
     logs = {name: tmp_path / f"{name}.json" for name in ("live", "dead", "reused")}
@@ -903,7 +903,7 @@ def test_only_dead_runs_logs_are_marked_killed(tmp_path: Path) -> None:
 
 
 def test_a_repeated_signal_does_not_cut_the_clean_up_short() -> None:
-    from vramguard.bisect import Terminated, signals_end_the_run
+    from vramguard.bisect.run import Terminated, signals_end_the_run
 
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers can only be set in the main thread")  # else SIGTERM ends pytest
@@ -926,7 +926,7 @@ def test_a_repeated_signal_does_not_cut_the_clean_up_short() -> None:
 def test_an_unexpected_error_does_not_leave_the_log_running(
     capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vramguard.bisect import BisectRun
+    from vramguard.bisect.run import BisectRun
 
     real_probe = BisectRun.probe
 

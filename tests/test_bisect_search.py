@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from vramguard.bisect_search import Bisection, EndpointError, State, probe_bound, run
+from vramguard.bisect.search import Bisection, EndpointError, State, probe_bound, run
 
 
 def monotone(first_new: int, skipped: frozenset[int] = frozenset()):

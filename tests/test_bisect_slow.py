@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vramguard.bisect_search import probe_bound
+from vramguard.bisect.search import probe_bound
 from vramguard.cli import main
 
 PROBE = Path(__file__).parent / "probes" / "bnb_fp4_cpu_grad.py"

@@ -1,4 +1,4 @@
-"""vramguard.capabilities: a probe that kills its process is recorded with the signal and the other
+"""vramguard.grad.capabilities: a probe that kills its process is recorded with the signal and the other
 probes still run; the K=1 int8 probe's verdict is stable."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from vramguard import capabilities
+from vramguard.grad import capabilities
 
 FAKE = """
 import os, signal, sys
-from vramguard import capabilities
+from vramguard.grad import capabilities
 PROBES = {
     "fine": lambda: (True, "fine"),
     "crash": lambda: os.kill(os.getpid(), signal.SIGSEGV),

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from vramguard import cli
+from vramguard.cli import app as cli
 
 
 def _crashing_subcommand(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from vramguard.cli import main
-from vramguard.compare import compare_docs, parse_thresholds
 from vramguard.errors import UsageError
-from vramguard.store import ResultStore
+from vramguard.history.compare import compare_docs, parse_thresholds
+from vramguard.history.store import ResultStore
 
 GIB = 2**30
 
@@ -297,7 +297,7 @@ def test_parse_thresholds_rejects_garbage() -> None:
 def test_cpu_payload_has_no_process_block_and_reset_is_harmless() -> None:
     import torch
 
-    from vramguard.bench import process_memory, reset_cuda
+    from vramguard.history.bench import process_memory, reset_cuda
 
     assert process_memory(torch.device("cpu")) is None
     reset_cuda(torch.device("cpu"))

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from vramguard.audit import run_audit
+from vramguard.audit.run import run_audit
 from vramguard.cli import main
-from vramguard.models import QLoRAConfig
-from vramguard.report import AuditReport
+from vramguard.workload.models import QLoRAConfig
+from vramguard.audit.report import AuditReport
 
 STEPS = 2
 
@@ -97,8 +97,8 @@ def test_meta_estimate_equals_the_cpu_audit_to_the_byte(variant: dict[str, Any])
 def test_without_the_forced_mask_decision_meta_cannot_run() -> None:
     """The obstacle the estimate works around: transformers' mask creation calls ``.item()``."""
     from vramguard.estimate.meta import build_meta
-    from vramguard.tracker import MemoryTracker
-    from vramguard.training import make_optimizer, train_step
+    from vramguard.measure.tracker import MemoryTracker
+    from vramguard.workload.training import make_optimizer, train_step
 
     q = build_meta(QLoRAConfig(seq_len=32, batch=1))
     with (

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from vramguard.budget import activation_budget
-from vramguard.budgets import SavedBytesMeter
 from vramguard.cli import main
-from vramguard.decoder import decoder_layer
-from vramguard.families import FAMILIES, NoAnalyticModel
-from vramguard.models import ModelSpec, presets
+from vramguard.measure.decoder import decoder_layer
+from vramguard.measure.meters import SavedBytesMeter
+from vramguard.model.estimate import activation_budget
+from vramguard.workload.families import FAMILIES, NoAnalyticModel
+from vramguard.workload.models import ModelSpec, presets
 
-PRESETS = Path(__file__).resolve().parents[1] / "src" / "vramguard" / "presets"
+PRESETS = Path(__file__).resolve().parents[1] / "src" / "vramguard" / "workload" / "presets"
 TINY = {
     "tiny-llama-hf": ("llama", "LlamaForCausalLM"),
     "tiny-mistral": ("mistral", "MistralForCausalLM"),
@@ -227,7 +227,7 @@ class _CastsItsBias(torch.nn.Module):
 def test_a_storage_that_stopped_being_a_parameter_is_saved_not_resident() -> None:
     """Qwen2's q/k/v biases: the storage bitsandbytes frees on the first forward was sometimes reused
     by an activation, which the ledger then took for the bias and left out (24-40 KiB missing)."""
-    from vramguard.ledger import SavedTensorLedger
+    from vramguard.measure.ledger import SavedTensorLedger
 
     m = _CastsItsBias()
     x = torch.randn(32, 32, requires_grad=True)

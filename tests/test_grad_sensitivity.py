@@ -16,7 +16,8 @@ from bitsandbytes.autograd import _functions as bnbfn
 from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
-from vramguard import gradcheck, strategies
+from vramguard.grad import runner as gradcheck
+from vramguard.grad import strategies
 
 FAST = settings(
     max_examples=60,

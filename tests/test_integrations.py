@@ -8,12 +8,12 @@ import types
 import pytest
 import torch
 
-from vramguard.audit import run_audit
+from vramguard.audit.run import run_audit
 from vramguard.errors import UsageError
 from vramguard.integrations.transformers import VramGuardCallback
-from vramguard.models import QLoRAConfig, build_qlora
-from vramguard.report import AuditReport
-from vramguard.training import make_optimizer
+from vramguard.workload.models import QLoRAConfig, build_qlora
+from vramguard.audit.report import AuditReport
+from vramguard.workload.training import make_optimizer
 
 pytest.importorskip("transformers")
 
@@ -246,7 +246,7 @@ def _chunked_logprob_peak(chunk_size: int, n: int = 254, hidden: int = 128, voca
     kernels = pytest.importorskip("trl.kernels")
     if not hasattr(kernels, "ChunkedLogProbFunction"):
         pytest.skip("this trl has no ChunkedLogProbFunction")
-    from vramguard.tracker import StorageTracker
+    from vramguard.measure.tracker import StorageTracker
 
     torch.manual_seed(0)
     h = torch.randn(n, hidden, requires_grad=True)

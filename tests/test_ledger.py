@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vramguard.ledger import OUTSIDE, LedgerReport, SavedRecord, SavedTensorLedger, decoder_layer
+from vramguard.measure.decoder import decoder_layer
+from vramguard.measure.ledger import OUTSIDE, LedgerReport, SavedRecord, SavedTensorLedger
 
 F32, I64 = 4, 8
 

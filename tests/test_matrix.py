@@ -1,4 +1,4 @@
-"""vramguard.matrix: the release x suite table reads pytest's JUnit XML honestly, and a warm overlay
+"""vramguard.bisect.matrix: the release x suite table reads pytest's JUnit XML honestly, and a warm overlay
 cache installs nothing."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from vramguard import matrix, overlay
-from vramguard.overlay import MARKER, OverlayCache
+from vramguard.bisect import matrix, overlay
+from vramguard.bisect.overlay import MARKER, OverlayCache
 
 
 def _run_pytest(tmp_path: Path, body: str, xml: Path) -> None:

@@ -15,9 +15,9 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from vramguard import models
 from vramguard.errors import UsageError
-from vramguard.models import ModelSpec, QLoRAConfig, parse_dtype, presets
+from vramguard.workload import models
+from vramguard.workload.models import ModelSpec, QLoRAConfig, parse_dtype, presets
 
 TINY = {
     "vocab_size": 512,
@@ -366,7 +366,7 @@ def test_a_wheel_install_has_the_presets(tmp_path: Path) -> None:
         [
             sys.executable,
             "-c",
-            "import vramguard, vramguard.models as m; print(vramguard.__file__, m.presets()['tiny-llama'])",
+            "import vramguard, vramguard.workload.models as m; print(vramguard.__file__, m.presets()['tiny-llama'])",
         ],
         check=False,
         capture_output=True,
@@ -377,6 +377,6 @@ def test_a_wheel_install_has_the_presets(tmp_path: Path) -> None:
     )
     assert probe.returncode == 0, probe.stderr
     module, preset = probe.stdout.split()
-    assert Path(module).is_relative_to(site) and Path(preset).is_relative_to(site / "vramguard" / "presets")
+    assert Path(module).is_relative_to(site) and Path(preset).is_relative_to(site / "vramguard" / "workload" / "presets")
     shipped = {n.rsplit("/", 1)[1] for n in zipfile.ZipFile(wheel).namelist() if "/presets/" in n}
     assert shipped == {p.name for p in presets().values()}

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vramguard import patches
 from vramguard.errors import UsageError
+from vramguard.grad import patches
 
 TARGET_SOURCE = textwrap.dedent(
     """
@@ -43,7 +43,7 @@ TARGET_SOURCE = textwrap.dedent(
 
 USER_SOURCE = textwrap.dedent(
     """
-    from vramguard.patches import Patch, no_grad_around
+    from vramguard.grad.patches import Patch, no_grad_around
 
     def make():
         return no_grad_around("vg_target_mod:uses_linear", ("linear",), "user-patch", "a user's patch")
@@ -204,10 +204,10 @@ def test_patch_check_that_raises_is_a_reason_not_a_crash() -> None:
 # --- user patches: spec, env var, entry points, --vram-patch's register -----------------------------
 
 
-def test_load_spec_factory_and_instance(target) -> None:  # type: ignore[no-untyped-def]
-    made = patches.load_spec("vg_user_patches:make")
+def test_load_patch_factory_and_instance(target) -> None:  # type: ignore[no-untyped-def]
+    made = patches.load_patch("vg_user_patches:make")
     assert isinstance(made, patches.Patch) and made.name == "user-patch" and made.applies()
-    ready = patches.load_spec(" vg_user_patches:ready ")
+    ready = patches.load_patch(" vg_user_patches:ready ")
     assert ready.name == "ready-patch" and not ready.applies()
 
 
@@ -223,9 +223,9 @@ def test_load_spec_factory_and_instance(target) -> None:  # type: ignore[no-unty
         ("vg_user_patches:value", r"vg_user_patches:value is neither a Patch nor a callable returning one"),
     ],
 )
-def test_load_spec_bad_specs_give_clear_errors(target, spec: str, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_load_patch_bad_specs_give_clear_errors(target, spec: str, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(UsageError, match=message) as info:
-        patches.load_spec(spec)
+        patches.load_patch(spec)
     assert "\n" not in str(info.value)
 
 
@@ -275,10 +275,10 @@ def test_entry_point_returning_garbage_names_the_entry_point(
 
 
 def test_register_rejects_duplicates_and_non_patches(target, fresh_registry: None) -> None:  # type: ignore[no-untyped-def]
-    p = patches.load_spec("vg_user_patches:make")
+    p = patches.load_patch("vg_user_patches:make")
     assert patches.register(p) is p
     assert patches.register(p) is p  # the same object again is fine
-    other = patches.load_spec("vg_user_patches:make")
+    other = patches.load_patch("vg_user_patches:make")
     with pytest.raises(UsageError, match="a patch named 'user-patch' is already registered"):
         patches.register(other)
     assert patches.register(other, replace=True) is other and patches.get("user-patch") is other

@@ -114,7 +114,8 @@ def qwen():
 
 def test_saved_bytes_is_the_ledgers_number(pytester: pytest.Pytester) -> None:
     """A budget copied from the ledger (what `vramguard audit` prints) holds exactly under the marker."""
-    from vramguard.ledger import SavedTensorLedger, decoder_layer
+    from vramguard.measure.decoder import decoder_layer
+    from vramguard.measure.ledger import SavedTensorLedger
 
     namespace: dict[str, object] = {}
     exec(QWEN, namespace)  # the same model the test file below builds

@@ -6,7 +6,7 @@ import bitsandbytes.functional as bnbF
 import pytest
 import torch
 
-from vramguard import reference as ref
+from vramguard.grad import reference as ref
 
 
 def _g(seed: int) -> torch.Generator:
@@ -169,7 +169,7 @@ def test_int8_rows_are_checked_against_the_weight() -> None:
 
 
 def _cpu_partial_block_defect() -> bool:
-    from vramguard.gradcheck import dequantize_4bit_defect
+    from vramguard.grad.runner import dequantize_4bit_defect
 
     return dequantize_4bit_defect("cpu", (8, 96), 64, "nf4", torch.bfloat16) is not None
 

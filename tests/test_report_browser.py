@@ -24,7 +24,7 @@ import pytest
 from test_trend_report import MiB, doc
 
 from vramguard.cli import main
-from vramguard.store import ResultStore
+from vramguard.history.store import ResultStore
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # .ci/run installs chromium and sets VRAMGUARD_REQUIRE_CHROMIUM=1: there a missing browser fails, never skips

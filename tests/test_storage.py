@@ -9,7 +9,7 @@ import bitsandbytes as bnb
 import torch
 from torch import nn
 
-from vramguard.storage import resident_storages, storage_key, storage_nbytes, tensors_in
+from vramguard.measure.storage import resident_storages, storage_key, storage_nbytes, tensors_in
 
 
 def test_views_share_one_storage_and_cost_all_of_it() -> None:

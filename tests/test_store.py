@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from vramguard.errors import UsageError
-from vramguard.store import INDEX, ResultStore, env_key, load_spec
+from vramguard.history.store import INDEX, ResultStore, env_key, load_spec
 
 WRITERS = 6
 RECORDS_EACH = 8

@@ -17,14 +17,14 @@ from packaging.version import Version
 from test_bisect_cli import VERSIONS, assert_cache_consistent, assert_one_line_error, build_wheel
 
 from vramguard.cli import main
-from vramguard.compare import entries
-from vramguard.store import ResultStore
-from vramguard.sweep import select_releases
+from vramguard.history.compare import entries
+from vramguard.history.store import ResultStore
+from vramguard.cli.sweep import select_releases
 
 PROBE = r"""
 import os, sys, vgdummy
-from vramguard.store import ResultStore
-from vramguard.sweep import environment_for
+from vramguard.history.store import ResultStore
+from vramguard.cli.sweep import environment_for
 env = environment_for("vg-dummy", vgdummy.__version__)
 bench = {"name": "test_x", "params": {}, "extra_info": {"vramguard": {"metrics": {
     "peak_allocated": 100 + 1000 * vgdummy.LEAK}}}}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from vramguard.tracker import MemoryTracker, StorageTracker
+from vramguard.measure.tracker import MemoryTracker, StorageTracker
 
 F32, F64, I8 = 4, 8, 1
 

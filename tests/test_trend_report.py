@@ -11,9 +11,9 @@ import pytest
 
 from vramguard.cli import main
 from vramguard.errors import UsageError
-from vramguard.html_report import render_html, render_markdown
-from vramguard.store import ResultStore
-from vramguard.trend import build
+from vramguard.cli.report import render_html, render_markdown
+from vramguard.history.store import ResultStore
+from vramguard.history.trend import build
 
 MiB = 2**20
 

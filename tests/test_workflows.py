@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from vramguard.cli import build_parser
+from vramguard.cli.app import build_parser
 
 WORKFLOWS = Path(__file__).resolve().parents[1] / ".github" / "workflows"
 FILES = sorted(WORKFLOWS.glob("*.y*ml"))

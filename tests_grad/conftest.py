@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from vramguard import patches, strategies
+from vramguard.grad import patches, strategies
 
 strategies.load_profile()
 

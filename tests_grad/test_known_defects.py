@@ -1,7 +1,7 @@
 """Minimal reproductions of the bitsandbytes defects the suites found (skipped there per example).
 
 Each test states the *correct* behaviour. On the releases where the defect is known to reproduce
-(:data:`vramguard.capabilities.KNOWN_DEFECTS`: a version range checked on 0.46.0 ... 0.50.2; for a
+(:data:`vramguard.grad.capabilities.KNOWN_DEFECTS`: a version range checked on 0.46.0 ... 0.50.2; for a
 defect that depends on the processor, the probe on this machine) it is a strict xfail that must fail with
 :class:`KnownDefect` -- raised only when the library fails with the very error of the defect -- so an
 unrelated failure is still reported, and a fix upstream turns the xfail into XPASS (strict: an error).
@@ -22,7 +22,7 @@ import bitsandbytes.functional as bnbF
 import pytest
 import torch
 
-from vramguard import capabilities
+from vramguard.grad import capabilities
 
 BNB_VERSION = bnb.__version__
 

@@ -1,7 +1,7 @@
 """Properties of bitsandbytes 4-bit / 8-bit linears and PEFT LoRA over them, for every patch.
 
 Each property: outputs and gradients (input, bias, LoRA A/B, fp16 weight) match the float64 reference
-within :mod:`vramguard.tolerance`; output/gradient dtypes and shapes equal the input's; a patch that
+within :mod:`vramguard.grad.tolerance`; output/gradient dtypes and shapes equal the input's; a patch that
 claims to change memory only is bit-identical to the unpatched library. Combinations the installed
 library cannot run here are skipped per example (``hypothesis.assume``) with the reason as an event.
 """
@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import assume, event, example, given
 
-from vramguard import gradcheck, strategies
-from vramguard.patches import Patch
+from vramguard.grad import runner as gradcheck
+from vramguard.grad import strategies
+from vramguard.grad.patches import Patch
 
 
 def covering(cases: list[gradcheck.Case]):  # type: ignore[no-untyped-def]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from memhelpers import BATCH, RANK, SEQ, need
 
-from vramguard.models import QLoRAConfig, QLoRAModel, build_qlora
+from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

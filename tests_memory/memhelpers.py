@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vramguard import capabilities
+from vramguard.grad import capabilities
 
 # T = BATCH * SEQ = 80 tokens: no activation shape coincides with a weight shape of the presets
 # (h=128, kv*d=64, i=352, V=512, r=8), so the ledger's weight-copy classification is unambiguous.
@@ -42,7 +42,7 @@ V = versions()
 
 
 def need(name: str, device: str = "cpu") -> None:
-    """Skip, naming the missing capability (probed, vramguard.capabilities), when the installed
+    """Skip, naming the missing capability (probed, vramguard.grad.capabilities), when the installed
     bitsandbytes cannot run what the test needs on CPU. CUDA paths are not probed here."""
     if torch.device(device).type != "cpu":
         return

@@ -13,11 +13,11 @@ import pytest
 import torch
 from memhelpers import BAND, BATCH, RANK, SEQ, explicit_causal_mask, release
 
-from vramguard.budget import qlora_budget
-from vramguard.decoder import decoder_layer
-from vramguard.families import NoAnalyticModel
-from vramguard.ledger import SavedTensorLedger
-from vramguard.models import parse_dtype
+from vramguard.measure.decoder import decoder_layer
+from vramguard.measure.ledger import SavedTensorLedger
+from vramguard.model.estimate import qlora_budget
+from vramguard.workload.families import NoAnalyticModel
+from vramguard.workload.models import parse_dtype
 
 LAYERS = "base_model.model.model.layers"
 ARCHS = [

@@ -2,7 +2,7 @@
 
 Budgets from shapes: a 4-bit matmul needs nothing but the packed weight and its quantization
 state (resident) to compute grad_input, so it may keep 0 new bytes and nothing weight-sized. The
-8-bit path is stated tensor by tensor. Every check runs the three probes of vramguard.budgets.
+8-bit path is stated tensor by tensor. Every check runs the three probes of vramguard.measure.meters.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 from memhelpers import BATCH, SEQ, V, defect_expected, need
 
-from vramguard.budgets import Budget, assert_within_budget, check, measure
+from vramguard.measure.meters import SavedLimit, assert_within_budget, check_limit, measure
 
 IN, OUT = 128, 96  # a weight shape no activation has (T = 80)
 
@@ -125,7 +125,7 @@ def test_linear4bit_keeps_nothing(
     m, y = measure(fn, model=model, device=device, inputs=x)
     assert_within_budget(
         m,
-        Budget(
+        SavedLimit(
             f"{form} {quant_type}{' nested' if nested else ''}",
             0,
             formula="0: grad_input = grad_out @ dequantize(W_packed)",
@@ -161,7 +161,7 @@ def test_linear4bit_kn_orientation_keeps_nothing(device: str, request: pytest.Fi
             device=device,
             inputs=x,
         )
-    assert_within_budget(m, Budget("matmul_4bit [K, N] weight", 0, formula="0"), request)
+    assert_within_budget(m, SavedLimit("matmul_4bit [K, N] weight", 0, formula="0"), request)
 
 
 def linear8bit(device: str, threshold: float = 0.0, train: bool = True) -> torch.nn.Module:
@@ -184,14 +184,14 @@ def test_linear8bit_keeps_exactly_its_input(
         warnings.simplefilter("ignore")
         m, y = measure(lambda: model(x), model=model, device=device, inputs=x)
     assert_within_budget(
-        m, Budget("Linear8bitLt new bytes", 0, new_only=True, formula="0 new bytes"), request
+        m, SavedLimit("Linear8bitLt new bytes", 0, new_only=True, formula="0 new bytes"), request
     )
     assert len(m.kept) == 1, m.table()
     (kept,) = m.kept
     # the caller's storage (CUDA's MatMul8bitLt keeps a 2-D view of it): same bytes, not new
     assert (kept.dtype, kept.bytes, kept.new) == (str(x_dtype)[6:], x.numel() * x.element_size(), False)
     assert kept.key == x.untyped_storage()._cdata
-    assert kept.probe == "ctx", "bitsandbytes keeps it as a ctx attribute: only the ctx probe can see it"
+    assert kept.source == "ctx", "bitsandbytes keeps it as a ctx attribute: only the ctx probe can see it"
     y.float().sum().backward()
     assert x.grad is not None
 
@@ -209,7 +209,7 @@ def test_linear8bit_keeps_nothing_backward_does_not_need(device: str, request: p
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
-    assert_within_budget(m, Budget("Linear8bitLt beyond backward's need", 0, formula="0"), request)
+    assert_within_budget(m, SavedLimit("Linear8bitLt beyond backward's need", 0, formula="0"), request)
 
 
 def test_linear4bit_probes_agree_on_injected_ctx_copy(device: str) -> None:
@@ -229,6 +229,6 @@ def test_linear4bit_probes_agree_on_injected_ctx_copy(device: str) -> None:
         m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
     finally:
         MatMul4Bit.forward = staticmethod(original)
-    verdict = check(m, Budget("injected", 0))
+    verdict = check_limit(m, SavedLimit("injected", 0))
     assert m.hook_bytes == 0 and m.ctx_bytes == OUT * IN * model.layer.weight.quant_state.dtype.itemsize
     assert not verdict.ok and "ctx.hidden" in verdict.failures[0]

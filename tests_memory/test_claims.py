@@ -10,9 +10,9 @@ import torch
 from memhelpers import BATCH, SEQ, need, release
 from test_bnb_layers import IN, linear4bit, linear8bit
 
-from vramguard import capabilities, patches
-from vramguard.budgets import Budget, assert_within_budget, measure, report_section
-from vramguard.layer_budget import logits_fp32_bytes
+from vramguard.grad import capabilities, patches
+from vramguard.measure.meters import SavedLimit, assert_within_budget, measure, report_section
+from vramguard.model.layers import logits_fp32_bytes
 
 LAYERS = "base_model.model.model.layers"
 
@@ -127,7 +127,7 @@ def test_no_grad_claim_4bit(device: str, qlora, no_grad: bool, request, monkeypa
     with applied():
         m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
     assert calls() == 1, "the forward under test did not run"  # else 0 B is vacuous
-    assert_within_budget(m, Budget(what, 0), request)
+    assert_within_budget(m, SavedLimit(what, 0), request)
     need("transformers_4bit", device)
     q = qlora(device)
     batch = q.batch(0)

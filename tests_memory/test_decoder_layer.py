@@ -1,5 +1,5 @@
 """A decoder layer of a small Llama under QLoRA (transformers + PEFT + bitsandbytes, real code):
-saved bytes per layer within BAND of the analytic formula of vramguard.layer_budget."""
+saved bytes per layer within BAND of the analytic formula of vramguard.model.layers."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from memhelpers import (
     release,
 )
 
-from vramguard.budgets import Budget, assert_within_budget, check, measure
-from vramguard.layer_budget import (
+from vramguard.measure.meters import SavedLimit, assert_within_budget, check_limit, measure
+from vramguard.model.layers import (
     checkpointed_layer_bytes,
     layer_saved_bytes,
     layer_terms,
@@ -41,8 +41,8 @@ def forward(q):  # type: ignore[no-untyped-def]
     )
 
 
-def band(name: str, expected: int, prefix: str, formula: str) -> Budget:
-    return Budget(
+def band(name: str, expected: int, prefix: str, formula: str) -> SavedLimit:
+    return SavedLimit(
         name, int(expected * (1 + BAND)), min_bytes=int(expected * (1 - BAND)), prefix=prefix, formula=formula
     )
 
@@ -87,7 +87,7 @@ def test_decoder_layer_within_formula(
     T, vocab, h = BATCH * SEQ, q.spec.fields["vocab_size"], q.spec.fields["hidden_size"]
     assert_within_budget(
         m,
-        Budget(
+        SavedLimit(
             "final norm",
             T * h * 4 + T * 4,
             min_bytes=T * h * 4 + T * 4,
@@ -104,7 +104,7 @@ def test_decoder_layer_within_formula(
     loss_max = logits_fp32_bytes(BATCH, SEQ, vocab) + 8 * T + 64
     assert_within_budget(
         m,
-        Budget(
+        SavedLimit(
             "lm_head + loss",
             loss_max,
             min_bytes=logits_fp32_bytes(BATCH, SEQ, vocab),
@@ -161,7 +161,7 @@ def test_whole_model_probes_agree(device: str, qlora) -> None:
     """Over the whole model, every storage the tracker sees kept is explained by hooks or ctx."""
     q = qlora(device)
     m, out = forward(q)
-    v = check(m, Budget("whole model", 1 << 40))
+    v = check_limit(m, SavedLimit("whole model", 1 << 40))
     assert v.ok, v.failures
     assert m.unexplained_bytes == 0 and m.ledger_bytes() == m.tracker_bytes() > 0
     if m.allocator_delta is not None:  # CUDA: the allocator agrees within its 512 B rounding per block

@@ -10,8 +10,8 @@ import torch
 from memhelpers import BATCH, RANK, SEQ, V, mask_bytes
 from test_bnb_layers import IN, linear4bit, linear8bit
 
-from vramguard.budgets import Budget, assert_within_budget, measure
-from vramguard.layer_budget import lora_adapter_bytes
+from vramguard.measure.meters import SavedLimit, assert_within_budget, measure
+from vramguard.model.layers import lora_adapter_bytes
 
 
 def lora(base: torch.nn.Module, dropout: float) -> torch.nn.Module:
@@ -48,7 +48,7 @@ def test_lora_keeps_input_and_rank_r(
         m, y = measure(lambda: model(x), model=model, device=device, inputs=x)
     formula = "T*r*e" + (" + T*in*(e+m)" if dropout else "")
     assert_within_budget(
-        m, Budget(f"LoRA over {base} new bytes", new, min_bytes=new, new_only=True, formula=formula), request
+        m, SavedLimit(f"LoRA over {base} new bytes", new, min_bytes=new, new_only=True, formula=formula), request
     )
     # the pre-existing storages it may keep: the caller's input, once (LoRA-A's, and the 8-bit base's ctx.A)
     old = [k for k in m.kept if not k.new]
@@ -72,6 +72,6 @@ def test_lora_bf16_input_keeps_no_copy(device: str, request: pytest.FixtureReque
     e = 4  # the rank-r intermediate is in the adapter's dtype (fp32)
     assert_within_budget(
         m,
-        Budget("LoRA(bf16 input) new bytes", BATCH * SEQ * RANK * e, new_only=True, formula="T*r*4"),
+        SavedLimit("LoRA(bf16 input) new bytes", BATCH * SEQ * RANK * e, new_only=True, formula="T*r*4"),
         request,
     )

@@ -13,8 +13,8 @@ from memhelpers import BATCH, RANK, SEQ, release
 from test_bnb_layers import IN, linear4bit
 from test_lora_adapters import lora
 
-from vramguard.budgets import Budget, check, measure
-from vramguard.layer_budget import checkpointed_layer_bytes, logits_fp32_bytes, lora_adapter_bytes
+from vramguard.measure.meters import SavedLimit, check_limit, measure
+from vramguard.model.layers import checkpointed_layer_bytes, logits_fp32_bytes, lora_adapter_bytes
 
 LAYERS = "base_model.model.model.layers"
 
@@ -60,16 +60,16 @@ def test_4bit_weight_copy_is_caught(device: str, fault: str, probe: str, request
     inject = request.getfixturevalue(fault)
     model = linear4bit(device)
     x = torch.randn(BATCH, SEQ, IN, dtype=torch.bfloat16, device=device, requires_grad=True)
-    budget = Budget("Linear4bit", 0)
+    budget = SavedLimit("Linear4bit", 0)
     with inject():
         m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
-    v = check(m, budget)
+    v = check_limit(m, budget)
     assert not v.ok and (f"via {probe}" in v.failures[0] or "via ctx.w_cache" in v.failures[0]), v.failures
-    assert [k.kind for k in m.kept] == ["weight-copy"] and m.kept[0].probe == probe
+    assert [k.kind for k in m.kept] == ["weight-copy"] and m.kept[0].source == probe
     if probe == "ctx":
         assert m.hook_bytes == 0, "hooks alone would have passed it: the ctx probe is needed"
     m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
-    assert check(m, budget).ok
+    assert check_limit(m, budget).ok
 
 
 @pytest.fixture
@@ -111,20 +111,20 @@ def growing_module_cache(qlora, device):  # type: ignore[no-untyped-def]
     return inject
 
 
-def _model_check(q, budget: Budget):  # type: ignore[no-untyped-def]
+def _model_check(q, budget: SavedLimit):  # type: ignore[no-untyped-def]
     batch = q.batch(0)
     m, out = measure(
         lambda: q.model(**batch), model=q.model, device=q.config.device, roots=lambda o: o.loss, inputs=batch
     )
     del out
-    return check(m, budget)
+    return check_limit(m, budget)
 
 
 @pytest.mark.parametrize("fault", ["layer_keeps_input_copy", "growing_module_cache"])
 def test_stray_copy_is_caught_by_tracker(device: str, qlora, fault: str, request) -> None:  # type: ignore[no-untyped-def]
     q = qlora(device)
     inject = request.getfixturevalue(fault)
-    budget = Budget("whole model", 1 << 40)
+    budget = SavedLimit("whole model", 1 << 40)
     with inject():
         v = _model_check(q, budget)
     T, h = BATCH * SEQ, q.spec.fields["hidden_size"]
@@ -163,7 +163,7 @@ def checkpointing_silently_off(qlora, device):  # type: ignore[no-untyped-def]
 def test_disabled_checkpointing_is_caught(device: str, qlora, checkpointing_silently_off) -> None:  # type: ignore[no-untyped-def]
     q = qlora(device, gradient_checkpointing=True)
     expected = checkpointed_layer_bytes(BATCH, SEQ, q.spec.fields["hidden_size"], 4)
-    budget = Budget("checkpointed layer 1", int(expected * 1.05), prefix=f"{LAYERS}.1")
+    budget = SavedLimit("checkpointed layer 1", int(expected * 1.05), prefix=f"{LAYERS}.1")
     with checkpointing_silently_off():
         assert not _model_check(q, budget).ok
     assert _model_check(q, budget).ok
@@ -190,10 +190,10 @@ def _loss_check(q, loss_fn):  # type: ignore[no-untyped-def]
     m, res = measure(fn, model=q.model, device=q.config.device, inputs=batch)
     del res
     rest = {id(k) for k in m.kept if not k.module.startswith(LAYERS) and "norm" not in k.module}
-    budget = Budget(
+    budget = SavedLimit(
         "lm_head + loss", logits_fp32_bytes(BATCH, SEQ, V) + 8 * T + 64, predicate=lambda k: id(k) in rest
     )
-    return check(m, budget)
+    return check_limit(m, budget)
 
 
 def test_extra_logits_copy_is_caught(device: str, qlora, loss_keeps_extra_fp32_logits) -> None:  # type: ignore[no-untyped-def]
@@ -224,10 +224,10 @@ def test_lora_input_copy_is_caught(device: str, lora_copies_its_input) -> None: 
     model = lora(linear4bit(device), 0.0)
     x = torch.randn(BATCH, SEQ, IN, device=device, requires_grad=True)
     new = lora_adapter_bytes(BATCH * SEQ, IN, RANK, 4, False, 4)
-    budget = Budget("LoRA new bytes", new, new_only=True)
+    budget = SavedLimit("LoRA new bytes", new, new_only=True)
     with lora_copies_its_input(model):
         m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
-    assert not check(m, budget).ok
+    assert not check_limit(m, budget).ok
     m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
-    assert check(m, budget).ok
+    assert check_limit(m, budget).ok
     release(model)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from memhelpers import release
 
-from vramguard.ledger import SavedTensorLedger
-from vramguard.tracker import MemoryTracker
-from vramguard.training import make_optimizer, train_step
+from vramguard.measure.ledger import SavedTensorLedger
+from vramguard.measure.tracker import MemoryTracker
+from vramguard.workload.training import make_optimizer, train_step
 
 STEPS = 5
 
@@ -68,7 +68,7 @@ def test_save_on_cpu_keeps_no_device_bytes(qlora) -> None:
     """On CUDA, with save_on_cpu the device holds no saved activations after the forward."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from vramguard.budgets import measure
+    from vramguard.measure.meters import measure
 
     q = qlora("cuda")
     batch = q.batch(0)

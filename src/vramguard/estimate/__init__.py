@@ -1,16 +1,4 @@
-"""``vramguard estimate``: the memory of a QLoRA step at full size, from a meta-device run of the
-libraries' own code (no GPU, no weights). See :mod:`vramguard.estimate.meta` for how the model is
-built and which data-dependent decisions are forced, :mod:`vramguard.estimate.run` for the step."""
-
-from __future__ import annotations
-
-from typing import Any
-
-
-def register(subparsers: Any) -> None:
-    from vramguard.estimate.cli import register as _register
-
-    _register(subparsers)
-
-
-__all__ = ["register"]
+"""The memory of a QLoRA step at full size, from a meta-device run of the libraries' own code (no GPU,
+no weights). :mod:`vramguard.estimate.meta` builds the model and forces the data-dependent decisions,
+:mod:`vramguard.estimate.run` runs the step, :mod:`vramguard.estimate.fit` searches what fits. The
+command is :mod:`vramguard.cli.estimate`."""

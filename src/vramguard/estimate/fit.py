@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vramguard.models import QLoRAConfig
-from vramguard.report import AuditReport
+from vramguard.audit.report import AuditReport
+from vramguard.workload.models import QLoRAConfig
 
 DIMS = ("batch", "seq")
 FIT_LIMIT = 1 << 20

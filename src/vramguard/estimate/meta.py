@@ -1,6 +1,6 @@
 """A QLoRA model on the meta device: the libraries' own modules, shapes and dtypes, no weights.
 
-:func:`build_meta` follows :func:`vramguard.models.build_qlora` step for step, with the one
+:func:`build_meta` follows :func:`vramguard.workload.models.build_qlora` step for step, with the one
 difference that no checkpoint is written and loaded:
 
 * the transformers model is instantiated on ``meta`` (``_from_config`` at the compute dtype, what
@@ -32,8 +32,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from vramguard.errors import UsageError
-from vramguard.families import moe_refusal
-from vramguard.models import ModelSpec, QLoRAConfig, QLoRAModel, causal_lm_class, parse_dtype
+from vramguard.workload.families import moe_refusal
+from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, causal_lm_class, parse_dtype
 
 META = "meta"
 
@@ -179,7 +179,7 @@ full: every parameter trained, in fp32 (fp32 weights, gradients and AdamW moment
 def build_meta(
     config: QLoRAConfig, spec: ModelSpec | None = None, method: str = "qlora", device: str = META
 ) -> QLoRAModel:
-    """The model :func:`vramguard.models.build_qlora` builds for ``config``, on the meta device.
+    """The model :func:`vramguard.workload.models.build_qlora` builds for ``config``, on the meta device.
 
     ``config.device`` is ignored for the build (validated as given); the returned model's config
     says ``device`` (``meta``), so its batches are created there. ``method`` picks what is trained
@@ -189,7 +189,7 @@ def build_meta(
     if method not in METHODS:
         raise UsageError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if device != META and method == "qlora":
-        raise ValueError("build the real-device QLoRA model with vramguard.models.build_qlora")
+        raise ValueError("build the real-device QLoRA model with vramguard.workload.models.build_qlora")
     config.validate()
     spec = spec or ModelSpec.load(config.model)
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training

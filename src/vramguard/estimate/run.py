@@ -2,8 +2,8 @@
 
 The ledger and the storage tracker run unchanged: on meta every storage still has its real size,
 so saved bytes per module and live bytes per phase are the libraries' own, without data. The
-report is :class:`vramguard.report.AuditReport` (the audit's schema), with ``device`` ``meta`` and
-``estimate`` (:class:`~vramguard.report.DeviceEstimate`) filled in.
+report is :class:`vramguard.audit.report.AuditReport` (the audit's schema), with ``device`` ``meta`` and
+``estimate`` (:class:`~vramguard.audit.report.DeviceEstimate`) filled in.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import time
 
 import torch
 
-from vramguard.audit import _assemble
-from vramguard.budget import qlora_budget, weights_budget
+from vramguard.audit.report import AuditReport, DeviceEstimate, Overhead, Verdict
+from vramguard.audit.run import _assemble
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import META, build_meta, forced_decisions
-from vramguard.families import NoAnalyticModel
-from vramguard.models import ModelSpec, QLoRAConfig, QLoRAModel, parse_dtype
-from vramguard.report import AuditReport, DeviceEstimate, Overhead, Verdict
-from vramguard.tracker import MemoryTracker, StorageTracker
-from vramguard.training import PHASES, make_optimizer, run_steps
+from vramguard.measure.tracker import MemoryTracker, StorageTracker
+from vramguard.model.estimate import qlora_budget, weights_budget
 from vramguard.units import format_bytes
+from vramguard.workload.families import NoAnalyticModel
+from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, parse_dtype
+from vramguard.workload.training import PHASES, make_optimizer, run_steps
 
 MiB = 1 << 20
 

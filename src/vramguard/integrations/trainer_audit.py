@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from vramguard.audit.report import AuditReport
 from vramguard.errors import UsageError
 from vramguard.integrations.transformers import VramGuardCallback
-from vramguard.models import QLoRAConfig, QLoRAModel, build_qlora
-from vramguard.report import AuditReport
+from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora
 
 TRAINERS = ("loop", "trainer", "sft")
 

@@ -13,11 +13,11 @@ phase boundaries as ``vramguard audit``'s loop:
 * ``optimizer``: from ``on_pre_optimizer_step`` to ``on_step_end`` (step, scheduler, ``zero_grad``).
 
 Live bytes come from the CUDA caching allocator on a GPU and from the storage tracker elsewhere
-(:mod:`vramguard.tracker`). After each step the bytes still live are the step's ``retained`` bytes;
+(:mod:`vramguard.measure.tracker`). After each step the bytes still live are the step's ``retained`` bytes;
 retained memory that grows after the first step is a leak. One chosen step (``ledger_step``, 1-based)
 also runs the saved-tensor ledger over its first forward, which gives the per-decoder-layer table.
 
-The result is the ``vramguard audit --json`` document (:class:`vramguard.report.AuditReport`), written
+The result is the ``vramguard audit --json`` document (:class:`vramguard.audit.report.AuditReport`), written
 atomically to ``report_path`` at the end of training, and ``vramguard/*`` metrics added to the logs
 the trainer hands to ``on_log`` (callbacks that run after this one, e.g. TensorBoard or W&B when this
 callback is inserted first, see them).
@@ -38,11 +38,7 @@ from transformers import TrainerCallback
 
 from vramguard import __version__, environment
 from vramguard.atomic import write_text_atomic
-from vramguard.budget import weights_budget
-from vramguard.decoder import decoder_layer
-from vramguard.errors import UsageError
-from vramguard.ledger import LedgerReport, SavedTensorLedger, _iter_graph
-from vramguard.report import (
+from vramguard.audit.report import (
     SCHEMA_VERSION,
     AuditReport,
     BudgetComparison,
@@ -52,8 +48,12 @@ from vramguard.report import (
     Totals,
     Verdict,
 )
-from vramguard.storage import frozen_resident_bytes, storage_nbytes
-from vramguard.tracker import CudaAllocatorSource, FrameStats, MemoryTracker, source_for
+from vramguard.errors import UsageError
+from vramguard.measure.decoder import decoder_layer
+from vramguard.measure.ledger import LedgerReport, SavedTensorLedger, _iter_graph
+from vramguard.measure.storage import frozen_resident_bytes, storage_nbytes
+from vramguard.measure.tracker import CudaAllocatorSource, FrameStats, MemoryTracker, source_for
+from vramguard.model.estimate import weights_budget
 from vramguard.units import format_bytes, parse_size
 
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
@@ -224,7 +224,7 @@ class VramGuardCallback(TrainerCallback):
         if self.report_path is not None and getattr(state, "is_world_process_zero", True):
             write_text_atomic(self.report_path, json.dumps(self.report.to_dict(), indent=2) + "\n")
         if self.table and getattr(state, "is_world_process_zero", True):
-            from vramguard.audit import stdout_console
+            from vramguard.console import stdout_console
 
             render(self.report, stdout_console())
 
@@ -539,7 +539,7 @@ def _lora_training_bytes(model: torch.nn.Module, optimizer: Any) -> int:
 
 
 def _layer_rows(ledger: LedgerReport, top: int = 3) -> list[LayerRow]:
-    from vramguard.audit import _layers
+    from vramguard.audit.run import _layers
 
     return _layers(ledger, weights_budget(torch.nn.Module(), reason="-"), top)
 

@@ -1,0 +1,142 @@
+"""The ``vramguard`` command: one subcommand per module, each exposing ``register(subparsers)``.
+
+A subcommand's ``register`` adds its parser and sets ``func(args) -> int``. Bad input anywhere
+raises :class:`UsageError`, which becomes one line on stderr and exit code 2, never a traceback.
+
+Exit codes: 0 fine, 1 the verdict is a failure (a regression, a weight copy, a leak), 2 bad input,
+3 an internal error (a bug: one line, and the traceback with ``VRAMGUARD_DEBUG=1``), 130 interrupted.
+An unexpected exception must never exit 1, which a CI job would read as a verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Iterator, Sequence
+
+from vramguard import __version__
+from vramguard.errors import UsageError
+
+# Modules that contribute a subcommand (``register(subparsers) -> None``).
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "vramguard.cli.audit",
+    "vramguard.cli.estimate",
+    "vramguard.cli.compare",
+    "vramguard.cli.sweep",
+    "vramguard.cli.report",
+    "vramguard.cli.bisect",
+)
+
+#: Exit code of an unexpected exception (a bug), distinct from a failed verdict (1) and bad input (2).
+EXIT_INTERNAL_ERROR = 3
+
+
+# Log lines of the libraries that say nothing about the user's run: (logger, message prefix).
+# bitsandbytes (0.50.2 at least) warns at import, on a CPU with AVX-512 BF16, that the optional
+# ``kernels`` package is absent; it then uses its own fused CPU kernel, which is what is measured.
+LIBRARY_NOISE: tuple[tuple[str, str], ...] = (
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community"),
+)
+
+
+class _NoiseFilter(logging.Filter):
+    """Drops the known library lines of :data:`LIBRARY_NOISE`, remembering each (once) for --verbose."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.seen: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.prefix):
+            return True
+        if message not in self.seen:
+            self.seen.append(message)
+        return False
+
+
+@contextlib.contextmanager
+def library_noise_hidden() -> Iterator[list[str]]:
+    """Within the block, the lines of :data:`LIBRARY_NOISE` are not logged; yields the hidden ones.
+
+    The filters sit on those exact loggers (not on a handler or the root), so every other message
+    of the same libraries still gets through.
+    """
+    hidden: list[str] = []
+    installed = []
+    for name, prefix in LIBRARY_NOISE:
+        f = _NoiseFilter(prefix)
+        logging.getLogger(name).addFilter(f)
+        installed.append((name, f))
+    try:
+        yield hidden
+    finally:
+        for name, f in installed:
+            logging.getLogger(name).removeFilter(f)
+            hidden.extend(m for m in f.seen if m not in hidden)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so every usage error takes the same one-line path."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="vramguard",
+        description="Where the memory of quantized fine-tuning goes: audit a QLoRA step, compare "
+        "benchmark runs, bisect the release that changed memory or gradients.",
+    )
+    parser.add_argument("--version", action="version", version=f"vramguard {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parsed: list[argparse.Namespace] = []
+    with library_noise_hidden() as hidden:
+        code = _run(argv, parsed)
+    if parsed and getattr(parsed[0], "verbose", False):
+        for message in hidden:
+            print(f"vramguard: note: a library logged (hidden without --verbose): {message}", file=sys.stderr)
+    return code
+
+
+def _run(argv: Sequence[str] | None, parsed: list[argparse.Namespace]) -> int:
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        parsed.append(args)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        return int(args.func(args))
+    except UsageError as exc:
+        print(f"vramguard: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("vramguard: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, never exit 1
+        if os.environ.get("VRAMGUARD_DEBUG"):
+            traceback.print_exc()
+        print(
+            f"vramguard: internal error: {type(exc).__name__}: {exc} "
+            "(a bug; VRAMGUARD_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL_ERROR
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

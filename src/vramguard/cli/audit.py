@@ -1,0 +1,251 @@
+"""``vramguard audit`` on the command line: its options, the progress bar and the rich report view.
+
+The audit itself (:func:`vramguard.audit.run.run_audit`) renders nothing; this module prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from vramguard.atomic import write_text_atomic
+from vramguard.audit import run as _audit_run
+from vramguard.audit.report import AuditReport
+from vramguard.audit.run import check_fits, resolve_device, run_audit
+from vramguard.console import stdout_console
+from vramguard.errors import UsageError
+from vramguard.units import format_bytes
+from vramguard.workload.models import QLoRAConfig
+
+# -- presentation ---------------------------------------------------------------------------
+
+
+def render(report: AuditReport, console: Any) -> None:
+    """Print the report as rich tables."""
+    from rich.table import Table
+
+    fb = format_bytes
+    c = report.config
+    arch = report.architecture
+    kind = (
+        f" ({arch.get('model_type')}, {arch.get('model_class')}, {arch.get('attn_implementation')} attention)"
+        if arch
+        else ""
+    )
+    console.print(
+        f"[bold]vramguard audit[/] {c['model']}{kind} on {report.device}: batch {c['batch']} x seq {c['seq_len']}, "
+        f"LoRA r={c['lora_rank']}, {c['quant_type']}{' +double-quant' if c['double_quant'] else ''}, "
+        f"compute {c['compute_dtype']}, checkpointing {'on' if c['gradient_checkpointing'] else 'off'}, "
+        f"{len(report.steps)} steps"
+    )
+    env = report.environment.get("packages", {})
+    console.print("[dim]" + ", ".join(f"{k} {v}" for k, v in env.items() if v) + "[/]", highlight=False)
+
+    t = Table(title="Saved for backward, per decoder layer (ledger: hooks + ctx walk)", title_justify="left")
+    for col in ("layer", "saved", "activations", "weight copies", "analytic", "top modules"):
+        t.add_column(col, justify="left" if col in ("layer", "top modules") else "right")
+    for row in report.layers:
+        tops = ", ".join(f"{m} {fb(b)}" for m, b in row.top_modules)
+        short = row.name[row.name.find("layers.") :] if "layers." in row.name else row.name
+        wc = f"[red]{fb(row.weight_copy_bytes)}[/]" if row.weight_copy_bytes else fb(0)
+        analytic = "-" if row.analytic_bytes is None else fb(row.analytic_bytes)
+        t.add_row(short, fb(row.saved_bytes), fb(row.activation_bytes), wc, analytic, tops)
+    console.print(t)
+
+    tot = report.totals
+    b = report.budget
+    s = Table(title="Totals: measured vs the analytic model", title_justify="left")
+    s.add_column("what")
+    s.add_column("measured", justify="right")
+    s.add_column("analytic", justify="right")
+    s.add_column("note")
+    probes = f"hooks {fb(tot.hook_bytes)}, ctx attributes {fb(tot.ctx_bytes)}"
+    if b.activation_ratio is None or b.analytic_activation_bytes is None:
+        s.add_row(
+            "saved activations (all)",
+            fb(b.measured_activation_bytes),
+            "-",
+            f"{b.no_analytic_model}; {probes}",
+        )
+        s.add_row("  outside decoder layers", fb(tot.outside_layers_bytes), "-", "")
+    else:
+        s.add_row(
+            "saved activations (all)",
+            fb(b.measured_activation_bytes),
+            fb(b.analytic_activation_bytes),
+            f"{b.activation_ratio:.1%} ({b.analytic_model}); {probes}",
+        )
+        s.add_row(
+            "  outside decoder layers",
+            fb(tot.outside_layers_bytes),
+            fb(b.analytic_outside_layers_bytes or 0),
+            f"fp32 logits 4*b*s*V = {fb(b.analytic_logits_bytes or 0)}, final norm, loss",
+        )
+    s.add_row("  weight copies", fb(tot.weight_copy_bytes), fb(0), "dequantized weights kept for backward")
+    s.add_row(
+        "frozen weights (4-bit + absmax, others)",
+        fb(b.measured_weights_bytes),
+        fb(b.analytic_weights_bytes),
+        f"N={b.quantized_params:,} quantized, {b.other_params:,} unquantized",
+    )
+    s.add_row(
+        "LoRA weights + grads + Adam",
+        fb(b.measured_lora_training_bytes),
+        fb(b.analytic_lora_training_bytes),
+        f"M={b.lora_params:,} params x 16 B (+ Adam step counters)",
+    )
+    console.print(s)
+
+    p = Table(title="Peak live memory per phase (tracker)", title_justify="left")
+    p.add_column("phase")
+    p.add_column("peak", justify="right")
+    p.add_column("above phase start", justify="right")
+    has_reserved = any(v.reserved_peak_bytes is not None for v in report.phases.values())
+    if has_reserved:
+        p.add_column("reserved peak", justify="right")
+    for name, v in report.phases.items():
+        cells = [name, fb(v.peak_bytes), fb(v.peak_above_start)]
+        if has_reserved:
+            cells.append(fb(v.reserved_peak_bytes or 0))
+        p.add_row(*cells)
+    console.print(p)
+    note = "" if report.device.startswith("cuda") else " (CPU: bytes above the model's weights)"
+    console.print(
+        "retained after each step"
+        + note
+        + ": "
+        + ", ".join(fb(st.retained_bytes) for st in report.steps)
+        + f"; growth {fb(report.leak_bytes, signed=True)}",
+        highlight=False,
+    )
+    for n in report.verdict.notes:
+        console.print(f"[yellow]note:[/] {n}", highlight=False)
+    style = "bold green" if report.verdict.ok else "bold red"
+    # the verdict is one greppable line whatever the width (COLUMNS=80 is set under pytest-xdist, and
+    # by some CI runners)
+    console.print(f"[{style}]{report.verdict.line}[/]", highlight=False, soft_wrap=True)
+
+
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "audit",
+        help="train a small QLoRA model a few steps and account for its memory",
+        description=_audit_run.__doc__.splitlines()[0],
+    )
+    d = QLoRAConfig()
+    p.add_argument(
+        "--model",
+        default=d.model,
+        help="preset name, a vramguard preset JSON, or a Hugging Face config.json (any model_type)",
+    )
+    p.add_argument("--seq-len", type=_positive_int, default=d.seq_len)
+    p.add_argument("--batch", type=_positive_int, default=d.batch)
+    p.add_argument("--lora-rank", type=_positive_int, default=d.lora_rank)
+    p.add_argument("--lora-alpha", type=_positive_int, default=d.lora_alpha)
+    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
+    p.add_argument("--dtype", default=d.compute_dtype, help="compute dtype: bf16, fp16 or fp32")
+    p.add_argument("--quant-type", default=d.quant_type, choices=("nf4", "fp4"))
+    p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=d.double_quant)
+    p.add_argument(
+        "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing
+    )
+    p.add_argument("--attn", default=d.attn_implementation, choices=("sdpa", "eager"))
+    p.add_argument("--steps", type=_positive_int, default=3, help="training steps (>= 2 to check for leaks)")
+    p.add_argument(
+        "--trainer",
+        default="loop",
+        choices=("loop", "trainer", "sft"),
+        help="run the steps in vramguard's loop, transformers' Trainer or TRL's SFTTrainer",
+    )
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--top", type=_positive_int, default=3, help="modules listed per layer")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable report here")
+    talk = p.add_mutually_exclusive_group()
+    talk.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    talk.add_argument(
+        "--verbose", action="store_true", help="also show the library log lines vramguard hides (stderr)"
+    )
+    p.set_defaults(func=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if args.json is not None and args.json.is_dir():
+        raise UsageError(f"--json {args.json} is a directory")
+    if args.json is not None:  # fail before the run, not after it
+        parent = next((p for p in args.json.absolute().parents if p.exists()), None)
+        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            where = parent or args.json.parent
+            raise UsageError(f"cannot write --json {args.json}: {where} is not a writable directory")
+    config = QLoRAConfig(
+        model=args.model,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        compute_dtype=args.dtype,
+        quant_type=args.quant_type,
+        double_quant=args.double_quant,
+        gradient_checkpointing=args.gradient_checkpointing,
+        attn_implementation=args.attn,
+        device=resolve_device(args.device),
+        seed=args.seed,
+    )
+    config.validate()
+    check_fits(config)  # fail on a bad model, or one that cannot fit, before anything is built
+    console = stdout_console()
+    progress_console = Console(stderr=True)
+    progress = Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=progress_console,
+        transient=True,
+        # no bar in a log: rich would leave a blank line on stderr
+        disable=args.quiet or not progress_console.is_terminal,
+    )
+    with progress:
+        task = progress.add_task("audit", total=args.steps + 1)
+
+        def update(what: str, done: int, total: int) -> None:
+            progress.update(task, description=what, completed=done, total=total)
+
+        if args.trainer == "loop":
+            report = run_audit(config, steps=args.steps, progress=update, top=args.top)
+        else:
+            from vramguard.integrations.trainer_audit import run_trainer_audit
+
+            with tempfile.TemporaryDirectory(prefix="vramguard-trainer-") as tmp:
+                report = run_trainer_audit(config, args.steps, args.trainer, tmp)
+    if args.quiet:
+        console.print(report.verdict.line, highlight=False, soft_wrap=True)
+    else:
+        render(report, console)
+    if args.json is not None:
+        try:
+            write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
+        except OSError as exc:
+            raise UsageError(f"cannot write --json {args.json}: {exc}") from None
+        if not args.quiet:
+            console.print(f"report written to {args.json}", highlight=False)
+    return 0 if report.verdict.ok else 1

@@ -1,0 +1,485 @@
+"""What the installed bitsandbytes can do on this machine, and which of its known defects reproduce here.
+
+Why: the suites promise a true verdict on every release from ``bitsandbytes>=0.46`` on, and on every
+CPU. Version strings cannot say that fp4 exists on CPU, which weight orientation ``matmul_4bit`` takes,
+or that the int8 CPU matmul with one input feature returns uninitialised memory on *this* processor
+(it depends on the ISA torch dispatches to). So each capability and each defect is *probed*: a tiny,
+exact computation with the installed library, compared with a float64 / int64 reference.
+
+The probes run in a child process (``python -m vramguard.grad.capabilities``) that prints one JSON line per
+probe. A probe that kills the child (the 0.47/0.48 CPU ``quantize_blockwise`` segfault) is recorded with
+its signal and the child is restarted for the remaining probes, so a native crash can never take the
+calling process (a pytest session) down. :func:`probe_all` is cached: once per process.
+
+Core module: no pytest, no rich.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+#: one line per probe result in the child's stdout
+_PREFIX = "VRAMGUARD-PROBE "
+PROBE_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe's verdict: ``ok`` (the capability is there / the behaviour is correct) and what was seen."""
+
+    name: str
+    ok: bool
+    detail: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+# --- the probes (run in the child) ------------------------------------------------------------------
+
+
+def _err(exc: BaseException) -> str:
+    line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {line[:240]}"
+
+
+def _quiet() -> None:
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+def _q4(w, **kw):  # type: ignore[no-untyped-def]
+    import bitsandbytes.functional as bnbF
+
+    return bnbF.quantize_4bit(w, **{"blocksize": 64, "quant_type": "nf4", **kw})
+
+
+def probe_fp4_cpu() -> tuple[bool, str]:
+    import torch
+
+    _q4(torch.randn(4, 64), quant_type="fp4")
+    return True, "quantize_4bit(quant_type='fp4') works on CPU"
+
+
+def probe_blocksize_remainder_cpu() -> tuple[bool, str]:
+    import torch
+
+    _q4(torch.randn(2, 40))  # 80 elements, blocksize 64
+    return True, "4-bit quantization of a tensor whose size is not a multiple of the blocksize works on CPU"
+
+
+def probe_quant_storage_cpu() -> tuple[bool, str]:
+    import bitsandbytes.functional as bnbF
+    import torch
+
+    w = torch.randn(4, 64)
+    packed, qs = _q4(w, quant_storage=torch.bfloat16)
+    bnbF.dequantize_4bit(packed, qs)
+    return True, "4-bit weights stored as bfloat16 (quant_storage) dequantize on CPU"
+
+
+def _form_result(form: str):  # type: ignore[no-untyped-def]
+    """Output of matmul_4bit in call form ``form`` and the float64 reference on its dequantized weight."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbF
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 4, 64
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(3, k, generator=gen)
+    src = w.T.contiguous() if form == "functional_kn" else w
+    packed, qs = _q4(src)
+    w_dq = bnbF.dequantize_4bit(packed, qs).double()
+    if form == "functional_kn":
+        w_dq = w_dq.T
+    arg = packed.t() if form == "functional_t" else packed
+    y = bnb.matmul_4bit(x, arg, quant_state=qs)
+    return y, x.double() @ w_dq.T
+
+
+def _probe_form(form: str, text: str) -> tuple[bool, str]:
+    import torch
+
+    y, ref = _form_result(form)
+    if tuple(y.shape) != tuple(ref.shape):
+        return False, f"{text} gives shape {tuple(y.shape)}, want {tuple(ref.shape)}"
+    if not torch.allclose(y.double(), ref, rtol=1e-3, atol=1e-3):
+        return False, f"{text} computes a different product than x @ W.T"
+    return True, f"{text} computes x @ W.T"
+
+
+def probe_matmul_4bit_plain() -> tuple[bool, str]:
+    return _probe_form("functional", "matmul_4bit(x, W, quant_state) with W packed as stored")
+
+
+def probe_matmul_4bit_t() -> tuple[bool, str]:
+    return _probe_form("functional_t", "matmul_4bit(x, W.t(), quant_state)")
+
+
+def probe_matmul_4bit_kn() -> tuple[bool, str]:
+    return _probe_form("functional_kn", "matmul_4bit(x, W, quant_state) with W quantized from [K, N]")
+
+
+def probe_cpu_8bit_training_path() -> tuple[bool, str]:
+    """ok: CPU training of an 8-bit weight runs MatMul8bitFp (dequantize + float matmul)."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbF
+    import torch
+
+    state = bnb.MatmulLtState()
+    state.is_training = True
+    cb, scb, _ = bnbF.int8_vectorwise_quant(torch.randn(4, 8).half())
+    state.CB, state.SCB = cb, scb
+    y = bnb.matmul(torch.randn(2, 8, requires_grad=True), cb, state=state)
+    name = type(y.grad_fn).__name__
+    return "MatMul8bitFp" in name, f"CPU training of an 8-bit layer runs {name.removesuffix('Backward')}"
+
+
+def probe_transformers_4bit() -> tuple[bool, str]:
+    import bitsandbytes as bnb
+    import transformers
+    from transformers.utils import import_utils
+
+    need = getattr(import_utils, "BITSANDBYTES_MIN_VERSION", None)
+    ok = bool(import_utils.is_bitsandbytes_available())
+    text = f"transformers {transformers.__version__} {'loads' if ok else 'refuses'} 4-bit models with bitsandbytes {bnb.__version__}"
+    return ok, text + (f" (needs >= {need})" if need and not ok else "")
+
+
+# defects: ok = the behaviour is correct here (the defect does not reproduce)
+
+
+def probe_odd_numel_4bit() -> tuple[bool, str]:
+    import torch
+
+    w = torch.randn(3, 5)  # 15 four-bit codes: the last byte is half full
+    try:
+        packed, _ = _q4(w)
+    except RuntimeError as exc:
+        return False, f"quantize_4bit of 15 elements raises {_err(exc)}"
+    return True, f"quantize_4bit of 15 elements packs to {tuple(packed.shape)}"
+
+
+def probe_nested_single_block() -> tuple[bool, str]:
+    """Nested statistics of a weight with ONE 4-bit block: absmax - mean(absmax) is all zeros, and the
+    CPU quantize_blockwise of an all-zero tensor crashes on 0.47/0.48 (this probe may kill the child)."""
+    import bitsandbytes.functional as bnbF
+    import torch
+
+    w = torch.randn(1, 64)
+    packed, qs = _q4(w, compress_statistics=True)
+    w_dq = bnbF.dequantize_4bit(packed, qs)
+    if not torch.isfinite(w_dq).all():
+        return False, "nested statistics of a one-block weight dequantize to non-finite values"
+    return True, "nested statistics of a one-block weight quantize and dequantize"
+
+
+def probe_one_byte_weight() -> tuple[bool, str]:
+    import bitsandbytes.functional as bnbF
+    import torch
+
+    w = torch.tensor([[0.25, -0.5]])
+    packed, qs = _q4(w)
+    got = tuple(bnbF.dequantize_4bit(packed, qs).shape)
+    if got != tuple(qs.shape):
+        return False, f"dequantize_4bit of a [1, 1] packed weight returns {got}, want {tuple(qs.shape)}"
+    return True, "dequantize_4bit of a one-byte packed weight has the quantized shape"
+
+
+def probe_one_byte_backward() -> tuple[bool, str]:
+    import bitsandbytes as bnb
+    import torch
+
+    packed, qs = _q4(torch.tensor([[0.25, -0.5]]))
+    x = torch.tensor([[1.0, 2.0], [3.0, -1.0]], requires_grad=True)
+    y = bnb.matmul_4bit(x, packed, quant_state=qs)  # [1, 1]: the plain and the .t() form are the same
+    try:
+        y.backward(torch.ones_like(y))
+    except RuntimeError as exc:
+        return False, f"MatMul4Bit.backward with a one-byte packed weight raises {_err(exc)}"
+    return True, "MatMul4Bit.backward with a one-byte packed weight runs"
+
+
+def probe_8bit_fp_3d_backward() -> tuple[bool, str]:
+    import bitsandbytes as bnb
+    import torch
+
+    state = bnb.MatmulLtState()
+    state.has_fp16_weights = True
+    state.is_training = True
+    w = torch.randn(4, 8, requires_grad=True)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    y = bnb.matmul(x, w, state=state)
+    if "MatMul8bitFp" not in type(y.grad_fn).__name__:
+        return True, f"not reached: CPU training runs {type(y.grad_fn).__name__}"
+    try:
+        y.backward(torch.ones(2, 3, 4))
+    except RuntimeError as exc:
+        return False, f"MatMul8bitFp.backward of a 3-D input raises {_err(exc)}"
+    return True, "MatMul8bitFp.backward handles a 3-D input"
+
+
+def cpu_description() -> str:
+    """``torch.backends.cpu.get_cpu_capability()`` and the CPU model, e.g. ``AVX512, AMD EPYC``."""
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{torch.backends.cpu.get_cpu_capability()}, {model}"
+
+
+def probe_int8_k1_cpu() -> tuple[bool, str]:
+    """int8_linear_matmul with K=1 on CPU against the exact int64 product, on several shapes and inputs,
+    each twice. Inputs are nonzero and differ per round, so neither a zeroed buffer nor the freed buffer
+    of an earlier (correct) result can look right: a kernel that leaves its output unwritten fails."""
+    import bitsandbytes.functional as bnbF
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    where = cpu_description()
+    bad = []
+    trials = 0
+    for m, n in ((1, 2), (3, 5), (6, 40), (2, 96), (17, 3)):
+        for _ in range(2):
+            a = torch.randint(1, 100, (m, 1), generator=gen, dtype=torch.int8)
+            b = torch.randint(1, 100, (n, 1), generator=gen, dtype=torch.int8)
+            b[torch.randint(0, n, (1,), generator=gen)] *= -1
+            got = bnbF.int8_linear_matmul(a, b)
+            want = a.long() @ b.long().T
+            trials += 1
+            if tuple(got.shape) != tuple(want.shape) or not torch.equal(got.long(), want):
+                bad.append(f"A[{m},1] B[{n},1]")
+    if bad:
+        return False, (
+            f"int8_linear_matmul with one input feature (K=1) is wrong on this CPU ({where}) in "
+            f"{len(bad)}/{trials} trials ({', '.join(sorted(set(bad)))}): the output is uninitialised memory"
+        )
+    return True, f"int8_linear_matmul with K=1 is exact on this CPU ({where}) in {trials}/{trials} trials"
+
+
+PROBES: dict[str, Callable[[], tuple[bool, str]]] = {
+    "fp4_cpu": probe_fp4_cpu,
+    "blocksize_remainder_cpu": probe_blocksize_remainder_cpu,
+    "quant_storage_cpu": probe_quant_storage_cpu,
+    "matmul_4bit:functional": probe_matmul_4bit_plain,
+    "matmul_4bit:functional_t": probe_matmul_4bit_t,
+    "matmul_4bit:functional_kn": probe_matmul_4bit_kn,
+    "cpu_8bit_training_fp": probe_cpu_8bit_training_path,
+    "transformers_4bit": probe_transformers_4bit,
+    "defect:odd_numel_4bit": probe_odd_numel_4bit,
+    "defect:one_byte_weight": probe_one_byte_weight,
+    "defect:one_byte_backward": probe_one_byte_backward,
+    "defect:8bit_fp_3d_backward": probe_8bit_fp_3d_backward,
+    "defect:int8_k1_cpu": probe_int8_k1_cpu,
+    # last: it may kill the child process (the parent restarts it only if something is left)
+    "defect:nested_single_block": probe_nested_single_block,
+}
+
+
+def _child(names: list[str], probes: dict[str, Callable[[], tuple[bool, str]]] | None = None) -> None:
+    _quiet()
+    for name in names:
+        print(f"{_PREFIX}start {json.dumps(name)}", flush=True)
+        try:
+            ok, detail = (probes or PROBES)[name]()
+        except Exception as exc:  # noqa: BLE001 -- a probe that raises is a missing capability
+            ok, detail = False, _err(exc)
+        print(f"{_PREFIX}done {json.dumps({'name': name, 'ok': ok, 'detail': detail})}", flush=True)
+
+
+# --- the parent -------------------------------------------------------------------------------------
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited {code}"
+
+
+def run_probes(
+    names: list[str], timeout: float = PROBE_TIMEOUT_S, module: str = "vramguard.grad.capabilities"
+) -> dict[str, Probe]:
+    """Run ``names`` in child processes (``python -m module NAME...``); a probe that crashes its child is
+    a failed probe naming the signal, and the remaining probes run in a fresh child."""
+    results: dict[str, Probe] = {}
+    left = list(names)
+    env = dict(os.environ)  # the same PYTHONPATH (a bisect overlay stays first), plus vramguard itself
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), src]))
+    while left:
+        cmd = [sys.executable, "-m", module, *left]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+            stdout, code = out.stdout, out.returncode
+        except subprocess.TimeoutExpired as exc:
+            stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            code = None
+        running = None
+        for line in stdout.splitlines():
+            if not line.startswith(_PREFIX):
+                continue
+            kind, _, payload = line[len(_PREFIX) :].partition(" ")
+            if kind == "start":
+                running = json.loads(payload)
+            elif kind == "done":
+                d = json.loads(payload)
+                results[d["name"]] = Probe(d["name"], bool(d["ok"]), d["detail"])
+                running = None
+        left = [n for n in left if n not in results]
+        if not left:
+            break
+        culprit = running or left[0]
+        why = f"timed out after {timeout:g} s" if code is None else _describe_exit(code)
+        results[culprit] = Probe(culprit, False, f"the probe crashed its process ({why})")
+        left.remove(culprit)
+    return results
+
+
+@functools.cache
+def probe_all() -> dict[str, Probe]:
+    """Every probe, once per process (a pytest session)."""
+    return run_probes(list(PROBES))
+
+
+def get(name: str) -> Probe:
+    if name == "forward_calls_linear_4bit":
+        return forward_calls_linear_4bit()
+    return probe_all()[name]
+
+
+@functools.cache
+def forward_calls_linear_4bit() -> Probe:
+    """Does the installed ``MatMul4Bit.forward`` call ``F.linear`` (the code bitsandbytes PR 1935 wraps)?"""
+    from vramguard.grad import patches
+
+    can = patches.get("no-grad-linear:4bit").applies()
+    if can:
+        return Probe("forward_calls_linear_4bit", True, "MatMul4Bit.forward calls F.linear")
+    return Probe(
+        "forward_calls_linear_4bit", False, f"MatMul4Bit.forward does not call F.linear ({can.reason})"
+    )
+
+
+@dataclass(frozen=True)
+class KnownDefect:
+    """A bitsandbytes defect and the releases where it reproduces (checked on 0.46.0, 0.47.0, 0.48.0,
+    0.49.2, 0.50.0, 0.50.2). ``probe``: the probe that sees it on this machine (None: measured by a test).
+    ``hardware``: it also depends on the CPU, so the probe, not the version range, decides."""
+
+    key: str
+    what: str
+    first: str
+    last: str
+    probe: str | None = None
+    hardware: bool = False
+
+    def in_range(self, version: str | None = None) -> bool:
+        from packaging.version import Version
+
+        v = Version(version or bnb_version())
+        return Version(self.first) <= v <= Version(self.last)
+
+    def expected_here(self) -> bool:
+        """Is the defect expected to reproduce with the installed release on this machine?"""
+        if self.hardware and self.probe is not None:
+            return self.in_range() and not get(self.probe)
+        return self.in_range()
+
+
+KNOWN_DEFECTS: dict[str, KnownDefect] = {
+    d.key: d
+    for d in (
+        KnownDefect(
+            "nested_single_block",
+            "nested statistics (compress_statistics=True) of a weight with one 4-bit block: the CPU "
+            "quantize_blockwise of the all-zero absmax - mean kills the process (SIGSEGV)",
+            "0.46.0",
+            "0.48.0",
+            "defect:nested_single_block",
+        ),
+        KnownDefect(
+            "odd_numel_4bit",
+            "CPU quantize_4bit of a weight with an odd number of elements raises 'The size of tensor a "
+            "must match the size of tensor b'",
+            "0.47.0",
+            "0.49.2",
+            "defect:odd_numel_4bit",
+        ),
+        KnownDefect(
+            "one_byte_weight",
+            "a 4-bit weight of 2 elements packs to [1, 1], which dequantize_4bit reads as transposed "
+            "(returns W.T), so matmul_4bit in the [K, N] form fails",
+            "0.47.0",
+            "0.50.2",
+            "defect:one_byte_weight",
+        ),
+        KnownDefect(
+            "one_byte_backward",
+            "MatMul4Bit.backward with a one-byte packed weight (N*K == 2) fails with 'mat1 and mat2 shapes "
+            "cannot be multiplied'",
+            "0.50.0",
+            "0.50.2",
+            "defect:one_byte_backward",
+        ),
+        KnownDefect(
+            "8bit_fp_3d_backward",
+            "MatMul8bitFp.backward calls A.t() on a 3-D input when the weight needs a gradient "
+            "(has_fp16_weights=True, CPU training)",
+            "0.48.0",
+            "0.50.2",
+            "defect:8bit_fp_3d_backward",
+        ),
+        KnownDefect(
+            "int8_k1_cpu",
+            "int8_linear_matmul on CPU with one input feature (K=1) returns uninitialised memory: it runs "
+            "torch._int_mm (torch >= 2.6; from 0.50.0 only on AVX-512 CPUs), whose CPU kernel mishandles "
+            "the [1, N] operand B.t() with strides (1, 1)",
+            "0.46.0",
+            "0.50.2",
+            "defect:int8_k1_cpu",
+            hardware=True,
+        ),
+        KnownDefect(
+            "kn_weight_copy",
+            "matmul_4bit with a weight quantized from [K, N] dequantizes and calls F.linear outside the "
+            "autograd Function, under grad, so the whole dequantized weight is kept for backward",
+            "0.50.0",
+            "0.50.2",
+        ),
+    )
+}
+
+
+def bnb_version() -> str:
+    import importlib.metadata as md
+
+    try:
+        return md.version("bitsandbytes")
+    except md.PackageNotFoundError:
+        return "absent"
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:] or list(PROBES))

@@ -1,0 +1,457 @@
+"""The saved-tensor ledger: per module, what a forward pass leaves alive for backward.
+
+Two probes, because one is not enough:
+
+* ``hook``: :func:`torch.autograd.graph.saved_tensors_hooks` sees every tensor packed through
+  ``save_for_backward`` and by built-in ops;
+* ``ctx``: custom ``autograd.Function`` contexts can keep tensors as plain attributes
+  (bitsandbytes' ``ctx.tensors``, ``ctx.A``, ``ctx.state``), which no hook sees. At the end of
+  the pass the ledger walks the autograd graph from the outputs and looks into those contexts
+  (one level into tuples/lists, two into objects such as ``QuantState``).
+
+Bytes are counted per storage, once (views and repeated saves share a storage); storages of
+parameters, buffers and their quantization state are *resident*, not saved. A record is a
+``weight-copy`` when it has the logical shape of a quantized or frozen weight of its module: the
+signature of "the dequantized weight was saved for backward".
+
+The ledger never extends a tensor's lifetime: the pack hook stores a detached alias in a slot
+object that only autograd references, and the ledger keeps a weak reference to that object.
+Double backward (``create_graph=True``) through the ledger is not supported.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from types import TracebackType
+from typing import Any, Literal
+
+import torch
+from torch.autograd.function import BackwardCFunction
+
+from vramguard.measure.decoder import decoder_layer
+from vramguard.measure.storage import (
+    StorageKey,
+    flat_tensors,
+    resident_storages,
+    storage_key,
+    storage_nbytes,
+    tensors_in,
+)
+
+Source = Literal["hook", "ctx", "tracker"]
+"""Which probe saw a storage first: ``saved_tensors_hooks`` (hook), the walk of custom Functions'
+contexts (ctx), or only the live-storage tracker (:func:`vramguard.measure.meters.measure`)."""
+Kind = Literal["activation", "weight-copy", "resident", "unexplained"]
+"""What a kept storage is; ``unexplained``: alive after the block, held by no hook or ctx (tracker only)."""
+
+OUTSIDE = "<outside>"
+"""Module name for tensors saved by ops that ran outside any module's forward (e.g. a user's loss)."""
+
+
+@dataclass(frozen=True)
+class SavedRecord:
+    """One storage kept alive for backward (or, with kind ``resident``, one that was already there)."""
+
+    module: str
+    node: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    source: Source
+    kind: Kind
+    device: str
+    attribute: str | None = None
+    owner: str | None = None
+    also_saved_by: tuple[str, ...] = ()
+    key: StorageKey | None = field(default=None, compare=False, repr=False)
+    """The storage's identity in this process (not written to JSON)."""
+    new: bool | None = None
+    """Whether the measured block created the storage: known only when the live tracker ran along
+    (:func:`vramguard.measure.meters.measure`); not written to JSON."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        del d["key"], d["new"]
+        d["shape"] = list(self.shape)
+        d["also_saved_by"] = list(self.also_saved_by)
+        return d
+
+    def describe(self) -> str:
+        """One line a maintainer can act on."""
+        where = f"ctx.{self.attribute}" if self.source == "ctx" and self.attribute else self.source
+        age = " (pre-existing)" if self.new is False else ""
+        return (
+            f"{self.module or '<root>'} {self.node}: {self.kind} {tuple(self.shape)} {self.dtype} "
+            f"{self.bytes} B via {where}{age}"
+        )
+
+
+@dataclass
+class LedgerReport:
+    """What one forward pass left alive for backward, storage by storage."""
+
+    records: list[SavedRecord] = field(default_factory=list)
+    resident: list[SavedRecord] = field(default_factory=list)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(r.bytes for r in self.records)
+
+    @property
+    def weight_copy_bytes(self) -> int:
+        return sum(r.bytes for r in self.records if r.kind == "weight-copy")
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(r.bytes for r in self.records if r.kind == "activation")
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(r.bytes for r in self.resident)
+
+    def bytes_by(self, source: Source | None = None) -> int:
+        return sum(r.bytes for r in self.records if source is None or r.source == source)
+
+    def by_module(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for r in self.records:
+            out[r.module] += r.bytes
+        return dict(out)
+
+    def group(self, key: Callable[[SavedRecord], str | None]) -> dict[str, list[SavedRecord]]:
+        """Records grouped by ``key`` (records mapped to None are left out)."""
+        out: dict[str, list[SavedRecord]] = defaultdict(list)
+        for r in self.records:
+            k = key(r)
+            if k is not None:
+                out[k].append(r)
+        return dict(out)
+
+    def by_layer(self) -> dict[str, list[SavedRecord]]:
+        """Records grouped by decoder layer (``layers.N``, the one rule of :mod:`vramguard.measure.decoder`);
+        records outside every decoder layer are left out."""
+        return self.group(lambda r: decoder_layer(r.module))
+
+    def under(self, prefix: str) -> list[SavedRecord]:
+        """Records of ``prefix`` and its submodules."""
+        return [r for r in self.records if r.module == prefix or r.module.startswith(prefix + ".")]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "saved_bytes": self.saved_bytes,
+            "activation_bytes": self.activation_bytes,
+            "weight_copy_bytes": self.weight_copy_bytes,
+            "resident_bytes": self.resident_bytes,
+            "records": [r.to_dict() for r in self.records],
+            "resident": [r.to_dict() for r in self.resident],
+        }
+
+
+class _Slot:
+    """What the pack hook hands to autograd: autograd alone owns it, the ledger only a weakref."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+@dataclass
+class _Pack:
+    slot: weakref.ref[_Slot]
+    key: StorageKey
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    module: str
+    node_seq: int
+
+
+class _NodeClock:
+    """Sequence number of the autograd node created last on this thread.
+
+    PyTorch numbers nodes in creation order but exposes the counter only through nodes, so a
+    one-element probe op is run and its own number discounted (including runs of probes with no
+    real node between them).
+    """
+
+    def __init__(self) -> None:
+        self._probe = torch.zeros((), requires_grad=True)
+        self._last_probe = -2
+        self._last_real = -1
+
+    def now(self) -> int:
+        with torch.enable_grad():
+            fn = self._probe.neg().grad_fn
+        if fn is None:  # inference mode: no node can have been created either
+            return self._last_real
+        seq = int(fn._sequence_nr())
+        if seq - 1 != self._last_probe:
+            self._last_real = seq - 1
+        self._last_probe = seq
+        return self._last_real
+
+
+def _weight_shapes(model: torch.nn.Module | None) -> dict[str, set[tuple[int, ...]]]:
+    """Logical 2-D weight shapes (both orientations) of quantized or frozen layers, by module."""
+    shapes: dict[str, set[tuple[int, ...]]] = {}
+    if model is None:
+        return shapes
+    for name, module in model.named_modules():
+        base = getattr(module, "base_layer", None)  # PEFT wrappers compute with their base layer's weight
+        target = base if isinstance(base, torch.nn.Module) else module
+        weight = target._parameters.get("weight")
+        if weight is None:
+            continue
+        module = target
+        quant_state = getattr(weight, "quant_state", None)
+        quantized = quant_state is not None or weight.dtype in (torch.int8, torch.uint8)
+        if not quantized and weight.requires_grad:
+            continue
+        if quant_state is not None and getattr(quant_state, "shape", None) is not None:
+            logical = tuple(int(d) for d in quant_state.shape)
+        elif hasattr(module, "out_features") and hasattr(module, "in_features"):
+            logical = (int(module.out_features), int(module.in_features))
+        else:
+            logical = tuple(int(d) for d in weight.shape)
+        if len(logical) == 2:
+            shapes[name] = {logical, logical[::-1]}
+    return shapes
+
+
+def _iter_graph(roots: Iterable[torch.Tensor]) -> Iterator[Any]:
+    """Every autograd node reachable from ``roots``' grad_fns, each once."""
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+
+
+class SavedTensorLedger:
+    """Context manager around a forward pass; ``report`` is filled when the block exits.
+
+    >>> with SavedTensorLedger(model) as ledger:
+    ...     loss = model(x).sum()
+    >>> ledger.report.saved_bytes
+
+    Outputs of ``model``'s own forward are the roots of the graph walk; add others (a loss
+    computed outside the model) with :meth:`add_roots`.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, roots: Iterable[torch.Tensor] = ()) -> None:
+        self.model = model
+        self.report = LedgerReport()
+        self._roots: list[weakref.ref[torch.Tensor]] = []
+        self.add_roots(*roots)
+        self._packs: list[_Pack] = []
+        self._stack: list[str] = []
+        self._intervals: list[tuple[int, int, int, str]] = []  # (start, end, depth, module)
+        self._open: list[tuple[str, int]] = []
+        self._handles: list[Any] = []
+        self._clock: _NodeClock | None = None
+        self._hooks: Any = None
+        self._resident: dict[StorageKey, str] = {}
+        self._weights: dict[str, set[tuple[int, ...]]] = {}
+        self._inputs: dict[str, set[StorageKey]] = defaultdict(set)  # storages passed into each module
+
+    @property
+    def resident_keys(self) -> frozenset[StorageKey]:
+        """The storages of the model's parameters, buffers and quantization state (as of the block's end)."""
+        return frozenset(self._resident)
+
+    def add_roots(self, *tensors: Any) -> None:
+        for t in flat_tensors(tensors):
+            self._roots.append(weakref.ref(t))
+
+    # -- recording ---------------------------------------------------------------------------
+
+    def __enter__(self) -> SavedTensorLedger:
+        self._clock = _NodeClock()
+        if self.model is not None:
+            self._resident = resident_storages(self.model)
+            self._weights = _weight_shapes(self.model)
+            names = {id(m): n for n, m in self.model.named_modules()}
+            for module in self.model.modules():
+                name = names[id(module)]
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+                self._handles.append(
+                    module.register_forward_hook(self._post_hook(name, module is self.model))
+                )
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._hooks.__exit__(exc_type, exc, tb)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if exc_type is None:
+            if self.model is not None:
+                # what is resident is decided at the end: a forward may replace a parameter's storage
+                # (bitsandbytes' Linear4bit casts its bias to the input dtype on the first call), and
+                # the freed storage's key may then be reused by an activation, or the old storage
+                # be kept by autograd: neither is a parameter any more (names as first seen)
+                start = self._resident
+                self._resident = {k: start.get(k, name) for k, name in resident_storages(self.model).items()}
+            self.report = self._build_report()
+        self._packs.clear()
+        self._inputs.clear()
+
+    def _pre_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            assert self._clock is not None
+            for t in flat_tensors((args, kwargs)):
+                try:
+                    self._inputs[name].add(storage_key(t))
+                except (RuntimeError, NotImplementedError):  # tensors without a storage (sparse, wrappers)
+                    pass
+            self._open.append((name, self._clock.now()))
+            self._stack.append(name)
+
+        return hook
+
+    def _post_hook(self, name: str, is_root: bool) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            assert self._clock is not None
+            if self._stack and self._stack[-1] == name:
+                self._stack.pop()
+            if self._open and self._open[-1][0] == name:
+                _, start = self._open.pop()
+                self._intervals.append((start, self._clock.now(), len(self._open), name))
+            if is_root:
+                self.add_roots(output)
+
+        return hook
+
+    def _pack(self, tensor: torch.Tensor) -> _Slot:
+        assert self._clock is not None
+        slot = _Slot(tensor.detach())
+        self._packs.append(
+            _Pack(
+                slot=weakref.ref(slot),
+                key=storage_key(tensor),
+                nbytes=storage_nbytes(tensor),
+                shape=tuple(tensor.shape),
+                dtype=str(tensor.dtype).removeprefix("torch."),
+                device=str(tensor.device),
+                module=self._stack[-1] if self._stack else OUTSIDE,
+                node_seq=self._clock.now(),
+            )
+        )
+        return slot
+
+    @staticmethod
+    def _unpack(slot: _Slot) -> torch.Tensor:
+        return slot.tensor
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def _module_of_seq(self, seq: int) -> str:
+        best: tuple[int, str] | None = None
+        for start, end, depth, name in self._intervals:
+            if start < seq <= end and (best is None or depth > best[0]):
+                best = (depth, name)
+        return best[1] if best else OUTSIDE
+
+    def _kind(self, module: str, shape: tuple[int, ...], key: StorageKey) -> Kind:
+        if key in self._resident:
+            return "resident"
+        if len(shape) == 2:
+            for owner, shapes in self._weights.items():
+                inside = owner == module or not owner or module.startswith(owner + ".")
+                if inside and shape in shapes and not self._passed_in(key, module, owner):
+                    return "weight-copy"
+        return "activation"
+
+    def _passed_in(self, key: StorageKey, module: str, owner: str) -> bool:
+        """Whether the storage was an input of ``module`` or of an enclosing module up to ``owner``:
+        then it is an activation that merely has a weight's shape (a LoRA-A input of batch*seq
+        rows equal to the layer's out_features), not a copy made from the weight."""
+        name = module
+        while True:
+            if key in self._inputs.get(name, ()):
+                return True
+            if name == owner or not name:
+                return False
+            name = name.rpartition(".")[0]
+
+    def _build_report(self) -> LedgerReport:
+        roots = [t for t in (r() for r in self._roots) if t is not None]
+        nodes = list(_iter_graph(roots))
+        node_names = {int(n._sequence_nr()): n.name() for n in nodes}
+        entries: dict[StorageKey, dict[str, Any]] = {}
+
+        def add(
+            key: StorageKey,
+            t_meta: dict[str, Any],
+            node: tuple[int, str],
+            source: Source,
+            attribute: str | None,
+        ) -> None:
+            if key in entries:
+                if node not in entries[key]["nodes"]:
+                    entries[key]["nodes"].append(node)
+                return
+            entries[key] = {**t_meta, "nodes": [node], "source": source, "attribute": attribute}
+
+        for p in self._packs:
+            if p.slot() is None:  # autograd already released it (graph freed or consumed)
+                continue
+            meta = {
+                "module": p.module,
+                "shape": p.shape,
+                "dtype": p.dtype,
+                "bytes": p.nbytes,
+                "device": p.device,
+            }
+            add(p.key, meta, (p.node_seq, node_names.get(p.node_seq, "<unknown>")), "hook", None)
+
+        for node in nodes:
+            if not isinstance(node, BackwardCFunction):
+                continue
+            module = self._module_of_seq(int(node._sequence_nr()))
+            for attr, value in list(vars(node).items()):
+                if attr.startswith("_") or attr in ("saved_tensors", "to_save"):
+                    continue
+                for path, t in tensors_in(value):
+                    meta = {
+                        "module": module,
+                        "shape": tuple(t.shape),
+                        "dtype": str(t.dtype).removeprefix("torch."),
+                        "bytes": storage_nbytes(t),
+                        "device": str(t.device),
+                    }
+                    add(storage_key(t), meta, (int(node._sequence_nr()), node.name()), "ctx", attr + path)
+
+        report = LedgerReport()
+        for key, e in entries.items():
+            kind = self._kind(e["module"], e["shape"], key)
+            record = SavedRecord(
+                module=e["module"],
+                node=e["nodes"][0][1],
+                shape=e["shape"],
+                dtype=e["dtype"],
+                bytes=e["bytes"],
+                source=e["source"],
+                kind=kind,
+                device=e["device"],
+                attribute=e["attribute"],
+                owner=self._resident.get(key),
+                also_saved_by=tuple(name for _, name in e["nodes"][1:]),
+                key=key,
+            )
+            (report.resident if kind == "resident" else report.records).append(record)
+        report.records.sort(key=lambda r: (-r.bytes, r.module))
+        return report

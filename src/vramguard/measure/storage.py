@@ -1,0 +1,137 @@
+"""Storage identity and residency: the unit in which memory is counted, once.
+
+Memory is owned by storages, not tensors: views share one storage, and a saved view keeps the
+whole storage alive. Everything in vramguard therefore counts ``untyped_storage().nbytes()``
+per storage, keyed by the StorageImpl pointer (``_cdata``), which stays unique while the storage
+is alive on every device, meta included (where ``data_ptr()`` is always 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+StorageKey = int
+
+_MAX_DEPTH = 2
+
+
+def storage_key(t: torch.Tensor) -> StorageKey:
+    """Identity of the storage behind ``t`` (shared by all of its views)."""
+    return int(t.untyped_storage()._cdata)
+
+
+def storage_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the whole storage behind ``t``: what keeping ``t`` alive costs."""
+    return int(t.untyped_storage().nbytes())
+
+
+def flat_tensors(obj: Any, depth: int = 4) -> Iterator[torch.Tensor]:
+    """The tensors of nested tuples, lists and dicts (a forward's arguments or result, an op's output),
+    ``depth`` levels deep; unlike :func:`tensors_in`, no paths and no look into objects' attributes."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 0 and isinstance(obj, dict):
+        for v in obj.values():
+            yield from flat_tensors(v, depth - 1)
+    elif depth > 0 and isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from flat_tensors(v, depth - 1)
+
+
+def tensors_in(
+    obj: Any, depth: int = _MAX_DEPTH, _seen: set[int] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors reachable from ``obj``: the object itself, items of tuples/lists/dicts, and
+    ``depth`` levels into plain objects' attributes (bitsandbytes' ``QuantState``, ``MatmulLtState``).
+
+    Yields ``(path, tensor)`` with ``path`` relative to ``obj``: ``""``, ``"[1]"``, ``".absmax"``,
+    ``".state2.code"``.
+    """
+    seen = _seen if _seen is not None else set()
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield "", obj
+        return
+    if isinstance(obj, (tuple, list)):
+        items: Iterator[tuple[str, Any]] = ((f"[{i}]", v) for i, v in enumerate(obj))
+    elif isinstance(obj, dict):
+        items = ((f"[{k!r}]", v) for k, v in obj.items())
+    elif depth > 0 and _is_plain_object(obj):
+        items = ((f".{k}", v) for k, v in list(vars(obj).items()))
+        depth -= 1
+    else:
+        return
+    for prefix, value in items:
+        if isinstance(value, torch.Tensor):
+            yield prefix, value
+        elif isinstance(value, (tuple, list, dict)) or (depth > 0 and _is_plain_object(value)):
+            for path, t in tensors_in(value, depth, seen):
+                yield prefix + path, t
+
+
+def _is_plain_object(obj: Any) -> bool:
+    """Objects worth looking into: user classes with a ``__dict__`` (not modules, not types)."""
+    return (
+        hasattr(obj, "__dict__")
+        and not isinstance(obj, (type, torch.nn.Module, torch.dtype, torch.device))
+        and not callable(obj)
+    )
+
+
+def resident_storages(model: torch.nn.Module) -> dict[StorageKey, str]:
+    """Storages that exist before any forward pass: parameters, buffers and the quantization state
+    hanging off them (``Params4bit.quant_state``, ``Int8Params.SCB``, ``Linear8bitLt.state``).
+
+    Maps storage key to the qualified name of its owner. Saving one of these for backward costs
+    nothing extra, so the ledger reports them as resident, never as saved.
+    """
+    owners: dict[StorageKey, str] = {}
+    for owner, tensor in _resident_tensors(model):
+        owners.setdefault(storage_key(tensor), owner)
+    return owners
+
+
+def frozen_resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the resident storages that training does not update: frozen (quantized) weights with
+    their quantization state, and buffers. Trainable parameters are left out."""
+    trainable = {storage_key(p) for p in model.parameters() if p.requires_grad}
+    sizes: dict[StorageKey, int] = {}
+    for _, tensor in _resident_tensors(model):
+        key = storage_key(tensor)
+        if key not in trainable:
+            sizes.setdefault(key, storage_nbytes(tensor))
+    return sum(sizes.values())
+
+
+def _resident_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(owner name, tensor) for every parameter, buffer and tensor hanging off them or their module."""
+    for mod_name, module in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for name, tensor in list(module.named_parameters(recurse=False)) + list(
+            module.named_buffers(recurse=False)
+        ):
+            if tensor is None:
+                continue
+            yield prefix + name, tensor
+            for attr, value in _attributes(tensor).items():
+                for path, t in tensors_in(value):
+                    yield f"{prefix}{name}.{attr}{path}", t
+        for attr, value in list(vars(module).items()):
+            if attr.startswith("_") or isinstance(value, (torch.Tensor, torch.nn.Module)):
+                continue
+            if _is_plain_object(value) or isinstance(value, (tuple, list)):
+                for path, t in tensors_in(value):
+                    yield f"{prefix}{attr}{path}", t
+
+
+def _attributes(tensor: torch.Tensor) -> dict[str, Any]:
+    """Python attributes set on a parameter object (e.g. ``quant_state``), tensors' own internals aside."""
+    try:
+        return {k: v for k, v in vars(tensor).items() if not k.startswith("_")}
+    except TypeError:
+        return {}

@@ -1,0 +1,256 @@
+"""The analytic memory model of a QLoRA step, itemised so a measurement can be held against it.
+
+Bytes, for N quantized parameters and M LoRA parameters (the brief's model, made exact):
+
+* 4-bit weights: N/2 packed bytes, plus the absmax of every ``blocksize`` block: 4 B (fp32) per
+  block, or with double quantization 1 B per block plus 4 B per 256 blocks (0.5625 and ~0.516
+  B/param at blocksize 64), plus small per-layer code tables (:func:`quantized_weight_bytes`);
+* LoRA: 16 M (fp32 weight 4, gradient 4, Adam's two moments 8);
+* parameters left unquantized (embeddings, norms, lm_head) at their own dtype;
+* activations per decoder layer, term by term (:func:`vramguard.model.layers.layer_terms`, the one
+  place the per-layer formula lives);
+* fp32 logits kept by the loss's log-softmax: 4·b·s·vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+from vramguard.model.layers import (
+    checkpointed_layer_bytes,
+    layer_terms,
+    logits_fp32_bytes,
+    rope_bytes,
+    shape_from,
+)
+from vramguard.workload.families import analytic_features
+from vramguard.workload.models import ModelSpec
+
+QUANT_BLOCKSIZE = 64
+DOUBLE_QUANT_GROUP = 256
+
+
+def quantized_weight_bytes(n: int, blocksize: int = QUANT_BLOCKSIZE, double_quant: bool = True) -> int:
+    """Bytes of one 4-bit weight of ``n`` elements with its quantization state, exactly as
+    bitsandbytes stores it: packed nibbles, one absmax per block (fp32, or uint8 with double
+    quantization plus an fp32 absmax per 256 blocks, a 256-entry fp32 code and an fp32 offset),
+    and the 16-entry fp32 code of the 4-bit data type."""
+    blocks = -(-n // blocksize)
+    code = 16 * 4
+    if double_quant:
+        groups = -(-blocks // DOUBLE_QUANT_GROUP)
+        absmax = blocks * 1 + groups * 4 + DOUBLE_QUANT_GROUP * 4 + 4
+    else:
+        absmax = blocks * 4
+    return -(-n // 2) + absmax + code
+
+
+@dataclass
+class Budget:
+    """The analytic model for one configuration, in bytes."""
+
+    quantized_params: int
+    other_params: int
+    lora_params: int
+    quantized_weight_bytes: int
+    other_weight_bytes: int
+    lora_training_bytes: int
+    layer_terms: list[dict[str, int]] = field(default_factory=list)
+    shared_bytes: int = 0  # outside the layers, besides the logits: final norm, loss targets
+    logits_bytes: int = 0
+    family: str | None = None  # the family whose formula this is (vramguard.workload.families)
+    no_analytic_model: str | None = None  # why there is no activation model (weights only), or None
+
+    @property
+    def layer_bytes(self) -> list[int]:
+        return [sum(t.values()) for t in self.layer_terms]
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.shared_bytes + self.logits_bytes
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.quantized_weight_bytes + self.other_weight_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.lora_training_bytes + self.activation_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(
+            layer_bytes=self.layer_bytes,
+            activation_bytes=self.activation_bytes,
+            weights_bytes=self.weights_bytes,
+            total_bytes=self.total_bytes,
+        )
+        return d
+
+
+def _count(model: torch.nn.Module, double_quant: bool) -> tuple[int, int, int, int, int, torch.dtype]:
+    """(quantized params, their bytes, other params, other bytes, LoRA params, residual-stream dtype)."""
+    quantized = quantized_bytes = other = other_bytes = lora = 0
+    norm_dtype: torch.dtype | None = None
+    for name, p in model.named_parameters():
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            n = int(torch.Size(qs.shape).numel())
+            quantized += n
+            quantized_bytes += quantized_weight_bytes(
+                n, int(getattr(qs, "blocksize", QUANT_BLOCKSIZE)), double_quant
+            )
+        elif p.requires_grad:
+            lora += p.numel()
+        else:
+            other += p.numel()
+            other_bytes += p.numel() * p.element_size()
+            if norm_dtype is None and "norm" in name:
+                norm_dtype = p.dtype
+    return quantized, quantized_bytes, other, other_bytes, lora, norm_dtype or torch.float32
+
+
+def weights_budget(model: torch.nn.Module, *, double_quant: bool = True, reason: str) -> Budget:
+    """Weights and LoRA training state only (exact for any architecture: they are counted from the
+    model's own parameters), for a model whose activations have no analytic model (``reason``)."""
+    n_q, q_bytes, n_other, other_bytes, m, _ = _count(model, double_quant)
+    return Budget(
+        quantized_params=n_q,
+        other_params=n_other,
+        lora_params=m,
+        quantized_weight_bytes=q_bytes,
+        other_weight_bytes=other_bytes,
+        lora_training_bytes=16 * m,
+        no_analytic_model=reason,
+    )
+
+
+def qlora_budget(
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    *,
+    batch: int,
+    seq: int,
+    rank: int,
+    compute_dtype: torch.dtype,
+    double_quant: bool = True,
+    checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+    lora_dropout: bool = False,
+    device_type: str = "cpu",
+    explicit_mask: bool = False,
+) -> Budget:
+    """The budget of ``model`` (a built QLoRA model) for one training step.
+
+    Raises :class:`vramguard.workload.families.NoAnalyticModel` for a family (or configuration) the
+    analytic model does not cover: then there is no budget to compare against.
+    """
+    n_q, q_bytes, n_other, other_bytes, m, norm_dtype = _count(model, double_quant)
+    act_bytes = torch.empty((), dtype=torch.promote_types(norm_dtype, compute_dtype)).element_size()
+    activations = activation_budget(
+        spec,
+        batch=batch,
+        seq=seq,
+        rank=rank,
+        act_bytes=act_bytes,
+        checkpointing=checkpointing,
+        attn_implementation=attn_implementation,
+        lora_dropout=lora_dropout,
+        device_type=device_type,
+        explicit_mask=explicit_mask,
+    )
+    return replace(
+        activations,
+        quantized_params=n_q,
+        other_params=n_other,
+        lora_params=m,
+        quantized_weight_bytes=q_bytes,
+        other_weight_bytes=other_bytes,
+        lora_training_bytes=16 * m,
+    )
+
+
+def activation_budget(
+    spec: ModelSpec,
+    *,
+    batch: int,
+    seq: int,
+    rank: int,
+    act_bytes: int = 4,
+    checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+    lora_dropout: bool = False,
+    device_type: str = "cpu",
+    explicit_mask: bool = False,
+) -> Budget:
+    """The saved activations of one step from the config alone (weights left at 0): an estimate
+    for shapes never built, e.g. the full-size presets. ``act_bytes`` 4: the residual stream is
+    fp32 after ``prepare_model_for_kbit_training`` (it upcasts the norms). ``explicit_mask``: sdpa gets
+    an explicit causal mask in every layer (transformers 4.56-4.57 for a batch without attention_mask),
+    which costs what a sliding-window mask does."""
+    fam, arch = analytic_features(spec.model_type, spec.transformers_config(), seq, attn_implementation)
+    features = {
+        "fused_qkv": fam.fused_qkv,
+        "fused_gate_up": fam.fused_gate_up,
+        "qk_norm": fam.qk_norm,
+        "sandwich_norms": fam.sandwich_norms,
+        "norm_offset": fam.norm_offset,
+        "attn_softcap": arch["attn_softcap"],
+    }
+    f = spec.fields
+    tokens = batch * seq
+    layers: list[dict[str, int]] = []
+    for idx in range(f["num_hidden_layers"]):
+        if checkpointing:
+            layers.append(
+                {
+                    "checkpointed layer input": checkpointed_layer_bytes(
+                        batch, seq, f["hidden_size"], act_bytes
+                    )
+                }
+            )
+            continue
+        shape = shape_from(
+            f,
+            batch=batch,
+            seq=seq,
+            rank=rank,
+            act_bytes=act_bytes,
+            dropout=lora_dropout,
+            mask_bytes=1 if device_type == "cuda" else act_bytes,
+            attn=attn_implementation,
+            first_layer=idx == 0,  # the embeddings need no grad, so layer 0's input norm keeps nothing
+            window_mask=(arch["window_mask"][idx] or explicit_mask) and attn_implementation == "sdpa",
+            **features,
+        )
+        layers.append(layer_terms(shape))
+    if not checkpointing:
+        # cos/sin are computed once per forward and kept by the rotary muls of the first layer
+        # using them; Gemma 3's sliding layers have a rotary embedding of their own
+        for kind in dict.fromkeys(arch["rope"]):
+            first = arch["rope"].index(kind)
+            layers[first][f"rotary cos/sin ({kind}, shared by all layers)"] = rope_bytes(
+                1, seq, spec.head_dim
+            )
+    final_norm = tokens * f["hidden_size"] * 4 + tokens * 4 + (f["hidden_size"] * 4 if fam.norm_offset else 0)
+    # final_logit_softcapping (Gemma 2): tanh(logits / cap) * cap keeps tanh's output
+    softcap = tokens * f["vocab_size"] * act_bytes if arch["final_softcap"] else 0
+    # nll_loss keeps the int64 targets (labels padded by one position, then shifted and flattened:
+    # still a view of the padded (1, s+1) storage for batch 1, a contiguous b*s copy otherwise)
+    # and the fp32 total weight
+    loss_state = ((seq + 1) if batch == 1 else batch * seq) * 8 + 4
+    return Budget(
+        quantized_params=0,
+        other_params=0,
+        lora_params=0,
+        quantized_weight_bytes=0,
+        other_weight_bytes=0,
+        lora_training_bytes=0,
+        layer_terms=layers,
+        shared_bytes=final_norm + loss_state + softcap,
+        logits_bytes=logits_fp32_bytes(batch, seq, f["vocab_size"]),
+        family=fam.name,
+    )

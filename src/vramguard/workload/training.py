@@ -1,0 +1,113 @@
+"""One real QLoRA training step (forward, backward, optimizer step), measured phase by phase.
+
+Shared by ``vramguard audit``, the benchmarks and tests_memory, so they all measure the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from vramguard.measure.ledger import LedgerReport, SavedTensorLedger
+from vramguard.measure.tracker import FrameStats, MemoryTracker
+from vramguard.workload.models import QLoRAModel
+
+PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
+
+
+@dataclass
+class StepResult:
+    """Live bytes of one step; ``retained_bytes`` is what stays after the step is done."""
+
+    step: int
+    loss: float | None  # None on the meta device (vramguard estimate): no values
+    start_bytes: int
+    after_forward_bytes: int
+    retained_bytes: int
+    peak_bytes: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def make_optimizer(q: QLoRAModel, lr: float = 1e-4) -> torch.optim.Optimizer:
+    """AdamW on the LoRA parameters: 8 bytes of state per trainable fp32 parameter."""
+    return torch.optim.AdamW(q.trainable_parameters(), lr=lr)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(
+    q: QLoRAModel,
+    optimizer: torch.optim.Optimizer,
+    tracker: MemoryTracker,
+    step: int,
+    ledger: SavedTensorLedger | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> StepResult:
+    """Run one step inside ``tracker``; with ``ledger``, the forward pass is also itemised.
+
+    ``loss_fn`` maps the model output to the loss (default: the model's own ``loss``).
+    """
+    batch = q.batch(step)
+    device = q.device
+    start = tracker.current()
+    calls: dict[str, FrameStats] = {}
+    with tracker.phase("forward") as calls["forward"]:
+        if ledger is not None:
+            with ledger:
+                out = q.model(**batch)
+                loss = loss_fn(out) if loss_fn else out.loss
+                ledger.add_roots(loss)
+        else:
+            out = q.model(**batch)
+            loss = loss_fn(out) if loss_fn else out.loss
+        _sync(device)
+    after_forward = tracker.current()
+    del out
+    with tracker.phase("backward") as calls["backward"]:
+        loss.backward()
+        _sync(device)
+    with tracker.phase("optimizer") as calls["optimizer"]:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+    value = None if loss.is_meta else float(loss.detach().float().item())  # meta: shapes, no values
+    del loss
+    peaks = {name: stats.peak_bytes for name, stats in calls.items()}
+    return StepResult(
+        step=step,
+        loss=value,
+        start_bytes=start,
+        after_forward_bytes=after_forward,
+        retained_bytes=tracker.current(),
+        peak_bytes=peaks,
+    )
+
+
+def run_steps(
+    q: QLoRAModel,
+    steps: int,
+    tracker: MemoryTracker,
+    optimizer: torch.optim.Optimizer | None = None,
+    ledger_step: int | None = 0,
+    on_step: Callable[[StepResult], None] | None = None,
+) -> tuple[list[StepResult], LedgerReport | None]:
+    """``steps`` training steps; the ledger itemises the forward of step ``ledger_step``."""
+    optimizer = optimizer or make_optimizer(q)
+    results: list[StepResult] = []
+    report: LedgerReport | None = None
+    for step in range(steps):
+        ledger = SavedTensorLedger(q.model) if step == ledger_step else None
+        results.append(train_step(q, optimizer, tracker, step, ledger=ledger))
+        if ledger is not None:
+            report = ledger.report
+        if on_step is not None:
+            on_step(results[-1])
+    return results, report

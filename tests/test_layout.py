@@ -1,0 +1,157 @@
+"""The layout holds: the core parts import no face (rich, argparse, pytest), the parts form no import
+cycle, and the pytest plugins cost a session nothing (no torch) until a vramguard marker asks."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import vramguard
+
+SRC = Path(vramguard.__file__).resolve().parents[1]
+PACKAGE = SRC / "vramguard"
+
+#: Parts that measure, estimate, check and record; they never render nor parse a command line.
+CORE = ("measure", "model", "workload", "grad", "history", "bisect", "audit", "estimate")
+#: Imports that belong to a face (the CLI, the pytest plugins), never to the core.
+FACES = ("rich", "argparse", "pytest", "_pytest", "vramguard.cli", "vramguard.pytest")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> every module it imports, at any depth of its code (a function-level import counts)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+                found |= {f"{node.module}.{alias.name}" for alias in node.names}
+        graph[_module_name(path)] = found
+    return graph
+
+
+def part_of(module: str) -> str:
+    """``vramguard.measure.ledger`` -> ``measure``; a top-level module is its own part."""
+    return module.split(".")[1] if module.count(".") >= 1 else module
+
+
+def faces_in(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} imports {name}"
+        for module, names in graph.items()
+        if module.startswith("vramguard.") and part_of(module) in CORE
+        for name in names
+        if any(name == face or name.startswith(face + ".") for face in FACES)
+    )
+
+
+def part_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Cycles among the parts (``measure -> model -> measure``), found by depth-first search."""
+    edges: dict[str, set[str]] = {}
+    for module, names in graph.items():
+        for name in names:
+            if name in graph and name.startswith("vramguard.") and part_of(name) != part_of(module):
+                edges.setdefault(part_of(module), set()).add(part_of(name))
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(edges.get(node, ())):
+            if nxt in path:
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif len(path) < len(edges) + 1:
+                visit(nxt, path + [nxt])
+
+    for start in sorted(edges):
+        visit(start, [start])
+    return cycles
+
+
+def test_every_part_is_a_package() -> None:
+    for part in (*CORE, "cli", "pytest"):
+        assert (PACKAGE / part / "__init__.py").is_file(), part
+
+
+def test_the_core_imports_no_face() -> None:
+    assert faces_in(import_graph()) == []
+
+
+def test_a_face_in_the_core_is_found() -> None:
+    """The check can fail: a core module that imports rich is named."""
+    graph = import_graph()
+    graph["vramguard.measure.ledger"] = graph["vramguard.measure.ledger"] | {"rich.console"}
+    assert faces_in(graph) == ["vramguard.measure.ledger imports rich.console"]
+
+
+def test_the_parts_form_no_cycle() -> None:
+    assert part_cycles(import_graph()) == []
+
+
+def test_a_cycle_is_found() -> None:
+    graph = import_graph()
+    graph["vramguard.measure.storage"] = graph["vramguard.measure.storage"] | {"vramguard.audit.run"}
+    assert ["measure", "audit", "measure"] in part_cycles(graph)
+
+
+def _python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_importing_the_plugins_imports_no_torch(tmp_path: Path) -> None:
+    code = (  # the entry-point modules and the plugins themselves
+        "import sys, vramguard, vramguard.pytest_plugin, vramguard.benchmark_plugin, vramguard.pytest.plugin, "
+        "vramguard.pytest.benchmark; print(sorted(m for m in ('torch', 'rich') if m in sys.modules))"
+    )
+    out = _python(code, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("body", "torch_loaded"),
+    [
+        ("def test_plain():\n    pass\n", False),
+        ("import pytest\n\n@pytest.mark.gpu\ndef test_gpu():\n    pass\n", True),
+    ],
+    ids=["no-vramguard-marker", "gpu-marker"],
+)
+def test_a_pytest_session_imports_torch_only_when_a_marker_asks(
+    tmp_path: Path, body: str, torch_loaded: bool
+) -> None:
+    """A project that merely has vramguard installed pays nothing for it; a gpu test does import torch
+    (to ask for CUDA), which shows the probe can see torch arrive."""
+    (tmp_path / "test_x.py").write_text(body)
+    (tmp_path / "conftest.py").write_text(
+        "import sys\n\ndef pytest_sessionfinish(session):\n    print('TORCH', 'torch' in sys.modules)\n"
+    )
+    code = (
+        # vramguard's plugins load through their pytest11 entry points, as in any project that installs it
+        "import sys, pytest; sys.exit(pytest.main(['-q', '-s', '-p', 'no:cacheprovider', '-p', 'no:randomly', "
+        "'-o', 'addopts=', '--rootdir', '.', 'test_x.py']))"
+    )
+    out = _python(code, tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"TORCH {torch_loaded}" in out.stdout, out.stdout

@@ -58,13 +58,12 @@ def test_hf_config_is_audited_as_its_own_architecture_exactly(tmp_path: Path, na
         assert arch["attn_implementation"] == "eager"
         assert any("no sdpa attention" in n for n in data["verdict"]["notes"])
 
+#: a Hugging Face config.json of a family with no analytic model (OLMo 2: q/k norms over all heads)
+UNKNOWN_FAMILY = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "tiny-olmo2.json"
+
 
 def test_unknown_family_is_measured_without_a_ratio(tmp_path: Path) -> None:
-    cfg = json.loads((PRESETS / "tiny-llama-hf.json").read_text())
-    cfg.update(model_type="olmo2", architectures=["Olmo2ForCausalLM"])  # q/k norms over all heads
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
-    code, data = _audit(tmp_path, path)
+    code, data = _audit(tmp_path, UNKNOWN_FAMILY)  # a user's config.json, as it comes
     assert code == 0
     assert data["architecture"]["model_class"] == "Olmo2ForCausalLM"
     assert data["architecture"]["analytic_model"] is None
@@ -84,8 +83,8 @@ def test_unknown_family_is_measured_without_a_ratio(tmp_path: Path) -> None:
 def test_unknown_family_console_report_shows_no_ratio(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg = json.loads((PRESETS / "tiny-llama-hf.json").read_text())
-    cfg.update(model_type="olmo2", num_hidden_layers=1)
+    cfg = json.loads(UNKNOWN_FAMILY.read_text())
+    cfg.update(num_hidden_layers=1)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     assert main(["audit", "--model", str(path), "--seq-len", "8", "--batch", "1", "--steps", "2"]) == 0

@@ -17,6 +17,7 @@ from vramguard.audit.report import SCHEMA_VERSION, AuditReport
 from vramguard.audit.run import planned_budget, run_audit
 from vramguard.cli import audit as audit_cli
 from vramguard.cli.app import library_noise_hidden, main
+from vramguard.console import UNWRAPPED_WIDTH
 from vramguard.errors import UsageError
 from vramguard.workload.models import ModelSpec, QLoRAConfig, build_qlora, parse_dtype
 
@@ -257,7 +258,7 @@ def test_a_set_columns_is_respected(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "100")
     assert audit_cli.stdout_console().width == 100
     monkeypatch.delenv("COLUMNS")
-    assert audit_cli.stdout_console().width == audit_cli.UNWRAPPED_WIDTH
+    assert audit_cli.stdout_console().width == UNWRAPPED_WIDTH
 
 
 def test_only_the_known_library_line_is_hidden(caplog: pytest.LogCaptureFixture) -> None:
@@ -381,7 +382,9 @@ def test_a_full_size_preset_that_cannot_be_built_here_is_refused_with_the_figure
     assert main(["audit", "--model", "llama-3.1-8b", "--seq-len", "16"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert err.startswith(f"vramguard: error: llama-3.1-8b has {params:,} parameters: the audit builds them once")
+    assert err.startswith(
+        f"vramguard: error: llama-3.1-8b has {params:,} parameters: the audit builds them once"
+    )
     assert "of RAM is available; audit a smaller preset" in err
     monkeypatch.setattr(audit, "available_memory", lambda device: (10**15, "of RAM is available"))
     monkeypatch.setattr(audit.shutil, "disk_usage", lambda path: shutil_usage(4 * params - 1))

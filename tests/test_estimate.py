@@ -19,7 +19,7 @@ import pytest
 
 from vramguard.audit.run import run_audit
 from vramguard.cli import main
-from vramguard.workload.models import QLoRAConfig
+from vramguard.workload.models import QLoRAConfig, presets
 from vramguard.audit.report import AuditReport
 
 STEPS = 2
@@ -126,9 +126,7 @@ def test_full_size_config_runs_on_meta_without_allocating(tmp_path: Path) -> Non
 
     from vramguard.estimate.run import run_estimate
 
-    data = json.loads(
-        Path(__file__).parents[1].joinpath("src/vramguard/presets/llama-3.1-8b.json").read_text()
-    )
+    data = json.loads(presets()["llama-3.1-8b"].read_text())
     data["num_hidden_layers"] = 2
     cfg = tmp_path / "llama-8b-2layers.json"
     cfg.write_text(json.dumps(data))
@@ -187,7 +185,7 @@ def test_unknown_model_type_and_rejected_config_are_one_line(
     unknown = tmp_path / "unknown.json"
     unknown.write_text(json.dumps({"model_type": "no-such-arch", "hidden_size": 64}))
     rejected = tmp_path / "rejected.json"
-    data = json.loads(Path(__file__).parents[1].joinpath("src/vramguard/presets/tiny-qwen2.json").read_text())
+    data = json.loads(presets()["tiny-qwen2"].read_text())
     data["num_attention_heads"] = 3  # hidden 128 is no multiple of 3 heads
     rejected.write_text(json.dumps(data))
     for path in (unknown, rejected):

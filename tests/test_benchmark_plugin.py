@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,13 @@ from vramguard.history.store import ResultStore
 
 # The pytester fixture restores sys.modules when a test ends: a heavy module imported for the first
 # time inside such a test (bitsandbytes, transformers) would be dropped and later imported again, and
-# torch refuses to register its operator libraries twice. So: import nothing new inside these tests.
+# torch refuses to register its operator libraries twice. So: import nothing new inside these tests;
+# what an inner session imports (torch and bitsandbytes for the versions, hypothesis' terminal summary)
+# is imported here first, since the plugin itself imports them only when a session needs them.
+import bitsandbytes  # noqa: F401
+import hypothesis  # noqa: F401
+import torch  # noqa: F401
+
 from vramguard.pytest.benchmark import pin_gpu, visible_gpus
 
 pytest_plugins = ["pytester"]
@@ -35,6 +42,13 @@ def test_step(benchmark, size):
 def bench(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     pytester.makepyfile(test_bench=BENCH)
     monkeypatch.setenv("FAKE_PEAK", "1000000")
+    # the inner run is a session of its own. Under pytest -n it runs in a subprocess (an in-process
+    # session inside an xdist worker shares the worker's plugins and state), without the worker's
+    # variables (pytest-benchmark would think it is a worker and disable itself)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        monkeypatch.setattr(pytester, "runpytest", pytester.runpytest_subprocess)
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)
     return pytester
 
 

@@ -27,8 +27,9 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-from vramguard.measure.storage import StorageKey, flat_tensors, storage_key
+from vramguard.measure.storage import StorageKey, storage_key
 
 
 class MemorySource(Protocol):
@@ -130,13 +131,13 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs: frozenset[StorageKey] | None = None
-        for t in flat_tensors(out):
+        for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 if inputs is None:
                     # ``torch.tensor(data)`` builds its storage outside the dispatcher and only then
                     # lifts it: the lifted tensor is an allocation although it shares its input's storage
                     fresh = func in _LIFTS
-                    inputs = frozenset() if fresh else _storage_keys(flat_tensors((args, kwargs)))
+                    inputs = frozenset() if fresh else _storage_keys(tree_flatten((args, kwargs))[0])
                 self.track(t, inputs)
         return out
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from vramguard.atomic import write_text_atomic
 from vramguard.audit import run as _audit_run
 from vramguard.audit.report import AuditReport
 from vramguard.audit.run import check_fits, resolve_device, run_audit
+from vramguard.cli.options import add_qlora_options, check_json_path, positive_int, qlora_config
 from vramguard.console import stdout_console
 from vramguard.errors import UsageError
 from vramguard.units import format_bytes
@@ -130,43 +130,16 @@ def render(report: AuditReport, console: Any) -> None:
     console.print(f"[{style}]{report.verdict.line}[/]", highlight=False, soft_wrap=True)
 
 
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return value
-
-
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "audit",
         help="train a small QLoRA model a few steps and account for its memory",
         description=_audit_run.__doc__.splitlines()[0],
     )
-    d = QLoRAConfig()
-    p.add_argument(
-        "--model",
-        default=d.model,
-        help="preset name, a vramguard preset JSON, or a Hugging Face config.json (any model_type)",
+    add_qlora_options(
+        p, model_help="preset name, a vramguard preset JSON, or a Hugging Face config.json (any model_type)"
     )
-    p.add_argument("--seq-len", type=_positive_int, default=d.seq_len)
-    p.add_argument("--batch", type=_positive_int, default=d.batch)
-    p.add_argument("--lora-rank", type=_positive_int, default=d.lora_rank)
-    p.add_argument("--lora-alpha", type=_positive_int, default=d.lora_alpha)
-    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
-    p.add_argument("--dtype", default=d.compute_dtype, help="compute dtype: bf16, fp16 or fp32")
-    p.add_argument("--quant-type", default=d.quant_type, choices=("nf4", "fp4"))
-    p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=d.double_quant)
-    p.add_argument(
-        "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing
-    )
-    p.add_argument("--attn", default=d.attn_implementation, choices=("sdpa", "eager"))
-    p.add_argument("--steps", type=_positive_int, default=3, help="training steps (>= 2 to check for leaks)")
+    p.add_argument("--steps", type=positive_int, default=3, help="training steps (>= 2 to check for leaks)")
     p.add_argument(
         "--trainer",
         default="loop",
@@ -174,8 +147,8 @@ def register(subparsers: Any) -> None:
         help="run the steps in vramguard's loop, transformers' Trainer or TRL's SFTTrainer",
     )
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--top", type=_positive_int, default=3, help="modules listed per layer")
+    p.add_argument("--seed", type=int, default=QLoRAConfig().seed)
+    p.add_argument("--top", type=positive_int, default=3, help="modules listed per layer")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable report here")
     talk = p.add_mutually_exclusive_group()
     talk.add_argument("--quiet", action="store_true", help="print only the verdict line")
@@ -189,25 +162,9 @@ def handle(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    if args.json is not None and args.json.is_dir():
-        raise UsageError(f"--json {args.json} is a directory")
-    if args.json is not None:  # fail before the run, not after it
-        parent = next((p for p in args.json.absolute().parents if p.exists()), None)
-        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            where = parent or args.json.parent
-            raise UsageError(f"cannot write --json {args.json}: {where} is not a writable directory")
-    config = QLoRAConfig(
-        model=args.model,
-        seq_len=args.seq_len,
-        batch=args.batch,
-        lora_rank=args.lora_rank,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
-        compute_dtype=args.dtype,
-        quant_type=args.quant_type,
-        double_quant=args.double_quant,
-        gradient_checkpointing=args.gradient_checkpointing,
-        attn_implementation=args.attn,
+    check_json_path(args.json)  # fail before the run, not after it
+    config = qlora_config(
+        args,
         device=resolve_device(args.device),
         seed=args.seed,
     )

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from vramguard.atomic import write_text_atomic
 from vramguard.audit.report import AuditReport
+from vramguard.cli.options import add_qlora_options, check_json_path, positive_int, qlora_config
 from vramguard.errors import UsageError
 from vramguard.units import format_bytes, parse_size
 from vramguard.workload.models import QLoRAConfig
@@ -20,38 +20,14 @@ DESCRIPTION = (
 )
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return value
-
-
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "estimate", help="estimate a QLoRA step's memory at full size (meta device)", description=DESCRIPTION
     )
-    d = QLoRAConfig()
-    p.add_argument(
-        "--model",
-        default=d.model,
-        help="preset name (e.g. llama-3.1-8b), a vramguard preset JSON, or a Hugging Face config.json",
+    add_qlora_options(
+        p,
+        model_help="preset name (e.g. llama-3.1-8b), a vramguard preset JSON, or a Hugging Face config.json",
     )
-    p.add_argument("--seq-len", type=_positive_int, default=d.seq_len)
-    p.add_argument("--batch", type=_positive_int, default=d.batch)
-    p.add_argument("--lora-rank", type=_positive_int, default=d.lora_rank)
-    p.add_argument("--lora-alpha", type=_positive_int, default=d.lora_alpha)
-    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
-    p.add_argument("--dtype", default=d.compute_dtype, help="compute dtype: bf16, fp16 or fp32")
-    p.add_argument("--quant-type", default=d.quant_type, choices=("nf4", "fp4"))
-    p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=d.double_quant)
-    p.add_argument(
-        "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing
-    )
-    p.add_argument("--attn", default=d.attn_implementation, choices=("sdpa", "eager"))
     p.add_argument(
         "--method",
         default="qlora",
@@ -74,11 +50,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--fit-dim", default="batch", choices=("batch", "seq"))
     p.add_argument(
         "--steps",
-        type=_positive_int,
+        type=positive_int,
         default=2,
         help="meta steps (the second has the optimizer state of the first: the steady state)",
     )
-    p.add_argument("--top", type=_positive_int, default=3, help="modules listed per layer")
+    p.add_argument("--top", type=positive_int, default=3, help="modules listed per layer")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the report (the audit's schema) here")
     p.add_argument("--quiet", action="store_true", help="print only the estimate line")
     p.set_defaults(func=main)
@@ -177,26 +153,9 @@ def main(args: argparse.Namespace) -> int:
     from vramguard.console import stdout_console
     from vramguard.estimate.run import run_estimate
 
-    if args.json is not None:
-        if args.json.is_dir():
-            raise UsageError(f"--json {args.json} is a directory")
-        parent = next((p for p in args.json.absolute().parents if p.exists()), None)
-        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise UsageError(
-                f"cannot write --json {args.json}: {parent or args.json.parent} is not a writable directory"
-            )
-    config = QLoRAConfig(
-        model=args.model,
-        seq_len=args.seq_len,
-        batch=args.batch,
-        lora_rank=args.lora_rank,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
-        compute_dtype=args.dtype,
-        quant_type=args.quant_type,
-        double_quant=args.double_quant,
-        gradient_checkpointing=args.gradient_checkpointing,
-        attn_implementation=args.attn,
+    check_json_path(args.json)  # fail before the run, not after it
+    config = qlora_config(
+        args,
         device="cpu",  # validated as a real device; the run is on meta
     )
     size = parse_size(args.fit) if args.fit is not None else None

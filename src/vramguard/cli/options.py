@@ -1,0 +1,68 @@
+"""Options shared by the commands that run a QLoRA step (``audit``, ``estimate``): one definition, one
+default, one way from the parsed arguments to a :class:`QLoRAConfig`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from vramguard.errors import UsageError
+from vramguard.workload.models import QLoRAConfig
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
+    """The model and the QLoRA step: shapes, LoRA, quantization, dtype, checkpointing, attention."""
+    d = QLoRAConfig()
+    p.add_argument("--model", default=d.model, help=model_help)
+    p.add_argument("--seq-len", type=positive_int, default=d.seq_len)
+    p.add_argument("--batch", type=positive_int, default=d.batch)
+    p.add_argument("--lora-rank", type=positive_int, default=d.lora_rank)
+    p.add_argument("--lora-alpha", type=positive_int, default=d.lora_alpha)
+    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
+    p.add_argument("--dtype", default=d.compute_dtype, help="compute dtype: bf16, fp16 or fp32")
+    p.add_argument("--quant-type", default=d.quant_type, choices=("nf4", "fp4"))
+    p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=d.double_quant)
+    p.add_argument(
+        "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing
+    )
+    p.add_argument("--attn", default=d.attn_implementation, choices=("sdpa", "eager"))
+
+
+def qlora_config(args: argparse.Namespace, **rest: object) -> QLoRAConfig:
+    """The :class:`QLoRAConfig` of the options :func:`add_qlora_options` added (``rest``: the others)."""
+    return QLoRAConfig(
+        model=args.model,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        compute_dtype=args.dtype,
+        quant_type=args.quant_type,
+        double_quant=args.double_quant,
+        gradient_checkpointing=args.gradient_checkpointing,
+        attn_implementation=args.attn,
+        **rest,  # type: ignore[arg-type]
+    )
+
+
+def check_json_path(path: Path | None) -> None:
+    """Fail on a ``--json`` path that cannot be written, before the run rather than after it."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise UsageError(f"--json {path} is a directory")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write --json {path}: {parent or path.parent} is not a writable directory")

@@ -295,7 +295,16 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAMode
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="vramguard-model-") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model_class(hf_config).save_pretrained(tmp)
+        # On a GPU the random weights are drawn there, in the compute dtype: an 8B model in seconds,
+        # where fp32 on the CPU takes minutes and twice the disk. The CPU path stays as it was (its
+        # random weights, and every number measured from them, are reproducible across releases).
+        if torch.device(config.device).type == "cuda":
+            with torch.device(config.device):
+                random_model = model_class._from_config(hf_config, dtype=compute_dtype)
+        else:
+            random_model = model_class(hf_config)
+        random_model.save_pretrained(tmp)
+        del random_model
         quant = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=config.quant_type,

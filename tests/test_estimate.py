@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
+from vramguard.audit.report import AuditReport
 from vramguard.audit.run import run_audit
 from vramguard.cli import main
 from vramguard.workload.models import QLoRAConfig, presets
-from vramguard.audit.report import AuditReport
 
 STEPS = 2
 
@@ -80,7 +80,7 @@ def test_meta_estimate_equals_the_cpu_audit_to_the_byte(variant: dict[str, Any])
     from vramguard.estimate.run import run_estimate
 
     config = QLoRAConfig(**{"seq_len": 64, "batch": 2, **variant})
-    estimate = run_estimate(config, steps=STEPS)
+    estimate = run_estimate(config, steps=STEPS, target="cpu")  # the CPU's kernels, as the audit
     audit = run_audit(config, steps=STEPS)
     assert estimate.device == "meta" and audit.device == "cpu"
     assert estimate.totals.saved_bytes > 0
@@ -113,7 +113,7 @@ def test_attention_saves_what_the_fused_cpu_kernel_saves() -> None:
     matrix; the estimate must take the fused kernel a device takes (output + logsumexp)."""
     from vramguard.estimate.run import run_estimate
 
-    report = run_estimate(QLoRAConfig(seq_len=128, batch=2), steps=1)
+    report = run_estimate(QLoRAConfig(seq_len=128, batch=2), steps=1, target="cpu")
     per_layer = [r for r in report.records if ".layers.1.self_attn" in r["module"]]
     b, h, s = 2, 4, 128
     assert not any(r["shape"] == [b, h, s, s] for r in per_layer), "the attention matrix was saved"
@@ -196,10 +196,15 @@ def test_unknown_model_type_and_rejected_config_are_one_line(
 
 def test_absurd_seq_len_is_answered_with_the_number(capsys: pytest.CaptureFixture[str]) -> None:
     """seq 10^9: one line, exit 2, with the estimate's figure; nothing of that size is allocated."""
-    assert main(["estimate", "--model", "tiny-llama", "--seq-len", str(10**9), "--batch", "1"]) == 2
+    argv = ["estimate", "--model", "tiny-llama", "--seq-len", str(10**9), "--batch", "1"]
+    assert main([*argv, "--target", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "1,000,000,000" in err and "1,024 positions" in err and "would need" in err and "TiB" in err
+    # on CUDA its fp32 GQA attention is the math composite: s x s probabilities, over 2^63 bytes
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "1,024 positions" in err and "2^63 bytes" in err
 
 
 def test_console_script_error_has_no_traceback() -> None:
@@ -236,7 +241,7 @@ def test_lora_and_full_on_meta_equal_the_same_run_on_cpu(method: str, checkpoint
     from vramguard.estimate.run import run_estimate
 
     config = QLoRAConfig(seq_len=64, batch=2, gradient_checkpointing=checkpointing)
-    meta = run_estimate(config, steps=STEPS, method=method)
+    meta = run_estimate(config, steps=STEPS, method=method, target="cpu")
     cpu = run_estimate(config, steps=STEPS, method=method, device="cpu")
     assert (meta.device, cpu.device) == ("meta", "cpu")
     got, want = _above_weights(meta), _above_weights(cpu)
@@ -319,7 +324,7 @@ def test_adamw_8bit_on_meta_equals_the_same_run_on_cpu() -> None:
     from vramguard.estimate.run import run_estimate
 
     config = QLoRAConfig(seq_len=64, batch=2)
-    meta = run_estimate(config, steps=STEPS, method="lora", optimizer="adamw-8bit")
+    meta = run_estimate(config, steps=STEPS, method="lora", optimizer="adamw-8bit", target="cpu")
     cpu = run_estimate(config, steps=STEPS, method="lora", optimizer="adamw-8bit", device="cpu")
     got, want = _above_weights(meta), _above_weights(cpu)
     for key in want:
@@ -331,3 +336,26 @@ def test_an_unknown_optimizer_is_one_line(capsys: pytest.CaptureFixture[str]) ->
     assert main(["estimate", "--optimizer", "paged-adamw-8bit"]) == 2
     err = capsys.readouterr().err
     assert "invalid choice" in err and err.count("\n") == 1
+
+
+def test_target_cuda_prices_the_attention_kernel_cuda_runs() -> None:
+    """fp32 attention with fewer k/v heads (tiny-llama: 4 heads, 2 k/v; fp32 after
+    prepare_model_for_kbit_training) runs the math composite on CUDA: flash takes fp16/bf16 only, the
+    memory-efficient kernel equal heads only (torch's reasons, seen on an H100: docs/measurements/).
+    The meta run for ``target="cuda"`` keeps the softmax, the formula prices it, they agree to the
+    byte, and the step keeps more than on the CPU (flash) by exactly the terms that differ."""
+    from vramguard.estimate.run import run_estimate
+
+    b, s, a, kv, d, layers = 2, 64, 4, 2, 32, 2
+    config = QLoRAConfig(seq_len=s, batch=b)
+    cuda = run_estimate(config, steps=1, target="cuda")
+    cpu = run_estimate(config, steps=1, target="cpu")
+    for report in (cuda, cpu):
+        assert report.budget.measured_activation_bytes == report.budget.analytic_activation_bytes
+    T, e = b * s, 4
+    math_kernel = 3 * T * a * d * e + b * a * s * s * e  # q, k, v at a heads; the probabilities
+    flash_kernel = T * a * d * e + 2 * T * kv * d * e + b * a * s * 4  # q; k, v at kv heads; logsumexp
+    got = cuda.budget.measured_activation_bytes - cpu.budget.measured_activation_bytes
+    assert got == layers * (math_kernel - flash_kernel)
+    assert cuda.estimate is not None and cpu.estimate is not None
+    assert cuda.estimate.total_bytes > cpu.estimate.total_bytes

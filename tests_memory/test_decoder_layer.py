@@ -77,6 +77,7 @@ def test_decoder_layer_within_formula(
             mask_bytes=mask_bytes(device, e),
             attn=kw.get("attn_implementation", "sdpa"),
             first_layer=i == 0,
+            device_type=torch.device(device).type,  # the attention kernel torch picks there
             # the explicit causal mask of EXPLICIT_CAUSAL_MASK releases: what a window mask costs
             window_mask=explicit_causal_mask(),
         )
@@ -129,7 +130,9 @@ def test_decoder_layer_within_compute_dtype_budget(
     """The budget a user of bnb_4bit_compute_dtype=bf16 expects: activations in bf16."""
     q = qlora(device)
     m, _out = forward(q)
-    shape = shape_from(q.spec.fields, batch=BATCH, seq=SEQ, rank=RANK, act_bytes=2)
+    shape = shape_from(
+        q.spec.fields, batch=BATCH, seq=SEQ, rank=RANK, act_bytes=2, device_type=torch.device(device).type
+    )
     assert_within_budget(m, band("layer 1 at bf16", layer_saved_bytes(shape), f"{LAYERS}.1", "e=2"), request)
 
 
@@ -145,7 +148,7 @@ def test_gradient_checkpointing_keeps_one_hidden_state(
         # the checkpoint keeps each layer's input before the layer's pre-hook runs: the decoder stack
         # itself holds the n inputs (hook-probed; its tracker-only mask and positions are not saved)
         for i in range(n):
-            assert_within_budget(m, Budget(f"checkpointed layer {i}", 0, prefix=f"{LAYERS}.{i}"), request)
+            assert_within_budget(m, SavedLimit(f"checkpointed layer {i}", 0, prefix=f"{LAYERS}.{i}"), request)
         stack = band("checkpointed layer inputs", n * expected, STACK, "n*T*h*4")
         stack = replace(stack, predicate=lambda k: k.module == STACK and k.probe == "hook")
         assert_within_budget(m, stack, request)

@@ -49,6 +49,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--fit-dim", default="batch", choices=("batch", "seq"))
     p.add_argument(
+        "--target",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="the device whose kernels the step will run (attention, dropout): cuda (default) or cpu",
+    )
+    p.add_argument(
         "--steps",
         type=positive_int,
         default=2,
@@ -162,7 +168,12 @@ def main(args: argparse.Namespace) -> int:
     if size is not None and size <= 0:
         raise UsageError(f"--fit must be a positive size, got {args.fit!r}")
     report = run_estimate(
-        config, steps=args.steps, top=args.top, method=args.method, optimizer=args.optimizer
+        config,
+        steps=args.steps,
+        top=args.top,
+        method=args.method,
+        optimizer=args.optimizer,
+        target=args.target,
     )
     console = stdout_console()
     if args.quiet:
@@ -190,7 +201,9 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
     from vramguard.workload.models import ModelSpec
 
     def estimate(c: QLoRAConfig) -> AuditReport:
-        return run_estimate(c, steps=args.steps, top=1, method=args.method, optimizer=args.optimizer)
+        return run_estimate(
+            c, steps=args.steps, top=1, method=args.method, optimizer=args.optimizer, target=args.target
+        )
 
     limit = FIT_LIMIT
     if args.fit_dim == "seq":

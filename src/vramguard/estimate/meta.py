@@ -32,6 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from vramguard.errors import UsageError
+from vramguard.model.layers import sdpa_kernel
 from vramguard.workload.families import moe_refusal
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, causal_lm_class, parse_dtype
 
@@ -53,13 +54,22 @@ class _AnswerScalars(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+TARGETS: tuple[str, ...] = ("cuda", "cpu")
+"""The devices whose kernel choices a meta run can take (``forced_decisions(target)``)."""
+
+
 @contextlib.contextmanager
-def forced_decisions() -> Iterator[dict[str, int]]:
+def forced_decisions(target: str = "cpu") -> Iterator[dict[str, int]]:
     """Within the block, ``find_packed_sequence_indices`` on meta position ids decides "one sequence
-    per row" (returns None), as it does for the synthetic batch on a real device.
+    per row" (returns None), as it does for the synthetic batch on a real device; attention and
+    dropout on meta take the kernels ``target`` would (:func:`_sdpa_as_on`; on CUDA dropout is
+    ``native_dropout``, which keeps a bool mask, where the CPU multiplies by a mask in the input's
+    dtype).
 
     Yields a counter of the decisions taken, so a caller can check the branch was reached.
     """
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     from transformers import masking_utils
 
     original = masking_utils.find_packed_sequence_indices
@@ -85,25 +95,47 @@ def forced_decisions() -> Iterator[dict[str, int]]:
         if query.device.type != META:
             return original_sdpa(query, key, value, *args, **kwargs)
         taken["scaled_dot_product_attention"] += 1
-        return _sdpa_as_on_cpu(original_sdpa, query, key, value, *args, **kwargs)
+        return _sdpa_as_on(target, original_sdpa, query, key, value, *args, **kwargs)
+
+    original_dropout = functional.dropout
+
+    def dropout(
+        input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+    ) -> torch.Tensor:
+        if input.device.type != META or target != "cuda" or not training or p == 0.0:
+            return original_dropout(input, p, training, inplace)
+        return torch.native_dropout(input, p, True)[0]
 
     masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
     functional.scaled_dot_product_attention = scaled_dot_product_attention
+    functional.dropout = dropout
     try:
         yield taken
     finally:
         masking_utils.find_packed_sequence_indices = original
         functional.scaled_dot_product_attention = original_sdpa
+        functional.dropout = original_dropout
 
 
 _SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _FLASH = 1  # torch's SDPBackend.flash_attention
 
 
-def _sdpa_as_on_cpu(
-    original: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+def _sdpa_as_on(
+    target: str,
+    original: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention`` on meta tensors, through the kernel the CPU would pick.
+    """``scaled_dot_product_attention`` on meta tensors, through the kernel ``target`` would pick.
+
+    CUDA (no device here to ask): :func:`vramguard.model.layers.sdpa_kernel`'s rules; its flash and
+    memory-efficient kernels keep what the CPU's flash kernel keeps (q, k, v, out, logsumexp; the
+    memory-efficient one pads its logsumexp to 32 rows: a few KiB the meta run leaves out), and the
+    math composite is what meta runs anyway. The CPU:
 
     On meta, torch always takes the math path (it materialises the attention matrix and saves it
     for backward); a CPU or GPU run takes a fused kernel that saves the output and the logsumexp
@@ -120,6 +152,16 @@ def _sdpa_as_on_cpu(
     causal = bool(params.get("is_causal", False))
     scale = params.get("scale")
     gqa = bool(params.get("enable_gqa", False))
+    if target == "cuda":
+        kernel = sdpa_kernel(
+            "cuda", query.element_size(), query.shape[-3], key.shape[-3], query.shape[-1], mask is not None
+        )
+        if kernel == "math":
+            return original(query, key, value, *args, **kwargs)
+        out, _logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout, causal, attn_mask=mask, scale=scale
+        )
+        return out
 
     def stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:

@@ -16,7 +16,7 @@ import torch
 from vramguard.audit.report import AuditReport, DeviceEstimate, Overhead, Verdict
 from vramguard.audit.run import _assemble
 from vramguard.errors import UsageError
-from vramguard.estimate.meta import META, build_meta, forced_decisions
+from vramguard.estimate.meta import META, TARGETS, build_meta, forced_decisions
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.model.estimate import qlora_budget, weights_budget
 from vramguard.units import format_bytes
@@ -26,39 +26,52 @@ from vramguard.workload.training import PHASES, make_optimizer, run_steps
 
 MiB = 1 << 20
 
-CUDA_CONTEXT_BYTES = 512 * MiB
-"""Assumed: the CUDA context and loaded kernels (torch + bitsandbytes), outside the caching allocator.
-Typically 300-600 MiB with CUDA 12 and lazy module loading; more without it. Not measured here."""
+CUDA_CONTEXT_BYTES = 744 * MiB
+"""The CUDA context and loaded kernels (torch + bitsandbytes), outside the caching allocator: NVML's
+process bytes minus the allocator's reserved bytes, 742-744 MiB in all 32 GPU benchmark runs on an H100
+(torch 2.11, CUDA 13.0, driver 580; docs/measurements/2026-11-22-h100/). Other GPUs, drivers and CUDA
+versions differ by a few hundred MiB."""
 
-CUBLAS_WORKSPACE_BYTES = 32 * MiB
-"""Assumed: one cuBLAS/cuBLASLt workspace (torch's default on recent GPUs, ``:4096:8`` = 32 MiB).
-torch takes it from the caching allocator, so a real ``max_memory_allocated`` includes it, but a meta
-run calls no cuBLAS."""
+CUBLAS_WORKSPACE_BYTES = 64 * MiB
+"""cuBLAS's workspaces: 32 MiB per handle (torch's default ``:4096:8``), one handle for the forward's
+thread and one for autograd's backward thread, both taken from the caching allocator on first use and
+kept. Measured on an H100: a tiny model's step leaves 64 MiB that ``torch._C._cuda_clearCublasWorkspaces``
+frees, and the 1B and 8B steps' ``max_memory_allocated`` exceed the meta allocator peak by 64 MiB plus
+0.01 %. A meta run calls no cuBLAS, so it is added here."""
 
 FRAGMENTATION = 0.10
-"""Assumed: reserved minus allocated at the peak, as a share of the allocator peak (the caching
-allocator rounds blocks and keeps freed ones). Workload dependent; not measured here."""
+FRAGMENTATION_CHECKPOINTING = 0.25
+"""Reserved minus allocated at the peak, as a share of the allocator peak (the caching allocator rounds
+blocks and keeps freed ones). On an H100 (16 benchmark cases): 2-10 % without gradient checkpointing,
+11-25 % with it (many short-lived recomputed blocks); the allowance takes the top of each range."""
 
 
-def overheads(allocator_peak: int) -> list[Overhead]:
-    """What the allocator peak (``torch.cuda.max_memory_allocated``) of the estimate leaves out."""
+def overheads(allocator_peak: int, checkpointing: bool = False) -> list[Overhead]:
+    """What the allocator peak of the meta run leaves out of the device's memory."""
+    share = FRAGMENTATION_CHECKPOINTING if checkpointing else FRAGMENTATION
     return [
         Overhead(
             "CUDA context + kernels",
             CUDA_CONTEXT_BYTES,
-            "assumed 512 MiB (typically 300-600 MiB, CUDA 12 lazy loading); outside the allocator",
+            "744 MiB measured on an H100 (NVML, CUDA 13); outside the allocator, varies by GPU and driver",
         ),
         Overhead(
-            "cuBLAS workspace",
+            "cuBLAS workspaces",
             CUBLAS_WORKSPACE_BYTES,
-            "assumed 32 MiB (torch's default :4096:8); in max_memory_allocated on a GPU, absent on meta",
+            "2 x 32 MiB (forward and autograd threads), measured on an H100; in max_memory_allocated, "
+            "absent on meta",
         ),
         Overhead(
             "fragmentation allowance",
-            int(allocator_peak * FRAGMENTATION),
-            f"assumed {FRAGMENTATION:.0%} of the allocator peak (reserved - allocated); workload dependent",
+            int(allocator_peak * share),
+            f"{share:.0%} of the allocator peak (reserved - allocated; H100: "
+            + ("11-25 % with checkpointing)" if checkpointing else "2-10 % without checkpointing)"),
         ),
     ]
+
+
+def _first_line_of(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def check_context(config: QLoRAConfig, spec: ModelSpec) -> None:
@@ -97,6 +110,7 @@ def run_estimate(
     method: str = "qlora",
     device: str = META,
     optimizer: str = "adamw",
+    target: str = "cuda",
 ) -> AuditReport:
     """Build ``config``'s model on meta, run ``steps`` steps under the tracker (the ledger on the
     first) and return the report. ``config.device`` is only validated; the run is on meta.
@@ -104,7 +118,12 @@ def run_estimate(
     ``method``: :data:`vramguard.estimate.meta.METHODS`. ``device="cpu"`` runs the same code on real
     tensors (random weights; not for ``qlora``, whose CPU reference is ``vramguard audit``): the
     tests' reference for ``lora`` and ``full``.
+
+    ``target``: the device whose kernel choices the meta run takes (:data:`TARGETS`): ``cuda``, where
+    the step will run, or ``cpu``, whose audit the meta run then equals to the byte.
     """
+    if target not in TARGETS:
+        raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
     if optimizer not in OPTIMIZERS:
@@ -134,7 +153,7 @@ def run_estimate(
             checkpointing=config.gradient_checkpointing,
             attn_implementation=q.attn_implementation,
             lora_dropout=config.lora_dropout > 0,
-            device_type="cpu",  # the meta run takes the CPU's kernel choices (see estimate.meta)
+            device_type=target,  # the meta run takes the target's kernel choices (see estimate.meta)
         )
     except NoAnalyticModel as exc:
         budget = weights_budget(q.model, double_quant=config.double_quant, reason=str(exc))
@@ -142,8 +161,23 @@ def run_estimate(
     # as the CPU audit counts them
     source = StorageTracker(None)
     source.device = device
-    with forced_decisions() as taken, MemoryTracker(device, model=q.model, source=source) as tracker:
-        results, ledger = run_steps(q, steps, tracker, optimizer=opt, ledger_step=0)
+    try:
+        with forced_decisions(target) as taken, MemoryTracker(device, model=q.model, source=source) as tracker:
+            results, ledger = run_steps(q, steps, tracker, optimizer=opt, ledger_step=0)
+    except RuntimeError as exc:
+        if "overflow" not in str(exc):
+            raise
+        # e.g. the math attention's b x a x s x s probabilities at seq 10^9: more than 2^63 bytes
+        beyond = (
+            f"seq-len {config.seq_len:,} is beyond {spec.name}'s {too_long.limit:,} positions "
+            "(max_position_embeddings); "
+            if too_long is not None
+            else ""
+        )
+        raise UsageError(
+            f"{beyond}batch {config.batch:,} x seq-len {config.seq_len:,} needs a tensor larger than torch "
+            f"can describe (over 2^63 bytes) on {target}: {_first_line_of(exc)}"
+        ) from None
     assert ledger is not None
     if taken["find_packed_sequence_indices"] == 0 and taken["scaled_dot_product_attention"] == 0:
         taken = {}  # neither branch exists in this transformers version / model: nothing was forced
@@ -153,7 +187,7 @@ def run_estimate(
     phase = max(PHASES, key=lambda name: report.phases[name].peak_bytes)
     step_peak = report.phases[phase].peak_bytes
     allocator = weights + trainable + step_peak
-    extra = overheads(allocator)
+    extra = overheads(allocator, checkpointing=config.gradient_checkpointing)
     estimate = DeviceEstimate(
         weights_bytes=weights,
         trainable_bytes=trainable,

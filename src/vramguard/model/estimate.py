@@ -223,6 +223,7 @@ def activation_budget(
             mask_bytes=1 if device_type == "cuda" else act_bytes,
             attn=attn_implementation,
             first_layer=idx == 0,  # the embeddings need no grad, so layer 0's input norm keeps nothing
+            device_type=device_type,
             window_mask=(arch["window_mask"][idx] or explicit_mask) and attn_implementation == "sdpa",
             **features,
         )

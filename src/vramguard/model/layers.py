@@ -22,7 +22,11 @@ What one Llama decoder layer keeps (no checkpointing, LoRA on all 7 projections)
                                                 its own dropped copy instead, see below)
     LoRA-B inputs        7 * T*r*e              the rank-r intermediate of each adapter
     attention, sdpa      T*a*d*e (q) + 2*T*kv*d*e (k, v) + T*a*d*e (out) + b*a*s*4 (logsumexp)
-                         out is also o_proj's LoRA-A input (one storage)
+                         out is also o_proj's LoRA-A input (one storage); the kernel torch picks
+                         (:func:`sdpa_kernel`) changes this: memory-efficient (CUDA) pads the
+                         logsumexp to b*a*ceil32(s)*4; math (CUDA: fp32 attention with fewer k/v
+                         heads) keeps q, k and v scaled/repeated to a heads (3*T*a*d*e), the
+                         softmax output b*a*s*s*e and o_proj's input (a copy)
     attention, eager     T*a*d*e (q) + 2*T*a*d*e (k, v repeated to a heads) + T*a*d*e (o_proj
                          input; dropout 0 only) + b*a*s*s*4 (fp32 softmax) [+ b*a*s*s*e when
                          e != 4: the cast copy the second matmul keeps]
@@ -88,6 +92,7 @@ class LayerShape:
     norm_offset: bool = False
     attn_softcap: bool = False
     window_mask: bool = False  # a sliding window shorter than seq: attention gets an explicit mask
+    sdpa_kernel: str = "flash"  # the kernel scaled_dot_product_attention runs (see sdpa_kernel())
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -151,7 +156,15 @@ def layer_terms(shape: LayerShape) -> dict[str, int]:
         terms["k_norm"] = T * kv * d * FP32 + T * kv * FP32 + head_offset
     # fused_qkv: v is a view of the fused qkv output, so whoever keeps v keeps all of it
     v_sdpa = T * (a + 2 * kv) * d * e if shape.fused_qkv else T * kv * d * e
-    if shape.attn == "sdpa":
+    if shape.attn == "sdpa" and shape.sdpa_kernel == "math":
+        # the composite: q and k each times sqrt(scale) (k repeated to a heads first, as enable_gqa
+        # asks), q @ k^T keeps both, the softmax and probs @ v keep the probabilities and v (repeated)
+        terms["attn_q(scaled)"] = T * a * d * e
+        terms["attn_k(repeated, scaled)"] = T * a * d * e
+        terms["attn_v(repeated)"] = T * a * d * e if kv != a else v_sdpa
+        terms["attn_out(o_proj input)"] = T * a * d * e
+        terms["attn_probs"] = b * a * s * s * e
+    elif shape.attn == "sdpa":
         terms["attn_q"] = T * a * d * e
         if shape.window_mask:
             # with an explicit mask transformers repeats k and v to a heads itself (no GQA in the
@@ -166,7 +179,9 @@ def layer_terms(shape: LayerShape) -> dict[str, int]:
             # q from the fused output is not dense, so rotary makes it contiguous (b, a, s, d) and
             # the attention output is too: o_proj's input is a transposed copy, kept by its LoRA-A
             terms["o_proj input (copy)"] = T * a * d * e
-        terms["attn_logsumexp"] = b * a * s * FP32
+        # the memory-efficient kernel allocates its logsumexp in whole blocks of 32 queries
+        lse_rows = -(-s // 32) * 32 if shape.sdpa_kernel == "efficient" else s
+        terms["attn_logsumexp"] = b * a * lse_rows * FP32
     elif shape.attn == "eager":
         terms["attn_q"] = T * a * d * e
         # k and v repeated to a heads; the matmuls flatten (b, a) of a non-contiguous k/v, which
@@ -188,6 +203,32 @@ def layer_terms(shape: LayerShape) -> dict[str, int]:
             mask = 0 if shape.first_layer and first else shape.mask_bytes
             terms[f"lora_dropout({name})"] = T * fin * (e + mask)
     return terms
+
+
+SDPA_KERNELS: tuple[str, ...] = ("flash", "efficient", "math")
+
+
+def sdpa_kernel(
+    device_type: str, act_bytes: int, heads: int, kv_heads: int, head_dim: int, explicit_mask: bool
+) -> str:
+    """The kernel torch's ``scaled_dot_product_attention`` runs for a decoder layer's attention.
+
+    transformers passes k and v with their ``kv_heads`` and ``enable_gqa=True`` when it passes no
+    mask; with a mask it repeats them to ``heads`` itself. On the CPU torch takes its flash kernel
+    for every dtype, fewer k/v heads included. On CUDA (the rules of torch 2.5+, seen on an H100
+    with torch 2.11, docs/measurements/): flash needs fp16/bf16, no explicit mask and a head dim
+    of at most 256 (a multiple of 8); the memory-efficient kernel takes fp32 and masks but only
+    the same number of heads for q, k and v; anything else runs the math composite. The
+    attention runs in the residual stream's dtype (``act_bytes``): fp32 after PEFT's
+    ``prepare_model_for_kbit_training``, so a GQA model's attention is the math composite there.
+    """
+    if device_type != "cuda":
+        return "flash"
+    if act_bytes == 2 and not explicit_mask and head_dim <= 256 and head_dim % 8 == 0:
+        return "flash"
+    if kv_heads == heads or explicit_mask:
+        return "efficient"
+    return "math"
 
 
 def layer_saved_bytes(shape: LayerShape) -> int:
@@ -221,19 +262,25 @@ def shape_from(
     mask_bytes: int = FP32,
     attn: str = "sdpa",
     first_layer: bool = False,
+    device_type: str = "cpu",
     **features: bool,
 ) -> LayerShape:
     """A :class:`LayerShape` from a model config's fields (``ModelSpec.fields``); ``features``:
-    the family's (``fused_qkv``, ``qk_norm``, ... as in :class:`LayerShape`)."""
+    the family's (``fused_qkv``, ``qk_norm``, ... as in :class:`LayerShape`). ``device_type`` decides
+    the attention kernel (:func:`sdpa_kernel`)."""
     h = int(spec_fields["hidden_size"])
     a = int(spec_fields["num_attention_heads"])
+    kv = int(spec_fields.get("num_key_value_heads") or a)
+    d = int(spec_fields.get("head_dim") or h // a)
+    kernel = sdpa_kernel(device_type, act_bytes, a, kv, d, bool(features.get("window_mask", False)))
     return LayerShape(
         batch=batch,
         seq=seq,
         hidden=h,
         heads=a,
-        kv_heads=int(spec_fields.get("num_key_value_heads") or a),
-        head_dim=int(spec_fields.get("head_dim") or h // a),
+        kv_heads=kv,
+        head_dim=d,
+        sdpa_kernel=kernel,
         intermediate=int(spec_fields["intermediate_size"]),
         rank=rank,
         act_bytes=act_bytes,

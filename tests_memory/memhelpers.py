@@ -20,6 +20,16 @@ def mask_bytes(device: str, act_bytes: int) -> int:
     return 1 if torch.device(device).type == "cuda" else act_bytes
 
 
+def drop_cublas_workspaces(device: str) -> None:
+    """On CUDA, free cuBLAS's workspaces before reading the allocator: one per handle (32 MiB each on an
+    H100, one for the forward's thread and one for autograd's), allocated through the caching
+    allocator on first use and kept for the process, so whether a test pays for them depends on what
+    ran before it in the same worker (measured: docs/measurements/)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch._C._cuda_clearCublasWorkspaces()
+
+
 def release(model: torch.nn.Module) -> None:
     """Drop gradients a measured step left on the parameters."""
     for p in model.parameters():

@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
-from memhelpers import release
+from memhelpers import drop_cublas_workspaces, release
 
 from vramguard.measure.ledger import SavedTensorLedger
 from vramguard.measure.tracker import MemoryTracker
@@ -27,11 +27,20 @@ def adamw_state_bytes(params: list[torch.nn.Parameter]) -> tuple[int, int]:
     return moments, moments + 4 * len(params)
 
 
-def run(q, steps: int, wrap: Callable[[], Any] = contextlib.nullcontext) -> tuple[list[int], list[int]]:  # type: ignore[no-untyped-def]
-    """Retained live bytes (tracker) and saved bytes (ledger) of each step."""
+class Steps(NamedTuple):
+    before: int  # live bytes before the first step (the CUDA allocator counts the model too)
+    retained: list[int]  # live bytes after each step
+    saved: list[int]  # bytes the ledger saw kept for backward in each step
+
+
+def run(q, steps: int, wrap: Callable[[], Any] = contextlib.nullcontext) -> Steps:  # type: ignore[no-untyped-def]
+    """Live bytes (tracker) and saved bytes (ledger) of each step; cuBLAS's workspaces left out."""
     opt = make_optimizer(q)
     retained, saved = [], []
-    with MemoryTracker(q.config.device) as tracker:
+    device = q.config.device
+    with MemoryTracker(device) as tracker:
+        drop_cublas_workspaces(device)
+        before = tracker.current()
         for step in range(steps):
             ledger = SavedTensorLedger(q.model)
             with wrap():
@@ -39,14 +48,16 @@ def run(q, steps: int, wrap: Callable[[], Any] = contextlib.nullcontext) -> tupl
             saved.append(ledger.report.saved_bytes)
             del ledger  # its hooks' closures form cycles: collect them so only the step's own bytes remain
             gc.collect()
+            drop_cublas_workspaces(device)
             retained.append(tracker.current())
     release(q.model)
-    return retained, saved
+    return Steps(before, retained, saved)
 
 
 def test_no_leak_across_steps(device: str, qlora) -> None:
     q = qlora(device)
-    retained, saved = run(q, STEPS)
+    before, retained, saved = run(q, STEPS)
+    retained = [r - before for r in retained]
     # tracker probe: what step 1 leaves (the optimizer state, from shapes) is what every step leaves
     low, high = adamw_state_bytes(q.trainable_parameters())
     assert low <= retained[0] <= high, (retained, low, high)
@@ -58,8 +69,8 @@ def test_no_leak_across_steps(device: str, qlora) -> None:
 def test_save_on_cpu_leaves_nothing_referenced(device: str, qlora) -> None:
     """torch.autograd.graph.save_on_cpu: the step's retained bytes are those without it."""
     q = qlora(device)
-    plain, _ = run(q, 3)
-    offloaded, _saved = run(q, 3, lambda: torch.autograd.graph.save_on_cpu(pin_memory=False))
+    plain = run(q, 3).retained
+    offloaded = run(q, 3, lambda: torch.autograd.graph.save_on_cpu(pin_memory=False)).retained
     assert offloaded == plain, (plain, offloaded)
 
 
@@ -77,9 +88,10 @@ def test_save_on_cpu_keeps_no_device_bytes(qlora) -> None:
         with torch.autograd.graph.save_on_cpu(pin_memory=True):
             return q.model(**batch)
 
-    torch.cuda.synchronize()
+    drop_cublas_workspaces("cuda")
     before = torch.cuda.memory_allocated()
     m, out = measure(fwd, model=q.model, device="cuda", roots=lambda o: o.loss, inputs=batch)
+    drop_cublas_workspaces("cuda")
     kept_on_device = torch.cuda.memory_allocated() - before - m.output_bytes
     assert kept_on_device <= 1 << 20, f"{kept_on_device} B still on the device with save_on_cpu"
     out.loss.backward()
@@ -101,6 +113,8 @@ def _trl_offload() -> Any:
 def test_trl_offloading_leaves_nothing_referenced(device: str, qlora) -> None:
     OffloadActivations = _trl_offload()
     q = qlora(device)
-    plain, _ = run(q, 3)
-    offloaded, _ = run(q, 3, lambda: OffloadActivations(use_streams=torch.device(device).type == "cuda"))
+    plain = run(q, 3).retained
+    offloaded = run(
+        q, 3, lambda: OffloadActivations(use_streams=torch.device(device).type == "cuda")
+    ).retained
     assert offloaded == plain, (plain, offloaded)

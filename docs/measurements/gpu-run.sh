@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# What ran on the lent GPU machine for docs/measurements/ (issue 15), in one call of at most 10 minutes:
+# three streams side by side, each cut off at a shared deadline, then everything packed into one file.
+#   A  every `gpu` test of tests/, tests_memory/, tests_grad/ (pytest -m gpu --vram-require-gpu, xdist)
+#   B  the GPU benchmark matrix into a results store (--vram-store), the JSON that `vramguard compare` reads
+#   C  `vramguard audit --device cuda` on each tiny preset
+#   F  `vramguard audit --device cuda` on the 1B shape and the 8B shape (random weights)
+#   G  `vramguard audit --device cuda` through transformers' Trainer and TRL's SFTTrainer
+#   D  docs/measurements/gpu-diagnose.py: the sdpa kernel torch picks and what a step leaves allocated
+#   E  the `gpu` tests of tests_grad/ alone
+# STORE (default RESULTS_DIR/store) is the results store B adds its run to; with two runs in it, B also
+# writes `vramguard compare STORE@previous STORE@latest`.
+# usage, on the GPU machine from the project root with .whl/ (../shared/tools/gpu-wheels.sh, plus
+# `pip wheel --no-deps -w .whl .` for the pytest entry points) carried:
+#   bash docs/measurements/gpu-run.sh RESULTS_DIR [STREAMS, default "A B C F"]
+set -u
+res=${1:?usage: gpu-run.sh RESULTS_DIR [STREAMS]}; streams=${2:-A B C F}
+end=$((SECONDS + ${BUDGET_S:-520}))
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl || exit
+export PYTHONPATH=$PWD/src:$PWD/.site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+store=${STORE:-$res/store}; mkdir -p "$res" "$store"
+left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
+{
+  nvidia-smi
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 - <<'PY'
+import importlib.metadata as md, platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "device", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+for p in ("bitsandbytes", "transformers", "peft", "accelerate", "trl", "pytest", "pytest-benchmark",
+          "pytest-xdist", "hypothesis", "nvidia-ml-py", "vramguard"):
+    try: print(p, md.version(p))
+    except md.PackageNotFoundError: print(p, "missing")
+import bitsandbytes, vramguard
+print("bitsandbytes from", bitsandbytes.__file__, "vramguard from", vramguard.__file__)
+PY
+} > "$res/env.txt" 2>&1
+stream_A() {
+  timeout "$(left)" python3 -m pytest -m gpu --vram-require-gpu -n "${XDIST:-6}" -p no:cacheprovider -q -rA \
+    --junitxml="$res/gpu-tests.xml" tests tests_memory tests_grad > "$res/gpu-tests.log" 2>&1
+  echo "A rc=$? at ${SECONDS}s"
+}
+stream_B() {
+  timeout "$(left)" python3 -m pytest benchmarks -m "gpu and benchmark" --vram-require-gpu -p no:cacheprovider -q -rA \
+    --benchmark-json="$res/gpu-bench.json" --vram-store="$store" > "$res/gpu-bench.log" 2>&1
+  echo "B rc=$? at ${SECONDS}s"
+  python3 -m vramguard compare "$store@previous" "$store@latest" --json "$res/compare.json" \
+    > "$res/compare.txt" 2>&1
+  echo "B compare rc=$?"
+  cp -r "$store" "$res/store-after"
+}
+audit() {  # name, then vramguard audit options
+  local name=$1; shift
+  timeout "$(left)" python3 -m vramguard audit --device cuda --json "$res/audit-$name.json" "$@" \
+    > "$res/audit-$name.txt" 2>&1
+  echo "C audit $name rc=$? at ${SECONDS}s"
+}
+stream_C() {
+  for p in tiny-llama tiny-llama-hf tiny-mistral tiny-qwen2 tiny-qwen3 tiny-phi3 tiny-gemma2 tiny-gemma3; do
+    audit "$p" --model "$p"
+  done
+}
+stream_F() {
+  audit llama-1b-s1024-b2 --model llama-1b-shape --seq-len 1024 --batch 2 --steps 2
+  audit llama-8b-s1024-b1 --model llama-3.1-8b --seq-len 1024 --batch 1 --steps 2
+}
+stream_D() {
+  timeout "$(left)" python3 docs/measurements/gpu-diagnose.py > "$res/diagnose.txt" 2>&1
+  echo "D rc=$? at ${SECONDS}s"
+}
+stream_E() {
+  timeout "$(left)" python3 -m pytest -m gpu --vram-require-gpu -n 4 -p no:cacheprovider -q -rA tests_grad \
+    > "$res/gpu-grad-tests.log" 2>&1
+  echo "E rc=$? at ${SECONDS}s"
+}
+stream_G() {
+  audit trainer-tiny-llama --model tiny-llama --trainer trainer
+  audit sft-tiny-llama --model tiny-llama --trainer sft
+}
+for s in $streams; do "stream_$s" & done
+wait
+nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$res/env.txt" 2>&1
+echo "done at ${SECONDS}s"

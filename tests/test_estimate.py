@@ -359,3 +359,21 @@ def test_target_cuda_prices_the_attention_kernel_cuda_runs() -> None:
     assert got == layers * (math_kernel - flash_kernel)
     assert cuda.estimate is not None and cpu.estimate is not None
     assert cuda.estimate.total_bytes > cpu.estimate.total_bytes
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param({"lora_dropout": 0.1}, id="math-dropout"),  # o_proj keeps only its dropped input
+        pytest.param({"model": "tiny-gemma3", "seq_len": 640}, id="efficient-window-mask"),  # window 512
+    ],
+)
+def test_target_cuda_meta_run_equals_the_cuda_formula(variant: dict[str, Any]) -> None:
+    """The two cases the H100 corrected (docs/measurements/2026-11-22-h100/): the math composite with
+    LoRA dropout keeps no attention output (the formula had one), and the memory-efficient kernel keeps
+    the additive float mask made of a sliding window's boolean one (the meta run had none)."""
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(**{"seq_len": 64, "batch": 2, **variant})
+    report = run_estimate(config, steps=1, target="cuda")
+    assert report.budget.measured_activation_bytes == report.budget.analytic_activation_bytes

@@ -123,7 +123,7 @@ def render(report: AuditReport, console: Any) -> None:
         p.add_row(name, fb(v.peak_bytes), fb(v.peak_above_start))
     console.print(p)
     o = Table(
-        title="On the device: the allocator peak, then what it leaves out (assumed figures)",
+        title="On the device: the allocator peak, then what the meta run leaves out (figures measured on an H100)",
         title_justify="left",
     )
     o.add_column("what")

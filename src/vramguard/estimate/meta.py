@@ -158,6 +158,12 @@ def _sdpa_as_on(
         )
         if kernel == "math":
             return original(query, key, value, *args, **kwargs)
+        if mask is not None and mask.dtype == torch.bool:
+            # the composite turns a boolean mask into an additive one in the query's dtype, which the
+            # memory-efficient kernel keeps for backward (on the H100: b x 1 x s x s x e per masked layer)
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
+                mask.logical_not(), float("-inf")
+            )
         out, _logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, dropout, causal, attn_mask=mask, scale=scale
         )

@@ -209,7 +209,7 @@ def run_estimate(
     line = (
         f"estimate: {fb(estimate.total_bytes)} on the device = allocator peak {fb(allocator)} "
         f"(weights {fb(weights)}, trainable {fb(trainable)}, {phase} peak {fb(step_peak)}) "
-        f"+ {fb(estimate.overhead_bytes)} outside it (assumed)"
+        f"+ {fb(estimate.overhead_bytes)} the meta run leaves out (H100 figures)"
     )
     notes = [
         n

@@ -162,7 +162,8 @@ def layer_terms(shape: LayerShape) -> dict[str, int]:
         terms["attn_q(scaled)"] = T * a * d * e
         terms["attn_k(repeated, scaled)"] = T * a * d * e
         terms["attn_v(repeated)"] = T * a * d * e if kv != a else v_sdpa
-        terms["attn_out(o_proj input)"] = T * a * d * e
+        if not shape.dropout:  # the kernel keeps no output: only o_proj's LoRA-A keeps its input
+            terms["attn_out(o_proj input)"] = T * a * d * e
         terms["attn_probs"] = b * a * s * s * e
     elif shape.attn == "sdpa":
         terms["attn_q"] = T * a * d * e

@@ -6,6 +6,9 @@
 #   C  `vramguard audit --device cuda` on each tiny preset
 #   F  `vramguard audit --device cuda` on the 1B shape and the 8B shape (random weights)
 #   G  `vramguard audit --device cuda` through transformers' Trainer and TRL's SFTTrainer
+#   H  `vramguard audit --device cuda` on the paths the first estimate validation left out: checkpointing,
+#      LoRA dropout, eager attention (Gemma 2), a sliding-window mask (Gemma 3 beyond its window)
+#   P  docs/measurements/gpu-peak.py: what is live at the peak (checkpointing, eager attention)
 #   D  docs/measurements/gpu-diagnose.py: the sdpa kernel torch picks and what a step leaves allocated
 #   E  the `gpu` tests of tests_grad/ alone
 # STORE (default RESULTS_DIR/store) is the results store B adds its run to; with two runs in it, B also
@@ -76,6 +79,18 @@ stream_E() {
 stream_G() {
   audit trainer-tiny-llama --model tiny-llama --trainer trainer
   audit sft-tiny-llama --model tiny-llama --trainer sft
+}
+stream_H() {
+  audit llama-1b-s1024-b2-ckpt --model llama-1b-shape --seq-len 1024 --batch 2 --steps 2 --gradient-checkpointing
+  audit llama-1b-s1024-b2-dropout --model llama-1b-shape --seq-len 1024 --batch 2 --steps 2 --lora-dropout 0.1
+  audit tiny-gemma2-s640 --model tiny-gemma2 --seq-len 640 --batch 2 --steps 2
+  audit tiny-gemma3-s640 --model tiny-gemma3 --seq-len 640 --batch 2 --steps 2
+}
+stream_P() {  # what is live at the peak where the estimate's peak fell short (checkpointing, eager)
+  timeout "$(left)" python3 docs/measurements/gpu-peak.py llama-1b-shape 1024 2 --gradient-checkpointing \
+    > "$res/peak-llama-1b-ckpt.txt" 2>&1
+  timeout "$(left)" python3 docs/measurements/gpu-peak.py tiny-gemma2 640 2 > "$res/peak-tiny-gemma2.txt" 2>&1
+  echo "P rc=$? at ${SECONDS}s"
 }
 for s in $streams; do "stream_$s" & done
 wait

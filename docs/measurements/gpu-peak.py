@@ -42,9 +42,18 @@ print(model, seq, batch, "ckpt" if ckpt else "", "max_memory_allocated", torch.c
 live: dict[int, dict] = {}
 base = sum(b["size"] for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "active_allocated")
 events = snap["device_traces"][0]
-for ev in reversed(events):  # undo step 1 to get what was live before it
+for ev in events:  # undo step 1 to get what was live before it
     if ev["action"] == "alloc":
         base -= ev["size"]
+    elif ev["action"] == "free_completed":
+        base += ev["size"]
+total, peak, at_peak, peak_ev = base, base, {}, None
+for ev in events:
+    if ev["action"] == "alloc":
+        live[ev["addr"]] = ev
+        total += ev["size"]
+        if total > peak:
+            peak, at_peak, peak_ev = total, dict(live), ev
     elif ev["action"] == "free_completed":  # blocks from before step 1 count down too
         live.pop(ev["addr"], None)
         total -= ev["size"]

@@ -77,8 +77,9 @@ def build_wheel(directory: Path, version: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="session", name="wheelhouse")
+def wheelhouse_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The generated vg-dummy wheels of every version, built once per session (test_sweep_cli uses it too)."""
     directory = tmp_path_factory.mktemp("wheelhouse")
     for version in VERSIONS:
         build_wheel(directory, version)

@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 from packaging.version import Version
-from test_bisect_cli import assert_cache_consistent, assert_one_line_error
-from test_bisect_cli import wheelhouse as _wheelhouse  # noqa: F401 (the fixture `wheelhouse`, built once for both files)
+from test_bisect_cli import (  # wheelhouse_fixture: the fixture `wheelhouse`, built once for both files
+    assert_cache_consistent,
+    assert_one_line_error,
+    wheelhouse_fixture,  # noqa: F401
+)
 
 from vramguard.bisect.sweep import select_releases
 from vramguard.cli import main

@@ -52,6 +52,7 @@ Progress = Callable[[str, int, int], None]
 
 
 def resolve_device(name: str) -> str:
+    """The device ``--device`` names: ``auto`` becomes cuda when torch sees a GPU, cpu otherwise."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name

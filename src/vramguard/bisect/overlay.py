@@ -112,6 +112,8 @@ class OverlayCache:
         self.locks = self.root / ".locks"
 
     def entry_dir(self, package: str, version: str) -> Path:
+        """The folder of the entry for (package, version) on this interpreter and machine, whether or not it
+        exists."""
         return self.root / canonicalize_name(package) / f"{Version(version)}-{python_tag()}"
 
     def _lock(self, name: str) -> FileLock:

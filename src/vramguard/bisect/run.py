@@ -305,19 +305,22 @@ class LoggedRun:
 class Reporter(Protocol):
     """Where a bisection reports progress: the CLI passes rich's ``Console`` (stderr); the default is silent."""
 
-    def status(self, status: str) -> AbstractContextManager[Any]: ...
+    def status(self, status: str) -> AbstractContextManager[Any]:
+        """A context in which a long step (an install, a probe) shows ``status`` as under way."""
 
-    def print(self, *objects: Any, **kwargs: Any) -> None: ...
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        """Show one progress line (rich markup allowed)."""
 
 
 class Silent:
     """A :class:`Reporter` that shows nothing (a bisection run from code, not from the CLI)."""
 
     def status(self, status: str) -> AbstractContextManager[Any]:
+        """Show nothing while the step runs."""
         return nullcontext()
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
-        pass
+        """Drop the progress line."""
 
 
 @dataclass
@@ -395,6 +398,8 @@ class BisectRun(LoggedRun):
         )
 
     def state_of(self, verdict: str) -> State:
+        """The search's state for a probe's verdict: good is the old state unless the run looks for a fix
+        (then bad is)."""
         if verdict == "skip":
             return State.SKIP
         is_old = (verdict == "good") != self.find_fix
@@ -464,6 +469,7 @@ class BisectRun(LoggedRun):
         }
 
     def log(self) -> dict[str, Any]:
+        """The JSON log: the run's settings, its status, the result once there is one, and every probe."""
         n = len(self.candidates)
         return {
             "tool": "vramguard bisect",
@@ -488,6 +494,8 @@ class BisectRun(LoggedRun):
         }
 
     def summary(self) -> str:
+        """The closing lines on stdout: the first changed and last unchanged version, the skipped ones, the
+        probe count against its bound, the log's path."""
         res = self.result()
         n = len(self.candidates)
         first_key, last_key = ("first_fixed", "last_bad") if self.find_fix else ("first_bad", "last_good")

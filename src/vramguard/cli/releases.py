@@ -31,6 +31,8 @@ class Parser(argparse.ArgumentParser):
     """Raises UsageError (one line, exit 2) instead of printing usage and exiting."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        """Raise the parse error as a :class:`UsageError` (one line, exit 2) instead of printing usage and
+        exiting."""
         raise UsageError(message)
 
 

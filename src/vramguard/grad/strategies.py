@@ -52,6 +52,8 @@ class Linear4bitCase:
     device: str = "cpu"
 
     def describe(self) -> str:
+        """The case on one line, every parameter that decides it (shown when the property fails, to reproduce
+        it)."""
         x = "x" + str(tuple(self.lead) + (self.in_features,)).replace(" ", "")
         return (
             f"4bit {self.call} {x} W({self.out_features},{self.in_features}) {_dt(self.dtype)} "
@@ -79,6 +81,8 @@ class Linear8bitCase:
     device: str = "cpu"
 
     def describe(self) -> str:
+        """The case on one line, every parameter that decides it (shown when the property fails, to reproduce
+        it)."""
         x = "x" + str(tuple(self.lead) + (self.in_features,)).replace(" ", "")
         return (
             f"8bit {self.call} {x} W({self.out_features},{self.in_features}) {_dt(self.dtype)} "
@@ -110,6 +114,8 @@ class LoraCase:
     use_rslora: bool = False
 
     def describe(self) -> str:
+        """The case on one line, every parameter that decides it (shown when the property fails, to reproduce
+        it)."""
         x = "x" + str(tuple(self.lead) + (self.in_features,)).replace(" ", "")
         quant = (
             f"{self.quant_type} bs={self.blocksize} nested={self.compress_statistics}"

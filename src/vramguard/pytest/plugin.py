@@ -68,6 +68,7 @@ REQUIRE_GPU = "--vram-require-gpu"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add ``--vram-require-gpu`` (a GPU CI job without a usable GPU fails instead of skipping)."""
     group = parser.getgroup("vramguard", "vramguard")
     group.addoption(
         REQUIRE_GPU,
@@ -94,6 +95,8 @@ def cuda_unusable() -> str | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """Register vramguard's markers from MARKERS and, with ``--vram-require-gpu``, fail at start without a
+    usable CUDA device."""
     for name in MARKERS:
         config.addinivalue_line("markers", marker_help(name))
     if config.getoption("vram_require_gpu", default=False):
@@ -103,6 +106,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the ``gpu`` tests when CUDA is not available (torch is imported only when there is one)."""
     gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu:  # torch is imported only when a vramguard marker or option asks for it
         return

@@ -77,8 +77,9 @@ def build_wheel(directory: Path, version: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="session", name="wheelhouse")
+def wheelhouse_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The generated vg-dummy wheels of every version, built once per session (test_sweep_cli uses it too)."""
     directory = tmp_path_factory.mktemp("wheelhouse")
     for version in VERSIONS:
         build_wheel(directory, version)
@@ -103,6 +104,22 @@ def bisect(capsys, *args: str, command: list[str] | None = None) -> tuple[int, s
     code = main(argv)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def bisect_1_0_to_1_5(
+    capsys, wheelhouse: Path, cache: Path, log: Path, command: list[str]
+) -> tuple[int, str, str]:
+    """``vramguard bisect`` of vg-dummy between 1.0 (good) and 1.5 (bad), offline, two candidates."""
+    return bisect(
+        capsys, "vg-dummy", "--good", "1.0", "--bad", "1.5", "--versions", "1.0,1.5",
+        *offline(wheelhouse, cache, log), command=command,
+    )  # fmt: skip
+
+
+def offline(wheelhouse: Path, cache: Path, log: Path) -> list[str]:
+    """The options of a bisection that installs from the generated wheels only, into ``cache``, logging
+    to ``log``."""
+    return ["--find-links", str(wheelhouse), "--cache-dir", str(cache), "--log", str(log)]
 
 
 def assert_cache_consistent(root: Path) -> None:
@@ -132,20 +149,9 @@ def test_finds_first_bad_within_the_probe_bound(
 ) -> None:
     log = tmp_path / "log.json"
     code, out, err = bisect(
-        capsys,
-        "vg-dummy",
-        "--good",
-        "1.0",
-        "--bad",
-        "1.9",
-        "--find-links",
-        str(wheelhouse),
-        "--cache-dir",
-        str(shared_cache),
-        "--log",
-        str(log),
+        capsys, "vg-dummy", "--good", "1.0", "--bad", "1.9", *offline(wheelhouse, shared_cache, log),
         command=PROBE_LEAK,
-    )
+    )  # fmt: skip
     assert code == 0, err
     data = json.loads(log.read_text())
     assert data["candidates"] == [f"1.{i}" for i in range(10)]  # ordered, pre-release 1.8rc1 excluded
@@ -202,16 +208,9 @@ def test_second_run_installs_nothing(capsys, wheelhouse: Path, tmp_path: Path) -
     # Second run: the only wheel source is empty, so any install attempt would fail and be a skip.
     versions = ",".join(f"1.{i}" for i in range(10))
     code, _out, err = bisect(
-        capsys,
-        *args,
-        "--find-links",
-        str(empty),
-        "--versions",
-        versions,
-        "--log",
-        str(tmp_path / "2.json"),
+        capsys, *args, "--find-links", str(empty), "--versions", versions, "--log", str(tmp_path / "2.json"),
         command=PROBE_LEAK,
-    )
+    )  # fmt: skip
     assert code == 0, err
     second = json.loads((tmp_path / "2.json").read_text())
     assert second["installs"] == 0 and {p["overlay"] for p in second["probes"]} == {"cached"}
@@ -222,22 +221,9 @@ def test_second_run_installs_nothing(capsys, wheelhouse: Path, tmp_path: Path) -
 def test_broken_version_is_skipped(capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path) -> None:
     log = tmp_path / "log.json"
     code, out, err = bisect(
-        capsys,
-        "vg-dummy",
-        "--good",
-        "1.0",
-        "--bad",
-        "1.5",
-        "--versions",
-        ALL,
-        "--find-links",
-        str(wheelhouse),
-        "--cache-dir",
-        str(shared_cache),
-        "--log",
-        str(log),
-        command=PROBE_LEAK,
-    )
+        capsys, "vg-dummy", "--good", "1.0", "--bad", "1.5", "--versions", ALL,
+        *offline(wheelhouse, shared_cache, log), command=PROBE_LEAK,
+    )  # fmt: skip
     assert code == 0, err
     data = json.loads(log.read_text())
     assert data["result"]["first_bad"] == "1.5" and data["result"]["skipped"] == ["1.3"]
@@ -254,22 +240,9 @@ def test_change_next_to_a_skipped_version_is_reported_as_ambiguous(
     # This probe turns bad at 1.4, right after the broken 1.3: the first bad is 1.3 or 1.4, not knowable.
     probe = [sys.executable, "-c", "import vgdummy, sys; sys.exit(vgdummy.__version__ >= '1.4')"]
     code, out, err = bisect(
-        capsys,
-        "vg-dummy",
-        "--good",
-        "1.0",
-        "--bad",
-        "1.9",
-        "--versions",
-        ALL,
-        "--find-links",
-        str(wheelhouse),
-        "--cache-dir",
-        str(shared_cache),
-        "--log",
-        str(tmp_path / "l.json"),
-        command=probe,
-    )
+        capsys, "vg-dummy", "--good", "1.0", "--bad", "1.9", "--versions", ALL,
+        *offline(wheelhouse, shared_cache, tmp_path / "l.json"), command=probe,
+    )  # fmt: skip
     assert code == 3, err
     result = json.loads((tmp_path / "l.json").read_text())["result"]
     assert result["first_bad"] is None and result["possible"] == ["1.3", "1.4"]
@@ -279,23 +252,9 @@ def test_change_next_to_a_skipped_version_is_reported_as_ambiguous(
 def test_find_fix_finds_first_good(capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path) -> None:
     log = tmp_path / "log.json"
     code, out, err = bisect(
-        capsys,
-        "vg-dummy",
-        "--bad",
-        "1.0",
-        "--good",
-        "1.9",
-        "--find-fix",
-        "--versions",
-        ALL,
-        "--find-links",
-        str(wheelhouse),
-        "--cache-dir",
-        str(shared_cache),
-        "--log",
-        str(log),
-        command=PROBE_FIX,
-    )
+        capsys, "vg-dummy", "--bad", "1.0", "--good", "1.9", "--find-fix", "--versions", ALL,
+        *offline(wheelhouse, shared_cache, log), command=PROBE_FIX,
+    )  # fmt: skip
     assert code == 0, err
     data = json.loads(log.read_text())
     assert data["mode"] == "find-fix"
@@ -307,21 +266,9 @@ def test_find_fix_finds_first_good(capsys, wheelhouse: Path, shared_cache: Path,
 def test_pre_releases_only_when_asked(capsys, wheelhouse: Path, shared_cache: Path, tmp_path: Path) -> None:
     log = tmp_path / "log.json"
     code, _, err = bisect(
-        capsys,
-        "vg-dummy",
-        "--good",
-        "1.6",
-        "--bad",
-        "1.9",
-        "--pre",
-        "--find-links",
-        str(wheelhouse),
-        "--cache-dir",
-        str(shared_cache),
-        "--log",
-        str(log),
+        capsys, "vg-dummy", "--good", "1.6", "--bad", "1.9", "--pre", *offline(wheelhouse, shared_cache, log),
         command=PROBE_FIX,
-    )
+    )  # fmt: skip
     # FIXED turns on at 1.7 < 1.8rc1, so with --good 1.6 this is "good is bad": but 1.6 is FIXED=0 -> exit 1.
     assert code == 2 and "--good 1.6 is not good" in err
     assert json.loads(log.read_text())["candidates"] == ["1.6", "1.7", "1.8rc1", "1.8", "1.9"]
@@ -340,22 +287,9 @@ def test_endpoints_are_verified_first(
 ) -> None:
     log = tmp_path / "log.json"
     code, out, err = bisect(
-        capsys,
-        "vg-dummy",
-        "--good",
-        good,
-        "--bad",
-        bad,
-        "--versions",
-        ALL,
-        "--find-links",
-        str(wheelhouse),
-        "--cache-dir",
-        str(shared_cache),
-        "--log",
-        str(log),
-        command=PROBE_LEAK,
-    )
+        capsys, "vg-dummy", "--good", good, "--bad", bad, "--versions", ALL,
+        *offline(wheelhouse, shared_cache, log), command=PROBE_LEAK,
+    )  # fmt: skip
     assert_one_line_error(code, out, err, needle)
     data = json.loads(log.read_text())  # the probes run before the error are kept
     assert data["status"] == "endpoint_error" and needle in data["error"]
@@ -377,12 +311,7 @@ def test_probe_timeout_counts_as_bad(capsys, wheelhouse: Path, shared_cache: Pat
         "1.0,1.5",
         "--timeout",
         "5",  # generous: a good probe must finish within it even on a loaded machine
-        "--find-links",
-        str(wheelhouse),
-        "--cache-dir",
-        str(shared_cache),
-        "--log",
-        str(log),
+        *offline(wheelhouse, shared_cache, log),
         command=probe,
     )
     assert code == 0, err
@@ -454,36 +383,18 @@ def test_bad_input_is_one_line_exit_2(
 
 def test_missing_wheel_directory(capsys, tmp_path: Path) -> None:
     code, out, err = bisect(
-        capsys,
-        "vg-dummy",
-        "--good",
-        "1.0",
-        "--bad",
-        "1.9",
-        "--find-links",
-        str(tmp_path / "nowhere"),
+        capsys, "vg-dummy", "--good", "1.0", "--bad", "1.9", "--find-links", str(tmp_path / "nowhere"),
         command=PROBE_LEAK,
-    )
+    )  # fmt: skip
     assert_one_line_error(code, out, err, "no such directory")
 
 
 def test_no_network_for_the_index(capsys, tmp_path: Path) -> None:
     # Port 9 (discard) on localhost is closed: the connection is refused at once, as with no network.
     code, out, err = bisect(
-        capsys,
-        "vg-dummy",
-        "--good",
-        "1.0",
-        "--bad",
-        "1.9",
-        "--index-url",
-        "http://127.0.0.1:9/simple",
-        "--index-timeout",
-        "5",
-        "--cache-dir",
-        str(tmp_path / "c"),
-        command=PROBE_LEAK,
-    )
+        capsys, "vg-dummy", "--good", "1.0", "--bad", "1.9", "--index-url", "http://127.0.0.1:9/simple",
+        "--index-timeout", "5", "--cache-dir", str(tmp_path / "c"), command=PROBE_LEAK,
+    )  # fmt: skip
     assert_one_line_error(code, out, err, "cannot reach the package index http://127.0.0.1:9/simple")
     assert_cache_consistent(tmp_path / "c")
 
@@ -494,20 +405,9 @@ def test_version_that_cannot_be_installed_is_an_untestable_endpoint(
     # An explicit list bypasses the index query; 2.0 has no wheel, so the --bad endpoint cannot be tested.
     cache = tmp_path / "c"
     code, out, err = bisect(
-        capsys,
-        "vg-dummy",
-        "--good",
-        "1.0",
-        "--bad",
-        "2.0",
-        "--versions",
-        "1.0,2.0",
-        "--find-links",
-        str(wheelhouse),
-        "--cache-dir",
-        str(cache),
-        command=PROBE_LEAK,
-    )
+        capsys, "vg-dummy", "--good", "1.0", "--bad", "2.0", "--versions", "1.0,2.0", "--find-links",
+        str(wheelhouse), "--cache-dir", str(cache), command=PROBE_LEAK,
+    )  # fmt: skip
     assert_one_line_error(code, out, err, "--bad 2.0 cannot be tested (install failed")
     assert not (cache / "vg-dummy" / "2.0-").exists()
     assert [p.name.split("-")[0] for p in (cache / "vg-dummy").iterdir()] == ["1.0"]
@@ -641,23 +541,7 @@ def test_output_tail_is_bounded_in_bytes(
         ),
     ]
     log = tmp_path / "log.json"
-    code, _out, err = bisect(
-        capsys,
-        "vg-dummy",
-        "--good",
-        "1.0",
-        "--bad",
-        "1.5",
-        "--versions",
-        "1.0,1.5",
-        "--find-links",
-        str(wheelhouse),
-        "--cache-dir",
-        str(shared_cache),
-        "--log",
-        str(log),
-        command=probe,
-    )
+    code, _out, err = bisect_1_0_to_1_5(capsys, wheelhouse, shared_cache, log, probe)
     assert code == 0, err
     assert log.stat().st_size < 128 * 1024  # was 76 MB: both lines of both probes, escaped
     data = json.loads(log.read_text())
@@ -737,6 +621,14 @@ def _hanging_run(tmp_path: Path, wheelhouse: Path, cache: Path) -> tuple[subproc
     return proc, pids
 
 
+def _the_next_run(capsys, wheelhouse: Path, cache: Path, tmp_path: Path) -> str:
+    """A complete bisection on the cache a killed run used (log ``second.json``): it must succeed, and
+    clean up after the dead one on its way. Its stderr."""
+    code, _out, err = bisect_1_0_to_1_5(capsys, wheelhouse, cache, tmp_path / "second.json", PROBE_LEAK)
+    assert code == 0, err
+    return err
+
+
 def test_sigterm_ends_the_probe_group_and_writes_the_log(
     wheelhouse: Path, shared_cache: Path, tmp_path: Path
 ) -> None:
@@ -769,24 +661,7 @@ def test_sigkill_ends_the_probe_group_and_a_later_run_marks_the_log(
         _kill_leftovers(pids)
     log = tmp_path / "log.json"
     assert json.loads(log.read_text())["status"] == "running"  # nobody could say otherwise yet
-    code, _out, err = bisect(
-        capsys,
-        "vg-dummy",
-        "--good",
-        "1.0",
-        "--bad",
-        "1.5",
-        "--versions",
-        "1.0,1.5",
-        "--find-links",
-        str(wheelhouse),
-        "--cache-dir",
-        str(cache),
-        "--log",
-        str(tmp_path / "second.json"),
-        command=PROBE_LEAK,
-    )
-    assert code == 0, err
+    err = _the_next_run(capsys, wheelhouse, cache, tmp_path)
     assert f"marked the log of a killed run: {log}" in err
     data = json.loads(log.read_text())
     assert data["status"] == "killed" and f"pid {proc.pid} " in data["error"]
@@ -844,24 +719,7 @@ def test_sigkill_during_an_install_kills_pip_and_the_next_run_cleans_up(
         for conn in held:
             conn.close()
     assert list((cache / ".tmp").iterdir())  # what the killed install left
-    code, _out, err = bisect(
-        capsys,
-        "vg-dummy",
-        "--good",
-        "1.0",
-        "--bad",
-        "1.5",
-        "--versions",
-        "1.0,1.5",
-        "--find-links",
-        str(wheelhouse),
-        "--cache-dir",
-        str(cache),
-        "--log",
-        str(tmp_path / "second.json"),
-        command=PROBE_LEAK,
-    )
-    assert code == 0, err
+    _the_next_run(capsys, wheelhouse, cache, tmp_path)
     assert_cache_consistent(cache)  # no temporary folder is left
 
 
@@ -937,23 +795,7 @@ def test_an_unexpected_error_does_not_leave_the_log_running(
 
     monkeypatch.setattr(BisectRun, "probe", probe)
     log = tmp_path / "log.json"
-    code, _, err = bisect(
-        capsys,
-        "vg-dummy",
-        "--good",
-        "1.0",
-        "--bad",
-        "1.5",
-        "--versions",
-        "1.0,1.5",
-        "--find-links",
-        str(wheelhouse),
-        "--cache-dir",
-        str(shared_cache),
-        "--log",
-        str(log),
-        command=PROBE_LEAK,
-    )
+    code, _, err = bisect_1_0_to_1_5(capsys, wheelhouse, shared_cache, log, PROBE_LEAK)
     assert code == 3 and "internal error: RuntimeError: the machine fell over" in err  # a bug, not a verdict
     data = json.loads(log.read_text())
     assert data["status"] == "failed" and data["error"] == "the machine fell over"

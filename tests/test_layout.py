@@ -155,3 +155,93 @@ def test_a_pytest_session_imports_torch_only_when_a_marker_asks(
     out = _python(code, tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"TORCH {torch_loaded}" in out.stdout, out.stdout
+
+
+# -- every public name says what it is for ------------------------------------------------------------
+
+#: Areas other helpers are rewriting in this round; their docstrings land with that work. The lead removes
+#: each entry once its area is merged (test_the_docstring_allowlist_is_not_stale says when).
+DOCSTRINGS_ELSEWHERE = (
+    "vramguard/measure/",  # tracker, ledger, meters
+    "vramguard/integrations/",
+    "vramguard/estimate/",
+    "vramguard/cli/estimate.py",
+)
+
+
+def public_names(path: Path) -> list[tuple[str, ast.AST]]:
+    """The public functions, classes and methods of a module (names without a leading underscore; the
+    methods of public classes, nested classes included), each with its node."""
+    found: list[tuple[str, ast.AST]] = []
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                if node.name.startswith("_"):
+                    continue
+                found.append((prefix + node.name, node))
+                if isinstance(node, ast.ClassDef):
+                    visit(node.body, f"{prefix}{node.name}.")
+
+    visit(ast.parse(path.read_text(), str(path)).body, "")
+    return found
+
+
+def undocumented(path: Path, root: Path = SRC) -> list[str]:
+    """``file:line name`` of each public name in ``path`` without a docstring that says something: none,
+    or one that is only the name again (``'Run.'`` on ``run``) or shorter than three words."""
+    out = []
+    for name, node in public_names(path):
+        doc = ast.get_docstring(node) or ""  # type: ignore[arg-type]
+        words = doc.lower().replace("_", " ").split()
+        if len(words) < 3 or " ".join(words).strip(".") == name.split(".")[-1].lower().replace("_", " "):
+            out.append(f"{path.relative_to(root)}:{node.lineno} {name}")  # type: ignore[attr-defined]
+    return out
+
+
+def _elsewhere(path: Path) -> bool:
+    rel = path.relative_to(SRC).as_posix()
+    return any(rel == entry or rel.startswith(entry) for entry in DOCSTRINGS_ELSEWHERE)
+
+
+def test_every_public_name_has_a_docstring() -> None:
+    missing = [
+        line
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not _elsewhere(path) and path.name != "__main__.py"
+        for line in undocumented(path)
+    ]
+    assert missing == []
+
+
+def test_a_missing_docstring_is_found(tmp_path: Path) -> None:
+    """The check can fail: an undocumented function, a method, a docstring that only repeats the name."""
+    module = tmp_path / "vramguard" / "m.py"
+    module.parent.mkdir()
+    module.write_text(
+        'def documented():\n    """Says what the function is for."""\n\n'
+        "def bare():\n    pass\n\n"
+        'def run():\n    """Run."""\n\n'
+        'class Thing:\n    """A thing that is documented."""\n\n'
+        "    def method(self):\n        return 1\n\n"
+        "    def _private(self):\n        return 2\n"
+    )
+    assert undocumented(module, tmp_path) == [
+        "vramguard/m.py:4 bare",
+        "vramguard/m.py:7 run",
+        "vramguard/m.py:13 Thing.method",
+    ]
+
+
+def test_the_docstring_allowlist_is_not_stale() -> None:
+    """An entry of DOCSTRINGS_ELSEWHERE whose area now documents every public name is to be removed."""
+    files = {
+        entry: [
+            p
+            for p in sorted(PACKAGE.rglob("*.py"))
+            if _elsewhere(p) and p.relative_to(SRC).as_posix().startswith(entry)
+        ]
+        for entry in DOCSTRINGS_ELSEWHERE
+    }
+    done = [entry for entry, paths in files.items() if not any(undocumented(p) for p in paths)]
+    assert done == []

@@ -3,6 +3,12 @@ fail over it with one line naming what was measured, the budget and the probe.""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,7 +16,11 @@ import torch
 # would register its op library twice
 import torch._inductor.test_operators  # noqa: F401
 
+import vramguard
+from vramguard.pytest.plugin import MARKERS, marker_help
+
 pytest_plugins = ["pytester"]
+ROOT = Path(__file__).resolve().parents[1]
 
 BODY = """
 import pytest, torch
@@ -181,6 +191,56 @@ def test_bad_device_fails_with_one_line(pytester: pytest.Pytester, device: str, 
         result.assert_outcomes(failed=1)
         result.stdout.fnmatch_lines([f"@pytest.mark.*: {message}"])
         assert "Traceback" not in result.stdout.str() and "Error:" not in result.stdout.str()
+
+
+def test_a_missing_size_or_an_unknown_keyword_fails_with_one_line(pytester: pytest.Pytester) -> None:
+    """The marker's arguments are bound to its declaration: a typo is not silently ignored."""
+    result = _run(pytester, "@pytest.mark.saved_bytes(device='cpu')")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*@pytest.mark.saved_bytes needs a size, e.g. saved_bytes('12 MiB')*"])
+    result = _run(pytester, '@pytest.mark.vram_budget("4 MiB", devce="cpu")')
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*@pytest.mark.vram_budget: got an unexpected keyword argument 'devce'*"])
+    assert "Traceback" not in result.stdout.str()
+
+
+# --- the markers are declared once -------------------------------------------------------------------
+
+
+def _registered_markers(cwd: Path) -> list[str]:
+    """The ``@pytest.mark.`` lines of ``pytest --markers`` run in ``cwd`` (its ini file and the plugins
+    installed, as a user sees them)."""
+    src = str(Path(vramguard.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--markers", "-p", "no:randomly", "-p", "no:cacheprovider"],
+        capture_output=True, text=True, env=env, cwd=cwd, timeout=300, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    return [line for line in out.stdout.splitlines() if line.startswith("@pytest.mark.")]
+
+
+def _name(line: str) -> str:
+    return line.removeprefix("@pytest.mark.").split(":")[0].split("(")[0]
+
+
+def test_each_marker_is_declared_once_with_the_help_of_its_declaration() -> None:
+    """In this project (pyproject.toml's markers and every plugin) each marker has one help line, and
+    vramguard's are the plugin's own: built from the functions in MARKERS."""
+    lines = _registered_markers(ROOT)
+    names = [_name(line) for line in lines]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
+    for name in MARKERS:
+        assert f"@pytest.mark.{marker_help(name)}" in lines
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert [_name(m) for m in ini["markers"] if _name(m) in MARKERS] == []
+    assert "slow" in names and "benchmark" in names  # the project's own, and pytest-benchmark's
+
+
+def test_marker_help_is_the_declaration_s_signature_and_docstring() -> None:
+    assert marker_help("gpu").startswith("gpu: needs a CUDA device")
+    assert marker_help("saved_bytes").startswith("saved_bytes(max, per_layer=None, device=None): fail when")
+    assert "\n" not in marker_help("vram_budget")
 
 
 # --- --vram-require-gpu ------------------------------------------------------------------------------

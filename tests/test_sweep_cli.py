@@ -14,17 +14,21 @@ from pathlib import Path
 
 import pytest
 from packaging.version import Version
-from test_bisect_cli import VERSIONS, assert_cache_consistent, assert_one_line_error, build_wheel
+from test_bisect_cli import (  # wheelhouse_fixture: the fixture `wheelhouse`, built once for both files
+    assert_cache_consistent,
+    assert_one_line_error,
+    wheelhouse_fixture,  # noqa: F401
+)
 
+from vramguard.bisect.sweep import select_releases
 from vramguard.cli import main
 from vramguard.history.compare import entries
 from vramguard.history.store import ResultStore
-from vramguard.cli.sweep import select_releases
 
 PROBE = r"""
 import os, sys, vgdummy
 from vramguard.history.store import ResultStore
-from vramguard.cli.sweep import environment_for
+from vramguard.bisect.sweep import environment_for
 env = environment_for("vg-dummy", vgdummy.__version__)
 bench = {"name": "test_x", "params": {}, "extra_info": {"vramguard": {"metrics": {
     "peak_allocated": 100 + 1000 * vgdummy.LEAK}}}}
@@ -32,14 +36,6 @@ ResultStore(os.environ["VRAMGUARD_STORE"]).add(
     {"machine_info": {"vramguard": env}, "benchmarks": [bench]}, os.environ["VRAMGUARD_RUN_ID"], "main")
 sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 """
-
-
-@pytest.fixture(scope="module")
-def wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("wheels")
-    for version in VERSIONS:
-        build_wheel(directory, version)
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +56,8 @@ def _no_user_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VRAMGUARD_STORE", raising=False)
 
 
-def sweep(capsys, wheels: Path, cache: Path, store: Path, *args: str, command: list[str]) -> tuple:
-    argv = ["sweep", "vg-dummy", *args, "--store", str(store), "--find-links", str(wheels)]
+def sweep(capsys, wheelhouse: Path, cache: Path, store: Path, *args: str, command: list[str]) -> tuple:
+    argv = ["sweep", "vg-dummy", *args, "--store", str(store), "--find-links", str(wheelhouse)]
     code = main([*argv, "--cache-dir", str(cache), "--", *command])
     out, err = capsys.readouterr()
     return code, out, err
@@ -79,10 +75,10 @@ def stored_peaks(store: Path) -> dict[str, float]:
     return out
 
 
-def test_every_release_is_measured_stored_and_logged(capsys, wheels, cache, probe, tmp_path) -> None:
+def test_every_release_is_measured_stored_and_logged(capsys, wheelhouse, cache, probe, tmp_path) -> None:
     store, log = tmp_path / "store", tmp_path / "log.json"
     code, _out, err = sweep(
-        capsys, wheels, cache, store, "--from", "1.2", "--to", "1.6", "--log", str(log),
+        capsys, wheelhouse, cache, store, "--from", "1.2", "--to", "1.6", "--log", str(log),
         command=[sys.executable, str(probe)],
     )  # fmt: skip
     assert code == 0, err
@@ -99,16 +95,16 @@ def test_every_release_is_measured_stored_and_logged(capsys, wheels, cache, prob
     assert_cache_consistent(cache)
 
 
-def test_rerun_resumes_and_measures_only_what_is_missing(capsys, wheels, cache, probe, tmp_path) -> None:
+def test_rerun_resumes_and_measures_only_what_is_missing(capsys, wheelhouse, cache, probe, tmp_path) -> None:
     store = tmp_path / "store"
     code, _, err = sweep(
-        capsys, wheels, cache, store, "--versions", "1.0,1.1", command=[sys.executable, str(probe)]
+        capsys, wheelhouse, cache, store, "--versions", "1.0,1.1", command=[sys.executable, str(probe)]
     )
     assert code == 0, err
     runs_before = len(ResultStore(store).runs())
     log = tmp_path / "again.json"
     code, _, err = sweep(
-        capsys, wheels, cache, store, "--versions", "1.0,1.1,1.2", "--log", str(log),
+        capsys, wheelhouse, cache, store, "--versions", "1.0,1.1,1.2", "--log", str(log),
         command=[sys.executable, str(probe)],
     )  # fmt: skip
     assert code == 0, err
@@ -117,39 +113,46 @@ def test_rerun_resumes_and_measures_only_what_is_missing(capsys, wheels, cache, 
     assert len(ResultStore(store).runs()) == runs_before + 1
     # --no-resume measures again
     code, _, err = sweep(
-        capsys, wheels, cache, store, "--versions", "1.0", "--no-resume", command=[sys.executable, str(probe)]
+        capsys,
+        wheelhouse,
+        cache,
+        store,
+        "--versions",
+        "1.0",
+        "--no-resume",
+        command=[sys.executable, str(probe)],
     )
     assert code == 0 and "[1/1] vg-dummy 1.0: ok" in err
     assert len(ResultStore(store).runs()) == runs_before + 2
 
 
-def test_a_failed_release_is_retried_not_resumed(capsys, wheels, cache, probe, tmp_path) -> None:
+def test_a_failed_release_is_retried_not_resumed(capsys, wheelhouse, cache, probe, tmp_path) -> None:
     store = tmp_path / "store"
     code, out, err = sweep(
-        capsys, wheels, cache, store, "--versions", "1.0", command=[sys.executable, str(probe), "1"]
+        capsys, wheelhouse, cache, store, "--versions", "1.0", command=[sys.executable, str(probe), "1"]
     )
     assert code == 1, err
     assert "1.0: failed - the command exited 1" in out
     assert len(ResultStore(store).runs()) == 1  # what it stored is kept
     code, _, err = sweep(
-        capsys, wheels, cache, store, "--versions", "1.0", command=[sys.executable, str(probe)]
+        capsys, wheelhouse, cache, store, "--versions", "1.0", command=[sys.executable, str(probe)]
     )
     assert code == 0 and "[1/1] vg-dummy 1.0: ok" in err
     assert len(ResultStore(store).runs()) == 2
 
 
 def test_a_command_that_always_fails_is_reported_per_release_and_loses_nothing(
-    capsys, wheels, cache, probe, tmp_path
+    capsys, wheelhouse, cache, probe, tmp_path
 ) -> None:
     store = tmp_path / "store"
     code, _, err = sweep(
-        capsys, wheels, cache, store, "--versions", "1.0", command=[sys.executable, str(probe)]
+        capsys, wheelhouse, cache, store, "--versions", "1.0", command=[sys.executable, str(probe)]
     )
     assert code == 0, err
     before = stored_peaks(store)
     log = tmp_path / "log.json"
     code, out, err = sweep(
-        capsys, wheels, cache, store, "--versions", "1.1,1.2", "--log", str(log),
+        capsys, wheelhouse, cache, store, "--versions", "1.1,1.2", "--log", str(log),
         command=[sys.executable, "-c", "import sys; sys.exit(3)"],
     )  # fmt: skip
     assert code == 1 and "Traceback" not in err + out
@@ -159,12 +162,12 @@ def test_a_command_that_always_fails_is_reported_per_release_and_loses_nothing(
     assert [r["exit_code"] for r in json.loads(log.read_text())["results"]] == [3, 3]
 
 
-def test_exit_zero_without_a_stored_run_is_a_failure(capsys, wheels, cache, tmp_path) -> None:
-    code, out, _err = sweep(capsys, wheels, cache, tmp_path / "s", "--versions", "1.0", command=["true"])
+def test_exit_zero_without_a_stored_run_is_a_failure(capsys, wheelhouse, cache, tmp_path) -> None:
+    code, out, _err = sweep(capsys, wheelhouse, cache, tmp_path / "s", "--versions", "1.0", command=["true"])
     assert code == 1 and "stored no run" in out
 
 
-def test_exit_125_is_a_recorded_skip_and_timeout_is_a_failure(capsys, wheels, cache, tmp_path) -> None:
+def test_exit_125_is_a_recorded_skip_and_timeout_is_a_failure(capsys, wheelhouse, cache, tmp_path) -> None:
     log = tmp_path / "log.json"
     cmd = [
         sys.executable,
@@ -172,7 +175,7 @@ def test_exit_125_is_a_recorded_skip_and_timeout_is_a_failure(capsys, wheels, ca
         "import sys, time, vgdummy; time.sleep(30) if vgdummy.LEAK else sys.exit(125)",
     ]
     code, _, err = sweep(
-        capsys, wheels, cache, tmp_path / "s", "--versions", "1.4,1.5", "--timeout", "3", "--log", str(log),
+        capsys, wheelhouse, cache, tmp_path / "s", "--versions", "1.4,1.5", "--timeout", "3", "--log", str(log),
         command=cmd,
     )  # fmt: skip
     assert code == 1, err
@@ -192,12 +195,12 @@ def test_exit_125_is_a_recorded_skip_and_timeout_is_a_failure(capsys, wheels, ca
         (["--from", "1.0", "--to", "1.2", "--every", "0"], "at least 1"),
     ],
 )
-def test_bad_input_is_one_line(capsys, wheels, cache, tmp_path, args, needle) -> None:
-    code, out, err = sweep(capsys, wheels, cache, tmp_path / "s", *args, command=["true"])
+def test_bad_input_is_one_line(capsys, wheelhouse, cache, tmp_path, args, needle) -> None:
+    code, out, err = sweep(capsys, wheelhouse, cache, tmp_path / "s", *args, command=["true"])
     assert_one_line_error(code, out, err, needle)
 
 
-def test_unknown_package_and_missing_parts_are_one_line(capsys, wheels, tmp_path) -> None:
+def test_unknown_package_and_missing_parts_are_one_line(capsys, wheelhouse, tmp_path) -> None:
     code = main(
         [
             "sweep",
@@ -207,13 +210,13 @@ def test_unknown_package_and_missing_parts_are_one_line(capsys, wheels, tmp_path
             "--store",
             str(tmp_path),
             "--find-links",
-            str(wheels),
+            str(wheelhouse),
             "--",
             "true",
         ]
     )
     assert_one_line_error(code, *capsys.readouterr(), "'nope-pkg' not found")
-    code = main(["sweep", "vg-dummy", "--versions", "1.0", "--find-links", str(wheels), "--", "true"])
+    code = main(["sweep", "vg-dummy", "--versions", "1.0", "--find-links", str(wheelhouse), "--", "true"])
     assert_one_line_error(code, *capsys.readouterr(), "--store")
     code = main(["sweep", "vg-dummy", "--versions", "1.0", "--store", str(tmp_path)])
     assert_one_line_error(code, *capsys.readouterr(), "missing COMMAND")
@@ -226,7 +229,7 @@ def test_range_selection() -> None:
     assert [str(v) for v in select_releases(vs, versions="1.3,1.1,1.3")] == ["1.1", "1.3"]
 
 
-def test_the_benchmark_plugin_writes_where_the_sweep_says(capsys, wheels, cache, tmp_path) -> None:
+def test_the_benchmark_plugin_writes_where_the_sweep_says(capsys, wheelhouse, cache, tmp_path) -> None:
     """Through pytest: VRAMGUARD_STORE is --vram-store's default, VRAMGUARD_RUN_ID its run id, and the
     swept (untracked) package's version is in the record."""
     tests = tmp_path / "bench"
@@ -239,15 +242,15 @@ def test_the_benchmark_plugin_writes_where_the_sweep_says(capsys, wheels, cache,
     )
     store = tmp_path / "store"
     cmd = [sys.executable, "-m", "pytest", str(tests), "-q", "-p", "no:cacheprovider", "-o", "addopts="]
-    code, _, err = sweep(capsys, wheels, cache, store, "--versions", "1.4,1.5", command=cmd)
+    code, _, err = sweep(capsys, wheelhouse, cache, store, "--versions", "1.4,1.5", command=cmd)
     assert code == 0, err
     assert stored_peaks(store) == {"1.4": 7, "1.5": 8}
 
 
-def test_no_traceback_from_the_console_script(wheels, tmp_path) -> None:
+def test_no_traceback_from_the_console_script(wheelhouse, tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "vramguard", "sweep", "vg-dummy", "--from", "2", "--to", "1", "--store", str(tmp_path),
-         "--find-links", str(wheels), "--", "true"],
+         "--find-links", str(wheelhouse), "--", "true"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "empty range" in proc.stderr

@@ -34,6 +34,7 @@ class Environment:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
+        """The environment as the JSON documents record it."""
         return asdict(self)
 
     def key(self) -> str:
@@ -44,6 +45,8 @@ class Environment:
 
 
 def git_commit(path: Path | None = None) -> str | None:
+    """The commit checked out at ``path`` (the current folder by default), or None outside a git checkout or
+    without git."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True, timeout=5, check=False

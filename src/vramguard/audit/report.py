@@ -71,6 +71,9 @@ class BudgetComparison:
 
 @dataclass
 class StepRow:
+    """One training step of the audit: its loss, the bytes still alive after it (and after its forward) and
+    the peak of each phase."""
+
     step: int
     loss: float | None  # None for an estimate (meta device: no values)
     retained_bytes: int
@@ -80,6 +83,9 @@ class StepRow:
 
 @dataclass
 class Verdict:
+    """The audit's conclusion: ok or not, the one line printed last, the problems that failed it and the notes
+    worth knowing."""
+
     ok: bool
     line: str
     problems: list[str] = field(default_factory=list)
@@ -140,6 +146,8 @@ class AuditReport:
     estimate: DeviceEstimate | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as the JSON document ``--json`` writes (plain lists and dicts; :meth:`from_dict` reads
+        it back)."""
         d = asdict(self)
         for row in d["layers"]:
             row["top_modules"] = [list(t) for t in row["top_modules"]]

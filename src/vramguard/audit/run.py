@@ -8,7 +8,6 @@ problem (weight copies saved for backward, retained memory growing across steps)
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import tempfile
 import time
@@ -53,6 +52,7 @@ Progress = Callable[[str, int, int], None]
 
 
 def resolve_device(name: str) -> str:
+    """The device ``--device`` names: ``auto`` becomes cuda when torch sees a GPU, cpu otherwise."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
@@ -91,12 +91,6 @@ def planned_budget(config: QLoRAConfig, spec: ModelSpec) -> Budget:
     except NoAnalyticModel as exc:
         per_layer = checkpointed_layer_bytes(config.batch, config.seq_len, f["hidden_size"])
         empty = Budget(
-            quantized_params=0,
-            other_params=0,
-            lora_params=0,
-            quantized_weight_bytes=0,
-            other_weight_bytes=0,
-            lora_training_bytes=0,
             layer_terms=[{"layer input (lower bound)": per_layer}] * f["num_hidden_layers"],
             logits_bytes=logits_fp32_bytes(config.batch, config.seq_len, f["vocab_size"]),
             no_analytic_model=str(exc),
@@ -110,15 +104,7 @@ def planned_budget(config: QLoRAConfig, spec: ModelSpec) -> Budget:
     embeddings = vocab * h * (1 if f.get("tie_word_embeddings", False) else 2)
     other = embeddings + (2 * layers + 1) * h  # + input, post-attention and final norms
     lora = layers * sum(config.lora_rank * (i + o) for i, o in projections)
-    return dataclasses.replace(
-        empty,
-        quantized_params=quantized,
-        other_params=other,
-        lora_params=lora,
-        quantized_weight_bytes=quantized_bytes,
-        other_weight_bytes=4 * other,
-        lora_training_bytes=16 * lora,
-    )
+    return empty.with_weights(quantized, quantized_bytes, other, 4 * other, lora)
 
 
 def available_memory(device: str) -> tuple[int, str]:

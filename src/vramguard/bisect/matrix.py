@@ -44,14 +44,20 @@ def releases(package: str, spec: str, options: IndexOptions | None = None) -> li
 
 @dataclass
 class SuiteResult:
+    """One suite on one release in the matrix: pytest's outcome counts (from JUnit XML), its time and what
+    went wrong reading it."""
+
     counts: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
 
     def ok(self) -> bool:
+        """Whether the suite is green: no failure, no error and no unexpected pass of a known defect
+        (xpassed)."""
         return not (self.counts["failed"] or self.counts["error"] or self.counts["xpassed"])
 
     def cell(self) -> str:
+        """The table cell: the non-zero outcome counts and the seconds, e.g. ``12 passed, 1 skipped (40 s)``."""
         parts = [f"{self.counts[o]} {o}" for o in OUTCOMES if self.counts[o]]
         return (", ".join(parts) or "nothing ran") + f" ({self.seconds:.0f} s)"
 
@@ -126,6 +132,8 @@ def _label_key(label: str) -> tuple:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m vramguard.bisect.matrix``: the three steps of the matrix workflow (``releases``,
+    ``overlay``, ``table``, see the module docstring); bad input is one line and exit 2."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         if len(args) == 3 and args[0] == "releases":

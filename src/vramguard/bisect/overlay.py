@@ -29,6 +29,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from vramguard.bisect.procgroup import run_with_tail
+from vramguard.errors import UsageError
 
 MARKER = ".vramguard-overlay.json"
 #: A temporary folder whose owner cannot be told (not made by this version) is removed after a day.
@@ -111,6 +112,8 @@ class OverlayCache:
         self.locks = self.root / ".locks"
 
     def entry_dir(self, package: str, version: str) -> Path:
+        """The folder of the entry for (package, version) on this interpreter and machine, whether or not it
+        exists."""
         return self.root / canonicalize_name(package) / f"{Version(version)}-{python_tag()}"
 
     def _lock(self, name: str) -> FileLock:
@@ -128,6 +131,19 @@ class OverlayCache:
         os.close(fd)
         os.unlink(probe)
         return self.clean_tmp()
+
+    def open(self, flag: str) -> None:
+        """:meth:`prepare` for a command: the cache must be a folder this process can write to (else one
+        line naming ``flag``, the option or "overlay cache"), with the ``.logs`` and ``.runs`` folders of
+        bisect and sweep logs."""
+        if self.root.exists() and not self.root.is_dir():
+            raise UsageError(f"{flag} {self.root}: not a directory")
+        try:
+            self.prepare()
+            for folder in (".logs", ".runs"):
+                (self.root / folder).mkdir(exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"{flag} {self.root}: cannot write there ({exc.strerror or exc})") from None
 
     def lookup(self, package: str, version: str) -> Overlay | None:
         """The complete entry for (package, version), touching its last-use time; None if absent."""

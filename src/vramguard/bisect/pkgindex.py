@@ -6,12 +6,14 @@ distribution"), so on that answer the index itself is contacted to tell the two 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
@@ -39,6 +41,27 @@ class IndexOptions:
         for link in self.find_links:
             args += ["--find-links", link]
         return args
+
+    def source(self) -> str:
+        """Where the versions were listed, for messages: the index URL, the wheel folders or pip's index."""
+        return self.index_url or (", ".join(self.find_links) if self.find_links else "the package index")
+
+    def check(self) -> None:
+        """Fail (one line) on a ``--find-links`` folder that does not exist, before pip is asked."""
+        for link in self.find_links:
+            if "://" not in link and not Path(link).exists():
+                raise UsageError(f"--find-links {link}: no such directory")
+
+
+#: PEP 508 project names (no path separators: the name becomes part of file names)
+_PROJECT_NAME = re.compile(r"^([A-Z0-9]|[A-Z0-9][A-Z0-9._-]*[A-Z0-9])$", re.IGNORECASE)
+
+
+def check_package_name(name: str) -> str:
+    """``name`` if it is a PEP 508 project name (so it is safe in file names), else UsageError."""
+    if not _PROJECT_NAME.match(name):
+        raise UsageError(f"not a package name: {name!r}")
+    return name
 
 
 def sort_versions(texts: Iterable[str], pre: bool = False) -> list[Version]:

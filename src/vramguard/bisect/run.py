@@ -113,6 +113,15 @@ def run_command(
     return code, lines
 
 
+def check_import(
+    overlay: Overlay, package: str, version: str, env: dict[str, str], timeout: float | None
+) -> tuple[int | None, list[str]]:
+    """Whether ``package`` ``version`` and its import names come from ``overlay`` in ``env`` (the probe's
+    environment): 0 when they do; otherwise the exit code and the output tail whose last line says why."""
+    check = [sys.executable, "-c", _IMPORT_CHECK, package, version, str(overlay.path)]
+    return run_command(check + list(overlay.import_names), env, timeout)
+
+
 # -- signals and killed runs ---------------------------------------------------------------------------
 class Terminated(KeyboardInterrupt):
     """SIGTERM or SIGHUP as an exception, so the run ends as on Ctrl-C: probe group killed, log written."""
@@ -239,27 +248,86 @@ def _mark_killed(log: Path, info: dict[str, Any]) -> bool:
     return True
 
 
+class LoggedRun:
+    """A long run (a bisection, a sweep) that keeps a JSON log: rewritten atomically after every step and
+    on every way out, so it says ``running`` only while the run is alive and nothing measured is lost.
+
+    Subclasses provide ``log_path``, ``status``, ``error`` and :meth:`log`; ``log_name`` names the log in
+    the one-line error a failed write becomes."""
+
+    log_name = "log"
+    log_path: Path | None
+    status: str
+    error: str
+
+    def log(self) -> dict[str, Any]:
+        """The whole log document (the subclass's)."""
+        raise NotImplementedError
+
+    def write_log(self) -> None:
+        """Rewrite the whole log atomically; a write failure (disk full, folder removed) is one line."""
+        if self.log_path is None:
+            return
+        try:
+            write_text_atomic(self.log_path, json.dumps(self.log(), indent=2) + "\n")
+        except OSError as exc:
+            raise UsageError(
+                f"cannot write the {self.log_name} {self.log_path}: {exc.strerror or exc}"
+            ) from None
+
+    def _write_log_last(self) -> None:
+        """The final write on the way out of an error: a failure to write is not allowed to hide that error."""
+        try:
+            self.write_log()
+        except UsageError:
+            pass
+
+    @contextmanager
+    def recording_the_end(self) -> Iterator[None]:
+        """Record how the run ended if it ends by an exception (``interrupted`` on SIGINT / SIGTERM /
+        SIGHUP, ``failed`` otherwise), write the log and re-raise. A run that already recorded its end
+        (status no longer ``running``) keeps that record."""
+        try:
+            yield
+        except KeyboardInterrupt as exc:
+            if self.status == "running":
+                self.status = "interrupted"
+                self.error = f"interrupted by {exc.signame if isinstance(exc, Terminated) else 'SIGINT'}"
+            self._write_log_last()
+            raise
+        except BaseException as exc:
+            if self.status == "running":
+                self.status, self.error = "failed", str(exc) or type(exc).__name__
+            self._write_log_last()
+            raise
+
+
 class Reporter(Protocol):
     """Where a bisection reports progress: the CLI passes rich's ``Console`` (stderr); the default is silent."""
 
-    def status(self, status: str) -> AbstractContextManager[Any]: ...
+    def status(self, status: str) -> AbstractContextManager[Any]:
+        """A context in which a long step (an install, a probe) shows ``status`` as under way."""
 
-    def print(self, *objects: Any, **kwargs: Any) -> None: ...
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        """Show one progress line (rich markup allowed)."""
 
 
 class Silent:
     """A :class:`Reporter` that shows nothing (a bisection run from code, not from the CLI)."""
 
     def status(self, status: str) -> AbstractContextManager[Any]:
+        """Show nothing while the step runs."""
         return nullcontext()
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
-        pass
+        """Drop the progress line."""
 
 
 @dataclass
-class BisectRun:
+class BisectRun(LoggedRun):
     """Installs, probes and records one bisection; ``search`` decides what to probe next."""
+
+    log_name = "bisect log"
 
     package: str
     candidates: list[Version]
@@ -303,8 +371,7 @@ class BisectRun:
         start = time.monotonic()
         with self.console.status(f"probing {self.package} {version} ..."):
             if self.import_check:
-                check = [sys.executable, "-c", _IMPORT_CHECK, self.package, version, str(overlay.path)]
-                code, tail = run_command(check + list(overlay.import_names), env, self.timeout)
+                code, tail = check_import(overlay, self.package, version, env, self.timeout)
                 if code != 0:
                     why = tail[-1] if tail else f"exit {code}"
                     return VersionProbe(
@@ -331,6 +398,8 @@ class BisectRun:
         )
 
     def state_of(self, verdict: str) -> State:
+        """The search's state for a probe's verdict: good is the old state unless the run looks for a fix
+        (then bad is)."""
         if verdict == "skip":
             return State.SKIP
         is_old = (verdict == "good") != self.find_fix
@@ -343,30 +412,22 @@ class BisectRun:
         The log says ``running`` only while this runs: every way out (interrupt, SIGTERM, error) rewrites it.
         """
         bound = probe_bound(len(self.candidates))
-        try:
-            self.write_log()  # before the first install: the log exists (and says running) from the start
-            while (index := self.search.next_index()) is not None:
-                version = str(self.candidates[index])
-                result = self.probe(version)
-                self.probes.append(result)
-                try:
-                    self.search.record(index, self.state_of(result.verdict))
-                finally:
-                    self._progress(result, bound)
-                    self.write_log()
-        except EndpointError as exc:
-            self.status, self.error = "endpoint_error", self._endpoint_message(exc)
-            self.write_log()
-            raise UsageError(self.error) from None
-        except KeyboardInterrupt as exc:
-            self.status = "interrupted"
-            self.error = f"interrupted by {exc.signame if isinstance(exc, Terminated) else 'SIGINT'}"
-            self._write_log_last()
-            raise
-        except BaseException as exc:
-            self.status, self.error = "failed", str(exc) or type(exc).__name__
-            self._write_log_last()
-            raise
+        with self.recording_the_end():
+            try:
+                self.write_log()  # before the first install: the log exists (and says running) from the start
+                while (index := self.search.next_index()) is not None:
+                    version = str(self.candidates[index])
+                    result = self.probe(version)
+                    self.probes.append(result)
+                    try:
+                        self.search.record(index, self.state_of(result.verdict))
+                    finally:
+                        self._progress(result, bound)
+                        self.write_log()
+            except EndpointError as exc:
+                self.status, self.error = "endpoint_error", self._endpoint_message(exc)
+                self.write_log()
+                raise UsageError(self.error) from None
         self.status = "found" if len(self.search.candidates()) == 1 else "ambiguous"
         self.write_log()
 
@@ -408,6 +469,7 @@ class BisectRun:
         }
 
     def log(self) -> dict[str, Any]:
+        """The JSON log: the run's settings, its status, the result once there is one, and every probe."""
         n = len(self.candidates)
         return {
             "tool": "vramguard bisect",
@@ -431,23 +493,9 @@ class BisectRun:
             "probes": [asdict(p) for p in self.probes],
         }
 
-    def write_log(self) -> None:
-        """Rewrite the whole log atomically; a write failure (disk full, folder removed) is one line."""
-        if self.log_path is None:
-            return
-        try:
-            write_text_atomic(self.log_path, json.dumps(self.log(), indent=2) + "\n")
-        except OSError as exc:
-            raise UsageError(f"cannot write the bisect log {self.log_path}: {exc.strerror or exc}") from None
-
-    def _write_log_last(self) -> None:
-        """The final write on the way out of an error: a failure to write is not allowed to hide that error."""
-        try:
-            self.write_log()
-        except UsageError:
-            pass
-
     def summary(self) -> str:
+        """The closing lines on stdout: the first changed and last unchanged version, the skipped ones, the
+        probe count against its bound, the log's path."""
         res = self.result()
         n = len(self.candidates)
         first_key, last_key = ("first_fixed", "last_bad") if self.find_fix else ("first_bad", "last_good")

@@ -75,6 +75,7 @@ class Bisection:
 
     @property
     def done(self) -> bool:
+        """Whether the search has nothing left to probe."""
         return self.next_index() is None
 
     def first_new(self) -> int:
@@ -82,6 +83,8 @@ class Bisection:
         return self.hi
 
     def last_old(self) -> int:
+        """Index of the newest candidate known to be in the old state (the last good one in a regression
+        hunt)."""
         return self.lo
 
     def candidates(self) -> list[int]:

@@ -90,6 +90,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``vramguard`` argument parser with every subcommand's module registered (bad options raise
+    UsageError)."""
     parser = _Parser(
         prog="vramguard",
         description="Where the memory of quantized fine-tuning goes: audit a QLoRA step, compare "
@@ -103,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``vramguard`` with ``argv`` and return its exit code (0 fine, 1 failed verdict, 2 bad input, 3
+    internal error); library log noise is hidden unless ``--verbose``."""
     parsed: list[argparse.Namespace] = []
     with library_noise_hidden() as hidden:
         code = _run(argv, parsed)

@@ -131,6 +131,7 @@ def render(report: AuditReport, console: Any) -> None:
 
 
 def register(subparsers: Any) -> None:
+    """Add the ``audit`` subcommand: the QLoRA step's options, steps, device, seed and the output switches."""
     p = subparsers.add_parser(
         "audit",
         help="train a small QLoRA model a few steps and account for its memory",
@@ -159,6 +160,8 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    """Run the audit the options describe, render it with rich (progress on a terminal), write ``--json``;
+    exit 1 on a failed verdict."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

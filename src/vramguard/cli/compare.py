@@ -45,6 +45,8 @@ def _interesting(rows: list[Row], verbose: bool) -> list[Row]:
 
 
 def render(comparison: Comparison, console: Console, verbose: bool = False) -> None:
+    """Print a comparison as a rich table (the version changes above it, the verdict below); ``verbose`` also
+    lists the metrics that did not move."""
     console.print(f"[bold]baseline[/]: {comparison.baseline_label}")
     console.print(f"[bold]current[/]:  {comparison.current_label}")
     for name, (old, new) in comparison.version_changes.items():
@@ -121,6 +123,7 @@ def markdown(comparison: Comparison, verbose: bool = False) -> str:
 
 # CLI ----------------------------------------------------------------------------------------
 def register(subparsers: Any) -> None:
+    """Add the ``compare`` subcommand: two runs (file, run directory or store@ref) and the gate's options."""
     p = subparsers.add_parser(
         "compare",
         help="memory deltas between two benchmark runs; exit 1 on a regression or missing data",
@@ -151,6 +154,8 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    """Compare the two runs, render the table (and ``--json`` / ``--markdown`` if asked); exit 1 on a
+    regression or missing data."""
     if args.allow_missing and args.fail_on_missing:
         raise UsageError("--allow-missing and --fail-on-missing contradict each other")
     gate = Gate.from_options(

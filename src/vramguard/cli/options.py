@@ -12,6 +12,7 @@ from vramguard.workload.models import QLoRAConfig
 
 
 def positive_int(text: str) -> int:
+    """argparse type of a count (sequence length, batch, rank, steps): a whole number above zero."""
     try:
         value = int(text)
     except ValueError:

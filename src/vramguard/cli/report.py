@@ -58,6 +58,7 @@ def _pyplot() -> Any:
 
 
 def series_svg(trend: Trend, s: Series, salt: str) -> str:
+    """One benchmark metric across the runs as an inline SVG line plot, each regression ringed and labelled."""
     plt = _pyplot()
     labels = [r.label for r in trend.runs]
     fig, ax = plt.subplots(figsize=(9, 2.8))
@@ -88,6 +89,8 @@ def series_svg(trend: Trend, s: Series, salt: str) -> str:
 
 
 def layers_svg(bars: LayerBars, salt: str) -> str:
+    """The latest run's saved bytes per layer as stacked bars by kind, beside their change from the run
+    before, as inline SVG."""
     plt = _pyplot()
     fig, (ax, dx) = plt.subplots(1, 2, figsize=(11, 3.2))
     try:
@@ -125,6 +128,8 @@ def _bench_title(bench: str, params: str) -> str:
 
 
 def render_html(trend: Trend, source: str) -> str:
+    """The whole report as one self-contained HTML page: regressions first, then each benchmark's plots and
+    the runs."""
     e = html.escape
     out = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
@@ -233,6 +238,7 @@ def _md_table(header: list[str], rows: list[list[tuple[str, bool]]]) -> list[str
 
 
 def render_markdown(trend: Trend, source: str) -> str:
+    """The report's regressions and runs as markdown (for a CI job summary or a pull-request comment)."""
     lines = [f"## vramguard report: `{source}`", "", f"{len(trend.runs)} run(s).", "", "### Regressions", ""]
     for r in trend.regressions:
         lines.append(
@@ -271,6 +277,7 @@ def render_markdown(trend: Trend, source: str) -> str:
 
 # -- CLI ------------------------------------------------------------------------------------------------
 def register(subparsers: Any) -> None:
+    """Add the ``report`` subcommand: the store, the HTML output, an optional markdown copy and the threshold."""
     p = subparsers.add_parser(
         "report",
         help="a self-contained HTML (and markdown) report of a results store across runs",
@@ -289,6 +296,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Build the trend of the store, write the HTML (and markdown) report atomically; a missing or foreign
+    folder is one line, exit 2."""
     if not args.store.is_dir():
         raise UsageError(f"no such directory: {args.store}")
     if not ResultStore.is_store(args.store):

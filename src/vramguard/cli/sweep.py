@@ -1,392 +1,29 @@
 """``vramguard sweep``: run one command once per release of a package, each run kept in the results store.
 
-Each release is installed once into the overlay cache that ``vramguard bisect`` uses
-(:mod:`vramguard.bisect.overlay`: reused by later sweeps, bisections and matrix runs) and put first on
-``PYTHONPATH``; torch and everything else stay the current environment's. The command gets the
-store and a run id through the environment (``VRAMGUARD_STORE``, ``VRAMGUARD_RUN_ID``), which the
-benchmark plugin reads as the default of ``--vram-store`` and as its run id, so a plain
-``python -m pytest benchmarks -m benchmark`` writes its records where the sweep looks for them.
-
-Per release the outcome is ``ok`` (exit 0 and a run in the store whose versions name the release),
-``skip`` (exit 125, or the overlay is not what gets imported), ``failed`` (any other exit, or exit 0
-with nothing stored: missing data is never a pass), ``timeout`` or ``install-failed``. After a run
-that stored something, the sweep adds a marker record (``writer`` ``sweep``, no benchmarks) to the
-same run with the release, the exit code and the outcome. A rerun skips the releases whose ``ok``
-marker is in the store for the same environment (the other tracked library versions, Python,
-device), so an interrupted sweep resumes where it stopped. The JSON log is rewritten atomically
-after every release. Exit: 0 every release ok or skipped, 1 some release failed, 2 bad input.
+The sweep itself (overlays, outcomes, markers in the store, resuming, the JSON log) is
+:mod:`vramguard.bisect.sweep`; this module is its command line: the options (those it shares with
+``vramguard bisect`` come from :mod:`vramguard.cli.releases`), the checks made before the first install,
+one progress line per release on stderr and the summary on stdout. Exit: 0 every release ok or skipped,
+1 some release failed, 2 bad input, 128 + N when ended by signal N.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
-import time
-import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
-from packaging.utils import canonicalize_name
-from packaging.version import InvalidVersion, Version
-
-from vramguard.atomic import write_text_atomic
-from vramguard.bisect.overlay import InstallError, OverlayCache, default_cache_dir, python_tag
-from vramguard.bisect.pkgindex import IndexOptions, available_versions, sort_versions
-from vramguard.bisect.run import (
-    _IMPORT_CHECK,
-    SKIP_CODE,
-    Terminated,
-    probe_env,
-    run_command,
-    signals_end_the_run,
+from vramguard.bisect.overlay import OverlayCache, default_cache_dir
+from vramguard.bisect.sweep import STORE_ENV, Sweep, default_log_path, open_store, releases_to_sweep
+from vramguard.cli.releases import (
+    add_release_options,
+    index_options,
+    register_command,
+    split_command,
+    until_terminated,
 )
-from vramguard.cli.bisect import _PROJECT_NAME, _positive_float, _prepare_cache
-from vramguard.environment import TRACKED_PACKAGES, package_version
 from vramguard.errors import UsageError
-from vramguard.history.store import ResultStore, new_run_id, read_json
 from vramguard.units import parse_size
-
-STORE_ENV = "VRAMGUARD_STORE"
-RUN_ID_ENV = "VRAMGUARD_RUN_ID"
-MARKER_WRITER = "sweep"
-INSTALL_TIMEOUT_S = 1800.0
-FAILED = ("failed", "timeout", "install-failed")
-
-
-# -- which releases ---------------------------------------------------------------------------------
-def _version(text: str, flag: str) -> Version:
-    try:
-        return Version(text.strip())
-    except InvalidVersion:
-        raise UsageError(f"{flag} {text!r} is not a version") from None
-
-
-def select_releases(
-    available: Sequence[Version],
-    versions: str | None = None,
-    start: str | None = None,
-    end: str | None = None,
-    every: int = 1,
-    source: str = "the package index",
-) -> list[Version]:
-    """The releases to sweep, oldest first.
-
-    ``versions``: a comma-separated list, each of which must be listed by the index. ``start`` /
-    ``end``: every release listed between them (inclusive), every ``every``-th one, the last always
-    included so both ends of the range are measured. UsageError when nothing is left.
-    """
-    if every < 1:
-        raise UsageError(f"--every must be at least 1, not {every}")
-    if versions is not None:
-        if start is not None or end is not None:
-            raise UsageError("give either --versions or --from/--to, not both")
-        wanted = [_version(t, "--versions") for t in versions.split(",") if t.strip()]
-        if not wanted:
-            raise UsageError("--versions lists no version")
-        unknown = [str(v) for v in wanted if v not in available]
-        if unknown:
-            raise UsageError(f"--versions: {', '.join(unknown)} not listed by {source}"[:400])
-        return sorted(set(wanted))
-    if start is None or end is None:
-        raise UsageError("give the releases: --versions A,B,C or --from V1 --to V2 [--every N]")
-    lo, hi = _version(start, "--from"), _version(end, "--to")
-    if lo > hi:
-        raise UsageError(f"empty range: --from {start} is newer than --to {end}")
-    inside = [v for v in available if lo <= v <= hi]
-    if not inside:
-        raise UsageError(f"no release of the package between {start} and {end} is listed by {source}")
-    picked = inside[::every]
-    if picked[-1] != inside[-1]:
-        picked.append(inside[-1])
-    return picked
-
-
-# -- the environment a run is measured in -------------------------------------------------------------
-def environment_for(package: str, version: str) -> dict[str, Any]:
-    """What the command's runs will record: this environment's tracked versions with ``package`` at
-    ``version``, the Python version and the device kind. Runs in the store with the same values are
-    measurements of the same thing."""
-    packages = {name: package_version(name) for name in TRACKED_PACKAGES}
-    packages[_package_key(package, packages)] = version
-    return {"packages": packages, "python": platform.python_version(), "device": _device()}
-
-
-def _package_key(package: str, packages: dict[str, Any]) -> str:
-    """The spelling of ``package`` among ``packages`` (names compare canonicalised), else ``package``."""
-    want = canonicalize_name(package)
-    return next((k for k in packages if canonicalize_name(k) == want), package)
-
-
-def _device() -> str:
-    """``cuda`` or ``cpu``, as the benchmark plugin records it (torch is imported only if already loaded
-    or importable; no torch means the command cannot use CUDA either)."""
-    try:
-        import torch
-    except ImportError:
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def same_environment(info: dict[str, Any], env: dict[str, Any]) -> bool:
-    """Whether a record's ``machine_info.vramguard`` block describes ``env``."""
-    if not isinstance(info, dict) or not isinstance(info.get("packages"), dict):
-        return False
-    recorded = {canonicalize_name(k): v for k, v in info["packages"].items()}
-    for name, version in env["packages"].items():
-        got = recorded.get(canonicalize_name(name))
-        if (got is None) != (version is None):
-            return False
-        if got is not None and Version(str(got)) != Version(str(version)):
-            return False
-    return info.get("python") == env["python"] and info.get("device") == env["device"]
-
-
-def done_runs(store: ResultStore) -> list[dict[str, Any]]:
-    """The sweep markers in ``store`` whose release was measured (outcome ``ok``)."""
-    out = []
-    for run in store.runs():
-        for path in run.files:
-            if not path.name.startswith(f"{MARKER_WRITER}-"):
-                continue
-            try:
-                doc = read_json(path)
-            except UsageError:
-                continue
-            marker = doc.get("vramguard_sweep")
-            if isinstance(marker, dict) and marker.get("outcome") == "ok":
-                out.append(dict(marker, run_id=run.run_id, info=doc["machine_info"].get("vramguard")))
-    return out
-
-
-def already_measured(markers: list[dict[str, Any]], package: str, env: dict[str, Any]) -> str | None:
-    """The run id of an ``ok`` run of ``package`` in ``env``, or None."""
-    for m in markers:
-        if canonicalize_name(str(m.get("package"))) == canonicalize_name(package) and same_environment(
-            m.get("info") or {}, env
-        ):
-            return m["run_id"]
-    return None
-
-
-# -- one release ---------------------------------------------------------------------------------------
-@dataclass
-class Release:
-    """One release of the sweep: what the JSON log records."""
-
-    version: str
-    outcome: str = "pending"  # ok | skip | failed | timeout | install-failed | resumed | pending
-    exit_code: int | None = None
-    duration_s: float = 0.0
-    overlay: str = ""  # cached | installed | install-failed
-    install_s: float = 0.0
-    run_id: str | None = None
-    stored: list[str] = field(default_factory=list)
-    reason: str = ""
-    output_tail: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Sweep:
-    package: str
-    releases: list[Version]
-    command: list[str]
-    store: ResultStore
-    cache: OverlayCache
-    index: IndexOptions
-    timeout: float | None = None
-    import_check: bool = True
-    resume: bool = True
-    log_path: Path | None = None
-    say: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
-    results: list[Release] = field(default_factory=list)
-    status: str = "running"
-    error: str = ""
-
-    def __post_init__(self) -> None:
-        self.started = time.time()
-        self.sweep_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-
-    # -- the loop --------------------------------------------------------------------------------------
-    def run(self) -> int:
-        """Measure every release; the log is rewritten after each one and on every way out."""
-        try:
-            self.write_log()
-            markers = done_runs(self.store) if self.resume else []
-            for n, version in enumerate(self.releases, 1):
-                release = self.one(str(version), markers)
-                self.results.append(release)
-                self._progress(n, release)
-                self.write_log()
-        except KeyboardInterrupt as exc:
-            self.status = "interrupted"
-            self.error = f"interrupted by {exc.signame if isinstance(exc, Terminated) else 'SIGINT'}"
-            self._write_log_last()
-            raise
-        except BaseException as exc:
-            self.status, self.error = "failed", str(exc) or type(exc).__name__
-            self._write_log_last()
-            raise
-        self.status = "done"
-        self.write_log()
-        return 1 if self.failures() else 0
-
-    def failures(self) -> list[Release]:
-        return [r for r in self.results if r.outcome in FAILED]
-
-    def one(self, version: str, markers: list[dict[str, Any]]) -> Release:
-        env = environment_for(self.package, version)
-        earlier = already_measured(markers, self.package, env)
-        if earlier is not None:
-            return Release(version, "resumed", run_id=earlier, reason=f"already in the store: run {earlier}")
-        release = Release(version)
-        start = time.monotonic()
-        try:
-            overlay = self.cache.get(self.package, version, self.index.pip_args(), INSTALL_TIMEOUT_S)
-        except InstallError as exc:
-            release.outcome, release.overlay, release.reason = "install-failed", "install-failed", str(exc)
-            release.install_s = round(time.monotonic() - start, 3)
-            return release
-        except OSError as exc:  # the cache itself: not a verdict on the release
-            raise UsageError(f"overlay cache {self.cache.root}: {exc.strerror or exc}") from None
-        release.install_s = round(time.monotonic() - start, 3)
-        release.overlay = "installed" if overlay.installed_now else "cached"
-        run_id = new_run_id()
-        env_vars = probe_env(overlay.path, self.package, version)
-        env_vars[STORE_ENV] = str(self.store.root.absolute())
-        env_vars[RUN_ID_ENV] = run_id
-        start = time.monotonic()
-        if self.import_check:
-            check = [sys.executable, "-c", _IMPORT_CHECK, self.package, version, str(overlay.path)]
-            code, tail = run_command(check + list(overlay.import_names), env_vars, self.timeout)
-            if code != 0:
-                release.outcome, release.exit_code, release.output_tail = "skip", code, tail
-                release.reason = f"import check failed: {tail[-1] if tail else f'exit {code}'}"
-                release.duration_s = round(time.monotonic() - start, 3)
-                return release
-        code, tail = run_command(self.command, env_vars, self.timeout)
-        release.duration_s = round(time.monotonic() - start, 3)
-        release.exit_code, release.output_tail = code, tail
-        stored = [r for r in self.store.runs() if r.run_id == run_id]
-        release.stored = [str(f.relative_to(self.store.root)) for r in stored for f in r.files]
-        release.run_id = run_id if stored else None
-        if code is None:
-            release.outcome, release.reason = "timeout", f"timed out after {self.timeout} s"
-        elif code == SKIP_CODE:
-            release.outcome, release.reason = "skip", "the command exited 125 (skip)"
-        elif code != 0:
-            release.outcome, release.reason = "failed", f"the command exited {code}"
-        elif not stored:
-            release.outcome = "failed"
-            release.reason = (
-                f"the command exited 0 but stored no run in {self.store.root} "
-                f"(does it write to ${STORE_ENV}, e.g. pytest with vramguard's benchmark plugin?)"
-            )
-        else:
-            wrong = self._wrong_versions(stored[0], version)
-            release.outcome, release.reason = ("failed", wrong) if wrong else ("ok", "")
-        if stored:
-            self._mark(stored[0], release)
-        return release
-
-    def _wrong_versions(self, run: Any, version: str) -> str:
-        """Why the stored run is not a measurement of ``version`` ("" when it is)."""
-        doc = self.store.load(run)
-        info = (doc.get("machine_info") or {}).get("vramguard") or {}
-        packages = info.get("packages") or {}
-        got = packages.get(_package_key(self.package, packages))
-        if got is None:
-            return f"the stored run records no {self.package} version"
-        if Version(str(got)) != Version(version):
-            return f"the stored run measured {self.package} {got}, not {version}"
-        return ""
-
-    def _mark(self, run: Any, release: Release) -> None:
-        """Add the sweep's record of this release to the run (same environment key, no benchmarks)."""
-        doc = self.store.load(run)
-        marker = {
-            "machine_info": doc.get("machine_info") or {},
-            "benchmarks": [],
-            "vramguard_sweep": {
-                "package": self.package,
-                "version": release.version,
-                "outcome": release.outcome,
-                "exit_code": release.exit_code,
-                "command": self.command,
-                "sweep_id": self.sweep_id,
-            },
-        }
-        try:
-            self.store.add(marker, run.run_id, MARKER_WRITER)
-        except OSError as exc:
-            raise UsageError(f"cannot write to the results store {self.store.root}: {exc}") from None
-
-    def _progress(self, n: int, r: Release) -> None:
-        how = {None: "timeout"}.get(r.exit_code, f"exit {r.exit_code}") if r.outcome != "resumed" else ""
-        src = f"installed in {r.install_s:.1f} s" if r.overlay == "installed" else r.overlay
-        parts = [p for p in (how, f"{r.duration_s:.1f} s" if r.outcome != "resumed" else "", src) if p]
-        detail = f" ({', '.join(parts)})" if parts else ""
-        why = f" - {r.reason}" if r.reason else ""
-        stored = f" run {r.run_id}" if r.run_id and r.outcome != "resumed" else ""
-        self.say(f"[{n}/{len(self.releases)}] {self.package} {r.version}: {r.outcome}{detail}{stored}{why}")
-
-    # -- the log -------------------------------------------------------------------------------------
-    def log(self) -> dict[str, Any]:
-        return {
-            "tool": "vramguard sweep",
-            "package": self.package,
-            "command": self.command,
-            "store": str(self.store.root),
-            "cache_dir": str(self.cache.root),
-            "python_tag": python_tag(),
-            "releases": [str(v) for v in self.releases],
-            "status": self.status,
-            "error": self.error,
-            "sweep_id": self.sweep_id,
-            "started_at": self.started,
-            "elapsed_s": round(time.time() - self.started, 3),
-            "counts": {
-                o: sum(r.outcome == o for r in self.results)
-                for o in sorted({r.outcome for r in self.results})
-            },
-            "results": [asdict(r) for r in self.results],
-        }
-
-    def write_log(self) -> None:
-        if self.log_path is None:
-            return
-        try:
-            write_text_atomic(self.log_path, json.dumps(self.log(), indent=2) + "\n")
-        except OSError as exc:
-            raise UsageError(f"cannot write the sweep log {self.log_path}: {exc.strerror or exc}") from None
-
-    def _write_log_last(self) -> None:
-        try:
-            self.write_log()
-        except UsageError:
-            pass
-
-    def summary(self) -> str:
-        counts = self.log()["counts"]
-        lines = [
-            f"{self.package}: {len(self.results)} release(s): "
-            + ", ".join(f"{v} {k}" for k, v in counts.items())
-        ]
-        for r in self.failures():
-            lines.append(f"  {r.version}: {r.outcome} - {r.reason}")
-        if self.log_path is not None:
-            lines.append(f"log: {self.log_path}")
-        return "\n".join(lines)
-
-
-# -- CLI ---------------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
 
 
 def _positive_int(text: str) -> int:
@@ -400,114 +37,70 @@ def _positive_int(text: str) -> int:
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--versions", metavar="LIST", help="comma-separated releases, each listed by the index")
     p.add_argument("--from", dest="start", metavar="V1", help="first release of the range")
     p.add_argument("--to", dest="end", metavar="V2", help="last release of the range")
     p.add_argument(
         "--every", type=_positive_int, default=1, metavar="N", help="every N-th release of the range"
     )
-    p.add_argument("--pre", action="store_true", help="include pre-releases and dev releases in the range")
     p.add_argument("--store", type=Path, metavar="DIR", help=f"results store (default ${STORE_ENV})")
-    p.add_argument("--timeout", type=_positive_float, default=None, metavar="S", help="seconds per release")
-    p.add_argument("--index-url", metavar="URL", help="package index (default: pip's configuration)")
-    p.add_argument(
-        "--find-links", action="append", default=[], metavar="DIR", help="wheel dir; alone: offline"
-    )
-    p.add_argument("--index-timeout", type=_positive_float, default=30.0, metavar="S")
-    p.add_argument("--cache-dir", type=Path, default=None, help="overlay cache (shared with bisect)")
-    p.add_argument("--cache-max", default="10 GiB", metavar="SIZE", help="cache bound, LRU eviction")
-    p.add_argument(
-        "--log", type=Path, default=None, metavar="PATH", help="JSON log (default: in the cache dir)"
-    )
     p.add_argument("--no-resume", dest="resume", action="store_false", help="measure releases stored already")
-    p.add_argument("--no-import-check", dest="import_check", action="store_false")
+    add_release_options(
+        p,
+        versions_help="comma-separated releases, each listed by the index",
+        timeout_help="seconds per release; a timeout fails the release (default: none)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    """Add ``sweep``; everything from PACKAGE on is taken raw and parsed again (:func:`split_command`)."""
+    register_command(
+        subparsers,
         "sweep",
+        _add_options,
+        run_sweep,
         usage="vramguard sweep PACKAGE (--versions A,B,C | --from V1 --to V2 [--every N]) "
         "--store DIR [options] -- COMMAND...",
         help="run a command once per release of a package, each run recorded in the results store",
         description=__doc__.splitlines()[0],
     )
-    _add_options(p)
-    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="PACKAGE [options] -- COMMAND")
-    p.set_defaults(func=run_sweep)
-
-
-def _reparse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
-    rest = list(args.rest)
-    before, command = (rest[: rest.index("--")], rest[rest.index("--") + 1 :]) if "--" in rest else (rest, [])
-    inner = _Parser(prog="vramguard sweep", add_help=False)
-    _add_options(inner)
-    inner.add_argument("package", metavar="PACKAGE")
-    return inner.parse_args(before, namespace=argparse.Namespace(**vars(args))), command
-
-
-def _log_path(args: argparse.Namespace, cache: OverlayCache) -> Path:
-    if args.log is not None:
-        parent = next((p for p in args.log.absolute().parents if p.exists()), None)
-        if args.log.is_dir() or parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise UsageError(f"--log {args.log}: cannot write a file there")
-        return args.log
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return (
-        cache.root / ".logs" / f"sweep-{canonicalize_name(args.package)}-{stamp}-{uuid.uuid4().hex[:6]}.json"
-    )
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    args, command = _reparse(args)
+    """Validate everything that can be validated before the first install, then sweep (:class:`Sweep`)."""
+    args, command = split_command(args, "vramguard sweep", _add_options)
     if not command:
         raise UsageError(
             "missing COMMAND: give it after --, e.g. -- python -m pytest benchmarks -m benchmark"
         )
-    if not _PROJECT_NAME.match(args.package):
-        raise UsageError(f"not a package name: {args.package!r}")
-    store_dir = args.store or (Path(os.environ[STORE_ENV]) if os.environ.get(STORE_ENV) else None)
-    if store_dir is None:
-        raise UsageError(f"no results store: give --store DIR (or set ${STORE_ENV})")
-    if store_dir.exists() and not store_dir.is_dir():
-        raise UsageError(f"--store {store_dir}: not a directory")
-    try:
-        store_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--store {store_dir}: cannot create it ({exc.strerror or exc})") from None
-    for link in args.find_links:
-        if "://" not in link and not Path(link).exists():
-            raise UsageError(f"--find-links {link}: no such directory")
-    index = IndexOptions(args.index_url, tuple(args.find_links), args.index_timeout)
-    if args.versions is None and (args.start is None or args.end is None):
-        raise UsageError("give the releases: --versions A,B,C or --from V1 --to V2 [--every N]")
-    available = available_versions(args.package, index, pre=True)
-    if args.versions is None:
-        available = sort_versions([str(v) for v in available], pre=args.pre)
-    source = args.index_url or (", ".join(args.find_links) if args.find_links else "the package index")
-    releases = select_releases(available, args.versions, args.start, args.end, args.every, source)
+    store = open_store(args.store)
+    index = index_options(args)
+    index.check()
+    releases = releases_to_sweep(
+        args.package, index, args.versions, args.start, args.end, args.every, args.pre
+    )
     cache = OverlayCache(args.cache_dir or default_cache_dir(), parse_size(args.cache_max))
-    _prepare_cache(cache, "--cache-dir" if args.cache_dir else "overlay cache")
+    cache.open("--cache-dir" if args.cache_dir else "overlay cache")
     sweep = Sweep(
         args.package,
         releases,
         command,
-        ResultStore(store_dir),
+        store,
         cache,
         index,
         args.timeout,
         args.import_check,
         args.resume,
-        _log_path(args, cache),
+        args.log or default_log_path(cache, args.package),
+        say=lambda line: print(line, file=sys.stderr, flush=True),
     )
     sweep.say(
         f"sweeping {args.package}: {len(releases)} release(s) {releases[0]} .. {releases[-1]} "
-        f"into {store_dir} (cache {cache.root})"
+        f"into {store.root} (cache {cache.root})"
     )
-    try:
-        with signals_end_the_run():
-            code = sweep.run()
-    except Terminated as exc:
-        print(f"vramguard: terminated by {exc.signame}", file=sys.stderr)
-        return 128 + exc.signum
+    return until_terminated(lambda: _run(sweep))
+
+
+def _run(sweep: Sweep) -> int:
+    code = sweep.run()
     print(sweep.summary())
     return code

@@ -66,6 +66,7 @@ def _q4(w, **kw):  # type: ignore[no-untyped-def]
 
 
 def probe_fp4_cpu() -> tuple[bool, str]:
+    """Whether bitsandbytes can quantize to fp4 on the CPU (the fp4 cases are skipped when not)."""
     import torch
 
     _q4(torch.randn(4, 64), quant_type="fp4")
@@ -73,6 +74,7 @@ def probe_fp4_cpu() -> tuple[bool, str]:
 
 
 def probe_blocksize_remainder_cpu() -> tuple[bool, str]:
+    """Whether 4-bit quantization works on CPU when the tensor's size is not a multiple of the blocksize."""
     import torch
 
     _q4(torch.randn(2, 40))  # 80 elements, blocksize 64
@@ -80,6 +82,7 @@ def probe_blocksize_remainder_cpu() -> tuple[bool, str]:
 
 
 def probe_quant_storage_cpu() -> tuple[bool, str]:
+    """Whether 4-bit weights packed into a bfloat16 ``quant_storage`` dequantize on CPU."""
     import bitsandbytes.functional as bnbF
     import torch
 
@@ -121,14 +124,18 @@ def _probe_form(form: str, text: str) -> tuple[bool, str]:
 
 
 def probe_matmul_4bit_plain() -> tuple[bool, str]:
+    """Whether ``matmul_4bit`` with the packed weight as stored computes ``x @ W.T``."""
     return _probe_form("functional", "matmul_4bit(x, W, quant_state) with W packed as stored")
 
 
 def probe_matmul_4bit_t() -> tuple[bool, str]:
+    """Whether ``matmul_4bit`` with the transposed packed weight (``W.t()``, as ``Linear4bit`` passes it)
+    computes ``x @ W.T``."""
     return _probe_form("functional_t", "matmul_4bit(x, W.t(), quant_state)")
 
 
 def probe_matmul_4bit_kn() -> tuple[bool, str]:
+    """Whether ``matmul_4bit`` with a weight quantized in [K, N] layout computes ``x @ W``."""
     return _probe_form("functional_kn", "matmul_4bit(x, W, quant_state) with W quantized from [K, N]")
 
 
@@ -148,6 +155,8 @@ def probe_cpu_8bit_training_path() -> tuple[bool, str]:
 
 
 def probe_transformers_4bit() -> tuple[bool, str]:
+    """Whether the installed transformers accepts the installed bitsandbytes for 4-bit models (and the minimum
+    it wants when not)."""
     import bitsandbytes as bnb
     import transformers
     from transformers.utils import import_utils
@@ -162,6 +171,7 @@ def probe_transformers_4bit() -> tuple[bool, str]:
 
 
 def probe_odd_numel_4bit() -> tuple[bool, str]:
+    """Whether a tensor with an odd number of elements (the last byte half full) can be quantized to 4 bits."""
     import torch
 
     w = torch.randn(3, 5)  # 15 four-bit codes: the last byte is half full
@@ -187,6 +197,7 @@ def probe_nested_single_block() -> tuple[bool, str]:
 
 
 def probe_one_byte_weight() -> tuple[bool, str]:
+    """Whether dequantizing a weight packed into a single byte returns the quantized shape."""
     import bitsandbytes.functional as bnbF
     import torch
 
@@ -199,6 +210,7 @@ def probe_one_byte_weight() -> tuple[bool, str]:
 
 
 def probe_one_byte_backward() -> tuple[bool, str]:
+    """Whether ``matmul_4bit`` can backpropagate through a weight packed into a single byte."""
     import bitsandbytes as bnb
     import torch
 
@@ -213,6 +225,7 @@ def probe_one_byte_backward() -> tuple[bool, str]:
 
 
 def probe_8bit_fp_3d_backward() -> tuple[bool, str]:
+    """Whether the 8-bit matmul with fp16 weights backpropagates a 3-d (batch, sequence, features) input."""
     import bitsandbytes as bnb
     import torch
 
@@ -364,6 +377,7 @@ def probe_all() -> dict[str, Probe]:
 
 
 def get(name: str) -> Probe:
+    """The outcome of the probe ``name`` on this installation (each run once per process, in a child process)."""
     if name == "forward_calls_linear_4bit":
         return forward_calls_linear_4bit()
     return probe_all()[name]
@@ -396,6 +410,8 @@ class KnownDefect:
     hardware: bool = False
 
     def in_range(self, version: str | None = None) -> bool:
+        """Whether ``version`` (default: the installed bitsandbytes) lies in the releases where the defect
+        reproduces."""
         from packaging.version import Version
 
         v = Version(version or bnb_version())
@@ -473,6 +489,7 @@ KNOWN_DEFECTS: dict[str, KnownDefect] = {
 
 
 def bnb_version() -> str:
+    """The installed bitsandbytes version, ``absent`` when it is not installed."""
     import importlib.metadata as md
 
     try:

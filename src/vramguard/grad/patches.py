@@ -65,6 +65,8 @@ class Patch:
     claims_memory_only: bool = True
 
     def applies(self) -> Applicability:
+        """Whether the patch can be applied here, with the reason when not (an exception in its check is a
+        reason, not a crash)."""
         try:
             reason = self.check()
         except Exception as exc:  # an import error etc. is a reason, not a crash
@@ -73,6 +75,8 @@ class Patch:
 
     @contextlib.contextmanager
     def apply(self) -> Iterator[None]:
+        """Apply the patch for the duration of the ``with`` block; raises PatchNotApplicable when
+        :meth:`applies` says no."""
         can = self.applies()
         if not can:
             raise PatchNotApplicable(f"patch {self.name!r} does not apply: {can.reason}")

@@ -244,6 +244,8 @@ def dequantize_4bit_defect(
 
 
 def run_4bit(case: Linear4bitCase) -> Observed:
+    """Run one 4-bit case (forward and backward, through the module or a functional form) and return the
+    output and gradients for comparison with the reference."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnbF
 
@@ -336,6 +338,8 @@ def _expected_linear(
 
 
 def run_8bit(case: Linear8bitCase) -> Observed:
+    """Run one 8-bit (LLM.int8) case, forward and backward, and return the output and gradients for comparison
+    with the reference."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnbF
 
@@ -414,6 +418,8 @@ class _Wrapper(torch.nn.Module):
 
 
 def run_lora(case: LoraCase) -> Observed:
+    """Run one LoRA-on-quantized-base case through PEFT, forward and backward, and return the output and the
+    adapter gradients."""
     import bitsandbytes as bnb
     from peft import LoraConfig, get_peft_model
 

@@ -34,6 +34,17 @@ def _dt(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _shapes(case: Linear4bitCase | Linear8bitCase | LoraCase) -> str:
+    """``x(*lead,K) W(N,K) dtype``: the part of a case's description every kind of case shares."""
+    x = "x" + str(tuple(case.lead) + (case.in_features,)).replace(" ", "")
+    return f"{x} W({case.out_features},{case.in_features}) {_dt(case.dtype)}"
+
+
+def _grad_seed_device(case: Linear4bitCase | Linear8bitCase | LoraCase) -> str:
+    """The end of a case's description: whether x needs a gradient, the seed and the device."""
+    return f"x.requires_grad={case.input_requires_grad} seed={case.seed} {case.device}"
+
+
 @dataclass(frozen=True)
 class Linear4bitCase:
     """One call of a 4-bit linear: ``x[*lead, K] -> y[*lead, N]`` with a [N, K] weight."""
@@ -52,11 +63,11 @@ class Linear4bitCase:
     device: str = "cpu"
 
     def describe(self) -> str:
-        x = "x" + str(tuple(self.lead) + (self.in_features,)).replace(" ", "")
+        """The 4-bit case on one line with every parameter that decides it (shown when the property fails,
+        to reproduce it)."""
         return (
-            f"4bit {self.call} {x} W({self.out_features},{self.in_features}) {_dt(self.dtype)} "
-            f"{self.quant_type} bs={self.blocksize} nested={self.compress_statistics} bias={self.bias} "
-            f"x.requires_grad={self.input_requires_grad} seed={self.seed} {self.device}"
+            f"4bit {self.call} {_shapes(self)} {self.quant_type} bs={self.blocksize} "
+            f"nested={self.compress_statistics} bias={self.bias} {_grad_seed_device(self)}"
         )
 
 
@@ -79,12 +90,12 @@ class Linear8bitCase:
     device: str = "cpu"
 
     def describe(self) -> str:
-        x = "x" + str(tuple(self.lead) + (self.in_features,)).replace(" ", "")
+        """The 8-bit case on one line, threshold and outlier columns included (shown when the property
+        fails, to reproduce it)."""
         return (
-            f"8bit {self.call} {x} W({self.out_features},{self.in_features}) {_dt(self.dtype)} "
-            f"threshold={self.threshold:g} outlier_cols={list(self.outlier_cols)} "
-            f"has_fp16_weights={self.has_fp16_weights} bias={self.bias} training={self.training} "
-            f"x.requires_grad={self.input_requires_grad} seed={self.seed} {self.device}"
+            f"8bit {self.call} {_shapes(self)} threshold={self.threshold:g} "
+            f"outlier_cols={list(self.outlier_cols)} has_fp16_weights={self.has_fp16_weights} "
+            f"bias={self.bias} training={self.training} {_grad_seed_device(self)}"
         )
 
 
@@ -110,17 +121,17 @@ class LoraCase:
     use_rslora: bool = False
 
     def describe(self) -> str:
-        x = "x" + str(tuple(self.lead) + (self.in_features,)).replace(" ", "")
+        """The LoRA case on one line: its base's quantization, rank, alpha, dropout and the rest (shown when
+        the property fails, to reproduce it)."""
         quant = (
             f"{self.quant_type} bs={self.blocksize} nested={self.compress_statistics}"
             if self.base == "4bit"
             else "int8"
         )
         return (
-            f"lora/{self.base} {x} W({self.out_features},{self.in_features}) {_dt(self.dtype)} {quant} "
-            f"r={self.rank} alpha={self.alpha}{' rslora' if self.use_rslora else ''} dropout={self.dropout:g} "
-            f"bias={self.bias} "
-            f"x.requires_grad={self.input_requires_grad} seed={self.seed} {self.device}"
+            f"lora/{self.base} {_shapes(self)} {quant} r={self.rank} alpha={self.alpha}"
+            f"{' rslora' if self.use_rslora else ''} dropout={self.dropout:g} bias={self.bias} "
+            f"{_grad_seed_device(self)}"
         )
 
 

@@ -41,10 +41,12 @@ class BenchCase:
 
     @property
     def id(self) -> str:
+        """The benchmark's id in test names, e.g. ``tiny-llama-s128-nockpt-r8``."""
         ckpt = "ckpt" if self.gradient_checkpointing else "nockpt"
         return f"{self.model}-s{self.seq_len}-{ckpt}-r{self.lora_rank}"
 
     def params(self) -> dict[str, Any]:
+        """The parameters a record carries, by which runs are matched in ``compare``."""
         return {
             "model": self.model,
             "seq_len": self.seq_len,
@@ -54,6 +56,7 @@ class BenchCase:
         }
 
     def qlora(self, device: str) -> QLoRAConfig:
+        """The QLoRA configuration the case measures on ``device`` (LoRA alpha twice the rank)."""
         return QLoRAConfig(
             model=self.model,
             seq_len=self.seq_len,
@@ -167,6 +170,7 @@ class Prepared:
         return self.device.type != "cuda"
 
     def close(self) -> None:
+        """Drop the model, optimizer and ledger and release the device's cached memory before the next case."""
         del self.q, self.optimizer, self.ledger
         reset_cuda(self.device)
 

@@ -55,12 +55,15 @@ class Row:
 
     @property
     def delta(self) -> float | None:
+        """Current minus baseline, None when either side is missing."""
         if self.base is None or self.current is None:
             return None
         return self.current - self.base
 
     @property
     def relative(self) -> float | None:
+        """The change relative to the baseline (infinite when the baseline is 0 and the value grew), None when
+        a side is missing."""
         if self.delta is None or self.base is None:
             return None
         if self.base == 0:
@@ -68,11 +71,15 @@ class Row:
         return self.delta / abs(self.base)
 
     def to_dict(self) -> dict[str, Any]:
+        """The row as JSON, with its delta and relative change."""
         return dict(asdict(self), delta=self.delta, relative=self.relative)
 
 
 @dataclass
 class Comparison:
+    """Two runs matched benchmark by benchmark and metric by metric, with what only one side has and the
+    library versions that changed."""
+
     baseline_label: str
     current_label: str
     rows: list[Row]
@@ -84,6 +91,7 @@ class Comparison:
 
     @property
     def regressions(self) -> list[Row]:
+        """The rows that got worse beyond their threshold."""
         return [r for r in self.rows if r.status == "REGRESSION"]
 
     @property
@@ -98,6 +106,8 @@ class Comparison:
 
     @property
     def failed(self) -> bool:
+        """Whether the gate fails: a regression, missing data unless allowed, or new data when that is asked
+        to fail."""
         return bool(
             self.regressions or (self.missing and not self.allow_missing) or (self.new and self.fail_on_new)
         )
@@ -115,6 +125,8 @@ class Comparison:
         return "no regression" + (f"; {', '.join(parts)}" if parts else "")
 
     def to_dict(self) -> dict[str, Any]:
+        """The comparison as the JSON ``compare --json`` writes: verdict, counts, rows and what is missing or
+        new."""
         return {
             "baseline": self.baseline_label,
             "current": self.current_label,
@@ -238,6 +250,8 @@ def entries(doc: dict[str, Any], label: str) -> dict[BenchKey, dict[str, float |
 
 
 def versions(doc: dict[str, Any], label: str = "run") -> dict[str, Any]:
+    """The library versions and device of a run (its ``machine_info.vramguard`` block); a malformed one is a
+    UsageError naming ``label``."""
     machine = _object(doc.get("machine_info"), f"{label}: machine_info")
     info = _object(machine.get("vramguard"), f"{label}: machine_info.vramguard")
     out: dict[str, Any] = dict(_object(info.get("packages"), f"{label}: machine_info.vramguard.packages"))
@@ -291,6 +305,8 @@ def threshold_for(metric: str, explicit: dict[str, float | None], default: float
 
 
 def judge(metric: str, base: float, current: float, threshold: float | None) -> str:
+    """The status of one metric: ``REGRESSION`` when it got worse by more than ``threshold`` (a fraction of
+    the baseline), ``improved``, or ``ok``."""
     sign = -1.0 if any(fnmatch.fnmatchcase(metric, p) for p in HIGHER_IS_BETTER) else 1.0
     worse = sign * (current - base)
     limit = (threshold or 0.0) * abs(base)
@@ -407,6 +423,7 @@ class Gate:
     def compare(
         self, baseline: dict[str, Any], current: dict[str, Any], baseline_label: str, current_label: str
     ) -> Comparison:
+        """Compare two run documents with this gate's thresholds and missing-data rules."""
         return compare_docs(
             baseline,
             current,

@@ -119,6 +119,7 @@ class ResultStore:
 
     @staticmethod
     def is_store(path: Path) -> bool:
+        """Whether ``path`` is a results store (it has an index)."""
         return (path / INDEX).is_file()
 
     def add(self, doc: dict[str, Any], run_id: str | None = None, writer: str = "main") -> Path:
@@ -242,6 +243,7 @@ class ResultStore:
         )
 
     def load(self, run: Run) -> dict[str, Any]:
+        """The run's benchmark documents merged into one (a run may be written by several processes)."""
         return merge([read_json(f) for f in run.files])
 
     def select(self, selector: str = "latest") -> Run:

@@ -45,6 +45,9 @@ class RunInfo:
 
 @dataclass
 class Regression:
+    """A metric that got worse beyond the threshold from one run to the next, with the version change that
+    came with it."""
+
     bench: str
     params: str
     metric: str
@@ -57,6 +60,7 @@ class Regression:
 
     @property
     def relative(self) -> float:
+        """The change relative to the run before (infinite from 0)."""
         return (self.current - self.base) / self.base if self.base else float("inf")
 
 
@@ -87,6 +91,9 @@ class LayerBars:
 
 @dataclass
 class Trend:
+    """What the report plots: the runs in order, one series per benchmark metric, the per-layer bars, and the
+    runs that could not be read."""
+
     runs: list[RunInfo]
     series: list[Series]
     layers: list[LayerBars]
@@ -95,9 +102,11 @@ class Trend:
 
     @property
     def regressions(self) -> list[Regression]:
+        """Every regression of every series."""
         return [r for s in self.series for r in s.regressions]
 
     def benchmarks(self) -> list[BenchKey]:
+        """The (benchmark, params) pairs of the series, in the order first seen."""
         seen: list[BenchKey] = []
         for s in self.series:
             if (s.bench, s.params) not in seen:
@@ -106,6 +115,7 @@ class Trend:
 
 
 def params_label(params: str) -> str:
+    """The params JSON of a record as ``k=v,k=v`` for titles (empty for none)."""
     data = json.loads(params)
     return ",".join(f"{k}={v}" for k, v in data.items()) if isinstance(data, dict) and data else ""
 

@@ -48,39 +48,66 @@ def quantized_weight_bytes(n: int, blocksize: int = QUANT_BLOCKSIZE, double_quan
     return -(-n // 2) + absmax + code
 
 
+#: LoRA training state per trainable parameter: fp32 weight, gradient and two Adam moments.
+LORA_TRAINING_BYTES_PER_PARAM = 16
+
+
 @dataclass
 class Budget:
-    """The analytic model for one configuration, in bytes."""
+    """The analytic model for one configuration, in bytes: the weights and LoRA training state (zero in an
+    activations-only budget, until :meth:`with_weights` adds them) and the activations kept for backward,
+    per layer and outside the layers."""
 
-    quantized_params: int
-    other_params: int
-    lora_params: int
-    quantized_weight_bytes: int
-    other_weight_bytes: int
-    lora_training_bytes: int
+    quantized_params: int = 0
+    other_params: int = 0
+    lora_params: int = 0
+    quantized_weight_bytes: int = 0
+    other_weight_bytes: int = 0
+    lora_training_bytes: int = 0
     layer_terms: list[dict[str, int]] = field(default_factory=list)
     shared_bytes: int = 0  # outside the layers, besides the logits: final norm, loss targets
     logits_bytes: int = 0
     family: str | None = None  # the family whose formula this is (vramguard.workload.families)
     no_analytic_model: str | None = None  # why there is no activation model (weights only), or None
 
+    def with_weights(
+        self, quantized: int, quantized_bytes: int, other: int, other_bytes: int, lora: int
+    ) -> Budget:
+        """This budget with the parameters counted: ``quantized`` 4-bit parameters in ``quantized_bytes``,
+        ``other`` unquantized ones in ``other_bytes``, ``lora`` trainable LoRA parameters, each with its
+        weight, gradient and two Adam moments in fp32 (16 B)."""
+        return replace(
+            self,
+            quantized_params=quantized,
+            other_params=other,
+            lora_params=lora,
+            quantized_weight_bytes=quantized_bytes,
+            other_weight_bytes=other_bytes,
+            lora_training_bytes=LORA_TRAINING_BYTES_PER_PARAM * lora,
+        )
+
     @property
     def layer_bytes(self) -> list[int]:
+        """Saved activation bytes of each decoder layer (the sum of its terms)."""
         return [sum(t.values()) for t in self.layer_terms]
 
     @property
     def activation_bytes(self) -> int:
+        """Every activation byte kept for backward: the layers, the shared state and the fp32 logits."""
         return sum(self.layer_bytes) + self.shared_bytes + self.logits_bytes
 
     @property
     def weights_bytes(self) -> int:
+        """Frozen weights as stored: the 4-bit ones with their quantization state, and the others."""
         return self.quantized_weight_bytes + self.other_weight_bytes
 
     @property
     def total_bytes(self) -> int:
+        """Weights, LoRA training state and activations: the least one training step needs."""
         return self.weights_bytes + self.lora_training_bytes + self.activation_bytes
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields and the derived totals, as the audit's JSON records them."""
         d = asdict(self)
         d.update(
             layer_bytes=self.layer_bytes,
@@ -117,15 +144,7 @@ def weights_budget(model: torch.nn.Module, *, double_quant: bool = True, reason:
     """Weights and LoRA training state only (exact for any architecture: they are counted from the
     model's own parameters), for a model whose activations have no analytic model (``reason``)."""
     n_q, q_bytes, n_other, other_bytes, m, _ = _count(model, double_quant)
-    return Budget(
-        quantized_params=n_q,
-        other_params=n_other,
-        lora_params=m,
-        quantized_weight_bytes=q_bytes,
-        other_weight_bytes=other_bytes,
-        lora_training_bytes=16 * m,
-        no_analytic_model=reason,
-    )
+    return Budget(no_analytic_model=reason).with_weights(n_q, q_bytes, n_other, other_bytes, m)
 
 
 def qlora_budget(
@@ -162,15 +181,7 @@ def qlora_budget(
         device_type=device_type,
         explicit_mask=explicit_mask,
     )
-    return replace(
-        activations,
-        quantized_params=n_q,
-        other_params=n_other,
-        lora_params=m,
-        quantized_weight_bytes=q_bytes,
-        other_weight_bytes=other_bytes,
-        lora_training_bytes=16 * m,
-    )
+    return activations.with_weights(n_q, q_bytes, n_other, other_bytes, m)
 
 
 def activation_budget(
@@ -244,12 +255,6 @@ def activation_budget(
     # and the fp32 total weight
     loss_state = ((seq + 1) if batch == 1 else batch * seq) * 8 + 4
     return Budget(
-        quantized_params=0,
-        other_params=0,
-        lora_params=0,
-        quantized_weight_bytes=0,
-        other_weight_bytes=0,
-        lora_training_bytes=0,
         layer_terms=layers,
         shared_bytes=final_norm + loss_state + softcap,
         logits_bytes=logits_fp32_bytes(batch, seq, f["vocab_size"]),

@@ -96,13 +96,16 @@ class LayerShape:
 
     @property
     def adapters(self) -> tuple[str, ...]:
+        """The projections that carry a LoRA adapter in this layer (fused q/k/v when the family fuses them)."""
         return FUSED_ADAPTERS if self.fused_qkv else ADAPTERS
 
     @property
     def tokens(self) -> int:
+        """Tokens in one step: batch times sequence length."""
         return self.batch * self.seq
 
     def to_dict(self) -> dict[str, Any]:
+        """The shape as JSON (the audit records it beside the per-layer terms)."""
         return asdict(self)
 
 

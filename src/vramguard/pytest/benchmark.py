@@ -138,11 +138,14 @@ def _driver_version() -> str | None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict[str, Any]) -> None:
+    """Record vramguard's environment block (library versions, device, GPU) in every pytest-benchmark run."""
     machine_info["vramguard"] = machine_block()
 
 
 # options ------------------------------------------------------------------------------------
 def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add the benchmark gate's options: baseline, thresholds, missing-data rules, results store, markdown
+    summary."""
     group = parser.getgroup("vramguard-benchmark", "vramguard memory benchmarks")
     group.addoption(
         "--vram-baseline",
@@ -173,11 +176,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_load_initial_conftests(
     early_config: pytest.Config, parser: pytest.Parser, args: list[str]
 ) -> None:
+    """Pin each xdist worker to its own GPU before any conftest imports torch."""
     pin_gpu()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    """Pin the worker's GPU, check the gate's options, read the baseline (controller only, before this run
+    stores anything) and give the session its run id; bad options end it with one line."""
     pin_gpu()
     config.stash[_RECORDS] = []
     config.stash[_RESULTS] = []
@@ -227,6 +233,7 @@ def pytest_configure_node(node: Any) -> None:
 # records ----------------------------------------------------------------------------------
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
+    """Keep the memory record of each passed benchmark that reported vramguard metrics."""
     report = yield
     if call.when == "call" and report.passed:
         fixture = getattr(item, "funcargs", {}).get("benchmark")
@@ -271,6 +278,8 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Store the session's records in ``--vram-store`` (each xdist worker its own, under the controller's run
+    id) and, with a baseline, run the gate."""
     config = session.config
     records = config.stash.get(_RECORDS, [])
     workeroutput = getattr(config, "workeroutput", None)
@@ -324,6 +333,7 @@ def _gate(session: pytest.Session, records: list[dict[str, Any]]) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Print where the records went and the comparison table or the gate's error at the end of the session."""
     import io
 
     from rich.console import Console

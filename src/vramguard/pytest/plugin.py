@@ -3,33 +3,72 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
-MARKERS: tuple[str, ...] = (
-    "gpu: needs a CUDA device; run with `pytest -m gpu` on a GPU machine",
-    "slow: long-running (real releases, large models); not in the default run",
-    "benchmark: peak-memory benchmarks (pytest-benchmark); CPU runs use the live tracker",
-)
+# -- the markers, declared once -----------------------------------------------------------------------
+# As in pytest-memray: each marker is a function whose signature is the marker's (its arguments are bound
+# to it) and whose docstring is its help line; pytest_configure registers them from MARKERS, and nothing
+# else declares them (the project's pyproject.toml keeps only its own `slow`; `benchmark` is
+# pytest-benchmark's).
 
 
-BUDGET_MARKERS: tuple[str, ...] = (
-    (
-        "vram_budget(max, device=None): fail when the test's call phase peaks more than `max` live bytes "
-        "above its start (size string like '1.5 GiB'; storage tracker on CPU, CUDA allocator on cuda)"
-    ),
-    (
-        "saved_bytes(max, per_layer=None, device=None): fail when more than `max` bytes are kept alive for "
-        "backward at once during the test (saved-tensor hooks, per storage; parameters, buffers and "
-        "quantization state are resident and not counted, as in the ledger and `vramguard audit`); "
-        "per_layer caps any one decoder layer (named as the ledger does: layers.N)"
-    ),
-)
+def gpu() -> None:
+    """needs a CUDA device: skipped when none is available (with --vram-require-gpu the session fails at
+    start instead); run with `pytest -m gpu` on a GPU machine"""
+
+
+def vram_budget(max: str | int, device: str | None = None) -> None:
+    """fail when the test's call phase peaks more than `max` live bytes above its start (an int or a size
+    string like '1.5 GiB'; storage tracker on CPU, CUDA allocator on cuda; device: default cuda when
+    available)"""
+
+
+def saved_bytes(max: str | int, per_layer: str | int | None = None, device: str | None = None) -> None:
+    """fail when more than `max` bytes are kept alive for backward at once during the test (saved-tensor
+    hooks, per storage; parameters, buffers and quantization state are resident and not counted, as in
+    the ledger and `vramguard audit`); per_layer caps any one decoder layer (named as the ledger does:
+    layers.N)"""
+
+
+#: vramguard's markers: name -> the function that declares it (signature and help line).
+MARKERS: dict[str, Callable[..., None]] = {"gpu": gpu, "vram_budget": vram_budget, "saved_bytes": saved_bytes}
+
+
+def marker_help(name: str) -> str:
+    """The ``markers`` ini line of a vramguard marker, from its function: ``name(args): docstring``."""
+    fn = MARKERS[name]
+    params = [
+        p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
+        for p in inspect.signature(fn).parameters.values()
+    ]
+    signature = f"({', '.join(params)})" if params else ""
+    return f"{name}{signature}: {' '.join((inspect.getdoc(fn) or '').split())}"
+
+
+def marker_arguments(mark: pytest.Mark) -> dict[str, Any]:
+    """The arguments a vramguard marker was given, by name, defaults filled in; a missing size or an
+    unknown keyword fails the test with one line."""
+    try:
+        bound = inspect.signature(MARKERS[mark.name]).bind(*mark.args, **mark.kwargs)
+    except TypeError as exc:
+        message = f"@pytest.mark.{mark.name}: {exc}"
+        if "'max'" in str(exc) and "missing" in str(exc):
+            message = f"@pytest.mark.{mark.name} needs a size, e.g. {mark.name}('12 MiB')"
+    else:
+        bound.apply_defaults()
+        return dict(bound.arguments)
+    pytest.fail(message, pytrace=False)  # outside the except: no chained exception in the report
 
 
 REQUIRE_GPU = "--vram-require-gpu"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add ``--vram-require-gpu`` (a GPU CI job without a usable GPU fails instead of skipping)."""
     group = parser.getgroup("vramguard", "vramguard")
     group.addoption(
         REQUIRE_GPU,
@@ -56,8 +95,10 @@ def cuda_unusable() -> str | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    for line in MARKERS + BUDGET_MARKERS:
-        config.addinivalue_line("markers", line)
+    """Register vramguard's markers from MARKERS and, with ``--vram-require-gpu``, fail at start without a
+    usable CUDA device."""
+    for name in MARKERS:
+        config.addinivalue_line("markers", marker_help(name))
     if config.getoption("vram_require_gpu", default=False):
         reason = cuda_unusable()
         if reason is not None:
@@ -65,6 +106,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the ``gpu`` tests when CUDA is not available (torch is imported only when there is one)."""
     gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu:  # torch is imported only when a vramguard marker or option asks for it
         return
@@ -80,13 +122,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # --- memory-budget markers (vram_budget, saved_bytes) --------------------------------------------
 
 
-def _marker_size(item: pytest.Item, mark: pytest.Mark, key: str, required: bool = True) -> int | None:
+def _marker_size(mark: pytest.Mark, key: str) -> int | None:
+    """The size argument ``key`` of a budget marker in bytes (None when not given); a bad one fails the test."""
     from vramguard.errors import UsageError
     from vramguard.units import parse_size
 
-    value = mark.kwargs.get(key, mark.args[0] if key == "max" and mark.args else None)
+    value = marker_arguments(mark)[key]
     if value is None:
-        if required:
+        if key == "max":
             pytest.fail(f"@pytest.mark.{mark.name} needs a size, e.g. {mark.name}('12 MiB')", pytrace=False)
         return None
     try:
@@ -97,9 +140,10 @@ def _marker_size(item: pytest.Item, mark: pytest.Mark, key: str, required: bool 
 
 
 def _marker_device(mark: pytest.Mark) -> str:
+    """The device a budget marker measures (default cuda when available); a bad one fails the test."""
     import torch
 
-    device = str(mark.kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = str(marker_arguments(mark)["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         kind = torch.device(device).type
     except RuntimeError:
@@ -131,11 +175,11 @@ def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
     with contextlib.ExitStack() as stack:
         peak = saved_meter = None
         if vram is not None:
-            vram_max = _marker_size(item, vram, "max")
+            vram_max = _marker_size(vram, "max")
             peak = stack.enter_context(PeakMeter(_marker_device(vram)))
         if saved is not None:
-            saved_max = _marker_size(item, saved, "max")
-            layer_max = _marker_size(item, saved, "per_layer", required=False)
+            saved_max = _marker_size(saved, "max")
+            layer_max = _marker_size(saved, "per_layer")
             device = torch.device(_marker_device(saved)).type
             saved_meter = stack.enter_context(SavedBytesMeter(device, per_layer=layer_max is not None))
         result = yield

@@ -48,6 +48,8 @@ class Family:
 
     @property
     def adapters(self) -> tuple[str, ...]:
+        """The projections the family's LoRA targets (``qkv_proj`` and ``gate_up_proj`` where the family fuses
+        them)."""
         return FUSED_ADAPTERS if self.fused_qkv else LLAMA_ADAPTERS
 
 
@@ -89,6 +91,7 @@ MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_exp
 
 
 def family(model_type: str) -> Family | None:
+    """The family of a transformers ``model_type``, or None for one without an analytic model."""
     return FAMILIES.get(model_type)
 
 

@@ -61,6 +61,7 @@ def presets() -> dict[str, Path]:
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    """The torch dtype of ``bf16``, ``fp16`` or ``fp32`` (any case); anything else is a UsageError."""
     try:
         return DTYPES[name.lower()]
     except KeyError:
@@ -82,6 +83,8 @@ class ModelSpec:
 
     @classmethod
     def load(cls, ref: str | Path) -> ModelSpec:
+        """The spec of a preset name or a JSON path (a vramguard preset or a Hugging Face config.json); a
+        missing, binary, oversized or malformed file is a UsageError."""
         path = Path(ref)
         if not (path.suffix == ".json" or path.exists()):
             known = presets()
@@ -153,6 +156,7 @@ class ModelSpec:
         return cls(name=path.stem, fields=fields)
 
     def llama_config(self, attn_implementation: str = "sdpa") -> Any:
+        """The transformers ``LlamaConfig`` of a Llama preset, with the attention implementation set."""
         from transformers import LlamaConfig
 
         config = LlamaConfig(**self.fields)
@@ -165,6 +169,7 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
+        """Dimension of one attention head (``head_dim`` when the config has it, else hidden size over heads)."""
         return int(
             self.fields.get("head_dim") or self.fields["hidden_size"] // self.fields["num_attention_heads"]
         )
@@ -191,6 +196,8 @@ class QLoRAConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
+        """Raise UsageError (one line) on a value that cannot run: sizes not positive, dropout outside [0, 1),
+        a seed outside torch's range."""
         for name in ("seq_len", "batch", "lora_rank"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -218,6 +225,7 @@ class QLoRAConfig:
             raise UsageError(f"device must be cpu or cuda, got {dev!r}")
 
     def to_dict(self) -> dict[str, Any]:
+        """The configuration as the audit's JSON records it."""
         return asdict(self)
 
 
@@ -233,11 +241,13 @@ class QLoRAModel:
 
     @property
     def model_class(self) -> str:
+        """Class name of the model under the PEFT wrapper, e.g. ``LlamaForCausalLM``."""
         base = getattr(self.model, "get_base_model", None)
         return type(base() if callable(base) else self.model).__name__
 
     @property
     def device(self) -> torch.device:
+        """The device the model was built on."""
         return torch.device(self.config.device)
 
     def batch(self, step: int = 0) -> dict[str, torch.Tensor]:
@@ -251,6 +261,7 @@ class QLoRAModel:
         return {"input_ids": ids, "labels": ids}
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates: the LoRA adapters."""
         return [p for p in self.model.parameters() if p.requires_grad]
 
 

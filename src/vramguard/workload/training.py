@@ -30,6 +30,7 @@ class StepResult:
     peak_bytes: dict[str, int]
 
     def to_dict(self) -> dict[str, Any]:
+        """The step's measurements as JSON."""
         return asdict(self)
 
 

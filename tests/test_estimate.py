@@ -359,3 +359,42 @@ def test_target_cuda_prices_the_attention_kernel_cuda_runs() -> None:
     assert got == layers * (math_kernel - flash_kernel)
     assert cuda.estimate is not None and cpu.estimate is not None
     assert cuda.estimate.total_bytes > cpu.estimate.total_bytes
+
+
+def _estimate_bench_doc(wall: float, rss: int, total: int) -> dict[str, Any]:
+    """A results-store document as benchmarks/test_estimate_speed.py records it."""
+    payload = {
+        "schema": 1,
+        "params": {"model": "llama-3.1-8b", "seq_len": 2048, "batch": 1, "lora_rank": 16},
+        "metrics": {
+            "estimate_wall_time": wall,
+            "estimate_cpu_time": wall * 0.7,
+            "estimate_peak_rss": rss,
+            "estimate_total_bytes": total,
+            "estimate_allocator_peak": total - 10,
+        },
+        "phases": {},
+    }
+    bench = {"name": "test_estimate_command_speed[x]", "params": payload["params"], "stats": None}
+    return {
+        "machine_info": {"vramguard": {"packages": {"torch": "2"}}},
+        "benchmarks": [dict(bench, extra_info={"vramguard": payload})],
+    }
+
+
+def test_compare_gates_the_estimate_benchmark() -> None:
+    """The estimate's RSS and answer are gated like memory; its wall and CPU time only on request."""
+    from vramguard.history.compare import Gate
+
+    base = _estimate_bench_doc(20.0, 600 << 20, 50 << 30)
+    slower = _estimate_bench_doc(40.0, 600 << 20, 50 << 30)
+    assert not Gate.from_options([], None, False).compare(base, slower, "a", "b").failed
+    gated = Gate.from_options(["estimate_wall_time=20%"], None, False).compare(base, slower, "a", "b")
+    assert [r.metric for r in gated.regressions] == ["estimate_wall_time"]
+    fatter = _estimate_bench_doc(20.0, 700 << 20, 52 << 30)
+    got = Gate.from_options([], None, False).compare(base, fatter, "a", "b")
+    assert sorted(r.metric for r in got.regressions) == [
+        "estimate_allocator_peak",
+        "estimate_peak_rss",
+        "estimate_total_bytes",
+    ]

@@ -271,29 +271,65 @@ class _Fake:
         return SimpleNamespace(estimate=SimpleNamespace(total_bytes=self.total(config.batch)))  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize(
-    "total",
-    [
-        lambda b: 100 + 10 * b,  # linear: the extrapolation is right
-        lambda b: 100 + 10 * b + (5 if b == 1 else 0),  # the batch-1 special case of the loss
-        lambda b: 100 + b * b,  # quadratic (eager attention along seq)
-        lambda b: 100 + 10 * b + (b // 7) * 50,  # steps
-    ],
-    ids=["linear", "batch1-special", "quadratic", "steps"],
-)
-@pytest.mark.parametrize("size", [99, 115, 120, 1000, 5000, 10**9])
-def test_fit_search_finds_the_largest_that_fits(total: Any, size: int) -> None:
+FIT_SHAPES = {
+    "linear": lambda b: 100 + 10 * b,  # the line is right: four runs
+    "batch1-special": lambda b: 100 + 10 * b + (5 if b == 1 else 0),  # the loss's batch-1 special case
+    "quadratic": lambda b: 100 + b * b,  # eager attention along seq
+    "steps": lambda b: 100 + 10 * b + (b // 7) * 50,
+    "cubic": lambda b: 100 + b**3 // 1000,
+    "sqrt": lambda b: 100 + int(1000 * b**0.5),  # concave: the line through far points overshoots
+    "flat-then-steep": lambda b: 100 + (0 if b < 300 else (b - 300) * 10**6),
+    "overflow-above-900": lambda b: None if b > 900 else 100 + 10 * b,  # beyond torch: None
+}
+
+
+class _Fake:
+    """An estimator of known totals (bytes as a function of batch), counting its calls; a total of
+    None is a step torch cannot describe (``TooLarge``, as run_estimate raises)."""
+
+    def __init__(self, total: Any) -> None:
+        self.total = total
+        self.calls: list[int] = []
+
+    def __call__(self, config: QLoRAConfig) -> AuditReport:
+        from types import SimpleNamespace
+
+        from vramguard.estimate.run import TooLarge
+
+        self.calls.append(config.batch)
+        total = self.total(config.batch)
+        if total is None:
+            raise TooLarge("beyond 2^63 bytes")
+        return SimpleNamespace(estimate=SimpleNamespace(total_bytes=total))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("shape", list(FIT_SHAPES))
+@pytest.mark.parametrize("limit", [1, 2, 3, 100, 1000, 4096, 131072, 1 << 20])
+@pytest.mark.parametrize("size", [99, 110, 115, 120, 1000, 5000, 10**6, 10**9, 10**18])
+def test_fit_search_finds_the_largest_that_fits_within_the_bound(shape: str, limit: int, size: int) -> None:
+    """The issue's bound, ceil(log2(range)) + 2 meta runs, over every shape, limit and size."""
     import math
 
-    from vramguard.estimate.fit import search
+    from vramguard.estimate.fit import run_bound, search
 
-    limit = 4096
+    total = FIT_SHAPES[shape]
     fake = _Fake(total)
     fit = search(QLoRAConfig(), size, fake, limit=limit)
-    want = max((b for b in range(1, limit + 1) if total(b) <= size), default=0)
-    assert fit.largest == want
+
+    def fits(b: int) -> bool:
+        t = total(b)
+        return t is not None and t <= size
+
+    want = max((b for b in range(1, limit + 1) if fits(b)), default=0) if limit <= 5000 else None
+    if want is None:  # large limits: the answer is monotone's border, checked at its two sides
+        assert fit.largest == 0 or fits(fit.largest)
+        assert fit.largest == limit or not fits(fit.largest + 1)
+    else:
+        assert fit.largest == want
     assert fit.run_count == len(fake.calls) == len(set(fake.calls))
-    assert fit.run_count <= 2 + 2 + math.ceil(math.log2(limit))
+    assert fit.run_count <= fit.bound == run_bound(limit) == math.ceil(math.log2(limit)) + 2
+    if shape == "linear" and limit > 2:
+        assert fit.run_count <= 4  # two bisections, the line's answer, one above it
 
 
 def test_fit_on_meta_is_right_at_the_border_and_names_cheaper_changes(
@@ -309,6 +345,9 @@ def test_fit_on_meta_is_right_at_the_border_and_names_cheaper_changes(
     )  # the requested shape does not fit
     out = capsys.readouterr().out
     assert "the largest batch that fits" in out and " is 3 (" in out
+    # the search's own count, within the issue's bound over [1, 2^20]: ceil(log2(2^20)) + 2 = 22
+    runs = int(out.split(" is 3 (", 1)[1].split(" meta runs", 1)[0])
+    assert runs <= 22 and "at most 22)" in out
     assert "--gradient-checkpointing:" in out
     assert main([*base, "--batch", "2", "--fit", str(size), "--quiet"]) == 0
 

@@ -224,7 +224,9 @@ def _render_fit(fit: dict[str, Any], config: QLoRAConfig, dim: str, console: Any
         line = f"fit: the largest {what} that fits in {fb(fit['size_bytes'])} {fixed} is {fit['largest']}"
     else:
         line = f"fit: not even {what} 1 fits in {fb(fit['size_bytes'])} {fixed}"
-    console.print(f"{line} ({fit['run_count']} meta runs)", highlight=False, soft_wrap=True)
+    console.print(
+        f"{line} ({fit['run_count']} meta runs; at most {fit['bound']})", highlight=False, soft_wrap=True
+    )
     for row in fit["changes"]:
         verdict = "fits" if row["fits"] else "does not fit"
         console.print(

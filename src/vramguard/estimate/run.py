@@ -82,6 +82,10 @@ def check_context(config: QLoRAConfig, spec: ModelSpec) -> None:
         raise _TooLong(limit)
 
 
+class TooLarge(UsageError):
+    """The step needs a tensor larger than torch can describe (over 2^63 bytes): it fits nowhere."""
+
+
 class _TooLong(Exception):
     def __init__(self, limit: int) -> None:
         super().__init__(limit)
@@ -174,7 +178,7 @@ def run_estimate(
             if too_long is not None
             else ""
         )
-        raise UsageError(
+        raise TooLarge(
             f"{beyond}batch {config.batch:,} x seq-len {config.seq_len:,} needs a tensor larger than torch "
             f"can describe (over 2^63 bytes) on {target}: {_first_line_of(exc)}"
         ) from None

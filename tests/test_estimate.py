@@ -349,6 +349,7 @@ def test_fit_on_meta_is_right_at_the_border_and_names_cheaper_changes(
     runs = int(out.split(" is 3 (", 1)[1].split(" meta runs", 1)[0])
     assert runs <= 22 and "at most 22)" in out
     assert "--gradient-checkpointing:" in out
+    assert "--optimizer adamw-8bit:" in out and "--offload-activations:" in out  # each with its figure
     assert main([*base, "--batch", "2", "--fit", str(size), "--quiet"]) == 0
 
 
@@ -437,3 +438,70 @@ def test_compare_gates_the_estimate_benchmark() -> None:
         "estimate_peak_rss",
         "estimate_total_bytes",
     ]
+
+
+def _hook_activation_bytes(report: AuditReport) -> int:
+    return sum(r["bytes"] for r in report.records if r["source"] == "hook" and r["kind"] == "activation")
+
+
+def test_offloading_frees_exactly_the_saved_activations_on_the_device() -> None:
+    """save_on_cpu, emulated on meta: after the forward the device holds less by exactly what the
+    ledger saw saved through autograd's hooks (each such storage had no other owner), and the ledger
+    then sees nothing saved on the device; backward's peak counts the copies back."""
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=64, batch=2)
+    kept = run_estimate(config, steps=1, target="cpu")
+    off = run_estimate(config, steps=1, target="cpu", offload_activations=True)
+    saved = _hook_activation_bytes(kept)
+    assert saved > 0 and saved == kept.totals.saved_bytes
+    freed = kept.steps[0].retained_after_forward - off.steps[0].retained_after_forward
+    assert freed == saved
+    assert off.totals.saved_bytes == 0
+    assert off.config["extra"]["offload_activations"] is True
+    assert any("offloaded to the host" in n for n in off.verdict.notes)
+    assert off.estimate.total_bytes < kept.estimate.total_bytes
+
+
+def test_offloading_counts_the_copies_back_in_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unpack allocates the device copy inside the trackers (save_on_cpu's ``packed.to(device)``):
+    made invisible, backward's peak drops; as made, it is above what stays on the device."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from vramguard.estimate import offload
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=64, batch=2)
+    counted = run_estimate(config, steps=1, target="cpu", offload_activations=True)
+    real_unpack = offload.OffloadActivations._unpack
+
+    def unpack_unseen(self: Any, packed: Any) -> Any:
+        with _disable_current_modes():
+            return real_unpack(self, packed)
+
+    monkeypatch.setattr(offload.OffloadActivations, "_unpack", unpack_unseen)
+    unseen = run_estimate(config, steps=1, target="cpu", offload_activations=True)
+    assert counted.steps[0].retained_after_forward == unseen.steps[0].retained_after_forward
+    assert counted.phases["backward"].peak_bytes > unseen.phases["backward"].peak_bytes
+
+
+def test_offloading_with_checkpointing_frees_what_only_autograd_held() -> None:
+    """With checkpointing, the layers' inputs are what autograd saves; one of them (the rotary
+    cos/sin the checkpoint keeps as keyword arguments) has another owner, so it stays on the device
+    while its copy goes to the host, as under the real save_on_cpu."""
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=64, batch=2, gradient_checkpointing=True)
+    kept = run_estimate(config, steps=1, target="cpu")
+    off = run_estimate(config, steps=1, target="cpu", offload_activations=True)
+    freed = kept.steps[0].retained_after_forward - off.steps[0].retained_after_forward
+    assert 0 < freed <= _hook_activation_bytes(kept)
+
+
+def test_cli_offload_activations_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "estimate.json"
+    args = ["estimate", "--model", "tiny-llama", "--seq-len", "32", "--batch", "1", "--steps", "1"]
+    assert main([*args, "--offload-activations", "--json", str(out)]) == 0
+    assert "activations offloaded to the host" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["config"]["extra"]["offload_activations"] is True

@@ -42,6 +42,12 @@ def register(subparsers: Any) -> None:
         help="adamw: torch AdamW (fp32 moments); adamw-8bit: bitsandbytes AdamW8bit (default: adamw)",
     )
     p.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="keep what autograd saves for backward on the host (torch.autograd.graph.save_on_cpu), "
+        "emulated on meta: the device holds only the copies backward takes back",
+    )
+    p.add_argument(
         "--fit",
         metavar="SIZE",
         help="device memory, e.g. 24GiB: find the largest batch (or --fit-dim "
@@ -80,7 +86,9 @@ def render(report: AuditReport, console: Any) -> None:
         + _method(c)
         + ", "
         f"compute {c['compute_dtype']}, checkpointing {'on' if c['gradient_checkpointing'] else 'off'}, "
-        f"{len(report.steps)} steps in {report.elapsed_s:.1f} s",
+        f"optimizer {c.get('extra', {}).get('optimizer', 'adamw')}, "
+        + ("activations offloaded to the host, " if c.get("extra", {}).get("offload_activations") else "")
+        + f"{len(report.steps)} steps in {report.elapsed_s:.1f} s",
         highlight=False,
     )
     t = Table(title="Saved for backward, per decoder layer (ledger on meta)", title_justify="left")
@@ -174,6 +182,7 @@ def main(args: argparse.Namespace) -> int:
         method=args.method,
         optimizer=args.optimizer,
         target=args.target,
+        offload_activations=args.offload_activations,
     )
     console = stdout_console()
     if args.quiet:
@@ -200,9 +209,15 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
     from vramguard.estimate.run import run_estimate
     from vramguard.workload.models import ModelSpec
 
-    def estimate(c: QLoRAConfig) -> AuditReport:
+    def estimate(c: QLoRAConfig) -> AuditReport:  # cheaper_changes puts optimizer / offloading in extra
         return run_estimate(
-            c, steps=args.steps, top=1, method=args.method, optimizer=args.optimizer, target=args.target
+            c,
+            steps=args.steps,
+            top=1,
+            method=args.method,
+            optimizer=c.extra.get("optimizer", args.optimizer),
+            target=args.target,
+            offload_activations=c.extra.get("offload_activations", args.offload_activations),
         )
 
     limit = FIT_LIMIT
@@ -212,7 +227,9 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
     result = search(config, size, estimate, dim=args.fit_dim, limit=limit)
     assert report.estimate is not None
     if report.estimate.total_bytes > size:
-        result.changes = cheaper_changes(config, size, estimate)
+        result.changes = cheaper_changes(
+            config, size, estimate, optimizer=args.optimizer, offload_activations=args.offload_activations
+        )
     return result.to_dict()
 
 

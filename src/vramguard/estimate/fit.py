@@ -148,22 +148,44 @@ def _predict(measured: dict[int, int | None], lo: int, hi: int, size: int) -> in
     return a
 
 
-def cheaper_changes(config: QLoRAConfig, size: int, estimate: Estimator) -> list[dict[str, Any]]:
+def cheaper_changes(
+    config: QLoRAConfig,
+    size: int,
+    estimate: Estimator,
+    optimizer: str = "adamw",
+    offload_activations: bool = False,
+) -> list[dict[str, Any]]:
     """For a shape that does not fit: the estimate of each change vramguard can run, cheapest first
-    (what fits, then the fewest flags changed, then the smallest total)."""
+    (what fits, then the fewest flags changed, then the smallest total).
+
+    ``estimate`` receives the changed config; a change of optimizer or offloading is in its
+    ``extra`` (``optimizer``, ``offload_activations``), as :func:`vramguard.estimate.run.run_estimate`
+    records them."""
+    half = max(1, config.lora_rank // 2)
     options: list[tuple[str, QLoRAConfig]] = []
     if not config.gradient_checkpointing:
         options.append(("--gradient-checkpointing", dataclasses.replace(config, gradient_checkpointing=True)))
     if config.lora_rank > 1:
-        half = max(1, config.lora_rank // 2)
         options.append((f"--lora-rank {half}", dataclasses.replace(config, lora_rank=half)))
+    if optimizer == "adamw":
+        options.append(
+            (
+                "--optimizer adamw-8bit",
+                dataclasses.replace(config, extra={**config.extra, "optimizer": "adamw-8bit"}),
+            )
+        )
+    if not offload_activations:
+        options.append(
+            (
+                "--offload-activations",
+                dataclasses.replace(config, extra={**config.extra, "offload_activations": True}),
+            )
+        )
     if not config.gradient_checkpointing and config.lora_rank > 1:
         options.append(
             (
-                f"--gradient-checkpointing --lora-rank {max(1, config.lora_rank // 2)}",
-                dataclasses.replace(
-                    config, gradient_checkpointing=True, lora_rank=max(1, config.lora_rank // 2)
-                ),
+                f"--gradient-checkpointing --lora-rank {half}",
+                dataclasses.replace(config, gradient_checkpointing=True, lora_rank=half),
             )
         )
     rows = []

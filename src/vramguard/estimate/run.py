@@ -8,6 +8,7 @@ report is :class:`vramguard.audit.report.AuditReport` (the audit's schema), with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -17,6 +18,7 @@ from vramguard.audit.report import AuditReport, DeviceEstimate, Overhead, Verdic
 from vramguard.audit.run import _assemble
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import META, TARGETS, build_meta, forced_decisions
+from vramguard.estimate.offload import OffloadActivations
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.model.estimate import qlora_budget, weights_budget
 from vramguard.units import format_bytes
@@ -115,6 +117,7 @@ def run_estimate(
     device: str = META,
     optimizer: str = "adamw",
     target: str = "cuda",
+    offload_activations: bool = False,
 ) -> AuditReport:
     """Build ``config``'s model on meta, run ``steps`` steps under the tracker (the ledger on the
     first) and return the report. ``config.device`` is only validated; the run is on meta.
@@ -132,7 +135,10 @@ def run_estimate(
         raise UsageError(f"steps must be at least 1, got {steps}")
     if optimizer not in OPTIMIZERS:
         raise UsageError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    config = dataclasses.replace(config, extra={**config.extra, "method": method, "optimizer": optimizer})
+    extra = {**config.extra, "method": method, "optimizer": optimizer}
+    if offload_activations:
+        extra["offload_activations"] = True
+    config = dataclasses.replace(config, extra=extra)
     config.validate()
     spec = ModelSpec.load(config.model)
     too_long: _TooLong | None = None
@@ -165,8 +171,13 @@ def run_estimate(
     # as the CPU audit counts them
     source = StorageTracker(None)
     source.device = device
+    offload = OffloadActivations(q.model) if offload_activations else contextlib.nullcontext()
     try:
-        with forced_decisions(target) as taken, MemoryTracker(device, model=q.model, source=source) as tracker:
+        with (
+            forced_decisions(target) as taken,
+            MemoryTracker(device, model=q.model, source=source) as tracker,
+            offload,
+        ):
             results, ledger = run_steps(q, steps, tracker, optimizer=opt, ledger_step=0)
     except RuntimeError as exc:
         if "overflow" not in str(exc):
@@ -218,11 +229,20 @@ def run_estimate(
     notes = [
         n
         for n in report.verdict.notes
-        if not n.startswith("one step only") and (method == "qlora" or "prepare_model_for_kbit" not in n)
+        if not n.startswith("one step only")
+        and (method == "qlora" or "prepare_model_for_kbit" not in n)
+        and not (offload_activations and n.startswith("saved activations are"))  # on the host, by design
     ]
     notes.append(
         "estimated on the meta device: shapes and dtypes are real, values are not; unvalidated on GPU"
     )
+    if isinstance(offload, OffloadActivations):
+        notes.append(
+            f"activations offloaded to the host (save_on_cpu, emulated): {offload.packs // steps:,} saved "
+            f"tensors per step, at most {format_bytes(offload.host_peak_bytes)} of host memory at once, "
+            "not in the device figures; copied back one by one in backward (counted there). "
+            "The per-layer table lists what stays on the device"
+        )
     verdict = Verdict(
         ok=report.verdict.ok,
         line=line if report.verdict.ok else report.verdict.line + "; " + line,

@@ -332,6 +332,23 @@ def test_fit_search_finds_the_largest_that_fits_within_the_bound(shape: str, lim
         assert fit.run_count <= 4  # two bisections, the line's answer, one above it
 
 
+@pytest.mark.parametrize("shape", ["linear", "quadratic", "steps"])
+@pytest.mark.parametrize("requested", [1, 3, 40, 5000])
+@pytest.mark.parametrize("size", [105, 1000, 10**6])
+def test_fit_search_reuses_the_requested_shape(shape: str, requested: int, size: int) -> None:
+    """The requested shape's estimate is a measured value the search does not run again."""
+    from vramguard.estimate.fit import search
+
+    total = FIT_SHAPES[shape]
+    plain = search(QLoRAConfig(), size, _Fake(total), limit=4096)
+    fake = _Fake(total)
+    reused = search(QLoRAConfig(), size, fake, limit=4096, known={requested: total(requested)})
+    assert reused.largest == plain.largest
+    assert requested not in fake.calls and reused.run_count == len(fake.calls) <= reused.bound
+    if requested == 1 and total(1) > size:
+        assert reused.run_count == 0  # not even batch 1: nothing to search
+
+
 def test_fit_on_meta_is_right_at_the_border_and_names_cheaper_changes(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -373,7 +390,7 @@ def test_adamw_8bit_on_meta_equals_the_same_run_on_cpu() -> None:
 
 
 def test_an_unknown_optimizer_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["estimate", "--optimizer", "paged-adamw-8bit"]) == 2
+    assert main(["estimate", "--optimizer", "sgd"]) == 2
     err = capsys.readouterr().err
     assert "invalid choice" in err and err.count("\n") == 1
 
@@ -505,3 +522,30 @@ def test_cli_offload_activations_flag(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "activations offloaded to the host" in capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert doc["config"]["extra"]["offload_activations"] is True
+
+
+def test_paged_adamw_8bit_is_adamw_8bit_with_its_paged_state_named(tmp_path: Path) -> None:
+    """PagedAdamW8bit is AdamW8bit(is_paged=True): the same state; the moments of parameters with
+    >= 1e5 elements go to unified memory. On meta it runs as AdamW8bit, every figure equal, and the
+    paged bytes are named: full fine-tuning of tiny-llama with a 1024-token vocabulary pages the two
+    uint8 moments of its embedding and lm_head (1024 x 128 each); nothing else reaches 1e5 elements."""
+    from vramguard.estimate.meta import build_meta
+    from vramguard.estimate.run import run_estimate
+
+    data = json.loads(presets()["tiny-llama"].read_text())
+    data["vocab_size"] = 1024
+    model = tmp_path / "tiny-llama-1024.json"
+    model.write_text(json.dumps(data))
+    config = QLoRAConfig(model=str(model), seq_len=32, batch=1)
+    plain = run_estimate(config, steps=STEPS, method="full", optimizer="adamw-8bit", target="cpu")
+    paged = run_estimate(config, steps=STEPS, method="full", optimizer="paged-adamw-8bit", target="cpu")
+    got, want = _above_weights(paged), _above_weights(plain)
+    for key in want:
+        assert got[key] == want[key], key
+    assert paged.estimate.total_bytes == plain.estimate.total_bytes
+    q = build_meta(config, method="full")
+    big = sorted(n for n, p in q.model.named_parameters() if p.requires_grad and p.numel() >= 100_000)
+    assert big == ["lm_head.weight", "model.embed_tokens.weight"]
+    note = next(n for n in paged.verdict.notes if n.startswith("paged optimizer"))
+    assert "512.00 KiB of its state (4 moment tensors" in note  # 2 parameters x 2 moments x 1024 x 128 x 1 B
+    assert not any(n.startswith("paged optimizer") for n in plain.verdict.notes)

@@ -38,8 +38,10 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--optimizer",
         default="adamw",
-        choices=("adamw", "adamw-8bit"),
-        help="adamw: torch AdamW (fp32 moments); adamw-8bit: bitsandbytes AdamW8bit (default: adamw)",
+        choices=("adamw", "adamw-8bit", "paged-adamw-8bit"),
+        help="adamw: torch AdamW (fp32 moments); adamw-8bit: bitsandbytes AdamW8bit; paged-adamw-8bit: "
+        "bitsandbytes PagedAdamW8bit, estimated as AdamW8bit with its paged (evictable) state named "
+        "(default: adamw)",
     )
     p.add_argument(
         "--offload-activations",
@@ -224,8 +226,11 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
     if args.fit_dim == "seq":
         positions = ModelSpec.load(config.model).fields.get("max_position_embeddings")
         limit = min(limit, positions) if isinstance(positions, int) and positions > 0 else limit
-    result = search(config, size, estimate, dim=args.fit_dim, limit=limit)
     assert report.estimate is not None
+    requested = config.batch if args.fit_dim == "batch" else config.seq_len
+    result = search(
+        config, size, estimate, dim=args.fit_dim, limit=limit, known={requested: report.estimate.total_bytes}
+    )
     if report.estimate.total_bytes > size:
         result.changes = cheaper_changes(
             config, size, estimate, optimizer=args.optimizer, offload_activations=args.offload_activations
@@ -242,7 +247,9 @@ def _render_fit(fit: dict[str, Any], config: QLoRAConfig, dim: str, console: Any
     else:
         line = f"fit: not even {what} 1 fits in {fb(fit['size_bytes'])} {fixed}"
     console.print(
-        f"{line} ({fit['run_count']} meta runs; at most {fit['bound']})", highlight=False, soft_wrap=True
+        f"{line} ({fit['run_count']} meta runs besides the requested shape's; at most {fit['bound']})",
+        highlight=False,
+        soft_wrap=True,
     )
     for row in fit["changes"]:
         verdict = "fits" if row["fits"] else "does not fit"

@@ -68,10 +68,16 @@ def run_bound(limit: int) -> int:
 
 
 def search(
-    config: QLoRAConfig, size: int, estimate: Estimator, dim: str = "batch", limit: int = FIT_LIMIT
+    config: QLoRAConfig,
+    size: int,
+    estimate: Estimator,
+    dim: str = "batch",
+    limit: int = FIT_LIMIT,
+    known: dict[int, int] | None = None,
 ) -> Fit:
     """The largest value of ``dim`` (batch or seq) in [1, ``limit``] whose estimated total fits ``size``,
-    in at most :func:`run_bound` runs (memory is taken to grow with the value)."""
+    in at most :func:`run_bound` runs (memory is taken to grow with the value). ``known``: totals
+    already estimated (the requested shape's), used as measured, not counted as runs."""
     if dim not in DIMS:
         raise ValueError(f"dim must be one of {DIMS}, got {dim!r}")
     if limit < 1:
@@ -90,6 +96,10 @@ def search(
         return total is not None and total <= size
 
     lo, hi = 0, limit + 1  # the answer is in [lo, hi - 1]: lo fits (0: nothing needs to), hi does not
+    for value, total in (known or {}).items():
+        if 1 <= value <= limit:
+            measured[value] = total
+            lo, hi = (max(lo, value), hi) if total <= size else (lo, min(hi, value))
     while hi - lo > 1:
         left = fit.bound - fit.run_count  # >= 1 here: the clamp keeps hi - lo <= 2 ** left
         half = 1 << (left - 1)

@@ -94,19 +94,43 @@ class _TooLong(Exception):
         self.limit = limit
 
 
-OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "paged-adamw-8bit")
 """adamw: ``torch.optim.AdamW`` (what the audit uses); adamw-8bit: ``bitsandbytes.optim.AdamW8bit``
-(two uint8 moments with blockwise absmax). Paged optimizers need CUDA unified memory: not offered."""
+(two uint8 moments with blockwise absmax); paged-adamw-8bit: ``bitsandbytes.optim.PagedAdamW8bit``,
+which is ``AdamW8bit(is_paged=True)``: the same state, but the two moments of every parameter with at
+least :data:`PAGED_MIN_NUMEL` elements live in CUDA unified memory (``cudaMallocManaged``), which the
+driver pages to the host when the device runs short. Unified memory cannot be had on meta or on a
+CPU, so the meta run runs ``AdamW8bit`` and :func:`paged_state_bytes` names the bytes that would be
+paged."""
+
+PAGED_MIN_NUMEL = 100_000
+"""bitsandbytes' ``Optimizer8bit.get_state_buffer``: a state buffer is paged for ``p.numel() >= 1e5``."""
 
 
 def make_estimate_optimizer(q: QLoRAModel, name: str = "adamw") -> torch.optim.Optimizer:
     if name == "adamw":
         return make_optimizer(q)
-    if name == "adamw-8bit":
+    if name in ("adamw-8bit", "paged-adamw-8bit"):
         import bitsandbytes as bnb
 
-        return bnb.optim.AdamW8bit(q.trainable_parameters(), lr=1e-4)
+        return bnb.optim.AdamW8bit(q.trainable_parameters(), lr=1e-4)  # paged: see OPTIMIZERS
     raise UsageError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+
+
+def paged_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """(bytes, tensors) of the optimizer state a paged bitsandbytes optimizer keeps in unified memory:
+    ``state1`` and ``state2`` of every parameter with at least :data:`PAGED_MIN_NUMEL` elements."""
+    total = count = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.numel() < PAGED_MIN_NUMEL:
+                continue
+            for name in ("state1", "state2"):
+                t = optimizer.state.get(p, {}).get(name)
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+                    count += 1
+    return total, count
 
 
 def run_estimate(
@@ -236,6 +260,15 @@ def run_estimate(
     notes.append(
         "estimated on the meta device: shapes and dtypes are real, values are not; unvalidated on GPU"
     )
+    if optimizer == "paged-adamw-8bit":
+        paged, tensors = paged_state_bytes(opt)
+        notes.append(
+            f"paged optimizer: {format_bytes(paged)} of its state ({tensors} moment tensors of parameters "
+            f"with >= {PAGED_MIN_NUMEL:,} elements) would live in CUDA unified memory (cudaMallocManaged, "
+            "outside torch's allocator: max_memory_allocated leaves it out); counted here on the device, "
+            "where it stays until memory runs short, then the driver pages it to the host (evictable). "
+            "Estimated by running AdamW8bit: paged memory does not exist on meta"
+        )
     if isinstance(offload, OffloadActivations):
         notes.append(
             f"activations offloaded to the host (save_on_cpu, emulated): {offload.packs // steps:,} saved "

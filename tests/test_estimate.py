@@ -549,3 +549,25 @@ def test_paged_adamw_8bit_is_adamw_8bit_with_its_paged_state_named(tmp_path: Pat
     note = next(n for n in paged.verdict.notes if n.startswith("paged optimizer"))
     assert "512.00 KiB of its state (4 moment tensors" in note  # 2 parameters x 2 moments x 1024 x 128 x 1 B
     assert not any(n.startswith("paged optimizer") for n in plain.verdict.notes)
+
+
+@pytest.mark.parametrize(
+    "preset,positions",
+    [("tiny-llama", 1024), ("llama-3.1-8b", 131072), ("qwen2.5-7b", 131072), ("gemma-2-9b", 8192)],
+)
+def test_max_positions_of_vramguard_and_hugging_face_presets(preset: str, positions: int) -> None:
+    """The full-size presets are Hugging Face config.json files: their limit is in the config, not in
+    the shape fields (read there only, the 8B's seq was never refused and --fit-dim seq searched 2^20)."""
+    from vramguard.estimate.run import max_positions
+    from vramguard.workload.models import ModelSpec
+
+    assert max_positions(ModelSpec.load(preset)) == positions
+
+
+def test_seq_beyond_a_hugging_face_configs_positions_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = json.loads(presets()["llama-3.1-8b"].read_text())
+    assert cfg["max_position_embeddings"] == 131072
+    code = main(["estimate", "--model", "llama-3.1-8b", "--seq-len", "131073", "--steps", "1", "--quiet"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "beyond llama-3.1-8b's 131,072 positions" in err and err.count("\n") == 1

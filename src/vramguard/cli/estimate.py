@@ -208,7 +208,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: AuditReport) -> dict[str, Any]:
     from vramguard.estimate.fit import FIT_LIMIT, cheaper_changes, search
-    from vramguard.estimate.run import run_estimate
+    from vramguard.estimate.run import max_positions, run_estimate
     from vramguard.workload.models import ModelSpec
 
     def estimate(c: QLoRAConfig) -> AuditReport:  # cheaper_changes puts optimizer / offloading in extra
@@ -224,8 +224,8 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
 
     limit = FIT_LIMIT
     if args.fit_dim == "seq":
-        positions = ModelSpec.load(config.model).fields.get("max_position_embeddings")
-        limit = min(limit, positions) if isinstance(positions, int) and positions > 0 else limit
+        positions = max_positions(ModelSpec.load(config.model))
+        limit = min(limit, positions) if positions is not None else limit
     assert report.estimate is not None
     requested = config.batch if args.fit_dim == "batch" else config.seq_len
     result = search(

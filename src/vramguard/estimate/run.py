@@ -15,15 +15,13 @@ import time
 import torch
 
 from vramguard.audit.report import AuditReport, DeviceEstimate, Overhead, Verdict
-from vramguard.audit.run import _assemble
+from vramguard.audit.run import _assemble, budget_of
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import META, TARGETS, build_meta, forced_decisions
 from vramguard.estimate.offload import OffloadActivations
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
-from vramguard.model.estimate import qlora_budget, weights_budget
 from vramguard.units import format_bytes
-from vramguard.workload.families import NoAnalyticModel
-from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, parse_dtype
+from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel
 from vramguard.workload.training import PHASES, make_optimizer, run_steps
 
 MiB = 1 << 20
@@ -79,9 +77,21 @@ def _first_line_of(exc: BaseException) -> str:
 def check_context(config: QLoRAConfig, spec: ModelSpec) -> None:
     """A sequence longer than the model's positions is bad input (said with the estimate's number
     by the caller); everything else is answered, however large: nothing is allocated."""
-    limit = spec.fields.get("max_position_embeddings")
-    if isinstance(limit, int) and config.seq_len > limit:
+    limit = max_positions(spec)
+    if limit is not None and config.seq_len > limit:
         raise _TooLong(limit)
+
+
+def max_positions(spec: ModelSpec) -> int | None:
+    """The model's ``max_position_embeddings``: a vramguard preset's field, else the Hugging Face
+    config's (top level, or its ``text_config``); None where neither says."""
+    hf = spec.hf or {}
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    for source in (spec.fields, hf, text):
+        value = source.get("max_position_embeddings")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 class TooLarge(UsageError):
@@ -173,24 +183,8 @@ def run_estimate(
     t0 = time.perf_counter()
     q = build_meta(config, spec, method=method, device=device)
     opt = make_estimate_optimizer(q, optimizer)
-    try:
-        if method != "qlora":
-            raise NoAnalyticModel(f"no analytic model for --method {method}")
-        budget = qlora_budget(
-            q.model,
-            q.spec,
-            batch=config.batch,
-            seq=config.seq_len,
-            rank=config.lora_rank,
-            compute_dtype=parse_dtype(config.compute_dtype),
-            double_quant=config.double_quant,
-            checkpointing=config.gradient_checkpointing,
-            attn_implementation=q.attn_implementation,
-            lora_dropout=config.lora_dropout > 0,
-            device_type=target,  # the meta run takes the target's kernel choices (see estimate.meta)
-        )
-    except NoAnalyticModel as exc:
-        budget = weights_budget(q.model, double_quant=config.double_quant, reason=str(exc))
+    # the meta run takes the target's kernel choices (see estimate.meta)
+    budget = budget_of(q, config, target, analytic=method == "qlora")
     # every device: meta storages and the host-side ones the libraries keep (Adam's step counters),
     # as the CPU audit counts them
     source = StorageTracker(None)

@@ -152,6 +152,29 @@ def check_fits(config: QLoRAConfig, spec: ModelSpec | None = None) -> Budget:
     return plan
 
 
+def budget_of(q: QLoRAModel, config: QLoRAConfig, device_type: str, analytic: bool = True) -> Budget:
+    """The analytic budget of ``q``'s step for ``config`` with ``device_type``'s kernels; the weights
+    alone (with the reason) where the analytic model has no answer, or with ``analytic`` False."""
+    try:
+        if not analytic:
+            raise NoAnalyticModel(f"no analytic model for --method {config.extra.get('method')}")
+        return qlora_budget(
+            q.model,
+            q.spec,
+            batch=config.batch,
+            seq=config.seq_len,
+            rank=config.lora_rank,
+            compute_dtype=parse_dtype(config.compute_dtype),
+            double_quant=config.double_quant,
+            checkpointing=config.gradient_checkpointing,
+            attn_implementation=q.attn_implementation,
+            lora_dropout=config.lora_dropout > 0,
+            device_type=device_type,
+        )
+    except NoAnalyticModel as exc:  # measured all the same; compared with nothing
+        return weights_budget(q.model, double_quant=config.double_quant, reason=str(exc))
+
+
 def run_audit(
     config: QLoRAConfig, steps: int = 3, progress: Progress | None = None, top: int = 3
 ) -> AuditReport:
@@ -165,22 +188,7 @@ def run_audit(
     report_progress("building 4-bit model", 0, steps + 1)
     q = build_qlora(config)
     optimizer = make_optimizer(q)
-    try:
-        budget = qlora_budget(
-            q.model,
-            q.spec,
-            batch=config.batch,
-            seq=config.seq_len,
-            rank=config.lora_rank,
-            compute_dtype=parse_dtype(config.compute_dtype),
-            double_quant=config.double_quant,
-            checkpointing=config.gradient_checkpointing,
-            attn_implementation=q.attn_implementation,
-            lora_dropout=config.lora_dropout > 0,
-            device_type=torch.device(config.device).type,
-        )
-    except NoAnalyticModel as exc:  # measured all the same; compared with nothing
-        budget = weights_budget(q.model, double_quant=config.double_quant, reason=str(exc))
+    budget = budget_of(q, config, torch.device(config.device).type)
     report_progress("step 1", 1, steps + 1)
 
     def on_step(r: StepResult) -> None:

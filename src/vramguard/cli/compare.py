@@ -25,7 +25,7 @@ from vramguard.units import format_bytes
 def _fmt(metric: str, value: float | None, signed: bool = False) -> str:
     if value is None:
         return "-"
-    if metric.endswith("step_time"):
+    if metric.endswith("_time"):  # step_time, estimate_wall_time, ...: seconds
         return f"{value:+.3f} s" if signed else f"{value:.3f} s"
     return format_bytes(value, signed=signed)
 
@@ -40,7 +40,7 @@ def _pct(value: float | None) -> str:
 
 def _interesting(rows: list[Row], verbose: bool) -> list[Row]:
     """Headline metrics plus anything not ok; every metric with ``verbose``."""
-    head = set(MEMORY_METRICS) | {"step_time"}
+    head = set(MEMORY_METRICS) | set(_compare.TIME_METRICS) | set(_compare.ESTIMATE_METRICS)
     return [r for r in rows if verbose or r.metric in head or r.status not in ("ok", "n/a")]
 
 

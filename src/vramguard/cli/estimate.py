@@ -38,8 +38,16 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--optimizer",
         default="adamw",
-        choices=("adamw", "adamw-8bit"),
-        help="adamw: torch AdamW (fp32 moments); adamw-8bit: bitsandbytes AdamW8bit (default: adamw)",
+        choices=("adamw", "adamw-8bit", "paged-adamw-8bit"),
+        help="adamw: torch AdamW (fp32 moments); adamw-8bit: bitsandbytes AdamW8bit; paged-adamw-8bit: "
+        "bitsandbytes PagedAdamW8bit, estimated as AdamW8bit with its paged (evictable) state named "
+        "(default: adamw)",
+    )
+    p.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="keep what autograd saves for backward on the host (torch.autograd.graph.save_on_cpu), "
+        "emulated on meta: the device holds only the copies backward takes back",
     )
     p.add_argument(
         "--fit",
@@ -80,7 +88,9 @@ def render(report: AuditReport, console: Any) -> None:
         + _method(c)
         + ", "
         f"compute {c['compute_dtype']}, checkpointing {'on' if c['gradient_checkpointing'] else 'off'}, "
-        f"{len(report.steps)} steps in {report.elapsed_s:.1f} s",
+        f"optimizer {c.get('extra', {}).get('optimizer', 'adamw')}, "
+        + ("activations offloaded to the host, " if c.get("extra", {}).get("offload_activations") else "")
+        + f"{len(report.steps)} steps in {report.elapsed_s:.1f} s",
         highlight=False,
     )
     t = Table(title="Saved for backward, per decoder layer (ledger on meta)", title_justify="left")
@@ -174,6 +184,7 @@ def main(args: argparse.Namespace) -> int:
         method=args.method,
         optimizer=args.optimizer,
         target=args.target,
+        offload_activations=args.offload_activations,
     )
     console = stdout_console()
     if args.quiet:
@@ -197,22 +208,33 @@ def main(args: argparse.Namespace) -> int:
 
 def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: AuditReport) -> dict[str, Any]:
     from vramguard.estimate.fit import FIT_LIMIT, cheaper_changes, search
-    from vramguard.estimate.run import run_estimate
+    from vramguard.estimate.run import max_positions, run_estimate
     from vramguard.workload.models import ModelSpec
 
-    def estimate(c: QLoRAConfig) -> AuditReport:
+    def estimate(c: QLoRAConfig) -> AuditReport:  # cheaper_changes puts optimizer / offloading in extra
         return run_estimate(
-            c, steps=args.steps, top=1, method=args.method, optimizer=args.optimizer, target=args.target
+            c,
+            steps=args.steps,
+            top=1,
+            method=args.method,
+            optimizer=c.extra.get("optimizer", args.optimizer),
+            target=args.target,
+            offload_activations=c.extra.get("offload_activations", args.offload_activations),
         )
 
     limit = FIT_LIMIT
     if args.fit_dim == "seq":
-        positions = ModelSpec.load(config.model).fields.get("max_position_embeddings")
-        limit = min(limit, positions) if isinstance(positions, int) and positions > 0 else limit
-    result = search(config, size, estimate, dim=args.fit_dim, limit=limit)
+        positions = max_positions(ModelSpec.load(config.model))
+        limit = min(limit, positions) if positions is not None else limit
     assert report.estimate is not None
+    requested = config.batch if args.fit_dim == "batch" else config.seq_len
+    result = search(
+        config, size, estimate, dim=args.fit_dim, limit=limit, known={requested: report.estimate.total_bytes}
+    )
     if report.estimate.total_bytes > size:
-        result.changes = cheaper_changes(config, size, estimate)
+        result.changes = cheaper_changes(
+            config, size, estimate, optimizer=args.optimizer, offload_activations=args.offload_activations
+        )
     return result.to_dict()
 
 
@@ -224,7 +246,11 @@ def _render_fit(fit: dict[str, Any], config: QLoRAConfig, dim: str, console: Any
         line = f"fit: the largest {what} that fits in {fb(fit['size_bytes'])} {fixed} is {fit['largest']}"
     else:
         line = f"fit: not even {what} 1 fits in {fb(fit['size_bytes'])} {fixed}"
-    console.print(f"{line} ({fit['run_count']} meta runs)", highlight=False, soft_wrap=True)
+    console.print(
+        f"{line} ({fit['run_count']} meta runs besides the requested shape's; at most {fit['bound']})",
+        highlight=False,
+        soft_wrap=True,
+    )
     for row in fit["changes"]:
         verdict = "fits" if row["fits"] else "does not fit"
         console.print(

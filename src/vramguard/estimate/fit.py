@@ -1,21 +1,29 @@
 """``vramguard estimate --fit SIZE``: the largest batch (or sequence) whose estimate fits in SIZE.
 
 A search over meta runs (:func:`vramguard.estimate.run.run_estimate`), each an exact step of the
-libraries' code. Memory grows with the batch (and the sequence) almost linearly, so the search
-first probes 1 and 2, extrapolates the line to SIZE and checks the predicted answer and the one
-above it: four runs when the line holds. Where it does not (the loss keeps a batch-1 special case,
-eager attention grows with seq²), it falls back to bisection between the values it has already
-measured, so the count stays within ``ceil(log2(range)) + 2`` runs beyond the first two.
+libraries' code, that never takes more than ``ceil(log2(limit)) + 2`` runs for values in [1, limit]
+(:func:`run_bound`) and usually takes four. The answer is one of limit + 1 values (0: not even 1
+fits). Every probe is an interpolation guess, clamped so that whichever way it turns out, what is left
+can still be bisected within the bound: with R runs left, a probe may leave at most 2^(R-1)
+candidates. Memory grows with the batch (and the sequence) almost linearly, so the first two probes
+bisect (a meta run at batch 2^19 costs what one at batch 1 does: shapes only) and keep the slack; the
+line through them puts the third probe on the answer and the fourth, one above it, proves it. Where
+the line does not hold (the loss keeps a batch-1 special case, eager attention grows with seq²), the
+guesses come from the measured values either side of the answer and the clamp turns them into bisection
+as the slack runs out. A value whose tensors torch cannot describe (over 2^63 bytes) does not fit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from vramguard.audit.report import AuditReport
+from vramguard.estimate.run import TooLarge
 from vramguard.workload.models import QLoRAConfig
 
 DIMS = ("batch", "seq")
@@ -25,12 +33,14 @@ FIT_LIMIT = 1 << 20
 
 @dataclass
 class Fit:
-    """The answer of a search: ``largest`` (0: not even 1 fits) and every run it took."""
+    """The answer of a search: ``largest`` (0: not even 1 fits) and every run it took (total None:
+    beyond what torch can describe)."""
 
     size_bytes: int
     dim: str
     largest: int
-    runs: list[tuple[int, int]] = field(default_factory=list)  # (value, total bytes), in run order
+    bound: int = 0  # the most runs the search may take (run_bound)
+    runs: list[tuple[int, int | None]] = field(default_factory=list)  # (value, total bytes), in run order
     changes: list[dict[str, Any]] = field(default_factory=list)  # what would make the requested shape fit
 
     @property
@@ -52,71 +62,140 @@ def _total(report: AuditReport) -> int:
     return report.estimate.total_bytes
 
 
+def run_bound(limit: int) -> int:
+    """The most meta runs :func:`search` takes over [1, ``limit``]: ``ceil(log2(limit)) + 2``."""
+    return math.ceil(math.log2(max(limit, 1))) + 2
+
+
 def search(
-    config: QLoRAConfig, size: int, estimate: Estimator, dim: str = "batch", limit: int = FIT_LIMIT
+    config: QLoRAConfig,
+    size: int,
+    estimate: Estimator,
+    dim: str = "batch",
+    limit: int = FIT_LIMIT,
+    known: dict[int, int] | None = None,
 ) -> Fit:
-    """The largest value of ``dim`` (batch or seq) in [1, ``limit``] whose estimated total fits ``size``."""
+    """The largest value of ``dim`` (batch or seq) in [1, ``limit``] whose estimated total fits ``size``,
+    in at most :func:`run_bound` runs (memory is taken to grow with the value). ``known``: totals
+    already estimated (the requested shape's), used as measured, not counted as runs."""
     if dim not in DIMS:
         raise ValueError(f"dim must be one of {DIMS}, got {dim!r}")
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
     key = "batch" if dim == "batch" else "seq_len"
-    fit = Fit(size_bytes=size, dim=dim, largest=0)
-    measured: dict[int, int] = {}
+    fit = Fit(size_bytes=size, dim=dim, largest=0, bound=run_bound(limit))
+    measured: dict[int, int | None] = {}  # None: beyond what torch can describe
 
-    def total(value: int) -> int:
-        if value not in measured:
-            measured[value] = _total(estimate(dataclasses.replace(config, **{key: value})))
-            fit.runs.append((value, measured[value]))
-        return measured[value]
+    def fits(value: int) -> bool:
+        try:
+            total: int | None = _total(estimate(dataclasses.replace(config, **{key: value})))
+        except TooLarge:
+            total = None
+        measured[value] = total
+        fit.runs.append((value, total))
+        return total is not None and total <= size
 
-    if total(1) > size:
-        return fit
-    if limit == 1:
-        fit.largest = 1
-        return fit
-    t1, t2 = measured[1], total(2)
-    if t2 > size:
-        fit.largest = 1
-        return fit
-    lo, hi = 2, limit + 1  # lo fits, hi does not (limit + 1: never measured, assumed not to fit)
-    slope = t2 - t1
-    if slope > 0:
-        guess = min(limit, 1 + (size - t1) // slope)
-        if guess > lo:
-            if total(guess) <= size:
-                lo = guess
-            else:
-                hi = guess
-        if lo + 1 < hi and lo + 1 <= limit:
-            if total(lo + 1) <= size:
-                lo += 1
-            else:
-                hi = lo + 1
-    while lo + 1 < hi:
-        mid = (lo + hi) // 2
-        if total(mid) <= size:
-            lo = mid
+    lo, hi = 0, limit + 1  # the answer is in [lo, hi - 1]: lo fits (0: nothing needs to), hi does not
+    for value, total in (known or {}).items():
+        if 1 <= value <= limit:
+            measured[value] = total
+            lo, hi = (max(lo, value), hi) if total <= size else (lo, min(hi, value))
+    while hi - lo > 1:
+        left = fit.bound - fit.run_count  # >= 1 here: the clamp keeps hi - lo <= 2 ** left
+        half = 1 << (left - 1)
+        # a probe v leaves hi - v candidates if it fits, v - lo if not: both at most 2^(left-1)
+        low, high = max(lo + 1, hi - half), min(hi - 1, lo + half)
+        predicted = _predict(measured, lo, hi, size)
+        if predicted is None:
+            v = (lo + hi) // 2
         else:
-            hi = mid
+            # one above the prediction first: when it does not fit, only [lo, predicted] is left, and
+            # the prediction itself is the next probe (two runs, where probing it first leaves
+            # everything above it open when it fits)
+            v = predicted + 1 if predicted + 1 < hi else predicted
+        v = min(max(v, low), high)
+        if fits(v):
+            lo = v
+        else:
+            hi = v
     fit.largest = lo
     return fit
 
 
-def cheaper_changes(config: QLoRAConfig, size: int, estimate: Estimator) -> list[dict[str, Any]]:
+def _predict(measured: dict[int, int | None], lo: int, hi: int, size: int) -> int | None:
+    """The largest value in [lo, hi - 1] whose total the measured values put at or below ``size``, or
+    None with fewer than two: the curve through the (at most three) measured values nearest to the
+    answer, ``lo`` and ``hi`` first. Three make a parabola: memory is a constant (weights) + linear
+    (activations) + quadratic (attention along the sequence) term, which a line through values
+    far from the answer misses by a factor."""
+    points = [(v, Fraction(t)) for v, t in measured.items() if t is not None]
+    if len(points) < 2:
+        return None
+
+    def distance(p: tuple[int, Fraction]) -> tuple[int, int]:
+        return (0 if p[0] in (lo, hi) else 1, max(lo - p[0], p[0] - hi))
+
+    through = sorted(points, key=distance)[:3]
+
+    def curve(v: int) -> Fraction:  # Lagrange through ``through``
+        total = Fraction(0)
+        for i, (xi, yi) in enumerate(through):
+            term = yi
+            for j, (xj, _) in enumerate(through):
+                if i != j:
+                    term *= Fraction(v - xj, xi - xj)
+            total += term
+        return total
+
+    a, b = lo, hi - 1
+    if curve(b) <= size:
+        return b
+    if a < 1 or curve(a) > size:
+        a = 0  # the curve crosses size at or below lo (0: the curve says nothing fits)
+    while b - a > 1:  # curve(a) <= size < curve(b) (a = 0 taken as fitting): bisect on the curve, no runs
+        mid = (a + b) // 2
+        a, b = (mid, b) if curve(mid) <= size else (a, mid)
+    return a
+
+
+def cheaper_changes(
+    config: QLoRAConfig,
+    size: int,
+    estimate: Estimator,
+    optimizer: str = "adamw",
+    offload_activations: bool = False,
+) -> list[dict[str, Any]]:
     """For a shape that does not fit: the estimate of each change vramguard can run, cheapest first
-    (what fits, then the fewest flags changed, then the smallest total)."""
+    (what fits, then the fewest flags changed, then the smallest total).
+
+    ``estimate`` receives the changed config; a change of optimizer or offloading is in its
+    ``extra`` (``optimizer``, ``offload_activations``), as :func:`vramguard.estimate.run.run_estimate`
+    records them."""
+    half = max(1, config.lora_rank // 2)
     options: list[tuple[str, QLoRAConfig]] = []
     if not config.gradient_checkpointing:
         options.append(("--gradient-checkpointing", dataclasses.replace(config, gradient_checkpointing=True)))
     if config.lora_rank > 1:
-        half = max(1, config.lora_rank // 2)
         options.append((f"--lora-rank {half}", dataclasses.replace(config, lora_rank=half)))
+    if optimizer == "adamw":
+        options.append(
+            (
+                "--optimizer adamw-8bit",
+                dataclasses.replace(config, extra={**config.extra, "optimizer": "adamw-8bit"}),
+            )
+        )
+    if not offload_activations:
+        options.append(
+            (
+                "--offload-activations",
+                dataclasses.replace(config, extra={**config.extra, "offload_activations": True}),
+            )
+        )
     if not config.gradient_checkpointing and config.lora_rank > 1:
         options.append(
             (
-                f"--gradient-checkpointing --lora-rank {max(1, config.lora_rank // 2)}",
-                dataclasses.replace(
-                    config, gradient_checkpointing=True, lora_rank=max(1, config.lora_rank // 2)
-                ),
+                f"--gradient-checkpointing --lora-rank {half}",
+                dataclasses.replace(config, gradient_checkpointing=True, lora_rank=half),
             )
         )
     rows = []

@@ -33,8 +33,16 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from vramguard.errors import UsageError
 from vramguard.model.layers import sdpa_kernel
-from vramguard.workload.families import moe_refusal
-from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, causal_lm_class, parse_dtype
+from vramguard.workload.models import (
+    ModelSpec,
+    QLoRAConfig,
+    QLoRAModel,
+    bnb_4bit_config,
+    lora_config,
+    parse_dtype,
+    refuse_unquantized,
+    resolve_attention,
+)
 
 META = "meta"
 
@@ -240,22 +248,11 @@ def build_meta(
         raise ValueError("build the real-device QLoRA model with vramguard.workload.models.build_qlora")
     config.validate()
     spec = spec or ModelSpec.load(config.model)
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import BitsAndBytesConfig
+    from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers.quantizers import AutoHfQuantizer
     from transformers.utils import logging as hf_logging
 
-    hf_config = spec.transformers_config()
-    model_class = causal_lm_class(hf_config)
-    attn = config.attn_implementation
-    notes: list[str] = []
-    if attn == "sdpa" and not getattr(model_class, "_supports_sdpa", False):
-        attn = "eager"
-        notes.append(
-            f"{model_class.__name__} has no sdpa attention in transformers: it ran eager attention "
-            "(what from_pretrained picks by default)"
-        )
-    hf_config._attn_implementation = attn
+    hf_config, model_class, attn, notes = resolve_attention(config, spec)
     compute_dtype = parse_dtype(config.compute_dtype)
     weights_dtype = torch.float32 if method == "full" else compute_dtype
     hf_logging.set_verbosity_error()
@@ -269,27 +266,12 @@ def build_meta(
         except (ValueError, TypeError, RuntimeError) as exc:
             raise UsageError(f"transformers cannot build {spec.name}: {_first_line(exc)}") from None
         if method == "qlora":
-            quant = BitsAndBytesConfig(
-                load_in_4bit=True,
-                bnb_4bit_quant_type=config.quant_type,
-                bnb_4bit_compute_dtype=compute_dtype,
-                bnb_4bit_use_double_quant=config.double_quant,
-            )
-            quantizer = AutoHfQuantizer.from_config(quant, pre_quantized=False)
+            quantizer = AutoHfQuantizer.from_config(bnb_4bit_config(config), pre_quantized=False)
             quantizer.preprocess_model(model, device_map={"": META}, dtype=compute_dtype)
             _quantize_on_meta(model)
             quantizer.postprocess_model(model)
             model.hf_quantizer = quantizer
-            unquantized = [
-                n
-                for n, p in model.named_parameters()
-                if p.dim() >= 3 and getattr(p, "quant_state", None) is None
-            ]
-            if unquantized:
-                raise UsageError(
-                    moe_refusal(spec.model_type, hf_config)
-                    or f"{spec.model_type}: parameters bitsandbytes does not quantize ({unquantized[0]}, ...)"
-                )
+            refuse_unquantized(model, spec, hf_config)
             model = prepare_model_for_kbit_training(
                 model,
                 use_gradient_checkpointing=config.gradient_checkpointing,
@@ -301,14 +283,7 @@ def build_meta(
             for p in model.parameters():
                 p.requires_grad_(True)
         else:
-            lora = LoraConfig(
-                r=config.lora_rank,
-                lora_alpha=config.lora_alpha,
-                lora_dropout=config.lora_dropout,
-                target_modules=config.target_modules,
-                task_type="CAUSAL_LM",
-            )
-            model = get_peft_model(model, lora)
+            model = get_peft_model(model, lora_config(config))
     model.train()
     model.config.use_cache = False
     return MetaQLoRAModel(

@@ -30,10 +30,13 @@ MEMORY_METRICS: tuple[str, ...] = (
     "saved_bytes",
     "saved_per_layer_max",
 )
-TIME_METRICS: tuple[str, ...] = ("step_time",)
+# `vramguard estimate`'s own benchmark (benchmarks/test_estimate_speed.py): the command's host RSS and its
+# answer (bytes, gated like memory), its wall and CPU seconds (timings: in TIME_METRICS)
+ESTIMATE_METRICS: tuple[str, ...] = ("estimate_peak_rss", "estimate_total_bytes", "estimate_allocator_peak")
+TIME_METRICS: tuple[str, ...] = ("step_time", "estimate_wall_time", "estimate_cpu_time")
 DEFAULT_MEMORY_THRESHOLD = 0.03
 # Metrics not gated unless asked (timings on shared runners are noisy).
-UNGATED_BY_DEFAULT: tuple[str, ...] = ("step_time", "*.step_time")
+UNGATED_BY_DEFAULT: tuple[str, ...] = ("step_time", "*.step_time", "estimate_wall_time", "estimate_cpu_time")
 HIGHER_IS_BETTER: tuple[str, ...] = ()  # none of vramguard's metrics; kept for user thresholds
 
 BenchKey = tuple[str, str]

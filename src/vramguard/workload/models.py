@@ -277,18 +277,10 @@ def causal_lm_class(hf_config: Any) -> Any:
         ) from None
 
 
-def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAModel:
-    """Random-weight model -> 4-bit via ``BitsAndBytesConfig`` -> PEFT LoRA on all linear layers.
-
-    Any architecture transformers builds with ``AutoModelForCausalLM``; one without sdpa attention
-    (Gemma 2) runs eager, as ``from_pretrained`` would by default, and says so in ``notes``.
-    """
-    config.validate()
-    spec = spec or ModelSpec.load(config.model)
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import BitsAndBytesConfig
-    from transformers.utils import logging as hf_logging
-
+def resolve_attention(config: QLoRAConfig, spec: ModelSpec) -> tuple[Any, Any, str, list[str]]:
+    """``spec``'s transformers config, its causal-LM class, the attention the model runs and why it
+    differs from ``config``'s (the config is set to it): a class without sdpa runs eager attention,
+    as ``from_pretrained`` would by default."""
     hf_config = spec.transformers_config()
     model_class = causal_lm_class(hf_config)
     attn = config.attn_implementation
@@ -300,6 +292,59 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAMode
             "(what from_pretrained picks by default)"
         )
     hf_config._attn_implementation = attn
+    return hf_config, model_class, attn, notes
+
+
+def bnb_4bit_config(config: QLoRAConfig) -> Any:
+    """The ``BitsAndBytesConfig`` a user passes to ``from_pretrained`` for ``config``'s 4-bit base."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=config.quant_type,
+        bnb_4bit_compute_dtype=parse_dtype(config.compute_dtype),
+        bnb_4bit_use_double_quant=config.double_quant,
+    )
+
+
+def lora_config(config: QLoRAConfig) -> Any:
+    """PEFT's ``LoraConfig`` for ``config``: rank, alpha, dropout, target modules, causal LM."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.target_modules,
+        task_type="CAUSAL_LM",
+    )
+
+
+def refuse_unquantized(model: torch.nn.Module, spec: ModelSpec, hf_config: Any) -> None:
+    """UsageError when 4-bit loading left parameters of 3+ dimensions unquantized (fused experts of a
+    mixture of experts, which bitsandbytes does not quantize)."""
+    unquantized = [
+        n for n, p in model.named_parameters() if p.dim() >= 3 and getattr(p, "quant_state", None) is None
+    ]
+    if unquantized:
+        raise UsageError(
+            moe_refusal(spec.model_type, hf_config)
+            or f"{spec.model_type}: parameters bitsandbytes does not quantize ({unquantized[0]}, ...)"
+        )
+
+
+def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAModel:
+    """Random-weight model -> 4-bit via ``BitsAndBytesConfig`` -> PEFT LoRA on all linear layers.
+
+    Any architecture transformers builds with ``AutoModelForCausalLM``; one without sdpa attention
+    (Gemma 2) runs eager, as ``from_pretrained`` would by default, and says so in ``notes``.
+    """
+    config.validate()
+    spec = spec or ModelSpec.load(config.model)
+    from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers.utils import logging as hf_logging
+
+    hf_config, model_class, attn, notes = resolve_attention(config, spec)
     compute_dtype = parse_dtype(config.compute_dtype)
     torch.manual_seed(config.seed)
     hf_logging.set_verbosity_error()
@@ -316,12 +361,7 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAMode
             random_model = model_class(hf_config)
         random_model.save_pretrained(tmp)
         del random_model
-        quant = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=config.quant_type,
-            bnb_4bit_compute_dtype=compute_dtype,
-            bnb_4bit_use_double_quant=config.double_quant,
-        )
+        quant = bnb_4bit_config(config)
         model = model_class.from_pretrained(
             tmp,
             quantization_config=quant,
@@ -329,27 +369,13 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAMode
             dtype=compute_dtype,
             attn_implementation=attn,
         )
-        unquantized = [
-            n for n, p in model.named_parameters() if p.dim() >= 3 and getattr(p, "quant_state", None) is None
-        ]
-        if unquantized:  # fused experts (mixture of experts) that 4-bit loading left in full precision
-            raise UsageError(
-                moe_refusal(spec.model_type, hf_config)
-                or f"{spec.model_type}: parameters bitsandbytes does not quantize ({unquantized[0]}, ...)"
-            )
+        refuse_unquantized(model, spec, hf_config)
         model = prepare_model_for_kbit_training(
             model,
             use_gradient_checkpointing=config.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False} if config.gradient_checkpointing else None,
         )
-        lora = LoraConfig(
-            r=config.lora_rank,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            target_modules=config.target_modules,
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, lora)
+        model = get_peft_model(model, lora_config(config))
     model.train()
     model.config.use_cache = False
     return QLoRAModel(model=model, spec=spec, config=config, attn_implementation=attn, notes=tuple(notes))

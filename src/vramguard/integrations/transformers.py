@@ -50,7 +50,7 @@ from vramguard.audit.report import (
 )
 from vramguard.errors import UsageError
 from vramguard.measure.decoder import decoder_layer
-from vramguard.measure.ledger import LedgerReport, SavedTensorLedger, _iter_graph
+from vramguard.measure.ledger import LedgerReport, SavedTensorLedger, iter_graph
 from vramguard.measure.storage import frozen_resident_bytes, storage_nbytes
 from vramguard.measure.tracker import CudaAllocatorSource, FrameStats, MemoryTracker, source_for
 from vramguard.model.estimate import weights_budget
@@ -231,7 +231,7 @@ class VramGuardCallback(TrainerCallback):
     def _detach(self) -> None:
         try:  # frames still open (training stopped mid-step): closed before the tracker goes
             while self._node_frames and self._tracker is not None:
-                self._tracker._pop(self._node_frames.pop())
+                self._tracker.close_frame(self._node_frames.pop())
             self._close()
             if self._step_cm is not None and self._current is not None:
                 self._step_cm.__exit__(None, None, None)
@@ -308,17 +308,17 @@ class VramGuardCallback(TrainerCallback):
             return
         self.backward_nodes = {}
         self._node_frames = []
-        for node in _iter_graph(roots):
-            name = f"{ledger._module_of_seq(int(node._sequence_nr())) or '<root>'} {node.name()}"
+        for node in iter_graph(roots):
+            name = f"{ledger.module_of_node(node) or '<root>'} {node.name()}"
             agg = self.backward_nodes.setdefault(name, FrameStats(name))
 
             def pre(*_: Any, agg: FrameStats = agg) -> None:
                 if self._phase is not None and self._phase[0] == "backward":
-                    self._node_frames.append(tracker._push(FrameStats(agg.name), agg))
+                    self._node_frames.append(tracker.open_frame(FrameStats(agg.name), agg))
 
             def post(*_: Any, agg: FrameStats = agg) -> None:
                 if self._node_frames and self._node_frames[-1].aggregate is agg:
-                    tracker._pop(self._node_frames.pop())
+                    tracker.close_frame(self._node_frames.pop())
 
             node.register_prehook(pre)
             node.register_hook(post)
@@ -354,7 +354,7 @@ class VramGuardCallback(TrainerCallback):
             if isinstance(self._tracker.source if self._tracker else None, CudaAllocatorSource):
                 torch.cuda.synchronize()
             while self._node_frames and self._tracker is not None:  # a node whose post hook did not run
-                self._tracker._pop(self._node_frames.pop())
+                self._tracker.close_frame(self._node_frames.pop())
             self._close()
 
     def backward_peak(self) -> tuple[str, FrameStats] | None:

@@ -223,8 +223,8 @@ def _weight_shapes(model: torch.nn.Module | None) -> dict[str, set[tuple[int, ..
     return shapes
 
 
-def _iter_graph(roots: Iterable[torch.Tensor]) -> Iterator[Any]:
-    """Every autograd node reachable from ``roots``' grad_fns, each once."""
+def iter_graph(roots: Iterable[torch.Tensor]) -> Iterator[Any]:
+    """Every autograd node reachable from ``roots``' grad_fns, each once (depth first)."""
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     seen: set[int] = set()
     while stack:
@@ -358,6 +358,12 @@ class SavedTensorLedger:
 
     # -- accounting --------------------------------------------------------------------------
 
+    def module_of_node(self, node: Any) -> str:
+        """The innermost module (qualified name) whose forward created autograd ``node`` while the ledger
+        was open, or ``OUTSIDE``: the node -> module map behind each record's ``module``. Valid after
+        the block, for nodes of the recorded forward (e.g. to name backward's work per module)."""
+        return self._module_of_seq(int(node._sequence_nr()))
+
     def _module_of_seq(self, seq: int) -> str:
         best: tuple[int, str] | None = None
         for start, end, depth, name in self._intervals:
@@ -389,7 +395,7 @@ class SavedTensorLedger:
 
     def _build_report(self) -> LedgerReport:
         roots = [t for t in (r() for r in self._roots) if t is not None]
-        nodes = list(_iter_graph(roots))
+        nodes = list(iter_graph(roots))
         node_names = {int(n._sequence_nr()): n.name() for n in nodes}
         entries: dict[StorageKey, dict[str, Any]] = {}
 

@@ -112,9 +112,9 @@ def _resident_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
     """(owner name, tensor) for every parameter, buffer and tensor hanging off them or their module."""
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
-        for name, tensor in list(module.named_parameters(recurse=False)) + list(
-            module.named_buffers(recurse=False)
-        ):
+        # the module's own dicts, as ``named_parameters(recurse=False)`` reads them (that call walks
+        # ``named_modules`` again per module); a tensor listed twice yields its owners in the same order
+        for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
             if tensor is None:
                 continue
             yield prefix + name, tensor

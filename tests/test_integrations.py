@@ -195,6 +195,8 @@ def test_max_saved_per_layer_stops_on_the_ledger_step(tmp_path, capsys):
         ({"ledger_step": 0}, "ledger_step"),
         ({"ledger_step": "1"}, "ledger_step"),
         ({"leak_tolerance": float("nan")}, "not a size"),
+        ({"measure_every": 0}, "measure_every"),
+        ({"measure_every": 2.5}, "measure_every"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, message):
@@ -341,3 +343,29 @@ def test_audit_through_the_real_trainer(tmp_path, capsys, trainer, name):
     counters = 4 * 2 * 7 * 2  # one fp32 step counter per LoRA A/B matrix, 7 projections, 2 layers
     assert doc.budget.measured_lora_training_bytes == per_param * doc.budget.lora_params + counters
     assert capsys.readouterr().out.strip() == doc.verdict.line
+
+
+def test_measure_every_reports_only_the_steps_it_measured(tmp_path):
+    """``measure_every=2`` over 4 steps: steps 1 and 3 are measured, with the peaks a full run measures
+    for them; steps 2 and 4 ran with the tracker paused and appear nowhere (not in the steps, not in the
+    logs), and the report says so."""
+    full = VramGuardCallback(table=False)
+    _trainer(build_qlora(CONFIG), full, tmp_path, steps=4).train()
+    cb = VramGuardCallback(table=False, measure_every=2)
+    trainer = _trainer(build_qlora(CONFIG), cb, tmp_path, steps=4)
+    trainer.train()
+    report = cb.report
+    assert report is not None and full.report is not None
+    assert [s.step for s in report.steps] == [1, 3] and cb.skipped_steps == 2
+    # each phase's peak above its start is the full run's; absolute peaks may differ by the few scalars the
+    # paused step left alive (the tracker never saw them made: the report's note says so)
+    by_step = {s.step: s for s in full.steps}
+    for s in cb.steps:
+        assert s.above == by_step[s.step].above, s.step
+        for phase, peak in s.peaks.items():
+            assert abs(peak - by_step[s.step].peaks[phase]) <= 64, (s.step, phase)
+    assert report.config["measure_every"] == 2
+    assert any("measured 2 of 4 steps" in n for n in report.verdict.notes), report.verdict.notes
+    logged = {h["step"] for h in trainer.state.log_history if "vramguard/retained_bytes" in h}
+    assert logged == {1, 3}
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None  # nothing left on the mode stack

@@ -33,7 +33,7 @@ MEMORY_METRICS: tuple[str, ...] = (
 TIME_METRICS: tuple[str, ...] = ("step_time",)
 DEFAULT_MEMORY_THRESHOLD = 0.03
 # Metrics not gated unless asked (timings on shared runners are noisy).
-UNGATED_BY_DEFAULT: tuple[str, ...] = ("step_time", "*.step_time")
+UNGATED_BY_DEFAULT: tuple[str, ...] = ("step_time", "*.step_time", "*_ratio")  # *_ratio: timing ratios
 HIGHER_IS_BETTER: tuple[str, ...] = ()  # none of vramguard's metrics; kept for user thresholds
 
 BenchKey = tuple[str, str]

@@ -91,6 +91,16 @@ class StorageTracker(TorchDispatchMode):
             self._refs.clear()  # the callbacks of storages counted so far never run
             self._live.clear()
 
+    def pause(self) -> None:
+        """Stop seeing ops (the dispatch mode is left, so ops run at full speed) while storages counted
+        so far are still subtracted when freed. Storages made while paused are never counted: a peak
+        taken across a pause is no measurement. :meth:`resume` undoes it."""
+        self.__exit__(None, None, None)
+
+    def resume(self) -> None:
+        """See ops again after :meth:`pause`."""
+        self.__enter__()
+
     def live(self) -> dict[StorageKey, int]:
         """The storages counted and still alive: storage key -> bytes (a copy)."""
         with self._lock:

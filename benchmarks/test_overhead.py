@@ -6,8 +6,10 @@ tracker (phases only, as ``VramGuardCallback`` runs it), the tracker with module
 audit`` runs it), and ledger + tracker. Issue 10's targets: ledger <= 1.05x, tracker <= 1.30x, both
 <= 1.35x, with byte counts unchanged (recorded too: ``compare`` gates them at its memory threshold).
 
-``test_callback_overhead_cpu``: the same model through ``transformers.Trainer`` with and without
-``VramGuardCallback``, wall time of the steps after the ledger step (issue 13: <= 5 %).
+``test_callback_overhead_cpu``: the same model through ``transformers.Trainer`` without and with
+``VramGuardCallback``, wall time of the steps after the ledger step: every step measured
+(``callback_ratio``), and those steps left unmeasured by ``measure_every`` (``callback_unmeasured_ratio``;
+issue 13: <= 5 % on steps where the ledger is off).
 
 Ratios are recorded as ``*_ratio`` metrics (not gated by default: timings on shared runners are
 noisy; gate them with ``--vram-threshold '*_ratio=10%'``). Nothing here asserts a time: the tests
@@ -157,35 +159,41 @@ class _Clock:
 
 
 def callback_overhead(model: str, steps: int, rounds: int, out: str) -> dict[str, Any]:
-    """Trainer runs of ``steps`` steps with and without the callback (ledger on step 1), interleaved:
-    median wall of steps 2..``steps`` per arm, and the callback's peaks of those steps."""
+    """Trainer runs of ``steps`` steps without the callback, with it measuring every step, and with it
+    measuring step 1 only (``measure_every`` past the end; ledger on step 1), interleaved: median wall
+    of steps 2..``steps`` per arm, and the peaks the every-step arm measured for them."""
     from vramguard.integrations.transformers import VramGuardCallback
 
     q = build_qlora(QLoRAConfig(model=model, seq_len=SEQ, batch=BATCH))
     peaks: dict[str, list[int]] = {}
 
-    def run(with_callback: bool) -> dict[str, int]:
+    def run(every: int | None) -> None:
         clock = _Clock(after=1)
         cbs: list[Any] = [clock.callback]
-        vg = VramGuardCallback(ledger_step=1, table=False) if with_callback else None
+        vg = None if every is None else VramGuardCallback(ledger_step=1, table=False, measure_every=every)
         if vg is not None:
             cbs.insert(0, vg)
         _trainer(q, steps, cbs, out).train()
         run.elapsed = clock.elapsed  # type: ignore[attr-defined]
         if vg is None:
-            return {}
-        assert vg.report is not None and len(vg.report.steps) == steps
-        peaks["steps"] = [max(s.peak_bytes.values()) for s in vg.report.steps[1:]]
-        return {"forward": vg.report.phases["forward"].peak_bytes}
+            return
+        assert vg.report is not None
+        if every == 1:
+            assert len(vg.report.steps) == steps
+            peaks["steps"] = [max(s.peak_bytes.values()) for s in vg.report.steps[1:]]
+        else:
+            assert [s.step for s in vg.report.steps] == [1] and vg.skipped_steps == steps - 1
 
-    times: dict[str, list[float]] = {"plain": [], "callback": []}
+    arms: dict[str, int | None] = {"plain": None, "callback": 1, "callback_unmeasured": steps + 1}
+    times: dict[str, list[float]] = {a: [] for a in arms}
     for r in range(rounds + 1):
-        for arm in times:
-            run(arm == "callback")
+        for arm, every in arms.items():
+            run(every)
             if r:
                 times[arm].append(run.elapsed)  # type: ignore[attr-defined]
     med = {a: statistics.median(t) for a, t in times.items()}
-    return {"median_s": med, "ratio": med["callback"] / med["plain"], "peaks": peaks["steps"]}
+    ratios = {f"{a}_ratio": med[a] / med["plain"] for a in arms if a != "plain"}
+    return {"median_s": med, "ratios": ratios, "peaks": peaks["steps"]}
 
 
 @pytest.mark.benchmark
@@ -210,10 +218,10 @@ def test_callback_overhead_cpu(benchmark, tmp_path) -> None:
         "metrics": {
             "peak_allocated": max(result["peaks"]),
             "step_time": result["median_s"]["plain"] / 3,
-            "callback_ratio": round(result["ratio"], 4),
+            **{k: round(v, 4) for k, v in result["ratios"].items()},
         },
         "phases": {},
         "median_s": result["median_s"],
     }
     assert all(p > 0 for p in result["peaks"])  # every timed step was measured
-    assert result["ratio"] > 0
+    assert all(r > 0 for r in result["ratios"].values())

@@ -174,17 +174,21 @@ class _Pack:
 class _NodeClock:
     """Sequence number of the autograd node created last on this thread.
 
-    PyTorch numbers nodes in creation order but exposes the counter only through nodes, so a
-    one-element probe op is run and its own number discounted (including runs of probes with no
-    real node between them).
+    PyTorch numbers nodes in creation order from a thread-local counter; ``_get_sequence_nr()`` reads
+    the next number without creating a node (an earlier version ran a one-element probe op per reading
+    and discounted its node). ``_probe`` is the one-element tensor that version kept; it is still made,
+    so that what a tracker running beside the ledger counts is unchanged.
     """
 
     def __init__(self) -> None:
         self._probe = torch.zeros((), requires_grad=True)
         self._last_probe = -2
         self._last_real = -1
+        self._next = getattr(torch._C._autograd, "_get_sequence_nr", None)
 
     def now(self) -> int:
+        if self._next is not None:
+            return int(self._next()) - 1
         with torch.enable_grad():
             fn = self._probe.neg().grad_fn
         if fn is None:  # inference mode: no node can have been created either

@@ -13,7 +13,8 @@ issue 13: <= 5 % on steps where the ledger is off).
 
 Ratios are recorded as ``*_ratio`` metrics (not gated by default: timings on shared runners are
 noisy; gate them with ``--vram-threshold '*_ratio=10%'``). Nothing here asserts a time: the tests
-fail when a measurement is missing or its bytes change between rounds.
+fail when a measurement is missing or its bytes change between rounds. The callback's benchmark is
+``slow`` (``pytest -m "slow and benchmark" benchmarks/test_overhead.py``).
 """
 
 from __future__ import annotations
@@ -131,7 +132,9 @@ def _trainer(q: QLoRAModel, steps: int, callbacks: list[Any], out: str) -> Any:
         train_sampling_strategy="sequential",
     )
     trainer = Trainer(
-        model=q.model, args=args, train_dataset=Dataset.from_dict({"input_ids": rows, "labels": rows}),
+        model=q.model,
+        args=args,
+        train_dataset=Dataset.from_dict({"input_ids": rows, "labels": rows}),
         callbacks=callbacks,
     )
     trainer.remove_callback(PrinterCallback)
@@ -197,6 +200,7 @@ def callback_overhead(model: str, steps: int, rounds: int, out: str) -> dict[str
 
 
 @pytest.mark.benchmark
+@pytest.mark.slow  # 18 Trainer runs of small-llama: minutes on CPU
 def test_callback_overhead_cpu(benchmark, tmp_path) -> None:
     pytest.importorskip("datasets")
     threads = torch.get_num_threads()

@@ -143,8 +143,7 @@ class StorageTracker(TorchDispatchMode):
             self._live[key] = nbytes
             self._refs[key] = weakref.KeyedRef(storage, self._free, key)
             self._current += nbytes
-            if self._current > self._peak:
-                self._peak = self._current
+            self._peak = max(self._peak, self._current)
             self.allocations += 1
 
     def _free(self, ref: weakref.KeyedRef) -> None:

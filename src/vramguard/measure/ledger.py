@@ -156,7 +156,7 @@ class _Slot:
     Under an outer ``saved_tensors_hooks`` (``save_on_cpu``, TRL's ``OffloadActivations``) the slot holds
     what the outer pack hook returned, not the tensor, so offloading goes on while the ledger is open."""
 
-    __slots__ = ("tensor", "outer", "__weakref__")
+    __slots__ = ("__weakref__", "outer", "tensor")
 
     def __init__(self, tensor: torch.Tensor | None, outer: Any = None) -> None:
         self.tensor = tensor

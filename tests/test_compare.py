@@ -109,6 +109,22 @@ def test_step_time_reported_but_gated_only_on_request(tmp_path: Path) -> None:
     assert main(["compare", base, slow, "--threshold", "step_time=20%"]) == 1
 
 
+def test_overhead_ratios_reported_but_gated_only_on_request(tmp_path: Path) -> None:
+    """``*_ratio`` (benchmarks/test_overhead.py: instrumented / plain wall time) are timings, noisy on
+    shared runners: like step_time, not gated unless asked."""
+
+    def with_ratio(value: float) -> dict:
+        doc = _doc()
+        for bench in doc["benchmarks"]:
+            bench["extra_info"]["vramguard"]["metrics"]["tracker_ratio"] = value
+        return doc
+
+    base = _write(tmp_path / "a.json", with_ratio(1.2))
+    slow = _write(tmp_path / "slow.json", with_ratio(1.8))
+    assert main(["compare", base, slow]) == 0
+    assert main(["compare", base, slow, "--threshold", "*_ratio=10%"]) == 1
+
+
 def test_phase_metrics_are_compared(tmp_path: Path) -> None:
     doc = _doc()
     worse = copy.deepcopy(doc)

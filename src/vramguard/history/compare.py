@@ -36,7 +36,14 @@ ESTIMATE_METRICS: tuple[str, ...] = ("estimate_peak_rss", "estimate_total_bytes"
 TIME_METRICS: tuple[str, ...] = ("step_time", "estimate_wall_time", "estimate_cpu_time")
 DEFAULT_MEMORY_THRESHOLD = 0.03
 # Metrics not gated unless asked (timings on shared runners are noisy).
-UNGATED_BY_DEFAULT: tuple[str, ...] = ("step_time", "*.step_time", "estimate_wall_time", "estimate_cpu_time")
+# timings: reported, gated only on request (--threshold NAME=PCT); *_ratio: instrumented/plain wall ratios
+UNGATED_BY_DEFAULT: tuple[str, ...] = (
+    "step_time",
+    "*.step_time",
+    "estimate_wall_time",
+    "estimate_cpu_time",
+    "*_ratio",
+)
 HIGHER_IS_BETTER: tuple[str, ...] = ()  # none of vramguard's metrics; kept for user thresholds
 
 BenchKey = tuple[str, str]

@@ -50,9 +50,15 @@ from vramguard.audit.report import (
 )
 from vramguard.errors import UsageError
 from vramguard.measure.decoder import decoder_layer
-from vramguard.measure.ledger import LedgerReport, SavedTensorLedger, _iter_graph
+from vramguard.measure.ledger import LedgerReport, SavedTensorLedger, iter_graph
 from vramguard.measure.storage import frozen_resident_bytes, storage_nbytes
-from vramguard.measure.tracker import CudaAllocatorSource, FrameStats, MemoryTracker, source_for
+from vramguard.measure.tracker import (
+    CudaAllocatorSource,
+    FrameStats,
+    MemoryTracker,
+    StorageTracker,
+    source_for,
+)
 from vramguard.model.estimate import weights_budget
 from vramguard.units import format_bytes, parse_size
 
@@ -80,6 +86,9 @@ class VramGuardCallback(TrainerCallback):
 
     ``max_peak`` / ``max_saved_per_layer`` (size strings such as ``"20 GiB"``) stop training at the end
     of the first step that exceeds them, with one line on stderr; ``report.verdict`` says why.
+    ``measure_every=N`` measures step 1, the ledger step and every N-th step after step 1 (1, 1+N,
+    1+2N, ...); the other steps run with the storage tracker paused (on CPU it sees every op, which costs
+    time) and are reported nowhere: no peaks, no retained bytes, no log metrics, no limit check.
     Bad arguments raise :class:`vramguard.errors.UsageError` here; a model without decoder layers or a
     ``ledger_step`` past ``max_steps`` raise it in ``on_train_begin``, before the first step.
     """
@@ -92,12 +101,17 @@ class VramGuardCallback(TrainerCallback):
         report_path: str | Path | None = None,
         table: bool = True,
         leak_tolerance: str | int | None = None,
+        measure_every: int = 1,
     ) -> None:
         if isinstance(ledger_step, bool) or not isinstance(ledger_step, int) or ledger_step < 1:
             raise UsageError(
                 f"ledger_step must be a step number >= 1 (1 is the first step), got {ledger_step!r}"
             )
         self.ledger_step = ledger_step
+        if isinstance(measure_every, bool) or not isinstance(measure_every, int) or measure_every < 1:
+            raise UsageError(f"measure_every must be a whole number of steps >= 1, got {measure_every!r}")
+        self.measure_every = measure_every
+        self.skipped_steps = 0
         self.max_peak = None if max_peak is None else parse_size(max_peak)
         self.max_saved_per_layer = None if max_saved_per_layer is None else parse_size(max_saved_per_layer)
         self.leak_tolerance = None if leak_tolerance is None else parse_size(leak_tolerance)
@@ -117,6 +131,7 @@ class VramGuardCallback(TrainerCallback):
         self._tracker: MemoryTracker | None = None
         self._model: torch.nn.Module | None = None
         self._optimizer: Any = None
+        self._paused = False
         self._handles: list[Any] = []
         self._phase: tuple[str, Any] | None = None  # (name, open phase context)
         self._step_cm: Any = None
@@ -148,6 +163,7 @@ class VramGuardCallback(TrainerCallback):
             self._detach()
         self.steps, self.ledger, self.report, self.stopped = [], None, None, None
         self.backward_nodes = {}
+        self.skipped_steps = 0
         self._reset()
         self._t0 = time.perf_counter()
         self._model = model
@@ -162,6 +178,7 @@ class VramGuardCallback(TrainerCallback):
             "gradient_checkpointing": bool(args.gradient_checkpointing),
             "max_steps": state.max_steps,
             "ledger_step": self.ledger_step,
+            "measure_every": self.measure_every,
             "device": str(device),
         }
         self._tracker = MemoryTracker(device, source=source_for(device))
@@ -173,8 +190,18 @@ class VramGuardCallback(TrainerCallback):
         self._handles.append(model.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._forward_post))
 
+    def measures(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) is measured: step 1, the ledger step, every ``measure_every``-th."""
+        return step == self.ledger_step or (step - 1) % self.measure_every == 0
+
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._tracker is None:
+            return
+        if not self.measures(state.global_step + 1):
+            if isinstance(self._tracker.source, StorageTracker):
+                self._tracker.source.pause()
+                self._paused = True
+            self.skipped_steps += 1
             return
         self._step_cm = self._tracker.phase("step")
         self._step_cm.__enter__()
@@ -186,6 +213,7 @@ class VramGuardCallback(TrainerCallback):
             self._open("optimizer")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._resume()
         if self._tracker is None or self._current is None:
             return
         self._close()
@@ -209,6 +237,8 @@ class VramGuardCallback(TrainerCallback):
         if logs is None or not self.steps or "loss" not in logs:
             return
         s = self.steps[-1]
+        if s.step != state.global_step:  # this step was not measured: nothing to log for it
+            return
         metrics: dict[str, float] = {f"vramguard/peak_{k}_bytes": float(v) for k, v in s.peaks.items()}
         metrics["vramguard/retained_bytes"] = float(s.retained)
         metrics["vramguard/leak_bytes"] = float(self._leak())
@@ -228,10 +258,16 @@ class VramGuardCallback(TrainerCallback):
 
             render(self.report, stdout_console())
 
+    def _resume(self) -> None:
+        if self._paused and self._tracker is not None and isinstance(self._tracker.source, StorageTracker):
+            self._tracker.source.resume()
+        self._paused = False
+
     def _detach(self) -> None:
+        self._resume()
         try:  # frames still open (training stopped mid-step): closed before the tracker goes
             while self._node_frames and self._tracker is not None:
-                self._tracker._pop(self._node_frames.pop())
+                self._tracker.close_frame(self._node_frames.pop())
             self._close()
             if self._step_cm is not None and self._current is not None:
                 self._step_cm.__exit__(None, None, None)
@@ -308,17 +344,17 @@ class VramGuardCallback(TrainerCallback):
             return
         self.backward_nodes = {}
         self._node_frames = []
-        for node in _iter_graph(roots):
-            name = f"{ledger._module_of_seq(int(node._sequence_nr())) or '<root>'} {node.name()}"
+        for node in iter_graph(roots):
+            name = f"{ledger.module_of_node(node) or '<root>'} {node.name()}"
             agg = self.backward_nodes.setdefault(name, FrameStats(name))
 
             def pre(*_: Any, agg: FrameStats = agg) -> None:
                 if self._phase is not None and self._phase[0] == "backward":
-                    self._node_frames.append(tracker._push(FrameStats(agg.name), agg))
+                    self._node_frames.append(tracker.open_frame(FrameStats(agg.name), agg))
 
             def post(*_: Any, agg: FrameStats = agg) -> None:
                 if self._node_frames and self._node_frames[-1].aggregate is agg:
-                    tracker._pop(self._node_frames.pop())
+                    tracker.close_frame(self._node_frames.pop())
 
             node.register_prehook(pre)
             node.register_hook(post)
@@ -354,7 +390,7 @@ class VramGuardCallback(TrainerCallback):
             if isinstance(self._tracker.source if self._tracker else None, CudaAllocatorSource):
                 torch.cuda.synchronize()
             while self._node_frames and self._tracker is not None:  # a node whose post hook did not run
-                self._tracker._pop(self._node_frames.pop())
+                self._tracker.close_frame(self._node_frames.pop())
             self._close()
 
     def backward_peak(self) -> tuple[str, FrameStats] | None:
@@ -468,6 +504,17 @@ class VramGuardCallback(TrainerCallback):
             problems.append(f"the ledger of step {self.ledger_step} was not taken (training ended before it)")
         if len(steps) < 2:
             notes.append("one step only: retained memory growth (leaks) needs >= 2 steps")
+        if self.skipped_steps:
+            notes.append(
+                f"measured {len(steps)} of {len(steps) + self.skipped_steps} steps (measure_every="
+                f"{self.measure_every}, plus the ledger step); the others were not measured and report nothing"
+                + (
+                    " (storages they made and left alive, e.g. a few scalars, are not counted in later steps' "
+                    "retained bytes or absolute peaks; peaks above each phase's start are exact)"
+                    if not isinstance(self._tracker.source, CudaAllocatorSource)
+                    else ""
+                )
+            )
         where = self.backward_peak()
         if where is not None:
             name, stats = where

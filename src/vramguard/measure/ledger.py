@@ -151,12 +151,16 @@ class LedgerReport:
 
 
 class _Slot:
-    """What the pack hook hands to autograd: autograd alone owns it, the ledger only a weakref."""
+    """What the pack hook hands to autograd: autograd alone owns it, the ledger only a weakref.
 
-    __slots__ = ("tensor", "__weakref__")
+    Under an outer ``saved_tensors_hooks`` (``save_on_cpu``, TRL's ``OffloadActivations``) the slot holds
+    what the outer pack hook returned, not the tensor, so offloading goes on while the ledger is open."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    __slots__ = ("__weakref__", "outer", "tensor")
+
+    def __init__(self, tensor: torch.Tensor | None, outer: Any = None) -> None:
         self.tensor = tensor
+        self.outer = outer
 
 
 @dataclass
@@ -174,17 +178,23 @@ class _Pack:
 class _NodeClock:
     """Sequence number of the autograd node created last on this thread.
 
-    PyTorch numbers nodes in creation order but exposes the counter only through nodes, so a
-    one-element probe op is run and its own number discounted (including runs of probes with no
-    real node between them).
+    PyTorch numbers nodes in creation order from a thread-local counter; ``_get_sequence_nr()`` reads
+    the next number without creating a node. Where torch lacks it, a one-element probe op is run per
+    reading and its own number discounted (including runs of probes with no real node between them).
+    The probe tensor exists only then: a tracker running beside the ledger counted its 4 B while the
+    ledger lived, which on CPU (not on meta) depended on when the garbage collector freed the ledger.
     """
 
     def __init__(self) -> None:
-        self._probe = torch.zeros((), requires_grad=True)
+        self._next = getattr(torch._C._autograd, "_get_sequence_nr", None)
+        self._probe = None if self._next is not None else torch.zeros((), requires_grad=True)
         self._last_probe = -2
         self._last_real = -1
 
     def now(self) -> int:
+        if self._next is not None:
+            return int(self._next()) - 1
+        assert self._probe is not None
         with torch.enable_grad():
             fn = self._probe.neg().grad_fn
         if fn is None:  # inference mode: no node can have been created either
@@ -223,8 +233,8 @@ def _weight_shapes(model: torch.nn.Module | None) -> dict[str, set[tuple[int, ..
     return shapes
 
 
-def _iter_graph(roots: Iterable[torch.Tensor]) -> Iterator[Any]:
-    """Every autograd node reachable from ``roots``' grad_fns, each once."""
+def iter_graph(roots: Iterable[torch.Tensor]) -> Iterator[Any]:
+    """Every autograd node reachable from ``roots``' grad_fns, each once (depth first)."""
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     seen: set[int] = set()
     while stack:
@@ -259,6 +269,7 @@ class SavedTensorLedger:
         self._handles: list[Any] = []
         self._clock: _NodeClock | None = None
         self._hooks: Any = None
+        self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
         self._resident: dict[StorageKey, str] = {}
         self._weights: dict[str, set[tuple[int, ...]]] = {}
         self._inputs: dict[str, set[StorageKey]] = defaultdict(set)  # storages passed into each module
@@ -286,7 +297,12 @@ class SavedTensorLedger:
                 self._handles.append(
                     module.register_forward_hook(self._post_hook(name, module is self.model))
                 )
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # the hooks in force when the ledger opens (activation offloading): only the innermost pair of
+        # saved_tensors_hooks runs, so the ledger's hooks call them, or offloading would stop in its block
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        self._outer = top(False) if top is not None else None
+        unpack = self._unpack if self._outer is None else self._unpack_outer
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
         self._hooks.__enter__()
         return self
 
@@ -337,7 +353,7 @@ class SavedTensorLedger:
 
     def _pack(self, tensor: torch.Tensor) -> _Slot:
         assert self._clock is not None
-        slot = _Slot(tensor.detach())
+        slot = _Slot(None, self._outer[0](tensor)) if self._outer is not None else _Slot(tensor.detach())
         self._packs.append(
             _Pack(
                 slot=weakref.ref(slot),
@@ -354,9 +370,19 @@ class SavedTensorLedger:
 
     @staticmethod
     def _unpack(slot: _Slot) -> torch.Tensor:
-        return slot.tensor
+        return slot.tensor  # type: ignore[return-value]
+
+    def _unpack_outer(self, slot: _Slot) -> torch.Tensor:
+        assert self._outer is not None
+        return self._outer[1](slot.outer)
 
     # -- accounting --------------------------------------------------------------------------
+
+    def module_of_node(self, node: Any) -> str:
+        """The innermost module (qualified name) whose forward created autograd ``node`` while the ledger
+        was open, or ``OUTSIDE``: the node -> module map behind each record's ``module``. Valid after
+        the block, for nodes of the recorded forward (e.g. to name backward's work per module)."""
+        return self._module_of_seq(int(node._sequence_nr()))
 
     def _module_of_seq(self, seq: int) -> str:
         best: tuple[int, str] | None = None
@@ -389,7 +415,7 @@ class SavedTensorLedger:
 
     def _build_report(self) -> LedgerReport:
         roots = [t for t in (r() for r in self._roots) if t is not None]
-        nodes = list(_iter_graph(roots))
+        nodes = list(iter_graph(roots))
         node_names = {int(n._sequence_nr()): n.name() for n in nodes}
         entries: dict[StorageKey, dict[str, Any]] = {}
 

@@ -162,7 +162,7 @@ def measure(
         tracker.stop()
     outs = {storage_key(t): storage_nbytes(t) for t in _outputs(result)}
     clock = getattr(ledger, "_clock", None)
-    if clock is not None:  # the ledger's own one-element probe tensor is not the block's
+    if clock is not None and clock._probe is not None:  # the ledger's one-element probe is not the block's
         outs[storage_key(clock._probe)] = 0
     outs.update({storage_key(t): storage_nbytes(t) for t in _outputs(root_obj)})
     m = Measurement(output_bytes=sum(outs.values()))  # (the clock probe counts 0)

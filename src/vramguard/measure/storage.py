@@ -110,22 +110,32 @@ def frozen_resident_bytes(model: torch.nn.Module) -> int:
 
 def _resident_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(owner name, tensor) for every parameter, buffer and tensor hanging off them or their module."""
+    walked: dict[int, tuple[Any, list[tuple[str, torch.Tensor]]]] = {}
+
+    def inside(value: Any) -> list[tuple[str, torch.Tensor]]:
+        # one walk per object: a QuantState hangs off its weight and its module, a model config off
+        # every layer (the object is held in ``walked``, so its id stays its own during the walk)
+        hit = walked.get(id(value))
+        if hit is None:
+            hit = walked[id(value)] = (value, list(tensors_in(value)))
+        return hit[1]
+
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
-        for name, tensor in list(module.named_parameters(recurse=False)) + list(
-            module.named_buffers(recurse=False)
-        ):
+        # the module's own dicts, as ``named_parameters(recurse=False)`` reads them (that call walks
+        # ``named_modules`` again per module); a tensor listed twice yields its owners in the same order
+        for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
             if tensor is None:
                 continue
             yield prefix + name, tensor
             for attr, value in _attributes(tensor).items():
-                for path, t in tensors_in(value):
+                for path, t in inside(value):
                     yield f"{prefix}{name}.{attr}{path}", t
         for attr, value in list(vars(module).items()):
             if attr.startswith("_") or isinstance(value, (torch.Tensor, torch.nn.Module)):
                 continue
             if _is_plain_object(value) or isinstance(value, (tuple, list)):
-                for path, t in tensors_in(value):
+                for path, t in inside(value):
                     yield f"{prefix}{attr}{path}", t
 
 

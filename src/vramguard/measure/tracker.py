@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 
 from vramguard.measure.storage import StorageKey, storage_key
 
@@ -60,10 +60,12 @@ class StorageTracker(TorchDispatchMode):
         self.device = device_type or "any"
         self._device_type = device_type
         self._live: dict[StorageKey, int] = {}
+        # one weak reference per counted storage; its callback subtracts the storage when it is freed.
+        # Dropping a reference (start/stop) silences its callback: storages of an earlier run never count
+        self._refs: dict[StorageKey, weakref.KeyedRef] = {}
         self._current = 0
         self._peak = 0
         self._lock = threading.Lock()
-        self._generation = 0
         self.allocations = 0
 
     # MemorySource -------------------------------------------------------------------------
@@ -77,16 +79,32 @@ class StorageTracker(TorchDispatchMode):
         self._peak = self._current
 
     def start(self) -> None:
-        self._generation += 1
         with self._lock:  # storages of an earlier run are no longer followed: do not count them
             self._live.clear()
+            self._refs.clear()
             self._current = self._peak = 0
         self.__enter__()
 
     def stop(self) -> None:
         self.__exit__(None, None, None)
-        self._generation += 1  # finalizers of storages counted so far become no-ops
-        self._live.clear()
+        with self._lock:
+            self._refs.clear()  # the callbacks of storages counted so far never run
+            self._live.clear()
+
+    def pause(self) -> None:
+        """Stop seeing ops (the dispatch mode is left, so ops run at full speed) while storages counted
+        so far are still subtracted when freed. Storages made while paused are never counted: a peak
+        taken across a pause is no measurement. :meth:`resume` undoes it."""
+        self.__exit__(None, None, None)
+
+    def resume(self) -> None:
+        """See ops again after :meth:`pause`."""
+        self.__enter__()
+
+    def live(self) -> dict[StorageKey, int]:
+        """The storages counted and still alive: storage key -> bytes (a copy)."""
+        with self._lock:
+            return dict(self._live)
 
     # tracking ----------------------------------------------------------------------------
     def track(self, t: torch.Tensor, inputs: frozenset[StorageKey] = frozenset()) -> None:
@@ -102,57 +120,104 @@ class StorageTracker(TorchDispatchMode):
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse / wrapper subclasses without a storage
             return
+        if not self._known(storage) and storage._cdata not in inputs:
+            self._count(storage)
+
+    def _known(self, storage: Any) -> bool:
+        """Whether ``storage`` is counted already (then its size is brought up to date: resized in place)."""
+        known = self._live.get(storage._cdata)
+        if known is None:
+            return False
+        nbytes = storage.nbytes()
+        if known != nbytes:
+            with self._lock:
+                self._current += nbytes - known
+                self._live[storage._cdata] = nbytes
+                self._peak = max(self._peak, self._current)
+        return True
+
+    def _count(self, storage: Any) -> None:
         key = int(storage._cdata)
         nbytes = int(storage.nbytes())
         with self._lock:
-            known = self._live.get(key)
-            if known is not None:
-                if known != nbytes:  # resized in place
-                    self._current += nbytes - known
-                    self._live[key] = nbytes
-                    self._peak = max(self._peak, self._current)
-                return
-            if key in inputs:
-                return
             self._live[key] = nbytes
+            self._refs[key] = weakref.KeyedRef(storage, self._free, key)
             self._current += nbytes
             self._peak = max(self._peak, self._current)
             self.allocations += 1
-        weakref.finalize(storage, self._free, key, self._generation)
 
-    def _free(self, key: StorageKey, generation: int) -> None:
-        if generation != self._generation:
-            return
+    def _free(self, ref: weakref.KeyedRef) -> None:
         with self._lock:
-            nbytes = self._live.pop(key, None)
-            if nbytes is not None:
-                self._current -= nbytes
+            if self._refs.get(ref.key) is not ref:  # a reference dropped by start/stop
+                return
+            del self._refs[ref.key]
+            self._current -= self._live.pop(ref.key)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs: frozenset[StorageKey] | None = None
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                if inputs is None:
-                    # ``torch.tensor(data)`` builds its storage outside the dispatcher and only then
-                    # lifts it: the lifted tensor is an allocation although it shares its input's storage
-                    fresh = func in _LIFTS
-                    inputs = frozenset() if fresh else _storage_keys(tree_flatten((args, kwargs))[0])
-                self.track(t, inputs)
+        outputs = (out,) if type(out) is torch.Tensor else tensor_leaves(out)
+        # ``torch.tensor(data)`` builds its storage outside the dispatcher and only then lifts it:
+        # the lifted tensor is an allocation although it shares its input's storage
+        inputs: frozenset[StorageKey] | None = frozenset() if func in _LIFTS else None
+        for t in outputs:
+            if self._device_type is not None and t.device.type != self._device_type:
+                continue
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # sparse / wrapper subclasses without a storage
+                continue
+            if self._known(storage):
+                continue
+            if inputs is None:  # found only when an output's storage is new to the tracker
+                inputs = _storage_keys(tensor_leaves((args, kwargs)))
+            if storage._cdata not in inputs:
+                self._count(storage)
         return out
 
 
 _LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default})
 
+# leaves ``torch.utils._pytree`` never looks into, and that are no tensors: skipped without asking it
+_SCALARS = frozenset(
+    {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
+)
 
-def _storage_keys(values: Iterable[Any]) -> frozenset[StorageKey]:
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensors among ``tree_flatten(tree)[0]`` (torch's pytree leaves), found faster.
+
+    Plain tuples, lists and dicts (what ops take and return) are walked here, to any depth; every other
+    container (named tuples, ``torch.return_types``, ``OrderedDict``, registered nodes) is handed to
+    torch's own flattener, so the tensors found are exactly those of ``tree_flatten``.
+    """
+    found: list[torch.Tensor] = []
+    _collect(tree, found)
+    return found
+
+
+def _collect(tree: Any, found: list[torch.Tensor]) -> None:
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for v in tree:
+            _collect(v, found)
+    elif kind is dict:
+        for v in tree.values():
+            _collect(v, found)
+    elif kind in _SCALARS:
+        return
+    elif kind is torch.Tensor or (isinstance(tree, torch.Tensor) and kind not in SUPPORTED_NODES):
+        found.append(tree)
+    else:
+        found.extend(v for v in tree_flatten(tree)[0] if isinstance(v, torch.Tensor))
+
+
+def _storage_keys(values: Iterable[torch.Tensor]) -> frozenset[StorageKey]:
     keys = set()
     for v in values:
-        if isinstance(v, torch.Tensor):
-            try:
-                keys.add(storage_key(v))
-            except (RuntimeError, NotImplementedError):
-                pass
+        try:
+            keys.add(storage_key(v))
+        except (RuntimeError, NotImplementedError):
+            pass
     return frozenset(keys)
 
 
@@ -224,7 +289,10 @@ class FrameStats:
 
 
 @dataclass
-class _Open:
+class Frame:
+    """An open frame of a :class:`MemoryTracker` (:meth:`MemoryTracker.open_frame`): the stats it fills
+    when closed, the bytes live when it opened, its peak so far, and the aggregate it is folded into."""
+
     stats: FrameStats
     start: int
     peak: int
@@ -267,13 +335,13 @@ class MemoryTracker:
         self.source: MemorySource = source or source_for(device)
         self.model = model
         self.result = TrackerResult(device=self.source.device, peak_bytes=0)
-        self._open: list[_Open] = []
+        self._open: list[Frame] = []
         self._handles: list[Any] = []
-        self._module_calls: list[tuple[str, _Open]] = []
+        self._module_calls: list[tuple[str, Frame]] = []
 
     def __enter__(self) -> MemoryTracker:
         self.source.start()
-        self._root = self._push(FrameStats("total"))
+        self._root = self.open_frame(FrameStats("total"))
         if self.model is not None:
             for name, module in self.model.named_modules():
                 self._handles.append(module.register_forward_pre_hook(self._enter_module(name)))
@@ -287,8 +355,8 @@ class MemoryTracker:
             h.remove()
         self._handles.clear()
         while len(self._open) > 1:
-            self._pop()
-        root = self._pop()
+            self.close_frame()
+        root = self.close_frame()
         self.result.peak_bytes = root.peak_bytes
         self.source.stop()
 
@@ -304,11 +372,11 @@ class MemoryTracker:
     def phase(self, name: str) -> Iterator[FrameStats]:
         """Measure a block; yields this call's stats (filled on exit), aggregated under ``name``."""
         call = FrameStats(name)
-        self._push(call, self.result.phases.setdefault(name, FrameStats(name)))
+        frame = self.open_frame(call, self.result.phases.setdefault(name, FrameStats(name)))
         try:
             yield call
         finally:
-            self._pop()
+            self.close_frame(frame)
 
     # frames -------------------------------------------------------------------------------
     def _fold(self) -> None:
@@ -317,14 +385,19 @@ class MemoryTracker:
             frame.peak = max(frame.peak, peak)
         self.source.reset_peak()
 
-    def _push(self, stats: FrameStats, aggregate: FrameStats | None = None) -> _Open:
+    def open_frame(self, stats: FrameStats, aggregate: FrameStats | None = None) -> Frame:
+        """Open a frame that ``stats`` describes, for a span that is no ``with`` block (hook pairs:
+        an autograd node's pre/post hooks, a trainer's events). Frames may close in any order; each gets
+        the exact peak of its own span. Close it with :meth:`close_frame`; ``aggregate`` (optional)
+        then accumulates this call's stats (as :meth:`phase` does per name)."""
         self._fold()
         now = self.source.current()
-        frame = _Open(stats, now, now, aggregate)
+        frame = Frame(stats, now, now, aggregate)
         self._open.append(frame)
         return frame
 
-    def _pop(self, frame: _Open | None = None) -> FrameStats:
+    def close_frame(self, frame: Frame | None = None) -> FrameStats:
+        """Close ``frame`` (default: the last opened) and return its filled stats."""
         self._fold()
         frame = frame or self._open[-1]
         self._open.remove(frame)
@@ -343,10 +416,15 @@ class MemoryTracker:
             frame.aggregate.merge(s)
         return s
 
+    @property
+    def open_frames(self) -> int:
+        """How many frames are open (the root frame of the ``with`` block included)."""
+        return len(self._open)
+
     def _enter_module(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
             aggregate = self.result.modules.setdefault(name, FrameStats(name))
-            self._module_calls.append((name, self._push(FrameStats(name), aggregate)))
+            self._module_calls.append((name, self.open_frame(FrameStats(name), aggregate)))
 
         return hook
 
@@ -355,7 +433,7 @@ class MemoryTracker:
             for i in range(len(self._module_calls) - 1, -1, -1):
                 if self._module_calls[i][0] == name:
                     _, frame = self._module_calls.pop(i)
-                    self._pop(frame)
+                    self.close_frame(frame)
                     return
 
         return hook

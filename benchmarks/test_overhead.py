@@ -1,0 +1,231 @@
+"""What measuring costs: wall time of an instrumented QLoRA step over the uninstrumented one, on CPU.
+
+``test_measure_overhead_cpu``: small-llama (batch 2, seq 128), one thread, forward + backward, the arms
+measured side by side, interleaved, median of 7 rounds: plain, the saved-tensor ledger, the storage
+tracker (phases only, as ``VramGuardCallback`` runs it), the tracker with module frames (as ``vramguard
+audit`` runs it), and ledger + tracker. Issue 10's targets: ledger <= 1.05x, tracker <= 1.30x, both
+<= 1.35x, with byte counts unchanged (recorded too: ``compare`` gates them at its memory threshold).
+
+``test_callback_overhead_cpu``: the same model through ``transformers.Trainer`` without and with
+``VramGuardCallback``, wall time of the steps after the ledger step: every step measured
+(``callback_ratio``), and those steps left unmeasured by ``measure_every`` (``callback_unmeasured_ratio``;
+issue 13: <= 5 % on steps where the ledger is off).
+
+Ratios are recorded as ``*_ratio`` metrics (not gated by default: timings on shared runners are
+noisy; gate them with ``--vram-threshold '*_ratio=10%'``). Nothing here asserts a time: the tests
+fail when a measurement is missing or its bytes change between rounds. The callback's benchmark is
+``slow`` (``pytest -m "slow and benchmark" benchmarks/test_overhead.py``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from vramguard.measure.ledger import SavedTensorLedger
+from vramguard.measure.tracker import MemoryTracker
+from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora
+
+MODEL, SEQ, BATCH, ROUNDS = "small-llama", 128, 2, 7
+ARMS = ("plain", "ledger", "tracker", "tracker_modules", "both")
+
+
+def _step(q: QLoRAModel, batch: dict[str, torch.Tensor], arm: str) -> tuple[float, dict[str, int]]:
+    """One forward + backward under ``arm``; (wall seconds, the bytes it measured)."""
+    model = q.model
+    tracker = ledger = None
+    t0 = time.perf_counter()
+    if arm in ("tracker", "tracker_modules", "both"):
+        tracker = MemoryTracker("cpu", model=model if arm != "tracker" else None).__enter__()
+    if arm in ("ledger", "both"):
+        ledger = SavedTensorLedger(model).__enter__()
+    loss = model(**batch).loss
+    if ledger is not None:
+        ledger.add_roots(loss)
+        ledger.__exit__(None, None, None)
+    loss.backward()
+    if tracker is not None:
+        tracker.__exit__(None, None, None)
+    elapsed = time.perf_counter() - t0
+    model.zero_grad(set_to_none=True)
+    measured: dict[str, int] = {}
+    if ledger is not None:
+        measured["saved_bytes"] = ledger.report.saved_bytes
+    if tracker is not None:
+        measured["peak_allocated"] = tracker.result.peak_bytes
+    return elapsed, measured
+
+
+def interleaved(arms: dict[str, Callable[[], dict[str, int]]], rounds: int) -> dict[str, Any]:
+    """Each arm once per round, in turn; medians of the wall times, and each arm's bytes (the same
+    every round, or AssertionError)."""
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    measured: dict[str, dict[str, int]] = {}
+    for _ in range(rounds + 1):  # round 0 warms up
+        for arm, run in arms.items():
+            t0 = time.perf_counter()
+            got = run()
+            dt = time.perf_counter() - t0
+            if arm in measured:
+                assert got == measured[arm], f"{arm}: bytes changed between rounds: {measured[arm]} -> {got}"
+                times[arm].append(dt)
+            measured[arm] = got
+    return {"median_s": {a: statistics.median(t) for a, t in times.items()}, "measured": measured}
+
+
+@pytest.mark.benchmark
+def test_measure_overhead_cpu(benchmark) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        q = build_qlora(QLoRAConfig(model=MODEL, seq_len=SEQ, batch=BATCH))
+        batch = q.batch(0)
+        arms = {arm: (lambda arm=arm: _step(q, batch, arm)[1]) for arm in ARMS}
+        result: dict[str, Any] = {}
+        benchmark.pedantic(lambda: result.update(interleaved(arms, ROUNDS)), rounds=1, iterations=1)
+    finally:
+        torch.set_num_threads(threads)
+    med, measured = result["median_s"], result["measured"]
+    ratios = {f"{arm}_ratio": round(med[arm] / med["plain"], 4) for arm in ARMS if arm != "plain"}
+    benchmark.extra_info["vramguard"] = {
+        "schema": 1,
+        "device": "cpu",
+        "source": "storage-tracker",
+        "params": {"model": MODEL, "seq_len": SEQ, "batch": BATCH, "threads": 1, "rounds": ROUNDS},
+        "metrics": {
+            "saved_bytes": measured["ledger"]["saved_bytes"],
+            "peak_allocated": measured["tracker"]["peak_allocated"],
+            "step_time": med["plain"],
+            **ratios,
+        },
+        "phases": {},
+        "median_s": med,
+    }
+    # the same bytes whichever way they were measured (the ledger alone or beside the tracker)
+    assert measured["both"]["saved_bytes"] == measured["ledger"]["saved_bytes"] > 0
+    assert measured["tracker_modules"]["peak_allocated"] == measured["tracker"]["peak_allocated"] > 0
+    # ledger + tracker: the ledger's one-element node clock (4 B) is the only difference
+    assert 0 <= measured["both"]["peak_allocated"] - measured["tracker"]["peak_allocated"] <= 64
+    assert all(r > 0 for r in ratios.values())
+
+
+def _trainer(q: QLoRAModel, steps: int, callbacks: list[Any], out: str) -> Any:
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback
+
+    rows = torch.cat([q.batch(k)["input_ids"] for k in range(steps)]).tolist()
+    args = TrainingArguments(
+        out,
+        max_steps=steps,
+        per_device_train_batch_size=BATCH,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        use_cpu=True,
+        train_sampling_strategy="sequential",
+    )
+    trainer = Trainer(
+        model=q.model,
+        args=args,
+        train_dataset=Dataset.from_dict({"input_ids": rows, "labels": rows}),
+        callbacks=callbacks,
+    )
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+class _Clock:
+    """Wall time from the end of step ``after`` to the end of training (data loading included)."""
+
+    def __init__(self, after: int) -> None:
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class Cb(TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                if state.global_step == after:
+                    clock.t0 = time.perf_counter()
+
+            def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                clock.elapsed = time.perf_counter() - clock.t0
+
+        self.callback = Cb()
+        self.t0 = self.elapsed = 0.0
+
+
+def callback_overhead(model: str, steps: int, rounds: int, out: str) -> dict[str, Any]:
+    """Trainer runs of ``steps`` steps without the callback, with it measuring every step, and with it
+    measuring step 1 only (``measure_every`` past the end; ledger on step 1), interleaved: median wall
+    of steps 2..``steps`` per arm, and the peaks the every-step arm measured for them."""
+    from vramguard.integrations.transformers import VramGuardCallback
+
+    q = build_qlora(QLoRAConfig(model=model, seq_len=SEQ, batch=BATCH))
+    peaks: dict[str, list[int]] = {}
+
+    def run(every: int | None) -> None:
+        clock = _Clock(after=1)
+        cbs: list[Any] = [clock.callback]
+        vg = None if every is None else VramGuardCallback(ledger_step=1, table=False, measure_every=every)
+        if vg is not None:
+            cbs.insert(0, vg)
+        _trainer(q, steps, cbs, out).train()
+        run.elapsed = clock.elapsed  # type: ignore[attr-defined]
+        if vg is None:
+            return
+        assert vg.report is not None
+        if every == 1:
+            assert len(vg.report.steps) == steps
+            peaks["steps"] = [max(s.peak_bytes.values()) for s in vg.report.steps[1:]]
+        else:
+            assert [s.step for s in vg.report.steps] == [1] and vg.skipped_steps == steps - 1
+
+    arms: dict[str, int | None] = {"plain": None, "callback": 1, "callback_unmeasured": steps + 1}
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    for r in range(rounds + 1):
+        for arm, every in arms.items():
+            run(every)
+            if r:
+                times[arm].append(run.elapsed)  # type: ignore[attr-defined]
+    med = {a: statistics.median(t) for a, t in times.items()}
+    ratios = {f"{a}_ratio": med[a] / med["plain"] for a in arms if a != "plain"}
+    return {"median_s": med, "ratios": ratios, "peaks": peaks["steps"]}
+
+
+@pytest.mark.benchmark
+@pytest.mark.slow  # 18 Trainer runs of small-llama: minutes on CPU
+def test_callback_overhead_cpu(benchmark, tmp_path) -> None:
+    pytest.importorskip("datasets")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {}
+    try:
+        benchmark.pedantic(
+            lambda: result.update(callback_overhead(MODEL, steps=4, rounds=5, out=str(tmp_path))),
+            rounds=1,
+            iterations=1,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    benchmark.extra_info["vramguard"] = {
+        "schema": 1,
+        "device": "cpu",
+        "source": "storage-tracker",
+        "params": {"model": MODEL, "seq_len": SEQ, "batch": BATCH, "threads": 1, "steps": 4, "rounds": 5},
+        "metrics": {
+            "peak_allocated": max(result["peaks"]),
+            "step_time": result["median_s"]["plain"] / 3,
+            **{k: round(v, 4) for k, v in result["ratios"].items()},
+        },
+        "phases": {},
+        "median_s": result["median_s"],
+    }
+    assert all(p > 0 for p in result["peaks"])  # every timed step was measured
+    assert all(r > 0 for r in result["ratios"].values())

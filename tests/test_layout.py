@@ -159,15 +159,6 @@ def test_a_pytest_session_imports_torch_only_when_a_marker_asks(
 
 # -- every public name says what it is for ------------------------------------------------------------
 
-#: Areas other helpers are rewriting in this round; their docstrings land with that work. The lead removes
-#: each entry once its area is merged (test_the_docstring_allowlist_is_not_stale says when).
-DOCSTRINGS_ELSEWHERE = (
-    "vramguard/measure/",  # tracker, ledger, meters
-    "vramguard/integrations/",
-    "vramguard/estimate/",
-    "vramguard/cli/estimate.py",
-)
-
 
 def public_names(path: Path) -> list[tuple[str, ast.AST]]:
     """The public functions, classes and methods of a module (names without a leading underscore; the
@@ -199,16 +190,11 @@ def undocumented(path: Path, root: Path = SRC) -> list[str]:
     return out
 
 
-def _elsewhere(path: Path) -> bool:
-    rel = path.relative_to(SRC).as_posix()
-    return any(rel == entry or rel.startswith(entry) for entry in DOCSTRINGS_ELSEWHERE)
-
-
 def test_every_public_name_has_a_docstring() -> None:
     missing = [
         line
         for path in sorted(PACKAGE.rglob("*.py"))
-        if not _elsewhere(path) and path.name != "__main__.py"
+        if path.name != "__main__.py"
         for line in undocumented(path)
     ]
     assert missing == []
@@ -231,17 +217,3 @@ def test_a_missing_docstring_is_found(tmp_path: Path) -> None:
         "vramguard/m.py:7 run",
         "vramguard/m.py:13 Thing.method",
     ]
-
-
-def test_the_docstring_allowlist_is_not_stale() -> None:
-    """An entry of DOCSTRINGS_ELSEWHERE whose area now documents every public name is to be removed."""
-    files = {
-        entry: [
-            p
-            for p in sorted(PACKAGE.rglob("*.py"))
-            if _elsewhere(p) and p.relative_to(SRC).as_posix().startswith(entry)
-        ]
-        for entry in DOCSTRINGS_ELSEWHERE
-    }
-    done = [entry for entry, paths in files.items() if not any(undocumented(p) for p in paths)]
-    assert done == []

@@ -21,6 +21,8 @@ DESCRIPTION = (
 
 
 def register(subparsers: Any) -> None:
+    """Add the ``estimate`` subcommand: the QLoRA step's options, method, optimizer, offloading, ``--fit``,
+    the target device and the output switches."""
     p = subparsers.add_parser(
         "estimate", help="estimate a QLoRA step's memory at full size (meta device)", description=DESCRIPTION
     )
@@ -75,6 +77,8 @@ def register(subparsers: Any) -> None:
 
 
 def render(report: AuditReport, console: Any) -> None:
+    """Print the estimate as rich tables: saved bytes per decoder layer, the components, the peak per phase
+    and the device total with the overheads the meta run leaves out; then the notes and the verdict line."""
     from rich.table import Table
 
     fb = format_bytes
@@ -166,6 +170,8 @@ def _method(c: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run the estimate the options describe on meta, print it (only the verdict line with ``--quiet``),
+    search ``--fit`` and write ``--json``; exit 1 when the verdict fails or the total exceeds ``--fit``."""
     from vramguard.console import stdout_console
     from vramguard.estimate.run import run_estimate
 

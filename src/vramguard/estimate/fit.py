@@ -45,9 +45,12 @@ class Fit:
 
     @property
     def run_count(self) -> int:
+        """How many meta runs the search took (the totals it was given as ``known`` are not runs)."""
         return len(self.runs)
 
     def to_dict(self) -> dict[str, Any]:
+        """The answer as ``--json`` records it under ``estimate.fit``: every field, each run as a [value,
+        total bytes] pair (null: beyond what torch can describe), and :attr:`run_count`."""
         d = dataclasses.asdict(self)
         d["runs"] = [list(r) for r in self.runs]
         d["run_count"] = self.run_count

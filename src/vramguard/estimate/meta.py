@@ -300,6 +300,9 @@ class MetaQLoRAModel(QLoRAModel):
     dtype (on meta, ``randint`` on the host first would allocate batch x seq x 8 bytes for nothing)."""
 
     def batch(self, step: int = 0) -> dict[str, torch.Tensor]:
+        """Step ``step``'s inputs: on meta, ``input_ids`` and ``labels`` as one uninitialised (batch, seq_len)
+        long tensor, which costs no memory; on a real device, the synthetic tokens of
+        :meth:`QLoRAModel.batch`."""
         if self.config.device != META:
             return super().batch(step)
         ids = torch.empty((self.config.batch, self.config.seq_len), dtype=torch.long, device=META)

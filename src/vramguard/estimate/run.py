@@ -118,6 +118,9 @@ PAGED_MIN_NUMEL = 100_000
 
 
 def make_estimate_optimizer(q: QLoRAModel, name: str = "adamw") -> torch.optim.Optimizer:
+    """The optimizer the estimate steps with, by its :data:`OPTIMIZERS` name: torch AdamW as the audit builds
+    it, or bitsandbytes ``AdamW8bit`` for both 8-bit names (unified memory cannot be had on meta;
+    :func:`paged_state_bytes` names what would be paged). Any other name is a :class:`UsageError`."""
     if name == "adamw":
         return make_optimizer(q)
     if name in ("adamw-8bit", "paged-adamw-8bit"):

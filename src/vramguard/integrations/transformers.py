@@ -146,6 +146,9 @@ class VramGuardCallback(TrainerCallback):
     # -- trainer events ---------------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        """Attach to the trainer's model for this ``train()``: check that it has decoder layers and that
+        ``ledger_step`` is reachable (:class:`UsageError` otherwise), start the tracker on ``args.device`` and
+        install the model's forward hooks and the optimizer-step hook."""
         if model is None:
             raise UsageError("VramGuardCallback: the trainer passed no model to on_train_begin")
         layers = {decoder_layer(n) for n, _ in model.named_modules()} - {None}
@@ -195,6 +198,8 @@ class VramGuardCallback(TrainerCallback):
         return step == self.ledger_step or (step - 1) % self.measure_every == 0
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Open the step's frame and note the bytes live at its start; on a step :meth:`measures` skips, pause
+        the storage tracker instead (the CUDA allocator's statistics need no pause)."""
         if self._tracker is None:
             return
         if not self.measures(state.global_step + 1):
@@ -209,10 +214,15 @@ class VramGuardCallback(TrainerCallback):
         self._calls = {}
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Close the phase still open (backward) and open the ``optimizer`` phase, which runs until
+        :meth:`on_step_end`."""
         if self._current is not None:
             self._open("optimizer")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Close the step: record each phase's peak and the bytes still live (``retained``), resume a paused
+        tracker, and at the first step over ``max_peak`` or ``max_saved_per_layer`` stop training with one
+        line on stderr."""
         self._resume()
         if self._tracker is None or self._current is None:
             return
@@ -234,6 +244,9 @@ class VramGuardCallback(TrainerCallback):
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
+        """On the trainer's loss log of a measured step, add ``vramguard/peak_<phase>_bytes``,
+        ``vramguard/retained_bytes`` and ``vramguard/leak_bytes`` to ``logs`` (and to the log history's entry
+        for that step), where the callbacks after this one see them."""
         if logs is None or not self.steps or "loss" not in logs:
             return
         s = self.steps[-1]
@@ -247,6 +260,9 @@ class VramGuardCallback(TrainerCallback):
             state.log_history[-1].update(metrics)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Remove the hooks and close what is still open, assemble :attr:`report` (the audit's document), and
+        on the main process write it atomically to ``report_path`` and print its tables when ``table`` is
+        set."""
         if self._tracker is None or not self._attached:
             return
         self._detach()

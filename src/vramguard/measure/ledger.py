@@ -73,6 +73,8 @@ class SavedRecord:
     (:func:`vramguard.measure.meters.measure`); not written to JSON."""
 
     def to_dict(self) -> dict[str, Any]:
+        """The record as JSON: shape and ``also_saved_by`` as lists; the process-local ``key`` and ``new`` are
+        left out."""
         d = asdict(self)
         del d["key"], d["new"]
         d["shape"] = list(self.shape)
@@ -98,24 +100,35 @@ class LedgerReport:
 
     @property
     def saved_bytes(self) -> int:
+        """Bytes kept alive for backward (activations and weight copies), each storage once; resident storages
+        are not included."""
         return sum(r.bytes for r in self.records)
 
     @property
     def weight_copy_bytes(self) -> int:
+        """Saved bytes in storages with the shape of a quantized or frozen weight of their module: dequantized
+        weights kept for backward."""
         return sum(r.bytes for r in self.records if r.kind == "weight-copy")
 
     @property
     def activation_bytes(self) -> int:
+        """Saved bytes in activations: every saved storage that is no weight copy."""
         return sum(r.bytes for r in self.records if r.kind == "activation")
 
     @property
     def resident_bytes(self) -> int:
+        """Bytes of the model's own storages (parameters, buffers, quantization state) that the pass saved for
+        backward: there before it, so not counted in :attr:`saved_bytes`."""
         return sum(r.bytes for r in self.resident)
 
     def bytes_by(self, source: Source | None = None) -> int:
+        """Saved bytes of the records a probe saw first (``hook`` or ``ctx``); None: all of them, as
+        :attr:`saved_bytes`."""
         return sum(r.bytes for r in self.records if source is None or r.source == source)
 
     def by_module(self) -> dict[str, int]:
+        """Saved bytes per module (qualified name; ``OUTSIDE`` for ops outside every module): each storage
+        under the innermost module whose forward saved it, not added up into its parents."""
         out: dict[str, int] = defaultdict(int)
         for r in self.records:
             out[r.module] += r.bytes
@@ -140,6 +153,8 @@ class LedgerReport:
         return [r for r in self.records if r.module == prefix or r.module.startswith(prefix + ".")]
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON: the byte totals, then every saved and every resident record
+        (:meth:`SavedRecord.to_dict`)."""
         return {
             "saved_bytes": self.saved_bytes,
             "activation_bytes": self.activation_bytes,
@@ -280,6 +295,9 @@ class SavedTensorLedger:
         return frozenset(self._resident)
 
     def add_roots(self, *tensors: Any) -> None:
+        """Add tensors (in any nesting of tuples, lists and dicts) where the graph walk starts, e.g. a loss
+        computed outside the model. Call it inside the block: the walk runs when the block exits. Only weak
+        references are kept, so a root freed before then is not walked."""
         for t in flat_tensors(tensors):
             self._roots.append(weakref.ref(t))
 

@@ -54,6 +54,8 @@ class Measurement:
         new_only: bool = False,
         predicate: Callable[[SavedRecord], bool] | None = None,
     ) -> list[SavedRecord]:
+        """The kept records of one selection: module ``prefix`` and its submodules (None: every module), only
+        storages the block created with ``new_only``, and only those ``predicate`` accepts."""
         out = []
         for k in self.kept:
             if prefix is not None and not (k.module == prefix or k.module.startswith(prefix + ".")):
@@ -74,21 +76,29 @@ class Measurement:
         return sum(k.bytes for k in (self.kept if items is None else items) if k.new or k.source != "tracker")
 
     def bytes_by(self, source: Source, items: Iterable[SavedRecord] | None = None) -> int:
+        """Bytes of the records (``items``, default: all kept) that probe ``source`` saw first: ``hook``,
+        ``ctx``, or ``tracker`` (the unexplained)."""
         return sum(k.bytes for k in (self.kept if items is None else items) if k.source == source)
 
     @property
     def hook_bytes(self) -> int:
+        """Kept bytes the ``saved_tensors_hooks`` saw."""
         return self.bytes_by("hook")
 
     @property
     def ctx_bytes(self) -> int:
+        """Kept bytes only the walk of custom Functions' ``ctx`` attributes found (no hook saw them)."""
         return self.bytes_by("ctx")
 
     @property
     def unexplained_bytes(self) -> int:
+        """Kept bytes the live tracker alone sees: created by the block, alive after it, held by no
+        saved-tensor hook or ctx (a cache or a private copy)."""
         return self.bytes_by("tracker")
 
     def table(self, items: Iterable[SavedRecord] | None = None, limit: int = 60) -> str:
+        """The records (``items``, default: all kept) as :meth:`SavedRecord.describe` lines, largest first; at
+        most ``limit`` lines, then a count of the rest."""
         rows = sorted(self.kept if items is None else items, key=lambda k: (-k.bytes, k.module))
         lines = [k.describe() for k in rows[:limit]]
         if len(rows) > limit:
@@ -232,6 +242,9 @@ class SavedLimit:
 
 @dataclass
 class LimitVerdict:
+    """The result of :func:`check_limit`: the selection's bytes per probe, its records, and one line per
+    violated rule (none: within the budget, and the probes agree within its tolerance)."""
+
     budget: SavedLimit
     ledger_bytes: int
     tracker_bytes: int
@@ -243,9 +256,13 @@ class LimitVerdict:
 
     @property
     def ok(self) -> bool:
+        """Whether nothing failed: both totals within the budget's bounds and the unexplained bytes within its
+        tolerance."""
         return not self.failures
 
     def detail(self, m: Measurement) -> str:
+        """The itemised text for the pytest report section: the budget (and its formula), each probe's total,
+        the CUDA allocator delta when there is one, and the selection's kept records from ``m``."""
         b = self.budget
         band = (
             f"[{format_bytes(b.min_bytes)}, {format_bytes(b.max_bytes)}]"

@@ -37,15 +37,20 @@ class MemorySource(Protocol):
 
     device: str
 
-    def current(self) -> int: ...
+    def current(self) -> int:
+        """Bytes live on the device now, as this source counts them."""
 
-    def peak(self) -> int: ...
+    def peak(self) -> int:
+        """The highest live bytes since the last :meth:`reset_peak` (or :meth:`start`)."""
 
-    def reset_peak(self) -> None: ...
+    def reset_peak(self) -> None:
+        """Let the peak start again from the bytes live now."""
 
-    def start(self) -> None: ...
+    def start(self) -> None:
+        """Begin measuring, before the block: from here on :meth:`current` and :meth:`peak` describe it."""
 
-    def stop(self) -> None: ...
+    def stop(self) -> None:
+        """End measuring, after the block; numbers read afterwards are no longer kept up to date."""
 
 
 class StorageTracker(TorchDispatchMode):
@@ -70,15 +75,22 @@ class StorageTracker(TorchDispatchMode):
 
     # MemorySource -------------------------------------------------------------------------
     def current(self) -> int:
+        """Bytes of the counted storages still alive: those ops created since :meth:`start` (storages made
+        before it, such as the model's weights, are not among them)."""
         return self._current
 
     def peak(self) -> int:
+        """The highest :meth:`current` since :meth:`start` or the last :meth:`reset_peak`, in bytes."""
         return self._peak
 
     def reset_peak(self) -> None:
+        """Let the peak start again from the bytes live now (:class:`MemoryTracker` folds the old one into its
+        open frames first)."""
         self._peak = self._current
 
     def start(self) -> None:
+        """Enter the dispatch mode with nothing counted: storages of an earlier run are forgotten, and current
+        and peak restart at 0."""
         with self._lock:  # storages of an earlier run are no longer followed: do not count them
             self._live.clear()
             self._refs.clear()
@@ -86,6 +98,8 @@ class StorageTracker(TorchDispatchMode):
         self.__enter__()
 
     def stop(self) -> None:
+        """Leave the dispatch mode and forget the storages counted: freeing them no longer subtracts, so
+        :meth:`current` and :meth:`peak` keep the values they had at the stop."""
         self.__exit__(None, None, None)
         with self._lock:
             self._refs.clear()  # the callbacks of storages counted so far never run
@@ -229,25 +243,37 @@ class CudaAllocatorSource:
         self.device = str(self._device)
 
     def current(self) -> int:
+        """Bytes the caching allocator has handed to tensors on this device now
+        (``torch.cuda.memory_allocated``); cached free blocks are not counted."""
         return int(torch.cuda.memory_allocated(self._device))
 
     def peak(self) -> int:
+        """The highest allocated bytes since the last reset (``torch.cuda.max_memory_allocated``), kernel
+        scratch space included."""
         return int(torch.cuda.max_memory_allocated(self._device))
 
     def reset_peak(self) -> None:
+        """Reset the allocator's peak statistics (allocated and reserved) to the current values."""
         torch.cuda.reset_peak_memory_stats(self._device)
 
     def reserved(self) -> int:
+        """Bytes the caching allocator holds from the driver now (``torch.cuda.memory_reserved``): allocated
+        bytes plus cached free blocks and fragmentation."""
         return int(torch.cuda.memory_reserved(self._device))
 
     def peak_reserved(self) -> int:
+        """The highest reserved bytes since the last reset (``torch.cuda.max_memory_reserved``): what the
+        process took from the device, fragmentation included."""
         return int(torch.cuda.max_memory_reserved(self._device))
 
     def start(self) -> None:
+        """Wait for the kernels already queued, then reset the peaks, so that they describe only what
+        follows."""
         torch.cuda.synchronize(self._device)
         self.reset_peak()
 
     def stop(self) -> None:
+        """Wait for the queued kernels, so that statistics read afterwards include all of the block's work."""
         torch.cuda.synchronize(self._device)
 
 
@@ -273,6 +299,8 @@ class FrameStats:
     reserved_peak_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The stats as the audit's JSON records them: every field, bytes as integers (``reserved_peak_bytes``
+        None off CUDA)."""
         return asdict(self)
 
     def merge(self, call: FrameStats) -> None:
@@ -301,12 +329,18 @@ class Frame:
 
 @dataclass
 class TrackerResult:
+    """What a :class:`MemoryTracker` measured on ``device``: ``peak_bytes``, the highest live bytes of the
+    whole ``with`` block as its source counts them (CPU/meta: storages made inside the block; CUDA: everything
+    allocated), and per phase name and per module name the stats aggregated over their calls."""
+
     device: str
     peak_bytes: int
     phases: dict[str, FrameStats] = field(default_factory=dict)
     modules: dict[str, FrameStats] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as JSON: device, peak bytes, and each phase's and module's
+        :meth:`FrameStats.to_dict`."""
         return {
             "device": self.device,
             "peak_bytes": self.peak_bytes,
@@ -361,6 +395,7 @@ class MemoryTracker:
         self.source.stop()
 
     def current(self) -> int:
+        """Bytes live now as the source counts them (a reading only: no frame's peak is updated)."""
         return self.source.current()
 
     def peak(self) -> int:

@@ -7,10 +7,6 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-
-from vramguard.history.store import ResultStore
-
 # The pytester fixture restores sys.modules when a test ends: a heavy module imported for the first
 # time inside such a test (bitsandbytes, transformers) would be dropped and later imported again, and
 # torch refuses to register its operator libraries twice. So: import nothing new inside these tests;
@@ -18,8 +14,10 @@ from vramguard.history.store import ResultStore
 # is imported here first, since the plugin itself imports them only when a session needs them.
 import bitsandbytes  # noqa: F401
 import hypothesis  # noqa: F401
+import pytest
 import torch  # noqa: F401
 
+from vramguard.history.store import ResultStore
 from vramguard.pytest.benchmark import pin_gpu, visible_gpus
 
 pytest_plugins = ["pytester"]

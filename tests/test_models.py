@@ -377,6 +377,8 @@ def test_a_wheel_install_has_the_presets(tmp_path: Path) -> None:
     )
     assert probe.returncode == 0, probe.stderr
     module, preset = probe.stdout.split()
-    assert Path(module).is_relative_to(site) and Path(preset).is_relative_to(site / "vramguard" / "workload" / "presets")
+    assert Path(module).is_relative_to(site) and Path(preset).is_relative_to(
+        site / "vramguard" / "workload" / "presets"
+    )
     shipped = {n.rsplit("/", 1)[1] for n in zipfile.ZipFile(wheel).namelist() if "/presets/" in n}
     assert shipped == {p.name for p in presets().values()}

@@ -224,11 +224,13 @@ def _nested(draw_leaf):  # a tree of the containers ops take and return, with te
     leaf = st.sampled_from([0, 1.5, None, True, "s", torch.float32, torch.device("cpu")]) | draw_leaf
     return st.recursive(
         leaf,
-        lambda inner: st.lists(inner, max_size=3)
-        | st.lists(inner, max_size=3).map(tuple)
-        | st.dictionaries(st.text(max_size=2), inner, max_size=3)
-        | st.dictionaries(st.text(max_size=2), inner, max_size=2).map(OrderedDict)
-        | st.tuples(inner, inner).map(lambda ab: Pair(*ab)),
+        lambda inner: (
+            st.lists(inner, max_size=3)
+            | st.lists(inner, max_size=3).map(tuple)
+            | st.dictionaries(st.text(max_size=2), inner, max_size=3)
+            | st.dictionaries(st.text(max_size=2), inner, max_size=2).map(OrderedDict)
+            | st.tuples(inner, inner).map(lambda ab: Pair(*ab))
+        ),
         max_leaves=12,
     )
 

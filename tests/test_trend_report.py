@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from vramguard.cli import main
-from vramguard.errors import UsageError
 from vramguard.cli.report import render_html, render_markdown
+from vramguard.errors import UsageError
 from vramguard.history.store import ResultStore
 from vramguard.history.trend import build
 

@@ -48,7 +48,9 @@ def test_lora_keeps_input_and_rank_r(
         m, y = measure(lambda: model(x), model=model, device=device, inputs=x)
     formula = "T*r*e" + (" + T*in*(e+m)" if dropout else "")
     assert_within_budget(
-        m, SavedLimit(f"LoRA over {base} new bytes", new, min_bytes=new, new_only=True, formula=formula), request
+        m,
+        SavedLimit(f"LoRA over {base} new bytes", new, min_bytes=new, new_only=True, formula=formula),
+        request,
     )
     # the pre-existing storages it may keep: the caller's input, once (LoRA-A's, and the 8-bit base's ctx.A)
     old = [k for k in m.kept if not k.new]

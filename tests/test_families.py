@@ -246,16 +246,56 @@ def test_a_storage_that_stopped_being_a_parameter_is_saved_not_resident() -> Non
         ("cuda", 2, 32, 8, 64, False, "flash"),  # bf16 GQA, no mask: flash with enable_gqa
         ("cuda", 4, 32, 8, 64, False, "math"),  # fp32: no flash; fewer k/v heads: no memory-efficient
         ("cuda", 4, 32, 32, 64, False, "efficient"),  # fp32, equal heads
-        ("cuda", 2, 32, 8, 64, True, "efficient"),  # a mask: no flash; transformers repeats k/v itself
+        ("cuda", 2, 32, 32, 64, True, "efficient"),  # a mask: no flash (transformers repeated k/v)
+        ("cuda", 2, 32, 8, 64, True, "math"),  # unequal heads with a mask: no fused kernel at all
         ("cuda", 2, 8, 8, 512, False, "efficient"),  # flash takes head dims up to 256
+        ("cuda", 2, 32, 8, 100, False, "flash"),  # any head dim up to 256: torch pads it to 8
     ],
 )
 def test_sdpa_kernel_follows_torchs_rules(
     device: str, act_bytes: int, heads: int, kv_heads: int, head_dim: int, mask: bool, kernel: str
 ) -> None:
-    """The CUDA cases as torch refused them on an H100 (docs/measurements/): flash "Expected query, key
-    and value to all be of dtype: {Half, BFloat16}", memory-efficient "both fused kernels require
-    query, key and value to have the same num_heads"."""
+    """torch's CUDA rules. The fp32 GQA row is what an H100 did (docs/measurements/: flash "Expected
+    query, key and value to all be of dtype: {Half, BFloat16}", memory-efficient "both fused kernels
+    require query, key and value to have the same num_heads"); the others are read from torch's
+    rules, not yet seen on a GPU."""
     from vramguard.model.layers import sdpa_kernel
 
     assert sdpa_kernel(device, act_bytes, heads, kv_heads, head_dim, mask) == kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_math_attention_keeps_what_the_formula_prices(dtype: torch.dtype) -> None:
+    """torch's math composite (what CUDA runs for fp32 GQA attention) keeps q and k scaled, k and v
+    repeated to all heads and the probabilities, and upcasts fp16/bf16 inputs to fp32 first (torch's
+    default: no reduced-precision math sdpa), so those are fp32 whatever the activations' width."""
+    from vramguard.model.layers import LayerShape, layer_terms
+
+    b, a, kv, s, d = 2, 4, 2, 16, 8
+    q, k, v = (torch.randn(b, h, s, d, dtype=dtype, requires_grad=True) for h in (a, kv, kv))
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.ops.aten._scaled_dot_product_attention_math(q, k, v, None, 0.0, False, enable_gqa=True)
+    inputs = {t.untyped_storage().data_ptr() for t in (q, k, v)}
+    got = sum(n for ptr, n in kept.items() if ptr not in inputs)
+    shape = LayerShape(
+        batch=b,
+        seq=s,
+        hidden=a * d,
+        heads=a,
+        kv_heads=kv,
+        head_dim=d,
+        intermediate=8,
+        rank=1,
+        act_bytes=dtype.itemsize,
+        sdpa_kernel="math",
+    )
+    terms = layer_terms(shape)
+    assert got == sum(
+        terms[n] for n in ("attn_q(scaled)", "attn_k(repeated, scaled)", "attn_v(repeated)", "attn_probs")
+    )

@@ -162,12 +162,15 @@ def layer_terms(shape: LayerShape) -> dict[str, int]:
     if shape.attn == "sdpa" and shape.sdpa_kernel == "math":
         # the composite: q and k each times sqrt(scale) (k repeated to a heads first, as enable_gqa
         # asks), q @ k^T keeps both, the softmax and probs @ v keep the probabilities and v (repeated)
-        terms["attn_q(scaled)"] = T * a * d * e
-        terms["attn_k(repeated, scaled)"] = T * a * d * e
-        terms["attn_v(repeated)"] = T * a * d * e if kv != a else v_sdpa
+        # fp16/bf16 inputs are upcast to fp32 first (torch's default: no reduced-precision math sdpa),
+        # so the composite's own tensors are fp32 whatever e is; its output comes back in e
+        m = FP32
+        terms["attn_q(scaled)"] = T * a * d * m
+        terms["attn_k(repeated, scaled)"] = T * a * d * m
+        terms["attn_v(repeated)"] = T * a * d * m if (kv != a or e != m) else v_sdpa
         if not shape.dropout:  # the kernel keeps no output: only o_proj's LoRA-A keeps its input
             terms["attn_out(o_proj input)"] = T * a * d * e
-        terms["attn_probs"] = b * a * s * s * e
+        terms["attn_probs"] = b * a * s * s * m
     elif shape.attn == "sdpa":
         terms["attn_q"] = T * a * d * e
         if shape.window_mask:
@@ -218,19 +221,23 @@ def sdpa_kernel(
     """The kernel torch's ``scaled_dot_product_attention`` runs for a decoder layer's attention.
 
     transformers passes k and v with their ``kv_heads`` and ``enable_gqa=True`` when it passes no
-    mask; with a mask it repeats them to ``heads`` itself. On the CPU torch takes its flash kernel
-    for every dtype, fewer k/v heads included. On CUDA (the rules of torch 2.5+, seen on an H100
-    with torch 2.11, docs/measurements/): flash needs fp16/bf16, no explicit mask and a head dim
-    of at most 256 (a multiple of 8); the memory-efficient kernel takes fp32 and masks but only
-    the same number of heads for q, k and v; anything else runs the math composite. The
-    attention runs in the residual stream's dtype (``act_bytes``): fp32 after PEFT's
-    ``prepare_model_for_kbit_training``, so a GQA model's attention is the math composite there.
+    mask; with a mask it repeats them to ``heads`` itself (so the kernel sees equal heads). On the
+    CPU torch takes its flash kernel for every dtype, fewer k/v heads included. On CUDA, torch's
+    rules (sm80+): flash needs fp16/bf16, no explicit mask and a head dim of at most 256 (padded to
+    a multiple of 8 by torch); the memory-efficient kernel takes fp32 and masks but only the same
+    number of heads for q, k and v; anything else runs the math composite. Measured on an H100
+    (torch 2.11, docs/measurements/): the fp32 cases, which are QLoRA's, since the attention runs in
+    the residual stream's dtype (``act_bytes``) and PEFT's ``prepare_model_for_kbit_training`` makes
+    that fp32: a GQA model's attention is the math composite there, an equal-heads one memory-
+    efficient. Inferred from torch's rules, not yet seen on a GPU: the fp16/bf16 rows. Not modelled:
+    GPUs before sm80 (no flash), sm86/89's refusal of flash with gradients for head dims over 192,
+    and torch builds that prefer cuDNN attention.
     """
     if device_type != "cuda":
         return "flash"
-    if act_bytes == 2 and not explicit_mask and head_dim <= 256 and head_dim % 8 == 0:
+    if act_bytes == 2 and not explicit_mask and head_dim <= 256:
         return "flash"
-    if kv_heads == heads or explicit_mask:
+    if kv_heads == heads:
         return "efficient"
     return "math"
 
@@ -276,7 +283,9 @@ def shape_from(
     a = int(spec_fields["num_attention_heads"])
     kv = int(spec_fields.get("num_key_value_heads") or a)
     d = int(spec_fields.get("head_dim") or h // a)
-    kernel = sdpa_kernel(device_type, act_bytes, a, kv, d, bool(features.get("window_mask", False)))
+    mask = bool(features.get("window_mask", False))
+    # with a mask transformers repeats k and v to a heads before the kernel
+    kernel = sdpa_kernel(device_type, act_bytes, a, a if mask else kv, d, mask)
     return LayerShape(
         batch=batch,
         seq=seq,

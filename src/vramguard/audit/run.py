@@ -12,7 +12,8 @@ import shutil
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -197,20 +198,80 @@ def run_audit(
     with MemoryTracker(config.device, model=q.model) as tracker:
         results, ledger = run_steps(q, steps, tracker, optimizer=optimizer, ledger_step=0, on_step=on_step)
     assert ledger is not None
-    return _assemble(q, config, budget, tracker, results, ledger, optimizer, top, time.perf_counter() - t0)
+    return assemble_report(
+        q, config, budget, tracker, results, ledger, optimizer, top, time.perf_counter() - t0
+    )
 
 
-def _lora_training_bytes(q: QLoRAModel, optimizer: torch.optim.Optimizer) -> int:
-    """LoRA weights + their gradients (same size, alive between backward and step) + optimizer state."""
-    params = q.trainable_parameters()
-    weights = sum(p.numel() * p.element_size() for p in params)
+def lora_training_bytes(trainable: Iterable[torch.nn.Parameter], optimizer: Any) -> int:
+    """LoRA weights + their gradients (same size, alive between backward and step) + optimizer state.
+    ``optimizer`` may be a wrapper holding the real one as ``.optimizer`` (accelerate's, in a Trainer)."""
+    weights = sum(p.numel() * p.element_size() for p in trainable)
+    inner = getattr(optimizer, "optimizer", optimizer)
     state = sum(
-        storage_nbytes(t) for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+        storage_nbytes(t)
+        for s in getattr(inner, "state", {}).values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
     )
     return 2 * weights + state
 
 
-def _layers(ledger: LedgerReport, budget: Budget, top: int) -> list[LayerRow]:
+def totals_of(ledger: LedgerReport, model: torch.nn.Module, layers: list[LayerRow]) -> Totals:
+    """The report's totals: what the ledger saw kept, by probe and kind, and the model's resident bytes."""
+    return Totals(
+        saved_bytes=ledger.saved_bytes,
+        hook_bytes=ledger.bytes_by("hook"),
+        ctx_bytes=ledger.bytes_by("ctx"),
+        activation_bytes=ledger.activation_bytes,
+        weight_copy_bytes=ledger.weight_copy_bytes,
+        resident_seen_bytes=ledger.resident_bytes,
+        model_resident_bytes=frozen_resident_bytes(model),
+        outside_layers_bytes=ledger.saved_bytes - sum(row.saved_bytes for row in layers),
+    )
+
+
+def budget_comparison(
+    budget: Budget, totals: Totals, ledger: LedgerReport, measured_lora_training: int
+) -> BudgetComparison:
+    """Measured against the analytic budget (activation terms ``None`` where no analytic model applies)."""
+    modelled = not budget.no_analytic_model
+    return BudgetComparison(
+        quantized_params=budget.quantized_params,
+        lora_params=budget.lora_params,
+        other_params=budget.other_params,
+        analytic_weights_bytes=budget.weights_bytes,
+        measured_weights_bytes=totals.model_resident_bytes,
+        analytic_lora_training_bytes=budget.lora_training_bytes,
+        measured_lora_training_bytes=measured_lora_training,
+        analytic_activation_bytes=budget.activation_bytes if modelled else None,
+        measured_activation_bytes=ledger.saved_bytes,
+        analytic_logits_bytes=budget.logits_bytes if modelled else None,
+        analytic_outside_layers_bytes=budget.logits_bytes + budget.shared_bytes if modelled else None,
+        activation_ratio=(
+            (ledger.saved_bytes / budget.activation_bytes if budget.activation_bytes else 0.0)
+            if modelled
+            else None
+        ),
+        analytic_model=budget.family if modelled else None,
+        no_analytic_model=budget.no_analytic_model,
+    )
+
+
+def weight_copy_problem(ledger: LedgerReport) -> str | None:
+    """The verdict's line for dequantized weights kept for backward, or ``None`` when there are none."""
+    if not ledger.weight_copy_bytes:
+        return None
+    worst = next(r for r in ledger.records if r.kind == "weight-copy")
+    return (
+        f"{format_bytes(ledger.weight_copy_bytes)} of weight copies saved for backward "
+        f"(largest: {worst.describe()})"
+    )
+
+
+def layer_rows(ledger: LedgerReport, budget: Budget | None = None, top: int = 3) -> list[LayerRow]:
+    """Per decoder layer: what the ledger saw kept, by kind, the ``top`` modules, and the analytic
+    budget's figure for the layer (``None`` without a budget or an analytic model)."""
     groups = ledger.by_layer()
     rows: list[LayerRow] = []
     for name in sorted(groups, key=lambda n: int(n.rsplit(".", 1)[1])):
@@ -227,7 +288,7 @@ def _layers(ledger: LedgerReport, budget: Budget, top: int) -> list[LayerRow]:
                 weight_copy_bytes=sum(r.bytes for r in records if r.kind == "weight-copy"),
                 analytic_bytes=(
                     None
-                    if budget.no_analytic_model
+                    if budget is None or budget.no_analytic_model
                     else budget.layer_bytes[index]
                     if index < len(budget.layer_bytes)
                     else 0
@@ -238,7 +299,7 @@ def _layers(ledger: LedgerReport, budget: Budget, top: int) -> list[LayerRow]:
     return rows
 
 
-def _assemble(
+def assemble_report(
     q: QLoRAModel,
     config: QLoRAConfig,
     budget: Budget,
@@ -249,18 +310,9 @@ def _assemble(
     top: int,
     elapsed: float,
 ) -> AuditReport:
-    layers = _layers(ledger, budget, top)
-    in_layers = sum(row.saved_bytes for row in layers)
-    totals = Totals(
-        saved_bytes=ledger.saved_bytes,
-        hook_bytes=ledger.bytes_by("hook"),
-        ctx_bytes=ledger.bytes_by("ctx"),
-        activation_bytes=ledger.activation_bytes,
-        weight_copy_bytes=ledger.weight_copy_bytes,
-        resident_seen_bytes=ledger.resident_bytes,
-        model_resident_bytes=frozen_resident_bytes(q.model),
-        outside_layers_bytes=ledger.saved_bytes - in_layers,
-    )
+    """The audit's document from one run (vramguard's loop, or the estimate's meta run)."""
+    layers = layer_rows(ledger, budget, top)
+    totals = totals_of(ledger, q.model, layers)
     modelled = None if budget.no_analytic_model else budget.family
     phases = {
         name: PhasePeak(
@@ -270,27 +322,8 @@ def _assemble(
         )
         for name in PHASES
     }
-    comparison = BudgetComparison(
-        quantized_params=budget.quantized_params,
-        lora_params=budget.lora_params,
-        other_params=budget.other_params,
-        analytic_weights_bytes=budget.weights_bytes,
-        measured_weights_bytes=totals.model_resident_bytes,
-        analytic_lora_training_bytes=budget.lora_training_bytes,
-        measured_lora_training_bytes=_lora_training_bytes(q, optimizer),
-        analytic_activation_bytes=None if modelled is None else budget.activation_bytes,
-        measured_activation_bytes=ledger.saved_bytes,
-        analytic_logits_bytes=None if modelled is None else budget.logits_bytes,
-        analytic_outside_layers_bytes=None if modelled is None else budget.logits_bytes + budget.shared_bytes,
-        activation_ratio=(
-            None
-            if modelled is None
-            else ledger.saved_bytes / budget.activation_bytes
-            if budget.activation_bytes
-            else 0.0
-        ),
-        analytic_model=modelled,
-        no_analytic_model=budget.no_analytic_model,
+    comparison = budget_comparison(
+        budget, totals, ledger, lora_training_bytes(q.trainable_parameters(), optimizer)
     )
     steps = [
         StepRow(
@@ -347,12 +380,8 @@ def _verdict(
 ) -> Verdict:
     problems: list[str] = []
     notes: list[str] = []
-    if totals.weight_copy_bytes:
-        worst = next(r for r in ledger.records if r.kind == "weight-copy")
-        problems.append(
-            f"{format_bytes(totals.weight_copy_bytes)} of weight copies saved for backward "
-            f"(largest: {worst.describe()})"
-        )
+    if (copies := weight_copy_problem(ledger)) is not None:
+        problems.append(copies)
     if leak > _leak_tolerance(config.device):
         problems.append(f"retained memory grew by {format_bytes(leak)} over {len(steps)} steps (a leak)")
     ratio = budget.activation_ratio

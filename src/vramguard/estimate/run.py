@@ -15,7 +15,7 @@ import time
 import torch
 
 from vramguard.audit.report import AuditReport, DeviceEstimate, Overhead, Verdict
-from vramguard.audit.run import _assemble, budget_of
+from vramguard.audit.run import assemble_report, budget_of
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import META, TARGETS, build_meta, forced_decisions
 from vramguard.estimate.offload import OffloadActivations
@@ -218,7 +218,9 @@ def run_estimate(
     assert ledger is not None
     if taken["find_packed_sequence_indices"] == 0 and taken["scaled_dot_product_attention"] == 0:
         taken = {}  # neither branch exists in this transformers version / model: nothing was forced
-    report = _assemble(q, q.config, budget, tracker, results, ledger, opt, top, time.perf_counter() - t0)
+    report = assemble_report(
+        q, q.config, budget, tracker, results, ledger, opt, top, time.perf_counter() - t0
+    )
     weights = report.totals.model_resident_bytes
     trainable = sum(p.numel() * p.element_size() for p in q.trainable_parameters())
     phase = max(PHASES, key=lambda name: report.phases[name].peak_bytes)

@@ -41,17 +41,20 @@ from vramguard.atomic import write_text_atomic
 from vramguard.audit.report import (
     SCHEMA_VERSION,
     AuditReport,
-    BudgetComparison,
-    LayerRow,
     PhasePeak,
     StepRow,
-    Totals,
     Verdict,
+)
+from vramguard.audit.run import (
+    budget_comparison,
+    layer_rows,
+    lora_training_bytes,
+    totals_of,
+    weight_copy_problem,
 )
 from vramguard.errors import UsageError
 from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.ledger import LedgerReport, SavedTensorLedger, iter_graph
-from vramguard.measure.storage import frozen_resident_bytes, storage_nbytes
 from vramguard.measure.tracker import (
     CudaAllocatorSource,
     FrameStats,
@@ -442,7 +445,7 @@ class VramGuardCallback(TrainerCallback):
                     f"{format_bytes(self.max_peak)}"
                 )
         if self.max_saved_per_layer is not None and self.ledger is not None and s.step == self.ledger_step:
-            for row in _layer_rows(self.ledger):
+            for row in layer_rows(self.ledger):
                 if row.saved_bytes > self.max_saved_per_layer:
                     return (
                         f"{row.name} saved {format_bytes(row.saved_bytes)} for backward in step {s.step}, above "
@@ -454,34 +457,13 @@ class VramGuardCallback(TrainerCallback):
         assert self._model is not None and self._tracker is not None
         model = self._model
         ledger = self.ledger or LedgerReport()
-        layers = _layer_rows(ledger)
-        in_layers = sum(r.saved_bytes for r in layers)
-        totals = Totals(
-            saved_bytes=ledger.saved_bytes,
-            hook_bytes=ledger.bytes_by("hook"),
-            ctx_bytes=ledger.bytes_by("ctx"),
-            activation_bytes=ledger.activation_bytes,
-            weight_copy_bytes=ledger.weight_copy_bytes,
-            resident_seen_bytes=ledger.resident_bytes,
-            model_resident_bytes=frozen_resident_bytes(model),
-            outside_layers_bytes=ledger.saved_bytes - in_layers,
-        )
-        budget = weights_budget(model, reason=NO_ANALYTIC_MODEL)
-        comparison = BudgetComparison(
-            quantized_params=budget.quantized_params,
-            lora_params=budget.lora_params,
-            other_params=budget.other_params,
-            analytic_weights_bytes=budget.weights_bytes,
-            measured_weights_bytes=totals.model_resident_bytes,
-            analytic_lora_training_bytes=budget.lora_training_bytes,
-            measured_lora_training_bytes=_lora_training_bytes(model, self._optimizer),
-            analytic_activation_bytes=None,
-            measured_activation_bytes=ledger.saved_bytes,
-            analytic_logits_bytes=None,
-            analytic_outside_layers_bytes=None,
-            activation_ratio=None,
-            analytic_model=None,
-            no_analytic_model=NO_ANALYTIC_MODEL,
+        layers = layer_rows(ledger)
+        totals = totals_of(ledger, model, layers)
+        comparison = budget_comparison(
+            weights_budget(model, reason=NO_ANALYTIC_MODEL),
+            totals,
+            ledger,
+            lora_training_bytes((p for p in model.parameters() if p.requires_grad), self._optimizer),
         )
         phases = {}
         for name in PHASES:
@@ -503,12 +485,8 @@ class VramGuardCallback(TrainerCallback):
         notes: list[str] = []
         if self.stopped:
             problems.append(self.stopped)
-        if ledger.weight_copy_bytes:
-            worst = next(r for r in ledger.records if r.kind == "weight-copy")
-            problems.append(
-                f"{format_bytes(ledger.weight_copy_bytes)} of weight copies saved for backward "
-                f"(largest: {worst.describe()})"
-            )
+        if (copies := weight_copy_problem(ledger)) is not None:
+            problems.append(copies)
         if leak > self._tolerance():
             problems.append(f"retained memory grew by {format_bytes(leak)} over {len(steps)} steps (a leak)")
         missing = [p for p in PHASES if p not in phases]
@@ -589,22 +567,6 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (tuple, list)):
         return [t for v in obj for t in _tensors(v)]
     return []
-
-
-def _lora_training_bytes(model: torch.nn.Module, optimizer: Any) -> int:
-    """Trainable weights + their gradients + the optimizer state (as ``vramguard audit`` counts them)."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    state = getattr(inner, "state", {})
-    return 2 * weights + sum(
-        storage_nbytes(t) for s in state.values() for t in s.values() if isinstance(t, torch.Tensor)
-    )
-
-
-def _layer_rows(ledger: LedgerReport, top: int = 3) -> list[LayerRow]:
-    from vramguard.audit.run import _layers
-
-    return _layers(ledger, weights_budget(torch.nn.Module(), reason="-"), top)
 
 
 def render(report: AuditReport, console: Any) -> None:

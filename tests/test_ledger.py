@@ -517,3 +517,32 @@ def test_tiny_qlora_has_no_weight_copy_and_everything_is_fp32_activation(tiny_re
     owners = {r.owner for r in tiny_report.resident}
     q_proj = "base_model.model.model.layers.1.self_attn.q_proj.base_layer.weight"
     assert {q_proj, q_proj + ".quant_state.absmax", q_proj + ".quant_state.state2.code"} <= owners
+
+
+def test_offloaded_storages_freed_in_the_forward_stay_separate_records():
+    """Under activation offloading the saved tensor's own storage may die during the forward (the offloader
+    holds a copy) and a later storage be allocated at its address: a storage key is unique only while the
+    storage lives. Keyed by address alone, the ledger merged those into one record (96 of 200 here on CPU);
+    each saved storage is its own record, with or without offloading."""
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def ledger_of(offload: bool) -> LedgerReport:
+        # pin_memory=True on a machine without CUDA: save_on_cpu copies every saved tensor (torch.empty + copy_)
+        hooks = torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else None
+        if hooks is not None:
+            hooks.__enter__()
+        try:
+            with SavedTensorLedger() as ledger:
+                y = x
+                for i in range(200):  # tanh saves its output, sin its input: one saved tensor per op
+                    y = (y * 1.0001).sin() if i % 2 else y.tanh()
+                ledger.add_roots(y)
+        finally:
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
+        return ledger.report
+
+    plain, offloaded = ledger_of(False), ledger_of(True)
+    assert len(plain.records) == 200
+    assert len(offloaded.records) == len(plain.records)
+    assert offloaded.saved_bytes == plain.saved_bytes == 200 * x.nbytes

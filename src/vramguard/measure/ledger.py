@@ -178,10 +178,11 @@ class _Slot:
         self.outer = outer
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pack:
     slot: weakref.ref[_Slot]
     key: StorageKey
+    life: int  # which storage of that key (see SavedTensorLedger._life_of)
     nbytes: int
     shape: tuple[int, ...]
     dtype: str
@@ -287,7 +288,12 @@ class SavedTensorLedger:
         self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
         self._resident: dict[StorageKey, str] = {}
         self._weights: dict[str, set[tuple[int, ...]]] = {}
-        self._inputs: dict[str, set[StorageKey]] = defaultdict(set)  # storages passed into each module
+        # storages passed into each module, as (key, life)
+        self._inputs: dict[str, set[tuple[StorageKey, int]]] = defaultdict(set)
+        # key -> (weakref to the storage last seen under it, its life number): a key is a StorageImpl
+        # address, unique only while that storage lives. Under offloading the saved storage may die in the
+        # forward and a later one be allocated at its address: a new life, a record of its own
+        self._lives: dict[StorageKey, tuple[weakref.ref[Any], int]] = {}
 
     @property
     def resident_keys(self) -> frozenset[StorageKey]:
@@ -342,15 +348,17 @@ class SavedTensorLedger:
             self.report = self._build_report()
         self._packs.clear()
         self._inputs.clear()
+        self._lives.clear()
 
     def _pre_hook(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             assert self._clock is not None
             for t in flat_tensors((args, kwargs)):
                 try:
-                    self._inputs[name].add(storage_key(t))
+                    storage = t.untyped_storage()
                 except (RuntimeError, NotImplementedError):  # tensors without a storage (sparse, wrappers)
-                    pass
+                    continue
+                self._inputs[name].add((int(storage._cdata), self._life_of(storage)))
             self._open.append((name, self._clock.now()))
             self._stack.append(name)
 
@@ -369,13 +377,27 @@ class SavedTensorLedger:
 
         return hook
 
+    def _life_of(self, storage: Any) -> int:
+        """The life number of ``storage`` under its key: the same while that storage lives, a new one for a
+        storage allocated at the address of one that died."""
+        key = int(storage._cdata)
+        seen = self._lives.get(key)
+        if seen is not None and seen[0]() is storage:
+            return seen[1]
+        life = seen[1] + 1 if seen is not None else 0
+        self._lives[key] = (weakref.ref(storage), life)
+        return life
+
     def _pack(self, tensor: torch.Tensor) -> _Slot:
         assert self._clock is not None
+        storage = tensor.untyped_storage()
+        life = self._life_of(storage)
         slot = _Slot(None, self._outer[0](tensor)) if self._outer is not None else _Slot(tensor.detach())
         self._packs.append(
             _Pack(
                 slot=weakref.ref(slot),
-                key=storage_key(tensor),
+                key=int(storage._cdata),
+                life=life,
                 nbytes=storage_nbytes(tensor),
                 shape=tuple(tensor.shape),
                 dtype=str(tensor.dtype).removeprefix("torch."),
@@ -409,17 +431,17 @@ class SavedTensorLedger:
                 best = (depth, name)
         return best[1] if best else OUTSIDE
 
-    def _kind(self, module: str, shape: tuple[int, ...], key: StorageKey) -> Kind:
+    def _kind(self, module: str, shape: tuple[int, ...], key: StorageKey, life: int) -> Kind:
         if key in self._resident:
             return "resident"
         if len(shape) == 2:
             for owner, shapes in self._weights.items():
                 inside = owner == module or not owner or module.startswith(owner + ".")
-                if inside and shape in shapes and not self._passed_in(key, module, owner):
+                if inside and shape in shapes and not self._passed_in((key, life), module, owner):
                     return "weight-copy"
         return "activation"
 
-    def _passed_in(self, key: StorageKey, module: str, owner: str) -> bool:
+    def _passed_in(self, key: tuple[StorageKey, int], module: str, owner: str) -> bool:
         """Whether the storage was an input of ``module`` or of an enclosing module up to ``owner``:
         then it is an activation that merely has a weight's shape (a LoRA-A input of batch*seq
         rows equal to the layer's out_features), not a copy made from the weight."""
@@ -435,10 +457,10 @@ class SavedTensorLedger:
         roots = [t for t in (r() for r in self._roots) if t is not None]
         nodes = list(iter_graph(roots))
         node_names = {int(n._sequence_nr()): n.name() for n in nodes}
-        entries: dict[StorageKey, dict[str, Any]] = {}
+        entries: dict[tuple[StorageKey, int], dict[str, Any]] = {}
 
         def add(
-            key: StorageKey,
+            key: tuple[StorageKey, int],
             t_meta: dict[str, Any],
             node: tuple[int, str],
             source: Source,
@@ -460,7 +482,7 @@ class SavedTensorLedger:
                 "bytes": p.nbytes,
                 "device": p.device,
             }
-            add(p.key, meta, (p.node_seq, node_names.get(p.node_seq, "<unknown>")), "hook", None)
+            add((p.key, p.life), meta, (p.node_seq, node_names.get(p.node_seq, "<unknown>")), "hook", None)
 
         for node in nodes:
             if not isinstance(node, BackwardCFunction):
@@ -477,11 +499,13 @@ class SavedTensorLedger:
                         "bytes": storage_nbytes(t),
                         "device": str(t.device),
                     }
-                    add(storage_key(t), meta, (int(node._sequence_nr()), node.name()), "ctx", attr + path)
+                    storage = t.untyped_storage()
+                    key = (int(storage._cdata), self._life_of(storage))
+                    add(key, meta, (int(node._sequence_nr()), node.name()), "ctx", attr + path)
 
         report = LedgerReport()
-        for key, e in entries.items():
-            kind = self._kind(e["module"], e["shape"], key)
+        for (key, life), e in entries.items():
+            kind = self._kind(e["module"], e["shape"], key, life)
             record = SavedRecord(
                 module=e["module"],
                 node=e["nodes"][0][1],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -16,6 +17,8 @@ from vramguard.workload.models import QLoRAConfig, build_qlora
 from vramguard.workload.training import make_optimizer
 
 pytest.importorskip("transformers")
+
+from transformers import TrainerCallback  # noqa: E402
 
 CONFIG = QLoRAConfig(model="tiny-llama", seq_len=128, batch=2)
 STEPS = 2
@@ -414,3 +417,117 @@ def test_offloading_goes_on_during_the_ledger_step(tmp_path):
     assert cb.steps[0].above == plain.steps[0].above and cb.steps[0].peaks == plain.steps[0].peaks
     assert cb.report.totals.saved_bytes == plain.report.totals.saved_bytes
     assert cb.report.layers == plain.report.layers
+
+
+OFFLOAD_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _config_on(device: str) -> QLoRAConfig:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return dataclasses.replace(CONFIG, device=device)
+
+
+class _PerStep(TrainerCallback):
+    """Opens a new list in ``self.steps`` at each step's begin (what an offloader packed in that step)."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[int]] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.steps.append([])
+
+
+def _counting(offload, per_step: _PerStep):
+    """``offload`` (a saved_tensors_hooks) with its pack hook noting each packed tensor's bytes."""
+    pack = offload.pack_hook
+
+    def counted(t):
+        per_step.steps[-1].append(t.numel() * t.element_size())
+        return pack(t)
+
+    offload.pack_hook = counted
+    return offload
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+def test_callback_counts_the_host_copies_of_offloaded_activations(tmp_path, device):
+    """``save_on_cpu(pin_memory=True)`` copies every tensor autograd saves into a host buffer of its size
+    (``torch.empty`` + ``copy_``; on a machine without CUDA too) and autograd frees them in backward. From
+    that alone: a step's host peak is the sum of the bytes packed in it (all alive at the end of its
+    forward), nothing is left on the host after the step, and the device retains what a run without
+    offloading retains. On CUDA the device's forward peak is lower than without offloading."""
+    config = _config_on(device)
+    overrides = {"use_cpu": device == "cpu"}
+    plain = VramGuardCallback(table=False)
+    _trainer(build_qlora(config), plain, tmp_path, steps=3, **overrides).train()
+
+    per_step = _PerStep()
+    cb = VramGuardCallback(table=False)
+    trainer = _trainer(build_qlora(config), cb, tmp_path, steps=3, **overrides)
+    trainer.add_callback(per_step)
+    with _counting(torch.autograd.graph.save_on_cpu(pin_memory=True), per_step):
+        trainer.train()
+    report = cb.report
+    assert report is not None and plain.report is not None
+    assert report.verdict.ok, report.verdict.line
+    assert len(report.steps) == len(per_step.steps) == 3
+    for step, packed in zip(report.steps, per_step.steps, strict=True):
+        assert sum(packed) > 0
+        assert step.host_peak_bytes == sum(packed), (step.step, step.host_peak_bytes, sum(packed))
+        assert step.host_retained_bytes == 0
+    assert [s.retained_bytes for s in report.steps] == [s.retained_bytes for s in plain.report.steps]
+    assert all(s.host_peak_bytes is None for s in plain.report.steps)
+    assert report.config["activation_offloading"] is True
+    assert any("activation offloading was in force" in n for n in report.verdict.notes)
+    if device == "cuda":
+        assert report.phases["forward"].peak_bytes < plain.report.phases["forward"].peak_bytes
+
+
+def test_host_copies_kept_after_the_step_fail_the_verdict(tmp_path):
+    """An offloader that keeps its host copies after backward (a list that is never emptied) leaks host
+    memory: the step's ``host_retained_bytes`` says how much, and the verdict fails with one line."""
+    kept: list[torch.Tensor] = []
+
+    def pack(t):
+        copy = torch.empty(t.size(), dtype=t.dtype)  # the host buffer, as save_on_cpu makes it
+        copy.copy_(t)
+        kept.append(copy)
+        return t.device, copy
+
+    def unpack(packed):
+        device, copy = packed
+        return copy.to(device)
+
+    cb = VramGuardCallback(table=False)
+    trainer = _trainer(build_qlora(CONFIG), cb, tmp_path, steps=2)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        trainer.train()
+    report = cb.report
+    assert report is not None
+    first = report.steps[0]
+    assert first.host_retained_bytes == sum(c.nbytes for c in kept[: len(kept) // 2]) > 0
+    assert report.steps[1].host_retained_bytes == sum(c.nbytes for c in kept)
+    assert not report.verdict.ok
+    assert any("activation offloading left" in p and "after step 1" in p for p in report.verdict.problems)
+
+
+@pytest.mark.gpu
+def test_trl_activation_offloading_in_the_callback(tmp_path):
+    """TRL's ``SFTConfig(activation_offloading=True)`` (``OffloadActivations``: it needs an accelerator, so
+    CUDA only): its host copies are counted, none outlives its step, and the device retains what a run
+    without offloading retains while its forward peak is lower."""
+    config = _config_on("cuda")
+    runs = {}
+    for offload in (False, True):
+        cb = VramGuardCallback(table=False)
+        _sft(build_qlora(config), cb, tmp_path, steps=3, use_cpu=False, activation_offloading=offload).train()
+        assert cb.report is not None
+        runs[offload] = cb.report
+    plain, offloaded = runs[False], runs[True]
+    assert offloaded.config.get("activation_offloading") is True
+    for step in offloaded.steps:
+        assert step.host_peak_bytes and step.host_peak_bytes > 0, step
+        assert step.host_retained_bytes == 0, step
+    assert [s.retained_bytes for s in offloaded.steps] == [s.retained_bytes for s in plain.steps]
+    assert offloaded.phases["forward"].peak_bytes < plain.phases["forward"].peak_bytes

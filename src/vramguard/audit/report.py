@@ -79,6 +79,10 @@ class StepRow:
     retained_bytes: int
     retained_after_forward: int
     peak_bytes: dict[str, int]
+    # activation offloading (VramGuardCallback; None where none was in force): the most bytes of host copies
+    # its saved-tensor hooks held at once in the step, and those still alive after it
+    host_peak_bytes: int | None = None
+    host_retained_bytes: int | None = None
 
 
 @dataclass

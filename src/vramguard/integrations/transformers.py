@@ -55,6 +55,7 @@ from vramguard.audit.run import (
 from vramguard.errors import UsageError
 from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.ledger import LedgerReport, SavedTensorLedger, iter_graph
+from vramguard.measure.offload import HostMeter
 from vramguard.measure.tracker import (
     CudaAllocatorSource,
     FrameStats,
@@ -82,6 +83,9 @@ class _Step:
     retained: int = 0
     peaks: dict[str, int] = field(default_factory=dict)
     above: dict[str, int] = field(default_factory=dict)
+    host_start: int | None = None  # set when activation offloading was in force in this step
+    host_peak: int | None = None
+    host_retained: int | None = None
 
 
 class VramGuardCallback(TrainerCallback):
@@ -141,6 +145,10 @@ class VramGuardCallback(TrainerCallback):
         self._current: _Step | None = None
         self._calls: dict[str, FrameStats] = {}
         self._ledger: SavedTensorLedger | None = None
+        self._ledger_handle: Any = None
+        self._host: HostMeter | None = None
+        self._host_cm: Any = None
+        self._host_handle: Any = None
         self._node_frames: list[Any] = []
         self._t0 = 0.0
         self._trainer_name = "Trainer"
@@ -214,6 +222,9 @@ class VramGuardCallback(TrainerCallback):
         self._step_cm = self._tracker.phase("step")
         self._step_cm.__enter__()
         self._current = _Step(step=state.global_step + 1, start=self._tracker.current())
+        if self._host is not None:
+            self._host.reset_peak()
+            self._current.host_start = self._host.current()
         self._calls = {}
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -233,6 +244,8 @@ class VramGuardCallback(TrainerCallback):
         self._step_cm.__exit__(None, None, None)
         s = self._current
         s.retained = self._tracker.current()
+        if self._host is not None and s.host_start is not None:
+            s.host_peak, s.host_retained = self._host.peak(), self._host.current()
         for name, stats in self._calls.items():
             s.peaks[name] = stats.peak_bytes
             s.above[name] = stats.peak_above_start
@@ -258,6 +271,9 @@ class VramGuardCallback(TrainerCallback):
         metrics: dict[str, float] = {f"vramguard/peak_{k}_bytes": float(v) for k, v in s.peaks.items()}
         metrics["vramguard/retained_bytes"] = float(s.retained)
         metrics["vramguard/leak_bytes"] = float(self._leak())
+        if s.host_peak is not None and s.host_retained is not None:
+            metrics["vramguard/host_peak_bytes"] = float(s.host_peak)
+            metrics["vramguard/host_retained_bytes"] = float(s.host_retained)
         logs.update(metrics)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)
@@ -295,12 +311,19 @@ class VramGuardCallback(TrainerCallback):
             self._detach_hooks()
 
     def _detach_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
+        for h in (*self._handles, self._ledger_handle, self._host_handle):
+            if h is not None:
+                h.remove()
         self._handles.clear()
+        self._ledger_handle = self._host_handle = None
         if self._ledger is not None:  # a ledger still open (training stopped mid-forward)
             self._ledger.__exit__(None, None, None)
             self._ledger = None
+        if self._host_cm is not None:  # the host meter's hooks, pushed before the ledger's
+            self._host_cm.__exit__(None, None, None)
+            self._host_cm = None
+        if self._host is not None:
+            self._host.stop()
         if self._tracker is not None and self._attached:
             self._tracker.__exit__(None, None, None)
         self._attached = False
@@ -340,15 +363,37 @@ class VramGuardCallback(TrainerCallback):
         ids = kwargs.get("input_ids")
         if isinstance(ids, torch.Tensor) and ids.dim() == 2 and "seq_len" not in self._config:
             self._config["seq_len"] = int(ids.shape[1])
+        hooks = HostMeter.hooks_in_force()  # activation offloading: count what it keeps on the host
+        if hooks is not None and self._host_cm is None:
+            if self._host is None:
+                self._host = HostMeter()
+                self._host.start()
+            if self._current.host_start is None:
+                self._current.host_start = self._host.current()
+            self._host_cm = self._host.wrapping(hooks)
+            self._host_cm.__enter__()
+            self._config["activation_offloading"] = True
         if self._current.step == self.ledger_step and self.ledger is None and self._ledger is None:
             self._ledger = SavedTensorLedger(module)
             self._ledger.__enter__()
             # registered after the ledger's own hooks, so it runs after the ledger has taken the outputs as roots
-            self._handles.append(module.register_forward_hook(self._ledger_exit))
+            self._ledger_handle = module.register_forward_hook(self._ledger_exit)
+        if self._host_cm is not None:  # after the ledger's exit: the hooks pop in the order they were pushed
+            self._host_handle = module.register_forward_hook(self._host_exit)
+
+    def _host_exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        cm, self._host_cm = self._host_cm, None
+        if self._host_handle is not None:
+            self._host_handle.remove()
+            self._host_handle = None
+        if cm is not None:
+            cm.__exit__(None, None, None)
 
     def _ledger_exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         ledger, self._ledger = self._ledger, None
-        self._handles.pop().remove()
+        if self._ledger_handle is not None:
+            self._ledger_handle.remove()
+            self._ledger_handle = None
         if ledger is not None:
             ledger.add_roots(output)
             ledger.__exit__(None, None, None)
@@ -477,6 +522,8 @@ class VramGuardCallback(TrainerCallback):
                 retained_bytes=s.retained,
                 retained_after_forward=(s.after_forward or s.start) - s.start,
                 peak_bytes=dict(s.peaks),
+                host_peak_bytes=s.host_peak,
+                host_retained_bytes=s.host_retained,
             )
             for s in self.steps
         ]
@@ -489,6 +536,13 @@ class VramGuardCallback(TrainerCallback):
             problems.append(copies)
         if leak > self._tolerance():
             problems.append(f"retained memory grew by {format_bytes(leak)} over {len(steps)} steps (a leak)")
+        kept = [(s.step, s.host_retained) for s in self.steps if s.host_retained]
+        if kept:
+            step, nbytes = kept[0]
+            problems.append(
+                f"activation offloading left {format_bytes(nbytes)} of host copies alive after step {step} "
+                "(nothing saved for backward should outlive its step)"
+            )
         missing = [p for p in PHASES if p not in phases]
         if not steps:
             problems.append("no training step was measured")
@@ -507,6 +561,17 @@ class VramGuardCallback(TrainerCallback):
                     "retained bytes or absolute peaks; peaks above each phase's start are exact)"
                     if not isinstance(self._tracker.source, CudaAllocatorSource)
                     else ""
+                )
+            )
+        host = [s.host_peak for s in self.steps if s.host_peak is not None]
+        if host:
+            on_cpu = not isinstance(self._tracker.source, CudaAllocatorSource)
+            notes.append(
+                f"activation offloading was in force: its host copies peaked at {format_bytes(max(host))} in a step"
+                + (
+                    " (on CPU the host is the device: those bytes are in the phase peaks as well)"
+                    if on_cpu
+                    else " (host memory, not in the device's peaks)"
                 )
             )
         where = self.backward_peak()
@@ -606,5 +671,12 @@ def render(report: AuditReport, console: Any) -> None:
         + f"; growth {fb(report.leak_bytes, signed=True)}",
         highlight=False,
     )
+    host = [s for s in report.steps if s.host_peak_bytes is not None]
+    if host:
+        console.print(
+            "host copies of offloaded activations, peak / alive after each step: "
+            + ", ".join(f"{fb(s.host_peak_bytes or 0)} / {fb(s.host_retained_bytes or 0)}" for s in host),
+            highlight=False,
+        )
     style = "bold green" if report.verdict.ok else "bold red"
     console.print(f"[{style}]{report.verdict.line}[/]", highlight=False, soft_wrap=True)

@@ -531,3 +531,36 @@ def test_trl_activation_offloading_in_the_callback(tmp_path):
         assert step.host_retained_bytes == 0, step
     assert [s.retained_bytes for s in offloaded.steps] == [s.retained_bytes for s in plain.steps]
     assert offloaded.phases["forward"].peak_bytes < plain.phases["forward"].peak_bytes
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--offload-activations"], "--offload-activations needs --trainer trainer or --trainer sft"),
+        (["--trainer", "sft", "--offload-activations"], "TRL's OffloadActivations, which needs an accelerator"),
+    ],
+)
+def test_audit_offload_activations_bad_combinations(capsys, args, message):
+    from vramguard.cli import main
+
+    assert main(["audit", "--device", "cpu", "--steps", "2", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_audit_through_the_trainer_with_offloading(tmp_path):
+    """``vramguard audit --trainer trainer --offload-activations``: the host copies are in the JSON, and the
+    steps retain what they retain without offloading."""
+    from vramguard.cli import main
+
+    docs = {}
+    for offload in (False, True):
+        out = tmp_path / f"audit-{offload}.json"
+        extra = ["--offload-activations"] if offload else []
+        argv = ["audit", "--trainer", "trainer", "--steps", "2", "--device", "cpu", "--json", str(out), "--quiet"]
+        assert main(argv + extra) == 0
+        docs[offload] = AuditReport.from_dict(json.loads(out.read_text()))
+    plain, offloaded = docs[False], docs[True]
+    assert all(s.host_peak_bytes is None for s in plain.steps)
+    assert all(s.host_peak_bytes and s.host_peak_bytes > 0 and s.host_retained_bytes == 0 for s in offloaded.steps)
+    assert [s.retained_bytes for s in offloaded.steps] == [s.retained_bytes for s in plain.steps]

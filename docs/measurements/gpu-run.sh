@@ -11,6 +11,8 @@
 #   P  docs/measurements/gpu-peak.py: what is live at the peak (checkpointing, eager attention)
 #   D  docs/measurements/gpu-diagnose.py: the sdpa kernel torch picks and what a step leaves allocated
 #   E  the `gpu` tests of tests_grad/ alone
+#   O  activation offloading through Trainer (save_on_cpu) and SFTTrainer (TRL's OffloadActivations), with and
+#      without, on the tiny Llama and the 1B shape: host copies per step next to the device's peaks
 # STORE (default RESULTS_DIR/store) is the results store B adds its run to; with two runs in it, B also
 # writes `vramguard compare STORE@previous STORE@latest`.
 # usage, on the GPU machine from the project root with .whl/ (../shared/tools/gpu-wheels.sh, plus
@@ -91,6 +93,18 @@ stream_P() {  # what is live at the peak where the estimate's peak fell short (c
     > "$res/peak-llama-1b-ckpt.txt" 2>&1
   timeout "$(left)" python3 docs/measurements/gpu-peak.py tiny-gemma2 640 2 > "$res/peak-tiny-gemma2.txt" 2>&1
   echo "P rc=$? at ${SECONDS}s"
+}
+stream_O() {
+  for t in trainer sft; do
+    audit "$t-tiny-llama" --model tiny-llama --trainer "$t"
+    audit "$t-tiny-llama-offload" --model tiny-llama --trainer "$t" --offload-activations
+    audit "$t-llama-1b-s1024-b2" --model llama-1b-shape --seq-len 1024 --batch 2 --steps 2 --trainer "$t"
+    audit "$t-llama-1b-s1024-b2-offload" --model llama-1b-shape --seq-len 1024 --batch 2 --steps 2 \
+      --trainer "$t" --offload-activations
+  done
+  timeout "$(left)" python3 -m pytest -m gpu --vram-require-gpu -p no:cacheprovider -q -rA \
+    --junitxml="$res/gpu-offload-tests.xml" tests/test_integrations.py > "$res/gpu-offload-tests.log" 2>&1
+  echo "O tests rc=$? at ${SECONDS}s"
 }
 for s in $streams; do "stream_$s" & done
 wait

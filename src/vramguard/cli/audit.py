@@ -122,6 +122,13 @@ def render(report: AuditReport, console: Any) -> None:
         + f"; growth {fb(report.leak_bytes, signed=True)}",
         highlight=False,
     )
+    host = [st for st in report.steps if st.host_peak_bytes is not None]
+    if host:
+        console.print(
+            "host copies of offloaded activations, peak / alive after each step: "
+            + ", ".join(f"{fb(st.host_peak_bytes or 0)} / {fb(st.host_retained_bytes or 0)}" for st in host),
+            highlight=False,
+        )
     for n in report.verdict.notes:
         console.print(f"[yellow]note:[/] {n}", highlight=False)
     style = "bold green" if report.verdict.ok else "bold red"
@@ -147,6 +154,13 @@ def register(subparsers: Any) -> None:
         choices=("loop", "trainer", "sft"),
         help="run the steps in vramguard's loop, transformers' Trainer or TRL's SFTTrainer",
     )
+    p.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="with --trainer: offload what autograd saves to the host (trainer: torch's save_on_cpu with "
+        "pinned buffers around train(); sft: SFTConfig(activation_offloading=True), TRL's OffloadActivations, "
+        "which needs an accelerator) and report the host copies per step",
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--seed", type=int, default=QLoRAConfig().seed)
     p.add_argument("--top", type=positive_int, default=3, help="modules listed per layer")
@@ -166,6 +180,8 @@ def handle(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     check_json_path(args.json)  # fail before the run, not after it
+    if args.offload_activations and args.trainer == "loop":
+        raise UsageError("--offload-activations needs --trainer trainer or --trainer sft")
     config = qlora_config(
         args,
         device=resolve_device(args.device),
@@ -196,7 +212,9 @@ def handle(args: argparse.Namespace) -> int:
             from vramguard.integrations.trainer_audit import run_trainer_audit
 
             with tempfile.TemporaryDirectory(prefix="vramguard-trainer-") as tmp:
-                report = run_trainer_audit(config, args.steps, args.trainer, tmp)
+                report = run_trainer_audit(
+                    config, args.steps, args.trainer, tmp, offload_activations=args.offload_activations
+                )
     if args.quiet:
         console.print(report.verdict.line, highlight=False, soft_wrap=True)
     else:

@@ -9,6 +9,7 @@ the numbers are the ones a user sees in that trainer; :class:`VramGuardCallback`
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,22 @@ def _tokenizer(vocab_size: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="t0", eos_token="t1", unk_token="t0")
 
 
-def run_trainer_audit(config: QLoRAConfig, steps: int, trainer: str, output_dir: str | Path) -> AuditReport:
-    """``steps`` steps of ``trainer`` ("trainer" or "sft") on the audit's model and batches."""
+def run_trainer_audit(
+    config: QLoRAConfig, steps: int, trainer: str, output_dir: str | Path, offload_activations: bool = False
+) -> AuditReport:
+    """``steps`` steps of ``trainer`` ("trainer" or "sft") on the audit's model and batches.
+
+    ``offload_activations``: the trainer's own way where it has one (SFTTrainer: ``activation_offloading``,
+    TRL's ``OffloadActivations``, which needs an accelerator), else ``save_on_cpu(pin_memory=True)`` around
+    ``train()`` (on a machine without CUDA it copies to plain host memory)."""
     if trainer not in ("trainer", "sft"):
         raise UsageError(f"--trainer must be one of {', '.join(TRAINERS)}, got {trainer!r}")
+    on_cpu = torch.device(config.device).type == "cpu"
+    if offload_activations and trainer == "sft" and on_cpu:
+        raise UsageError(
+            "--offload-activations with --trainer sft is TRL's OffloadActivations, which needs an accelerator; "
+            "on CPU use --trainer trainer (torch's save_on_cpu)"
+        )
     q = build_qlora(config)
     common: dict[str, Any] = {
         "max_steps": steps,
@@ -50,7 +63,7 @@ def run_trainer_audit(config: QLoRAConfig, steps: int, trainer: str, output_dir:
         "save_strategy": "no",
         "logging_steps": 1,
         "disable_tqdm": True,
-        "use_cpu": torch.device(config.device).type == "cpu",
+        "use_cpu": on_cpu,
         "train_sampling_strategy": "sequential",
         "gradient_checkpointing": config.gradient_checkpointing,
     }
@@ -67,7 +80,9 @@ def run_trainer_audit(config: QLoRAConfig, steps: int, trainer: str, output_dir:
             from trl import SFTConfig, SFTTrainer
         except ImportError:
             raise UsageError("--trainer sft needs TRL: pip install 'vramguard[trl]'") from None
-        args = SFTConfig(str(output_dir), max_length=config.seq_len, **common)
+        args = SFTConfig(
+            str(output_dir), max_length=config.seq_len, activation_offloading=offload_activations, **common
+        )
         runner = SFTTrainer(
             model=q.model,
             args=args,
@@ -78,7 +93,13 @@ def run_trainer_audit(config: QLoRAConfig, steps: int, trainer: str, output_dir:
     from transformers.trainer_callback import PrinterCallback
 
     runner.remove_callback(PrinterCallback)  # the audit prints its own tables (stdout stays the report's)
-    runner.train()
+    offload = (
+        torch.autograd.graph.save_on_cpu(pin_memory=True)
+        if offload_activations and trainer == "trainer"
+        else contextlib.nullcontext()
+    )
+    with offload:
+        runner.train()
     report = cb.report
     assert report is not None
     trainer_config = dict(report.config)

@@ -280,3 +280,21 @@ def test_frames_opened_by_hooks_close_out_of_order_with_exact_peaks() -> None:
     assert (sa.peak_above_start, sa.delta_bytes) == (1000, 300)
     assert (sb.start_bytes, sb.peak_above_start, sb.delta_bytes) == (1000, 0, -200)  # 1000 at its start
     assert tracker.open_frames == 0
+
+
+def test_frames_equal_in_value_are_still_different_frames() -> None:
+    """Two frames opened at the same bytes with same-named stats (an autograd node type that occurs twice,
+    as the callback's backward attribution opens them) are equal as values. Frames were dataclasses
+    compared by value, so closing the second removed the first from the open list, and closing the first
+    then raised ``ValueError: list.remove(x): x not in list`` (seen on CUDA in a Trainer run, where the
+    allocator's rounding makes equal readings common). Each close removes its own frame."""
+    from vramguard.measure.tracker import FrameStats
+
+    with MemoryTracker("cpu") as tracker:
+        first = tracker.open_frame(FrameStats("node"))
+        second = tracker.open_frame(FrameStats("node"))
+        held = torch.empty(1024, dtype=torch.uint8)
+        assert tracker.close_frame(second).peak_above_start == 1024
+        del held
+        assert tracker.close_frame(first).peak_above_start == 1024
+        assert tracker.open_frames == 1  # the root frame only

@@ -316,10 +316,11 @@ class FrameStats:
             self.reserved_peak_bytes = max(self.reserved_peak_bytes or 0, call.reserved_peak_bytes)
 
 
-@dataclass
+@dataclass(eq=False)
 class Frame:
     """An open frame of a :class:`MemoryTracker` (:meth:`MemoryTracker.open_frame`): the stats it fills
-    when closed, the bytes live when it opened, its peak so far, and the aggregate it is folded into."""
+    when closed, the bytes live when it opened, its peak so far, and the aggregate it is folded into.
+    Frames are compared by identity: two open at the same bytes are still two frames."""
 
     stats: FrameStats
     start: int

@@ -18,7 +18,7 @@ from vramguard.workload.training import make_optimizer
 
 pytest.importorskip("transformers")
 
-from transformers import TrainerCallback  # noqa: E402
+from transformers import TrainerCallback
 
 CONFIG = QLoRAConfig(model="tiny-llama", seq_len=128, batch=2)
 STEPS = 2

@@ -476,12 +476,20 @@ def test_callback_counts_the_host_copies_of_offloaded_activations(tmp_path, devi
         assert sum(packed) > 0
         assert step.host_peak_bytes == sum(packed), (step.step, step.host_peak_bytes, sum(packed))
         assert step.host_retained_bytes == 0
-    assert [s.retained_bytes for s in report.steps] == [s.retained_bytes for s in plain.report.steps]
+    assert _left_by_steps(cb) == _left_by_steps(plain)
     assert all(s.host_peak_bytes is None for s in plain.report.steps)
     assert report.config["activation_offloading"] is True
     assert any("activation offloading was in force" in n for n in report.verdict.notes)
-    if device == "cuda":
+    if device == "cuda":  # the saved activations are on the host: the device holds less after the forward
+        for a, b in zip(report.steps, plain.report.steps, strict=True):
+            assert a.retained_after_forward < b.retained_after_forward, (a, b)
         assert report.phases["forward"].peak_bytes < plain.report.phases["forward"].peak_bytes
+
+
+def _left_by_steps(cb: VramGuardCallback) -> list[int]:
+    """Bytes live after each step above those live when the first step began: what the steps left behind
+    (the allocator's absolute figure also holds what earlier runs in this process left, e.g. workspaces)."""
+    return [s.retained - cb.steps[0].start for s in cb.steps]
 
 
 def test_host_copies_kept_after_the_step_fail_the_verdict(tmp_path):
@@ -515,38 +523,23 @@ def test_host_copies_kept_after_the_step_fail_the_verdict(tmp_path):
 @pytest.mark.gpu
 def test_trl_activation_offloading_in_the_callback(tmp_path):
     """TRL's ``SFTConfig(activation_offloading=True)`` (``OffloadActivations``: it needs an accelerator, so
-    CUDA only): its host copies are counted, none outlives its step, and the forward's device peak is lower.
-    The device retains a little more than without offloading: with streams, TRL keeps the device tensors it
-    offloaded last in ``fwd_stash`` (up to ``max_fwd_stash_size``, 5) so that the copy stream can finish,
-    and frees them only at the next step's first pack. The difference is exactly those storages (as the
-    allocator counts them)."""
+    CUDA only): its host copies are counted, none outlives its step, the device holds less after the forward,
+    and each step leaves on the device what it leaves without offloading."""
     config = _config_on("cuda")
-    runs, stashes = {}, {}
+    runs = {}
     for offload in (False, True):
         cb = VramGuardCallback(table=False)
-        trainer = _sft(
-            build_qlora(config), cb, tmp_path, steps=3, use_cpu=False, activation_offloading=offload
-        )
-        trainer.train()
+        _sft(build_qlora(config), cb, tmp_path, steps=3, use_cpu=False, activation_offloading=offload).train()
         assert cb.report is not None
-        runs[offload] = cb.report
-        stash = getattr(trainer.maybe_activation_offload_context, "fwd_stash", {})
-        # as the CUDA caching allocator counts them: each storage rounded up to its 512 B blocks
-        storages = {
-            t.untyped_storage()._cdata: -(-t.untyped_storage().nbytes() // 512) * 512
-            for t, _ in stash.values()
-        }
-        stashes[offload] = (len(stash), sum(storages.values()), [tuple(t.shape) for t, _ in stash.values()])
+        runs[offload] = cb
     plain, offloaded = runs[False], runs[True]
-    assert offloaded.config.get("activation_offloading") is True
-    for step in offloaded.steps:
+    assert offloaded.report.config.get("activation_offloading") is True
+    for step in offloaded.report.steps:
         assert step.host_peak_bytes and step.host_peak_bytes > 0, step
         assert step.host_retained_bytes == 0, step
-    assert offloaded.phases["forward"].peak_bytes < plain.phases["forward"].peak_bytes
-    count, stash_bytes, shapes = stashes[True]
-    assert 0 < count <= 5, stashes
-    extra = [a.retained_bytes - b.retained_bytes for a, b in zip(offloaded.steps, plain.steps, strict=True)]
-    assert extra == [stash_bytes] * len(extra), (extra, stash_bytes, shapes)
+    for a, b in zip(offloaded.report.steps, plain.report.steps, strict=True):
+        assert a.retained_after_forward < b.retained_after_forward, (a, b)
+    assert _left_by_steps(offloaded) == _left_by_steps(plain)
 
 
 @pytest.mark.parametrize(

@@ -459,6 +459,7 @@ def test_callback_counts_the_host_copies_of_offloaded_activations(tmp_path, devi
     offloading retains. On CUDA the device's forward peak is lower than without offloading."""
     config = _config_on(device)
     overrides = {"use_cpu": device == "cpu"}
+    _warm_up(device, tmp_path)
     plain = VramGuardCallback(table=False)
     _trainer(build_qlora(config), plain, tmp_path, steps=3, **overrides).train()
 
@@ -476,7 +477,7 @@ def test_callback_counts_the_host_copies_of_offloaded_activations(tmp_path, devi
         assert sum(packed) > 0
         assert step.host_peak_bytes == sum(packed), (step.step, step.host_peak_bytes, sum(packed))
         assert step.host_retained_bytes == 0
-    assert _left_by_steps(cb) == _left_by_steps(plain)
+    assert [s.retained_bytes for s in report.steps] == [s.retained_bytes for s in plain.report.steps]
     assert all(s.host_peak_bytes is None for s in plain.report.steps)
     assert report.config["activation_offloading"] is True
     assert any("activation offloading was in force" in n for n in report.verdict.notes)
@@ -486,10 +487,13 @@ def test_callback_counts_the_host_copies_of_offloaded_activations(tmp_path, devi
         assert report.phases["forward"].peak_bytes < plain.report.phases["forward"].peak_bytes
 
 
-def _left_by_steps(cb: VramGuardCallback) -> list[int]:
-    """Bytes live after each step above those live when the first step began: what the steps left behind
-    (the allocator's absolute figure also holds what earlier runs in this process left, e.g. workspaces)."""
-    return [s.retained - cb.steps[0].start for s in cb.steps]
+def _warm_up(device: str, tmp_path) -> None:
+    """One step of a Trainer run on ``device`` and gone: what the first CUDA run of a process allocates once
+    and keeps (cuBLAS workspaces, kernels' scratch) is then in every compared run's absolute bytes alike."""
+    if device == "cuda":
+        _trainer(
+            build_qlora(_config_on(device)), VramGuardCallback(table=False), tmp_path, steps=1, use_cpu=False
+        ).train()
 
 
 def test_host_copies_kept_after_the_step_fail_the_verdict(tmp_path):
@@ -526,6 +530,7 @@ def test_trl_activation_offloading_in_the_callback(tmp_path):
     CUDA only): its host copies are counted, none outlives its step, the device holds less after the forward,
     and each step leaves on the device what it leaves without offloading."""
     config = _config_on("cuda")
+    _warm_up("cuda", tmp_path)
     runs = {}
     for offload in (False, True):
         cb = VramGuardCallback(table=False)
@@ -539,7 +544,9 @@ def test_trl_activation_offloading_in_the_callback(tmp_path):
         assert step.host_retained_bytes == 0, step
     for a, b in zip(offloaded.report.steps, plain.report.steps, strict=True):
         assert a.retained_after_forward < b.retained_after_forward, (a, b)
-    assert _left_by_steps(offloaded) == _left_by_steps(plain)
+    assert [s.retained_bytes for s in offloaded.report.steps] == [
+        s.retained_bytes for s in plain.report.steps
+    ]
 
 
 @pytest.mark.parametrize(

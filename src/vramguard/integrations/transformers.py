@@ -243,6 +243,8 @@ class VramGuardCallback(TrainerCallback):
         self._close()
         self._step_cm.__exit__(None, None, None)
         s = self._current
+        if isinstance(self._tracker.source, CudaAllocatorSource):
+            self._tracker.source.settle()  # blocks freed after a copy stream's work are not retained
         s.retained = self._tracker.current()
         if self._host is not None and s.host_start is not None:
             s.host_peak, s.host_retained = self._host.peak(), self._host.current()

@@ -256,6 +256,14 @@ class CudaAllocatorSource:
         """Reset the allocator's peak statistics (allocated and reserved) to the current values."""
         torch.cuda.reset_peak_memory_stats(self._device)
 
+    def settle(self) -> None:
+        """Wait for the device, then let the allocator take back the blocks whose free waits on another
+        stream's work (``record_stream``: activation offloading's copy streams). Such a block counts as
+        allocated until the allocator's next ``malloc`` looks at its events, so a reading right after a
+        step would count tensors the program has already dropped; one small allocation makes that look."""
+        torch.cuda.synchronize(self._device)
+        torch.empty(1, dtype=torch.uint8, device=self._device)
+
     def reserved(self) -> int:
         """Bytes the caching allocator holds from the driver now (``torch.cuda.memory_reserved``): allocated
         bytes plus cached free blocks and fragmentation."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import types
 
@@ -460,40 +462,53 @@ def test_callback_counts_the_host_copies_of_offloaded_activations(tmp_path, devi
     config = _config_on(device)
     overrides = {"use_cpu": device == "cpu"}
     _warm_up(device, tmp_path)
-    plain = VramGuardCallback(table=False)
-    _trainer(build_qlora(config), plain, tmp_path, steps=3, **overrides).train()
-
+    plain = _report_of(lambda cb: _trainer(build_qlora(config), cb, tmp_path, steps=3, **overrides))
     per_step = _PerStep()
-    cb = VramGuardCallback(table=False)
-    trainer = _trainer(build_qlora(config), cb, tmp_path, steps=3, **overrides)
-    trainer.add_callback(per_step)
-    with _counting(torch.autograd.graph.save_on_cpu(pin_memory=True), per_step):
-        trainer.train()
-    report = cb.report
-    assert report is not None and plain.report is not None
+
+    def with_counter(cb):
+        trainer = _trainer(build_qlora(config), cb, tmp_path, steps=3, **overrides)
+        trainer.add_callback(per_step)
+        return trainer
+
+    report = _report_of(
+        with_counter, lambda: _counting(torch.autograd.graph.save_on_cpu(pin_memory=True), per_step)
+    )
     assert report.verdict.ok, report.verdict.line
     assert len(report.steps) == len(per_step.steps) == 3
     for step, packed in zip(report.steps, per_step.steps, strict=True):
         assert sum(packed) > 0
         assert step.host_peak_bytes == sum(packed), (step.step, step.host_peak_bytes, sum(packed))
         assert step.host_retained_bytes == 0
-    assert [s.retained_bytes for s in report.steps] == [s.retained_bytes for s in plain.report.steps]
-    assert all(s.host_peak_bytes is None for s in plain.report.steps)
+    assert [s.retained_bytes for s in report.steps] == [s.retained_bytes for s in plain.steps]
+    assert all(s.host_peak_bytes is None for s in plain.steps)
     assert report.config["activation_offloading"] is True
     assert any("activation offloading was in force" in n for n in report.verdict.notes)
     if device == "cuda":  # the saved activations are on the host: the device holds less after the forward
-        for a, b in zip(report.steps, plain.report.steps, strict=True):
+        for a, b in zip(report.steps, plain.steps, strict=True):
             assert a.retained_after_forward < b.retained_after_forward, (a, b)
-        assert report.phases["forward"].peak_bytes < plain.report.phases["forward"].peak_bytes
+        assert report.phases["forward"].peak_bytes < plain.phases["forward"].peak_bytes
+
+
+def _report_of(make, wrap=contextlib.nullcontext) -> AuditReport:
+    """Train ``make(callback)`` under ``wrap()`` and keep only the report: trainer, callback and model are freed
+    (their reference cycles collected) before the next run, so on CUDA, where the allocator counts every
+    tensor of the process, no run's absolute bytes hold another's."""
+    cb = VramGuardCallback(table=False)
+    trainer = make(cb)
+    with wrap():
+        trainer.train()
+    report = cb.report
+    assert report is not None
+    del trainer, cb
+    gc.collect()
+    return report
 
 
 def _warm_up(device: str, tmp_path) -> None:
-    """One step of a Trainer run on ``device`` and gone: what the first CUDA run of a process allocates once
-    and keeps (cuBLAS workspaces, kernels' scratch) is then in every compared run's absolute bytes alike."""
+    """One step of a Trainer run on ``device``, then gone: what the first CUDA run of a process allocates
+    once and keeps (cuBLAS workspaces) is then in every compared run's absolute bytes alike."""
     if device == "cuda":
-        _trainer(
-            build_qlora(_config_on(device)), VramGuardCallback(table=False), tmp_path, steps=1, use_cpu=False
-        ).train()
+        _report_of(lambda cb: _trainer(build_qlora(_config_on(device)), cb, tmp_path, steps=1, use_cpu=False))
 
 
 def test_host_copies_kept_after_the_step_fail_the_verdict(tmp_path):
@@ -531,22 +546,21 @@ def test_trl_activation_offloading_in_the_callback(tmp_path):
     and each step leaves on the device what it leaves without offloading."""
     config = _config_on("cuda")
     _warm_up("cuda", tmp_path)
-    runs = {}
-    for offload in (False, True):
-        cb = VramGuardCallback(table=False)
-        _sft(build_qlora(config), cb, tmp_path, steps=3, use_cpu=False, activation_offloading=offload).train()
-        assert cb.report is not None
-        runs[offload] = cb
-    plain, offloaded = runs[False], runs[True]
-    assert offloaded.report.config.get("activation_offloading") is True
-    for step in offloaded.report.steps:
+    plain, offloaded = (
+        _report_of(
+            lambda cb, offload=offload: _sft(
+                build_qlora(config), cb, tmp_path, steps=3, use_cpu=False, activation_offloading=offload
+            )
+        )
+        for offload in (False, True)
+    )
+    assert offloaded.config.get("activation_offloading") is True
+    for step in offloaded.steps:
         assert step.host_peak_bytes and step.host_peak_bytes > 0, step
         assert step.host_retained_bytes == 0, step
-    for a, b in zip(offloaded.report.steps, plain.report.steps, strict=True):
+    for a, b in zip(offloaded.steps, plain.steps, strict=True):
         assert a.retained_after_forward < b.retained_after_forward, (a, b)
-    assert [s.retained_bytes for s in offloaded.report.steps] == [
-        s.retained_bytes for s in plain.report.steps
-    ]
+    assert [s.retained_bytes for s in offloaded.steps] == [s.retained_bytes for s in plain.report.steps]
 
 
 @pytest.mark.parametrize(

@@ -560,7 +560,7 @@ def test_trl_activation_offloading_in_the_callback(tmp_path):
         assert step.host_retained_bytes == 0, step
     for a, b in zip(offloaded.steps, plain.steps, strict=True):
         assert a.retained_after_forward < b.retained_after_forward, (a, b)
-    assert [s.retained_bytes for s in offloaded.steps] == [s.retained_bytes for s in plain.report.steps]
+    assert [s.retained_bytes for s in offloaded.steps] == [s.retained_bytes for s in plain.steps]
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,10 @@ import tempfile
 import torch
 
 sys.path.insert(0, "tests")
-from test_integrations import CONFIG, _sft  # noqa: E402
+from test_integrations import CONFIG, _sft
 
-from vramguard.integrations.transformers import VramGuardCallback  # noqa: E402
-from vramguard.workload.models import build_qlora  # noqa: E402
+from vramguard.integrations.transformers import VramGuardCallback
+from vramguard.workload.models import build_qlora
 
 tmp = pathlib.Path(tempfile.mkdtemp())
 config = dataclasses.replace(CONFIG, device="cuda")
@@ -88,5 +88,23 @@ for offload in (False, True):
         if hasattr(ctx, attr):
             print(f"  offload context .{attr}: {len(getattr(ctx, attr))} entries")
     print(f"  offload context .curr_autograd_node: {getattr(ctx, 'curr_autograd_node', None)}")
+    if offload:  # what each of the context's references keeps on the device
+        for what in ("tracker", "curr_autograd_node"):
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            if what == "tracker":
+                kept = [
+                    (tuple(v[0].shape), v[0].dtype, v[0].untyped_storage().nbytes())
+                    for v in ctx.tracker.values()
+                ]
+                print(f"  tracker holds: {kept}")
+                ctx.tracker.clear()
+            else:
+                ctx.curr_autograd_node = None
+            gc.collect()
+            torch.cuda.synchronize()
+            print(
+                f"  dropping the context's .{what} frees {before - torch.cuda.memory_allocated()} B on the device"
+            )
     del cb, trainer, model
     gc.collect()

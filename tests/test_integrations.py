@@ -539,11 +539,8 @@ def test_host_copies_kept_after_the_step_fail_the_verdict(tmp_path):
     assert any("activation offloading left" in p and "after step 1" in p for p in report.verdict.problems)
 
 
-@pytest.mark.gpu
-def test_trl_activation_offloading_in_the_callback(tmp_path):
-    """TRL's ``SFTConfig(activation_offloading=True)`` (``OffloadActivations``: it needs an accelerator, so
-    CUDA only): its host copies are counted, none outlives its step, the device holds less after the forward,
-    and each step leaves on the device what it leaves without offloading."""
+def _trl_sft_runs(tmp_path) -> tuple[AuditReport, AuditReport]:
+    """SFTTrainer without and with ``activation_offloading`` on the tiny Llama on CUDA, after a warm-up run."""
     config = _config_on("cuda")
     _warm_up("cuda", tmp_path)
     plain, offloaded = (
@@ -554,12 +551,52 @@ def test_trl_activation_offloading_in_the_callback(tmp_path):
         )
         for offload in (False, True)
     )
+    return plain, offloaded
+
+
+@pytest.mark.gpu
+def test_trl_activation_offloading_in_the_callback(tmp_path):
+    """TRL's ``SFTConfig(activation_offloading=True)`` (``OffloadActivations``: it needs an accelerator, so
+    CUDA only): its host copies are counted, none outlives its step, and the device holds less after the
+    forward than without offloading."""
+    plain, offloaded = _trl_sft_runs(tmp_path)
     assert offloaded.config.get("activation_offloading") is True
     for step in offloaded.steps:
         assert step.host_peak_bytes and step.host_peak_bytes > 0, step
         assert step.host_retained_bytes == 0, step
     for a, b in zip(offloaded.steps, plain.steps, strict=True):
         assert a.retained_after_forward < b.retained_after_forward, (a, b)
+
+
+# measured on an H100 (docs/measurements/2026-11-22-h100-offload/): 263168 B more after every step
+TRL_OFFLOAD_KEEPS_DEFECT = ("1.16.0", "1.16.0")
+
+
+def _in_offload_defect_range() -> bool:
+    try:
+        import trl
+        from packaging.version import Version
+
+        first, last = TRL_OFFLOAD_KEEPS_DEFECT
+        return Version(first) <= Version(trl.__version__) <= Version(last)
+    except ImportError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(
+    condition=_in_offload_defect_range(),
+    strict=True,
+    raises=AssertionError,
+    reason=f"trl {TRL_OFFLOAD_KEEPS_DEFECT[0]}..{TRL_OFFLOAD_KEEPS_DEFECT[1]}: OffloadActivations keeps, until "
+    "the next step, the saved tensors of graph branches backward never runs (.tracker: the loss mask and a "
+    "scalar, 1 KiB) and the last backward node it unpacked for (.curr_autograd_node: 256 KiB of graph); "
+    "docs/upstream/trl-offload-keeps-saved-tensors.py",
+)
+def test_trl_offloading_leaves_on_the_device_what_a_plain_run_leaves(tmp_path):
+    """The check tests_memory makes for torch's ``save_on_cpu`` and TRL's hooks in vramguard's loop, through
+    SFTTrainer: each step leaves on the device exactly what it leaves without offloading."""
+    plain, offloaded = _trl_sft_runs(tmp_path)
     assert [s.retained_bytes for s in offloaded.steps] == [s.retained_bytes for s in plain.steps]
 
 

@@ -14,7 +14,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    return re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
 
 
 def _block(first_line: str) -> str:

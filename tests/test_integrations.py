@@ -481,6 +481,7 @@ def test_callback_counts_the_host_copies_of_offloaded_activations(tmp_path, devi
         assert step.host_retained_bytes == 0
     assert [s.retained_bytes for s in report.steps] == [s.retained_bytes for s in plain.steps]
     assert all(s.host_peak_bytes is None for s in plain.steps)
+    assert plain.config["activation_offloading"] is False
     assert report.config["activation_offloading"] is True
     assert any("activation offloading was in force" in n for n in report.verdict.notes)
     if device == "cuda":  # the saved activations are on the host: the device holds less after the forward

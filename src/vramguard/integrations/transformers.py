@@ -194,6 +194,7 @@ class VramGuardCallback(TrainerCallback):
             "ledger_step": self.ledger_step,
             "measure_every": self.measure_every,
             "device": str(device),
+            "activation_offloading": False,  # True once saved-tensor hooks are seen in force at a forward
         }
         self._tracker = MemoryTracker(device, source=source_for(device))
         self._tracker.__enter__()

@@ -369,7 +369,11 @@ def test_allocator_source_cannot_be_read_inside_backward() -> None:
     x = torch.randn(8, requires_grad=True)
     loss = (x * 2).sum()
     tracker = MemoryTracker("cpu", source=CpuAllocatorSource()).__enter__()
-    loss.grad_fn.register_prehook(lambda *_: tracker.open_frame(FrameStats("in backward")))
+
+    def open_in_backward(*_: object) -> None:
+        tracker.open_frame(FrameStats("in backward"))
+
+    loss.grad_fn.register_prehook(open_in_backward)
     with pytest.raises(RuntimeError, match="inside backward"):
         loss.backward()
     tracker.__exit__(None, None, None)

@@ -13,7 +13,8 @@ phase boundaries as ``vramguard audit``'s loop:
 * ``optimizer``: from ``on_pre_optimizer_step`` to ``on_step_end`` (step, scheduler, ``zero_grad``).
 
 Live bytes come from the CUDA caching allocator on a GPU and from the storage tracker elsewhere
-(:mod:`vramguard.measure.tracker`). After each step the bytes still live are the step's ``retained`` bytes;
+(:mod:`vramguard.measure.tracker`), or on CPU with ``cpu_source="allocator"`` from the CPU allocator's own
+events (:class:`~vramguard.measure.tracker.CpuAllocatorSource`, a few percent of a step instead of tens). After each step the bytes still live are the step's ``retained`` bytes;
 retained memory that grows after the first step is a leak. One chosen step (``ledger_step``, 1-based)
 also runs the saved-tensor ledger over its first forward, which gives the per-decoder-layer table.
 

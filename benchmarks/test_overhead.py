@@ -213,7 +213,12 @@ def callback_overhead(model: str, steps: int, rounds: int, out: str) -> dict[str
                 times[arm].append(run.elapsed)  # type: ignore[attr-defined]
     med = {a: statistics.median(t) for a, t in times.items()}
     ratios = {f"{a}_ratio": med[a] / med["plain"] for a in arms if a != "plain"}
-    return {"median_s": med, "ratios": ratios, "peaks": peaks["storage"], "allocator_peaks": peaks["allocator"]}
+    return {
+        "median_s": med,
+        "ratios": ratios,
+        "peaks": peaks["storage"],
+        "allocator_peaks": peaks["allocator"],
+    }
 
 
 @pytest.mark.benchmark

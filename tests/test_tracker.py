@@ -383,9 +383,8 @@ def test_allocator_source_cannot_be_read_inside_backward() -> None:
 def test_allocator_source_leaves_torchs_profiler_as_it_found_it() -> None:
     """It refuses to start beside a running ``torch.profiler``; after it stops, ``torch.profiler`` records
     ops again (record functions are on)."""
-    with torch.profiler.profile():
-        with pytest.raises(RuntimeError, match="profiler already runs"):
-            CpuAllocatorSource().start()
+    with torch.profiler.profile(), pytest.raises(RuntimeError, match="profiler already runs"):
+        CpuAllocatorSource().start()
     with MemoryTracker("cpu", source=CpuAllocatorSource()):
         torch.ones(3).add(1)
     assert not torch._C._autograd._profiler_enabled()

@@ -29,8 +29,8 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,13 +205,15 @@ class VramGuardCallback(TrainerCallback):
             "device": str(device),
         }
         allocator = self.cpu_source == "allocator" and torch.device(device).type == "cpu"
-        self._tracker = MemoryTracker(device, source=CpuAllocatorSource() if allocator else source_for(device))
+        self._tracker = MemoryTracker(
+            device, source=CpuAllocatorSource() if allocator else source_for(device)
+        )
         try:
             self._tracker.__enter__()
         except RuntimeError as e:  # the allocator source finds a profiler running already
             raise UsageError(f"VramGuardCallback: cpu_source='allocator': {e}") from e
         self._attached = True
-        if allocator:  # it cannot be read inside the autograd engine: backward's phase opens and closes around it
+        if allocator:  # not readable inside the autograd engine: backward's phase is opened around it
             self._handles.append(_AroundBackward(self._backward_begin, self._backward_end))
         # the trainer hands callbacks the optimizer it had when built (None when it creates its own later):
         # the optimizer that steps is taken from a global step hook
@@ -577,7 +579,7 @@ class _AroundBackward:
     :meth:`remove`. Backwards inside the engine (reentrant checkpointing) pass through."""
 
     def __init__(self, begin: Callable[[], None], end: Callable[[], None]) -> None:
-        import torch.autograd.graph as graph
+        from torch.autograd import graph
 
         self._original = original = graph._engine_run_backward
 
@@ -596,7 +598,7 @@ class _AroundBackward:
 
     def remove(self) -> None:
         """Put torch's own entry back (unless someone wrapped it again since)."""
-        import torch.autograd.graph as graph
+        from torch.autograd import graph
 
         for module in (graph, torch.autograd):
             if getattr(module, "_engine_run_backward", None) is self._wrapper:

@@ -512,7 +512,9 @@ class CpuAllocatorSource:
     def _config() -> Any:
         p = torch._C._profiler
         # state, report_input_shapes, profile_memory, with_stack, with_flops, with_modules, experimental
-        return p.ProfilerConfig(p.ProfilerState.CPU, False, True, False, False, False, p._ExperimentalConfig())
+        return p.ProfilerConfig(
+            p.ProfilerState.CPU, False, True, False, False, False, p._ExperimentalConfig()
+        )
 
     def current(self) -> int:
         """Bytes the CPU allocator handed out since :meth:`start` and not yet got back (this thread)."""
@@ -536,7 +538,9 @@ class CpuAllocatorSource:
         no legacy profiler."""
         autograd = torch._C._autograd
         if not hasattr(autograd, "_enable_profiler_legacy"):
-            raise RuntimeError(f"torch {torch.__version__} has no legacy profiler to count CPU allocations with")
+            raise RuntimeError(
+                f"torch {torch.__version__} has no legacy profiler to count CPU allocations with"
+            )
         if autograd._profiler_enabled():
             raise RuntimeError("a profiler already runs on this thread: the CPU allocator cannot be counted")
         self._current = self._peak = self.allocations = 0
@@ -586,6 +590,5 @@ class CpuAllocatorSource:
             current += nbytes
             if nbytes > 0:
                 self.allocations += 1
-                if current > peak:
-                    peak = current
+                peak = max(peak, current)
         self._current, self._peak = current, peak

@@ -581,7 +581,9 @@ class CpuAllocatorSource:
         finally:
             if collecting:
                 gc.enable()
-        events = [e for evs in threads for e in evs if e.kind() == "memory_alloc"]
+        # with record functions off the events are allocations, frees and two marks (start and stop, 0 bytes
+        # like every event that is no allocation): all of them are summed, without asking each its kind
+        events = [e for evs in threads for e in evs]
         if len(threads) > 1:  # one list per thread the profiler's state reached: merged in time order
             events.sort(key=lambda e: e.start_us())
         current, peak = self._current, self._peak

@@ -648,3 +648,40 @@ def test_audit_through_the_trainer_with_offloading(tmp_path):
         s.host_peak_bytes and s.host_peak_bytes > 0 and s.host_retained_bytes == 0 for s in offloaded.steps
     )
     assert [s.retained_bytes for s in offloaded.steps] == [s.retained_bytes for s in plain.steps]
+
+
+def test_allocator_source_measures_what_the_storage_tracker_does(tmp_path):
+    """``cpu_source="allocator"`` (the CPU allocator's events, counted in C++): the same phase peaks as the
+    storage tracker to a few scalars Python hands to ops, the same retained bytes, and torch's backward entry
+    and profiler as they were once training ends."""
+    original = torch.autograd._engine_run_backward
+    storage = VramGuardCallback(table=False)
+    _trainer(build_qlora(CONFIG), storage, tmp_path).train()
+    allocator = VramGuardCallback(table=False, cpu_source="allocator")
+    _trainer(build_qlora(CONFIG), allocator, tmp_path).train()
+    assert allocator.report is not None and allocator.report.verdict.ok, allocator.report.verdict.line
+    assert allocator.report.config["cpu_source"] == "allocator"
+    assert [s.step for s in allocator.steps] == [s.step for s in storage.steps] == [1, 2]
+    for a, s in zip(allocator.steps, storage.steps, strict=True):
+        assert a.retained == s.retained, a.step
+        assert set(a.peaks) == set(s.peaks) == {"forward", "backward", "optimizer"}
+        for phase in a.peaks:
+            assert 0 <= a.peaks[phase] - s.peaks[phase] <= 256, (a.step, phase, a.peaks, s.peaks)
+            assert abs(a.above[phase] - s.above[phase]) <= 256, (a.step, phase, a.above, s.above)
+        assert s.above["backward"] > 100_000  # backward was measured, not folded into another phase
+    assert torch.autograd._engine_run_backward is original
+    assert torch.autograd.graph._engine_run_backward is original
+    assert not torch._C._autograd._profiler_enabled()
+
+
+def test_allocator_source_beside_a_running_profiler_fails_before_the_first_step(tmp_path):
+    cb = VramGuardCallback(table=False, cpu_source="allocator")
+    trainer = _trainer(build_qlora(CONFIG), cb, tmp_path)
+    with torch.profiler.profile(), pytest.raises(UsageError, match="profiler already runs"):
+        trainer.train()
+    assert cb.steps == []
+
+
+def test_unknown_cpu_source_fails_at_construction():
+    with pytest.raises(UsageError, match="cpu_source must be one of storage, allocator"):
+        VramGuardCallback(cpu_source="malloc")

@@ -13,7 +13,8 @@ phase boundaries as ``vramguard audit``'s loop:
 * ``optimizer``: from ``on_pre_optimizer_step`` to ``on_step_end`` (step, scheduler, ``zero_grad``).
 
 Live bytes come from the CUDA caching allocator on a GPU and from the storage tracker elsewhere
-(:mod:`vramguard.measure.tracker`). After each step the bytes still live are the step's ``retained`` bytes;
+(:mod:`vramguard.measure.tracker`), or on CPU with ``cpu_source="allocator"`` from the CPU allocator's own
+events (:class:`~vramguard.measure.tracker.CpuAllocatorSource`, a few percent of a step instead of tens). After each step the bytes still live are the step's ``retained`` bytes;
 retained memory that grows after the first step is a leak. One chosen step (``ledger_step``, 1-based)
 also runs the saved-tensor ledger over its first forward, which gives the per-decoder-layer table.
 
@@ -25,9 +26,11 @@ callback is inserted first, see them).
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +60,7 @@ from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.ledger import LedgerReport, SavedTensorLedger, iter_graph
 from vramguard.measure.offload import HostMeter
 from vramguard.measure.tracker import (
+    CpuAllocatorSource,
     CudaAllocatorSource,
     FrameStats,
     MemoryTracker,
@@ -67,6 +71,7 @@ from vramguard.model.estimate import weights_budget
 from vramguard.units import format_bytes, parse_size
 
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
+CPU_SOURCES: tuple[str, ...] = ("storage", "allocator")
 
 NO_ANALYTIC_MODEL = (
     "the analytic activation model is not applied to a Trainer run (its loss, dtypes and collator are the "
@@ -96,6 +101,13 @@ class VramGuardCallback(TrainerCallback):
     ``measure_every=N`` measures step 1, the ledger step and every N-th step after step 1 (1, 1+N,
     1+2N, ...); the other steps run with the storage tracker paused (on CPU it sees every op, which costs
     time) and are reported nowhere: no peaks, no retained bytes, no log metrics, no limit check.
+    ``cpu_source`` picks what counts live bytes on CPU: ``"storage"`` (default), the storage tracker
+    ``vramguard audit`` runs (the same numbers; it runs Python on every op: a measured small-llama step costs
+    +20-35 % wall), or ``"allocator"``, the c10 CPU allocator's own events counted in C++ by torch's
+    profiler (:class:`vramguard.measure.tracker.CpuAllocatorSource`: a few percent; it also sees kernels'
+    scratch buffers). The allocator source cannot be read inside the autograd engine, so with it the
+    backward phase opens and closes around torch's backward entry (wrapped while training), the ledger
+    step's per-node backward attribution is not taken, and ``torch.profiler`` cannot run beside it.
     Bad arguments raise :class:`vramguard.errors.UsageError` here; a model without decoder layers or a
     ``ledger_step`` past ``max_steps`` raise it in ``on_train_begin``, before the first step.
     """
@@ -109,6 +121,7 @@ class VramGuardCallback(TrainerCallback):
         table: bool = True,
         leak_tolerance: str | int | None = None,
         measure_every: int = 1,
+        cpu_source: str = "storage",
     ) -> None:
         if isinstance(ledger_step, bool) or not isinstance(ledger_step, int) or ledger_step < 1:
             raise UsageError(
@@ -118,6 +131,9 @@ class VramGuardCallback(TrainerCallback):
         if isinstance(measure_every, bool) or not isinstance(measure_every, int) or measure_every < 1:
             raise UsageError(f"measure_every must be a whole number of steps >= 1, got {measure_every!r}")
         self.measure_every = measure_every
+        if cpu_source not in CPU_SOURCES:
+            raise UsageError(f"cpu_source must be one of {', '.join(CPU_SOURCES)}, got {cpu_source!r}")
+        self.cpu_source = cpu_source
         self.skipped_steps = 0
         self.max_peak = None if max_peak is None else parse_size(max_peak)
         self.max_saved_per_layer = None if max_saved_per_layer is None else parse_size(max_saved_per_layer)
@@ -193,12 +209,21 @@ class VramGuardCallback(TrainerCallback):
             "max_steps": state.max_steps,
             "ledger_step": self.ledger_step,
             "measure_every": self.measure_every,
+            "cpu_source": self.cpu_source,
             "device": str(device),
             "activation_offloading": False,  # True once saved-tensor hooks are seen in force at a forward
         }
-        self._tracker = MemoryTracker(device, source=source_for(device))
-        self._tracker.__enter__()
+        allocator = self.cpu_source == "allocator" and torch.device(device).type == "cpu"
+        self._tracker = MemoryTracker(
+            device, source=CpuAllocatorSource() if allocator else source_for(device)
+        )
+        try:
+            self._tracker.__enter__()
+        except RuntimeError as e:  # the allocator source finds a profiler running already
+            raise UsageError(f"VramGuardCallback: cpu_source='allocator': {e}") from e
         self._attached = True
+        if allocator:  # not readable inside the autograd engine: backward's phase is opened around it
+            self._handles.append(_AroundBackward(self._backward_begin, self._backward_end))
         # the trainer hands callbacks the optimizer it had when built (None when it creates its own later):
         # the optimizer that steps is taken from a global step hook
         self._handles.append(register_optimizer_step_post_hook(self._saw_optimizer))
@@ -407,7 +432,7 @@ class VramGuardCallback(TrainerCallback):
         """On the ledger step, a frame per autograd node of the graph (pre/post hooks), named by the module
         whose forward created it (the ledger's map) or ``<outside>``: where backward's peak was reached."""
         tracker = self._tracker
-        if tracker is None:
+        if tracker is None or isinstance(tracker.source, CpuAllocatorSource):  # not readable inside backward
             return
         self.backward_nodes = {}
         self._node_frames = []
@@ -450,7 +475,8 @@ class VramGuardCallback(TrainerCallback):
         if self._phase is None or self._phase[0] != "forward":
             return
         self._open("backward")
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        if torch._C._current_graph_task_id() != -1:  # a hook on the outputs' grad_fn: inside the engine
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
 
     def _backward_end(self) -> None:
         if self._phase is not None and self._phase[0] == "backward":
@@ -562,7 +588,7 @@ class VramGuardCallback(TrainerCallback):
                 + (
                     " (storages they made and left alive, e.g. a few scalars, are not counted in later steps' "
                     "retained bytes or absolute peaks; peaks above each phase's start are exact)"
-                    if not isinstance(self._tracker.source, CudaAllocatorSource)
+                    if isinstance(self._tracker.source, StorageTracker)
                     else ""
                 )
             )
@@ -613,6 +639,38 @@ class VramGuardCallback(TrainerCallback):
                 "analytic_model": None,
             },
         )
+
+
+class _AroundBackward:
+    """Calls ``begin()`` before and ``end()`` after every backward started outside the autograd engine (its
+    entry ``torch.autograd._engine_run_backward`` is wrapped, as ``torch.compiler`` does for tracing), until
+    :meth:`remove`. Backwards inside the engine (reentrant checkpointing) pass through."""
+
+    def __init__(self, begin: Callable[[], None], end: Callable[[], None]) -> None:
+        from torch.autograd import graph
+
+        self._original = original = graph._engine_run_backward
+
+        @functools.wraps(original)
+        def run_backward(*args: Any, **kwargs: Any) -> Any:
+            if torch._C._current_graph_task_id() != -1:
+                return original(*args, **kwargs)
+            begin()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                end()
+
+        self._wrapper = run_backward
+        graph._engine_run_backward = torch.autograd._engine_run_backward = run_backward  # type: ignore[attr-defined]
+
+    def remove(self) -> None:
+        """Put torch's own entry back (unless someone wrapped it again since)."""
+        from torch.autograd import graph
+
+        for module in (graph, torch.autograd):
+            if getattr(module, "_engine_run_backward", None) is self._wrapper:
+                module._engine_run_backward = self._original  # type: ignore[attr-defined]
 
 
 def _trainer_name(args: Any) -> str:

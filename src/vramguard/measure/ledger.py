@@ -419,11 +419,15 @@ class SavedTensorLedger:
     def _kind(self, module: str, shape: tuple[int, ...], key: StorageKey) -> Kind:
         if key in self._resident:
             return "resident"
-        if len(shape) == 2:
-            for owner, shapes in self._weights.items():
-                inside = owner == module or not owner or module.startswith(owner + ".")
-                if inside and shape in shapes and not self._passed_in(key, module, owner):
+        if len(shape) == 2 and self._weights:
+            owner = module  # the owners of weights that ``module`` is inside: itself, its parents, the root
+            while True:
+                shapes = self._weights.get(owner)
+                if shapes is not None and shape in shapes and not self._passed_in(key, module, owner):
                     return "weight-copy"
+                if not owner:
+                    return "activation"
+                owner = owner.rpartition(".")[0]
         return "activation"
 
     def _passed_in(self, key: StorageKey, module: str, owner: str) -> bool:

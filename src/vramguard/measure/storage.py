@@ -157,10 +157,12 @@ def _resident_tensors(
                 continue
             yield prefix + name, tensor
             for attr, value in _attributes(tensor).items():
-                for path, t in inside(value):
-                    yield f"{prefix}{name}.{attr}{path}", t
+                if type(value) not in _SCALARS:
+                    for path, t in inside(value):
+                        yield f"{prefix}{name}.{attr}{path}", t
         for attr, value in list(vars(module).items()):
-            if attr.startswith("_") or isinstance(value, (torch.Tensor, torch.nn.Module)):
+            # (most attributes are private or scalars: skipped before the checks below)
+            if attr[0] == "_" or type(value) in _SCALARS or isinstance(value, (torch.Tensor, torch.nn.Module)):
                 continue
             if _is_plain_object(value) or isinstance(value, (tuple, list)):
                 for path, t in inside(value):

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
+from torch.nn.modules import module as _module
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 OUTSIDE = "<outside>"
@@ -77,6 +78,8 @@ class ModuleStack:
     ) -> None:
         for h in self._handles:
             h.remove()
+            # torch keeps a global hook's with_kwargs flag after the hook is removed: one entry per measurer
+            getattr(_module, "_global_forward_hooks_with_kwargs", {}).pop(h.id, None)
         self._handles.clear()
         self.stack.clear()
         self._entered.clear()

@@ -419,7 +419,10 @@ class MemoryTracker:
         return len(self._open)
 
     def _enter_module(self, name: str, module: torch.nn.Module) -> Frame:
-        return self.open_frame(FrameStats(name), self.result.modules.setdefault(name, FrameStats(name)))
+        aggregate = self.result.modules.get(name)
+        if aggregate is None:
+            aggregate = self.result.modules[name] = FrameStats(name)
+        return self.open_frame(FrameStats(name), aggregate)
 
     def _exit_module(
         self, name: str, frame: Frame, module: torch.nn.Module, args: Any, kwargs: Any, output: Any

@@ -350,8 +350,7 @@ class SavedTensorLedger:
                 # the freed storage's key may then be reused by an activation, or the old storage
                 # be kept by autograd: neither is a parameter any more (names as first seen)
                 start = self._resident
-                now = resident_storages(self.model)
-                self._resident = {k: start.get(k, name) for k, name in now.items()}
+                self._resident = {k: start.get(k, name) for k, name in resident_storages(self.model).items()}
             self.report = self._build_report()
         self._packs.clear()
         self._inputs.clear()

@@ -177,9 +177,10 @@ def test_an_output_nested_five_deep_is_a_root_of_the_walk_and_no_kept_storage() 
     model = nn.Sequential(nn.Identity(), Apply(KeepOnCtx.apply), Apply(nest))
     x = torch.randn(6, 5, requires_grad=True)
     with SavedTensorLedger(model) as ledger:
-        out = model(x)  # noqa: F841
+        out = model(x)
+    assert out[0][0][0][0][0].shape == (6, 5)
     assert [(r.source, r.attribute, r.bytes) for r in ledger.report.records] == [("ctx", "kept", 6 * 5 * F32)]
-    m, out = measure(lambda: model(x), model=model, inputs=x)
+    m, _ = measure(lambda: model(x), model=model, inputs=x)
     assert m.output_bytes == 6 * 5 * F32  # x * 3
     assert [(k.source, k.bytes) for k in m.kept] == [("ctx", 6 * 5 * F32)]
 

@@ -48,6 +48,7 @@ contexts (ctx), or only the live-storage tracker (:func:`vramguard.measure.meter
 Kind = Literal["activation", "weight-copy", "resident", "unexplained"]
 """What a kept storage is; ``unexplained``: alive after the block, held by no hook or ctx (tracker only)."""
 
+
 @dataclass(frozen=True)
 class SavedRecord:
     """One storage kept alive for backward (or, with kind ``resident``, one that was already there)."""

@@ -162,7 +162,11 @@ def _resident_tensors(
                         yield f"{prefix}{name}.{attr}{path}", t
         for attr, value in list(vars(module).items()):
             # (most attributes are private or scalars: skipped before the checks below)
-            if attr[0] == "_" or type(value) in _SCALARS or isinstance(value, (torch.Tensor, torch.nn.Module)):
+            if (
+                attr[0] == "_"
+                or type(value) in _SCALARS
+                or isinstance(value, (torch.Tensor, torch.nn.Module))
+            ):
                 continue
             if _is_plain_object(value) or isinstance(value, (tuple, list)):
                 for path, t in inside(value):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
@@ -190,6 +190,7 @@ class StorageTracker(TorchDispatchMode):
 
 
 _LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default})
+
 
 def _storage_keys(values: Iterable[torch.Tensor]) -> frozenset[StorageKey]:
     keys = set()

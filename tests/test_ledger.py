@@ -166,6 +166,25 @@ def test_custom_function_keeping_a_tensor_on_ctx_is_found() -> None:
     assert ledger.report.bytes_by("hook") == 0 and ledger.report.bytes_by("ctx") == 6 * 5 * F32
 
 
+def test_an_output_nested_five_deep_is_a_root_of_the_walk_and_no_kept_storage() -> None:
+    """The model's output is found at any depth: as the root of the ctx walk (a flattener that stopped
+    4 levels deep lost the ctx-kept tensor) and, in ``measure``, as an output rather than a kept storage."""
+    from vramguard.measure.meters import measure
+
+    def nest(t: torch.Tensor) -> Any:
+        return [[[[[t]]]]]  # 5 lists deep
+
+    model = nn.Sequential(nn.Identity(), Apply(KeepOnCtx.apply), Apply(nest))
+    x = torch.randn(6, 5, requires_grad=True)
+    with SavedTensorLedger(model) as ledger:
+        out = model(x)
+    assert out[0][0][0][0][0].shape == (6, 5)
+    assert [(r.source, r.attribute, r.bytes) for r in ledger.report.records] == [("ctx", "kept", 6 * 5 * F32)]
+    m, _ = measure(lambda: model(x), model=model, inputs=x)
+    assert m.output_bytes == 6 * 5 * F32  # x * 3
+    assert [(k.source, k.bytes) for k in m.kept] == [("ctx", 6 * 5 * F32)]
+
+
 def test_one_tensor_saved_by_two_ops_is_counted_once() -> None:
     x = torch.randn(8, 16, requires_grad=True)
     with SavedTensorLedger() as ledger:

@@ -32,12 +32,12 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from vramguard.measure.decoder import decoder_layer
+from vramguard.measure.modules import OUTSIDE, ModuleStack
 from vramguard.measure.storage import (
     StorageKey,
-    flat_tensors,
     resident_storages,
-    storage_key,
     storage_nbytes,
+    tensor_leaves,
     tensors_in,
 )
 
@@ -46,9 +46,6 @@ Source = Literal["hook", "ctx", "tracker"]
 contexts (ctx), or only the live-storage tracker (:func:`vramguard.measure.meters.measure`)."""
 Kind = Literal["activation", "weight-copy", "resident", "unexplained"]
 """What a kept storage is; ``unexplained``: alive after the block, held by no hook or ctx (tracker only)."""
-
-OUTSIDE = "<outside>"
-"""Module name for tensors saved by ops that ran outside any module's forward (e.g. a user's loss)."""
 
 
 @dataclass(frozen=True)
@@ -222,12 +219,11 @@ class _NodeClock:
         return self._last_real
 
 
-def _weight_shapes(model: torch.nn.Module | None) -> dict[str, set[tuple[int, ...]]]:
-    """Logical 2-D weight shapes (both orientations) of quantized or frozen layers, by module."""
+def _weight_shapes(named: Iterable[tuple[str, torch.nn.Module]]) -> dict[str, set[tuple[int, ...]]]:
+    """Logical 2-D weight shapes (both orientations) of quantized or frozen layers, by module name (of
+    ``named``: a model's ``named_modules()``)."""
     shapes: dict[str, set[tuple[int, ...]]] = {}
-    if model is None:
-        return shapes
-    for name, module in model.named_modules():
+    for name, module in named:
         base = getattr(module, "base_layer", None)  # PEFT wrappers compute with their base layer's weight
         target = base if isinstance(base, torch.nn.Module) else module
         weight = target._parameters.get("weight")
@@ -247,6 +243,22 @@ def _weight_shapes(model: torch.nn.Module | None) -> dict[str, set[tuple[int, ..
         if len(logical) == 2:
             shapes[name] = {logical, logical[::-1]}
     return shapes
+
+
+def _under(owners: Iterable[str], names: Iterable[str]) -> frozenset[str]:
+    """The names equal to or under one of ``owners`` (``""``, the root, owns every name)."""
+    owners = set(owners)
+    if "" in owners:
+        return frozenset(names)
+    out = set()
+    for name in names:
+        prefix = name
+        while prefix:
+            if prefix in owners:
+                out.add(name)
+                break
+            prefix = prefix.rpartition(".")[0]
+    return frozenset(out)
 
 
 def iter_graph(roots: Iterable[torch.Tensor]) -> Iterator[Any]:
@@ -279,10 +291,11 @@ class SavedTensorLedger:
         self._roots: list[weakref.ref[torch.Tensor]] = []
         self.add_roots(*roots)
         self._packs: list[_Pack] = []
-        self._stack: list[str] = []
+        # the running modules; a module's forward spans the autograd nodes created between its entry and exit
+        self._modules = ModuleStack({}, self._enter_module, self._exit_module)
         self._intervals: list[tuple[int, int, int, str]] = []  # (start, end, depth, module)
-        self._open: list[tuple[str, int]] = []
         self._handles: list[Any] = []
+        self._with_inputs: frozenset[str] = frozenset()  # modules whose inputs the weight-copy rule needs
         self._clock: _NodeClock | None = None
         self._hooks: Any = None
         self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
@@ -304,7 +317,7 @@ class SavedTensorLedger:
         """Add tensors (in any nesting of tuples, lists and dicts) where the graph walk starts, e.g. a loss
         computed outside the model. Call it inside the block: the walk runs when the block exits. Only weak
         references are kept, so a root freed before then is not walked."""
-        for t in flat_tensors(tensors):
+        for t in tensor_leaves(tensors):
             self._roots.append(weakref.ref(t))
 
     # -- recording ---------------------------------------------------------------------------
@@ -312,15 +325,13 @@ class SavedTensorLedger:
     def __enter__(self) -> SavedTensorLedger:
         self._clock = _NodeClock()
         if self.model is not None:
-            self._resident = resident_storages(self.model)
-            self._weights = _weight_shapes(self.model)
-            names = {id(m): n for n, m in self.model.named_modules()}
-            for module in self.model.modules():
-                name = names[id(module)]
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
-                self._handles.append(
-                    module.register_forward_hook(self._post_hook(name, module is self.model))
-                )
+            named = list(self.model.named_modules())
+            self._resident = resident_storages(self.model, named)
+            self._weights = _weight_shapes(named)
+            self._with_inputs = _under(self._weights, (n for n, _ in named))
+            self._modules.names = {id(m): n for n, m in named}
+            self._modules.__enter__()
+            self._handles.append(self.model.register_forward_hook(self._root_output))
         # the hooks in force when the ledger opens (activation offloading): only the innermost pair of
         # saved_tensors_hooks runs, so the ledger's hooks call them, or offloading would stop in its block
         top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -334,6 +345,7 @@ class SavedTensorLedger:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._hooks.__exit__(exc_type, exc, tb)
+        self._modules.__exit__(exc_type, exc, tb)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -350,32 +362,26 @@ class SavedTensorLedger:
         self._inputs.clear()
         self._lives.clear()
 
-    def _pre_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-            assert self._clock is not None
-            for t in flat_tensors((args, kwargs)):
+    def _enter_module(self, name: str, module: torch.nn.Module) -> int:
+        assert self._clock is not None
+        return self._clock.now()
+
+    def _exit_module(
+        self, name: str, start: int, module: torch.nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> None:
+        assert self._clock is not None
+        self._intervals.append((start, self._clock.now(), len(self._modules.stack), name))
+        if name in self._with_inputs:  # the call's arguments are alive until it returns: same storages
+            inputs = self._inputs[name]
+            for t in tensor_leaves((args, kwargs)):
                 try:
                     storage = t.untyped_storage()
                 except (RuntimeError, NotImplementedError):  # tensors without a storage (sparse, wrappers)
                     continue
-                self._inputs[name].add((int(storage._cdata), self._life_of(storage)))
-            self._open.append((name, self._clock.now()))
-            self._stack.append(name)
+                inputs.add((int(storage._cdata), self._life_of(storage)))
 
-        return hook
-
-    def _post_hook(self, name: str, is_root: bool) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            assert self._clock is not None
-            if self._stack and self._stack[-1] == name:
-                self._stack.pop()
-            if self._open and self._open[-1][0] == name:
-                _, start = self._open.pop()
-                self._intervals.append((start, self._clock.now(), len(self._open), name))
-            if is_root:
-                self.add_roots(output)
-
-        return hook
+    def _root_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self.add_roots(output)
 
     def _life_of(self, storage: Any) -> int:
         """The life number of ``storage`` under its key: the same while that storage lives, a new one for a
@@ -402,7 +408,7 @@ class SavedTensorLedger:
                 shape=tuple(tensor.shape),
                 dtype=str(tensor.dtype).removeprefix("torch."),
                 device=str(tensor.device),
-                module=self._stack[-1] if self._stack else OUTSIDE,
+                module=self._modules.current(),
                 node_seq=self._clock.now(),
             )
         )
@@ -434,11 +440,15 @@ class SavedTensorLedger:
     def _kind(self, module: str, shape: tuple[int, ...], key: StorageKey, life: int) -> Kind:
         if key in self._resident:
             return "resident"
-        if len(shape) == 2:
-            for owner, shapes in self._weights.items():
-                inside = owner == module or not owner or module.startswith(owner + ".")
-                if inside and shape in shapes and not self._passed_in((key, life), module, owner):
+        if len(shape) == 2 and self._weights:
+            owner = module  # the owners of weights that ``module`` is inside: itself, its parents, the root
+            while True:
+                shapes = self._weights.get(owner)
+                if shapes is not None and shape in shapes and not self._passed_in((key, life), module, owner):
                     return "weight-copy"
+                if not owner:
+                    return "activation"
+                owner = owner.rpartition(".")[0]
         return "activation"
 
     def _passed_in(self, key: tuple[StorageKey, int], module: str, owner: str) -> bool:

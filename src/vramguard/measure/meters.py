@@ -35,7 +35,14 @@ import torch
 
 from vramguard.measure.decoder import decoder_layers_of
 from vramguard.measure.ledger import OUTSIDE, SavedRecord, SavedTensorLedger, Source
-from vramguard.measure.storage import StorageKey, flat_tensors, resident_storages, storage_key, storage_nbytes
+from vramguard.measure.modules import ModuleStack
+from vramguard.measure.storage import (
+    StorageKey,
+    resident_storages,
+    storage_key,
+    storage_nbytes,
+    tensor_leaves,
+)
 from vramguard.measure.tracker import StorageTracker
 from vramguard.units import format_bytes
 
@@ -116,19 +123,18 @@ class _AnnotatedTracker(StorageTracker):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for t in flat_tensors(out):
-            if isinstance(t, torch.Tensor):
-                before = len(self._live)
-                self.track(t)
-                if len(self._live) != before:
-                    key = storage_key(t)
-                    name = getattr(func, "__name__", str(func))
-                    self.meta[key] = (
-                        name,
-                        tuple(t.shape),
-                        str(t.dtype).removeprefix("torch."),
-                        self._module_of(),
-                    )
+        for t in tensor_leaves(out):
+            before = len(self._live)
+            self.track(t)
+            if len(self._live) != before:
+                key = storage_key(t)
+                name = getattr(func, "__name__", str(func))
+                self.meta[key] = (
+                    name,
+                    tuple(t.shape),
+                    str(t.dtype).removeprefix("torch."),
+                    self._module_of(),
+                )
         return out
 
 
@@ -150,11 +156,9 @@ def measure(
     ``inputs``: tensors the caller made before the block (and holds): never "new", even when the
     tracker first meets their storage through a view taken inside the block.
     """
-    pre = {storage_key(t) for t in flat_tensors(inputs) if isinstance(t, torch.Tensor)}
+    pre = {storage_key(t) for t in tensor_leaves(inputs)}
     ledger = SavedTensorLedger(model)
-    tracker = _AnnotatedTracker(
-        _tracker_device(device), lambda: ledger._stack[-1] if ledger._stack else OUTSIDE
-    )
+    tracker = _AnnotatedTracker(_tracker_device(device), ledger._modules.current)
     cuda = torch.device(device).type == "cuda"
     # young garbage from before the block (an earlier ledger's cycles) must not be freed by the collection
     # inside it: the CUDA allocator's delta would fall by its bytes (seen on an H100 under pytest -n)
@@ -218,7 +222,7 @@ def _outputs(obj: Any) -> list[torch.Tensor]:
     """Tensors of a forward's result: tensors, tuples, dicts, HF ModelOutput."""
     if hasattr(obj, "to_tuple") and callable(obj.to_tuple):
         obj = obj.to_tuple()
-    return [t for t in flat_tensors(obj) if isinstance(t, torch.Tensor)]
+    return tensor_leaves(obj)
 
 
 @dataclass(frozen=True)
@@ -378,12 +382,12 @@ class SavedBytesMeter:
         self.layer_peaks: dict[str, int] = {}
         #: bytes of resident storages (parameters etc.) that ops saved: not counted, reported apart
         self.resident_saved: dict[StorageKey, int] = {}
-        self._layers: list[str] = []
         self._names: dict[int, str] = {}  # decoder layer id -> layers.N
+        # the running decoder layers (no model is given: every module is looked at, named on first sight)
+        self._layers = ModuleStack(self._names, discover=self._discover)
         self._seen: set[int] = set()
         self._resident: set[StorageKey] = set()
         self._hooks: Any = None
-        self._handles: list[Any] = []
 
     def _scan(self, module: torch.nn.Module) -> None:
         """First sight of a module tree: its resident storages."""
@@ -391,11 +395,12 @@ class SavedBytesMeter:
             self._seen.add(id(sub))
         self._resident.update(resident_storages(module))
 
-    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+    def _discover(self, module: torch.nn.Module) -> str | None:
+        """A module that is no named decoder layer starts: scan it if new, name the decoder layers it holds."""
         if id(module) not in self._seen:
             self._scan(module)
         if not self.per_layer:
-            return
+            return None
         for name, layer in decoder_layers_of(module):  # a parent runs before its layers
             if id(layer) not in self._names:
                 taken = set(self._names.values())
@@ -403,13 +408,7 @@ class SavedBytesMeter:
                 while unique in taken:  # a second stack of layers (e.g. another model in the test)
                     unique, k = f"{name}#{k}", k + 1
                 self._names[id(layer)] = unique
-        name = self._names.get(id(module))
-        if name is not None:
-            self._layers.append(name)
-
-    def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
-        if id(module) in self._names and self._layers:
-            self._layers.pop()
+        return self._names.get(id(module))
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         slot = _MeterSlot(tensor.detach())
@@ -420,7 +419,8 @@ class SavedBytesMeter:
                 return slot
             entry = self._counts.get(key)
             if entry is None:
-                layer = self._layers[-1] if self._layers else None
+                layers = self._layers.stack
+                layer = layers[-1] if layers else None
                 self._counts[key] = [nbytes, 1, layer]
                 self.current += nbytes
                 self.peak = max(self.peak, self.current)
@@ -450,21 +450,14 @@ class SavedBytesMeter:
         return slot.tensor
 
     def __enter__(self) -> SavedBytesMeter:
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-        self._handles = [
-            register_module_forward_pre_hook(self._pre),
-            register_module_forward_hook(self._post),
-        ]
+        self._layers.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._layers.__exit__(None, None, None)
 
 
 class PeakMeter:

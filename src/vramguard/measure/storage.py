@@ -8,10 +8,11 @@ is alive on every device, meta included (where ``data_ptr()`` is always 0).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 
 StorageKey = int
 
@@ -28,17 +29,39 @@ def storage_nbytes(t: torch.Tensor) -> int:
     return int(t.untyped_storage().nbytes())
 
 
-def flat_tensors(obj: Any, depth: int = 4) -> Iterator[torch.Tensor]:
-    """The tensors of nested tuples, lists and dicts (a forward's arguments or result, an op's output),
-    ``depth`` levels deep; unlike :func:`tensors_in`, no paths and no look into objects' attributes."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth > 0 and isinstance(obj, dict):
-        for v in obj.values():
-            yield from flat_tensors(v, depth - 1)
-    elif depth > 0 and isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from flat_tensors(v, depth - 1)
+# leaves ``torch.utils._pytree`` never looks into, and that are no tensors: skipped without asking it
+_SCALARS = frozenset(
+    {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
+)
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensors of an op's arguments or result, or a forward's: those among ``tree_flatten(tree)[0]``
+    (torch's pytree leaves), found faster; at any depth (a depth limit silently loses tensors).
+
+    Plain tuples, lists and dicts (what ops take and return) are walked here, to any depth; every other
+    container (named tuples, ``torch.return_types``, ``OrderedDict``, registered nodes) is handed to
+    torch's own flattener, so the tensors found are exactly those of ``tree_flatten``.
+    """
+    found: list[torch.Tensor] = []
+    _collect(tree, found)
+    return found
+
+
+def _collect(tree: Any, found: list[torch.Tensor]) -> None:
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for v in tree:
+            _collect(v, found)
+    elif kind is dict:
+        for v in tree.values():
+            _collect(v, found)
+    elif kind in _SCALARS:
+        return
+    elif kind is torch.Tensor or (isinstance(tree, torch.Tensor) and kind not in SUPPORTED_NODES):
+        found.append(tree)
+    else:
+        found.extend(v for v in tree_flatten(tree)[0] if isinstance(v, torch.Tensor))
 
 
 def tensors_in(
@@ -83,15 +106,18 @@ def _is_plain_object(obj: Any) -> bool:
     )
 
 
-def resident_storages(model: torch.nn.Module) -> dict[StorageKey, str]:
+def resident_storages(
+    model: torch.nn.Module, named: Iterable[tuple[str, torch.nn.Module]] | None = None
+) -> dict[StorageKey, str]:
     """Storages that exist before any forward pass: parameters, buffers and the quantization state
     hanging off them (``Params4bit.quant_state``, ``Int8Params.SCB``, ``Linear8bitLt.state``).
 
     Maps storage key to the qualified name of its owner. Saving one of these for backward costs
-    nothing extra, so the ledger reports them as resident, never as saved.
+    nothing extra, so the ledger reports them as resident, never as saved. ``named``: the model's
+    ``named_modules()``, when the caller has walked them already.
     """
     owners: dict[StorageKey, str] = {}
-    for owner, tensor in _resident_tensors(model):
+    for owner, tensor in _resident_tensors(model, named):
         owners.setdefault(storage_key(tensor), owner)
     return owners
 
@@ -108,7 +134,9 @@ def frozen_resident_bytes(model: torch.nn.Module) -> int:
     return sum(sizes.values())
 
 
-def _resident_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def _resident_tensors(
+    model: torch.nn.Module, named: Iterable[tuple[str, torch.nn.Module]] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(owner name, tensor) for every parameter, buffer and tensor hanging off them or their module."""
     walked: dict[int, tuple[Any, list[tuple[str, torch.Tensor]]]] = {}
 
@@ -120,7 +148,7 @@ def _resident_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
             hit = walked[id(value)] = (value, list(tensors_in(value)))
         return hit[1]
 
-    for mod_name, module in model.named_modules():
+    for mod_name, module in model.named_modules() if named is None else named:
         prefix = f"{mod_name}." if mod_name else ""
         # the module's own dicts, as ``named_parameters(recurse=False)`` reads them (that call walks
         # ``named_modules`` again per module); a tensor listed twice yields its owners in the same order
@@ -129,10 +157,16 @@ def _resident_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
                 continue
             yield prefix + name, tensor
             for attr, value in _attributes(tensor).items():
-                for path, t in inside(value):
-                    yield f"{prefix}{name}.{attr}{path}", t
+                if type(value) not in _SCALARS:
+                    for path, t in inside(value):
+                        yield f"{prefix}{name}.{attr}{path}", t
         for attr, value in list(vars(module).items()):
-            if attr.startswith("_") or isinstance(value, (torch.Tensor, torch.nn.Module)):
+            # (most attributes are private or scalars: skipped before the checks below)
+            if (
+                attr[0] == "_"
+                or type(value) in _SCALARS
+                or isinstance(value, (torch.Tensor, torch.nn.Module))
+            ):
                 continue
             if _is_plain_object(value) or isinstance(value, (tuple, list)):
                 for path, t in inside(value):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
@@ -28,9 +28,9 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 
-from vramguard.measure.storage import StorageKey, storage_key
+from vramguard.measure.modules import ModuleStack, module_names
+from vramguard.measure.storage import StorageKey, storage_key, tensor_leaves
 
 
 class MemorySource(Protocol):
@@ -192,39 +192,6 @@ class StorageTracker(TorchDispatchMode):
 
 _LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default})
 
-# leaves ``torch.utils._pytree`` never looks into, and that are no tensors: skipped without asking it
-_SCALARS = frozenset(
-    {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
-)
-
-
-def tensor_leaves(tree: Any) -> list[torch.Tensor]:
-    """The tensors among ``tree_flatten(tree)[0]`` (torch's pytree leaves), found faster.
-
-    Plain tuples, lists and dicts (what ops take and return) are walked here, to any depth; every other
-    container (named tuples, ``torch.return_types``, ``OrderedDict``, registered nodes) is handed to
-    torch's own flattener, so the tensors found are exactly those of ``tree_flatten``.
-    """
-    found: list[torch.Tensor] = []
-    _collect(tree, found)
-    return found
-
-
-def _collect(tree: Any, found: list[torch.Tensor]) -> None:
-    kind = type(tree)
-    if kind is tuple or kind is list:
-        for v in tree:
-            _collect(v, found)
-    elif kind is dict:
-        for v in tree.values():
-            _collect(v, found)
-    elif kind in _SCALARS:
-        return
-    elif kind is torch.Tensor or (isinstance(tree, torch.Tensor) and kind not in SUPPORTED_NODES):
-        found.append(tree)
-    else:
-        found.extend(v for v in tree_flatten(tree)[0] if isinstance(v, torch.Tensor))
-
 
 def _storage_keys(values: Iterable[torch.Tensor]) -> frozenset[StorageKey]:
     keys = set()
@@ -380,24 +347,20 @@ class MemoryTracker:
         self.model = model
         self.result = TrackerResult(device=self.source.device, peak_bytes=0)
         self._open: list[Frame] = []
-        self._handles: list[Any] = []
-        self._module_calls: list[tuple[str, Frame]] = []
+        self._modules = ModuleStack({}, self._enter_module, self._exit_module)
 
     def __enter__(self) -> MemoryTracker:
         self.source.start()
         self._root = self.open_frame(FrameStats("total"))
         if self.model is not None:
-            for name, module in self.model.named_modules():
-                self._handles.append(module.register_forward_pre_hook(self._enter_module(name)))
-                self._handles.append(module.register_forward_hook(self._exit_module(name)))
+            self._modules.names = module_names(self.model)
+            self._modules.__enter__()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._modules.__exit__(exc_type, exc, tb)
         while len(self._open) > 1:
             self.close_frame()
         root = self.close_frame()
@@ -466,22 +429,16 @@ class MemoryTracker:
         """How many frames are open (the root frame of the ``with`` block included)."""
         return len(self._open)
 
-    def _enter_module(self, name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            aggregate = self.result.modules.setdefault(name, FrameStats(name))
-            self._module_calls.append((name, self.open_frame(FrameStats(name), aggregate)))
+    def _enter_module(self, name: str, module: torch.nn.Module) -> Frame:
+        aggregate = self.result.modules.get(name)
+        if aggregate is None:
+            aggregate = self.result.modules[name] = FrameStats(name)
+        return self.open_frame(FrameStats(name), aggregate)
 
-        return hook
-
-    def _exit_module(self, name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            for i in range(len(self._module_calls) - 1, -1, -1):
-                if self._module_calls[i][0] == name:
-                    _, frame = self._module_calls.pop(i)
-                    self.close_frame(frame)
-                    return
-
-        return hook
+    def _exit_module(
+        self, name: str, frame: Frame, module: torch.nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> None:
+        self.close_frame(frame)
 
 
 class CpuAllocatorSource:

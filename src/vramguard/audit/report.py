@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from vramguard.units import format_bytes
+
 SCHEMA_VERSION = 1
 
 
@@ -156,6 +158,26 @@ class AuditReport:
         for row in d["layers"]:
             row["top_modules"] = [list(t) for t in row["top_modules"]]
         return d
+
+    def step_lines(self) -> list[str]:
+        """The plain-text lines about the steps that every view prints: the bytes retained after each step
+        and their growth, and, with activation offloading, the host copies' peak and what outlived each step."""
+        fb = format_bytes
+        note = "" if self.device.startswith("cuda") else " (CPU: bytes above the model's weights)"
+        lines = [
+            f"retained after each step{note}: "
+            + ", ".join(fb(st.retained_bytes) for st in self.steps)
+            + f"; growth {fb(self.leak_bytes, signed=True)}"
+        ]
+        host = [st for st in self.steps if st.host_peak_bytes is not None]
+        if host:
+            lines.append(
+                "host copies of offloaded activations, peak / alive after each step: "
+                + ", ".join(
+                    f"{fb(st.host_peak_bytes or 0)} / {fb(st.host_retained_bytes or 0)}" for st in host
+                )
+            )
+        return lines
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AuditReport:

@@ -113,22 +113,8 @@ def render(report: AuditReport, console: Any) -> None:
             cells.append(fb(v.reserved_peak_bytes or 0))
         p.add_row(*cells)
     console.print(p)
-    note = "" if report.device.startswith("cuda") else " (CPU: bytes above the model's weights)"
-    console.print(
-        "retained after each step"
-        + note
-        + ": "
-        + ", ".join(fb(st.retained_bytes) for st in report.steps)
-        + f"; growth {fb(report.leak_bytes, signed=True)}",
-        highlight=False,
-    )
-    host = [st for st in report.steps if st.host_peak_bytes is not None]
-    if host:
-        console.print(
-            "host copies of offloaded activations, peak / alive after each step: "
-            + ", ".join(f"{fb(st.host_peak_bytes or 0)} / {fb(st.host_retained_bytes or 0)}" for st in host),
-            highlight=False,
-        )
+    for line in report.step_lines():
+        console.print(line, highlight=False)
     for n in report.verdict.notes:
         console.print(f"[yellow]note:[/] {n}", highlight=False)
     style = "bold green" if report.verdict.ok else "bold red"

@@ -411,17 +411,13 @@ class VramGuardCallback(TrainerCallback):
 
     def _host_exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         cm, self._host_cm = self._host_cm, None
-        if self._host_handle is not None:
-            self._host_handle.remove()
-            self._host_handle = None
+        self._host_handle = _removed(self._host_handle)
         if cm is not None:
             cm.__exit__(None, None, None)
 
     def _ledger_exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         ledger, self._ledger = self._ledger, None
-        if self._ledger_handle is not None:
-            self._ledger_handle.remove()
-            self._ledger_handle = None
+        self._ledger_handle = _removed(self._ledger_handle)
         if ledger is not None:
             ledger.add_roots(output)
             ledger.__exit__(None, None, None)
@@ -673,6 +669,12 @@ class _AroundBackward:
                 module._engine_run_backward = self._original  # type: ignore[attr-defined]
 
 
+def _removed(handle: Any) -> None:
+    """Remove a hook handle (if any); None, for the attribute that held it."""
+    if handle is not None:
+        handle.remove()
+
+
 def _trainer_name(args: Any) -> str:
     name = type(args).__name__
     return {"SFTConfig": "SFTTrainer", "TrainingArguments": "Trainer"}.get(
@@ -726,18 +728,7 @@ def render(report: AuditReport, console: Any) -> None:
     console.print(t)
     for note in report.verdict.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
-    console.print(
-        "retained after each step: "
-        + ", ".join(fb(s.retained_bytes) for s in report.steps)
-        + f"; growth {fb(report.leak_bytes, signed=True)}",
-        highlight=False,
-    )
-    host = [s for s in report.steps if s.host_peak_bytes is not None]
-    if host:
-        console.print(
-            "host copies of offloaded activations, peak / alive after each step: "
-            + ", ".join(f"{fb(s.host_peak_bytes or 0)} / {fb(s.host_retained_bytes or 0)}" for s in host),
-            highlight=False,
-        )
+    for line in report.step_lines():
+        console.print(line, highlight=False)
     style = "bold green" if report.verdict.ok else "bold red"
     console.print(f"[{style}]{report.verdict.line}[/]", highlight=False, soft_wrap=True)

@@ -36,7 +36,6 @@ from vramguard.measure.modules import OUTSIDE, ModuleStack
 from vramguard.measure.storage import (
     StorageKey,
     resident_storages,
-    storage_nbytes,
     tensor_leaves,
     tensors_in,
 )
@@ -175,17 +174,13 @@ class _Slot:
         self.outer = outer
 
 
-@dataclass(slots=True)
-class _Pack:
-    slot: weakref.ref[_Slot]
-    key: StorageKey
-    life: int  # which storage of that key (see SavedTensorLedger._life_of)
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
-    module: str
-    node_seq: int
+# what the pack hook notes per saved tensor, as a plain tuple (hundreds per forward): (weakref to the slot,
+# storage key, life (which storage of that key, see SavedTensorLedger._life_of), storage bytes, the tensor's
+# shape (a torch.Size), dtype, device, module, sequence number of the node created last); dtype and device
+# are made strings only for the packs still alive when the report is built
+_Pack = tuple[
+    "weakref.ref[_Slot]", StorageKey, int, int, torch.Size, torch.dtype, torch.device, str, int
+]
 
 
 class _NodeClock:
@@ -217,6 +212,10 @@ class _NodeClock:
             self._last_real = seq - 1
         self._last_probe = seq
         return self._last_real
+
+
+def _no_clock() -> int:
+    raise RuntimeError("the ledger's node clock runs only inside its block")
 
 
 def _weight_shapes(named: Iterable[tuple[str, torch.nn.Module]]) -> dict[str, set[tuple[int, ...]]]:
@@ -297,6 +296,8 @@ class SavedTensorLedger:
         self._handles: list[Any] = []
         self._with_inputs: frozenset[str] = frozenset()  # modules whose inputs the weight-copy rule needs
         self._clock: _NodeClock | None = None
+        self._now: Callable[[], int] = _no_clock
+        self._seq_index: tuple[int, list[str]] | None = None  # (first sequence number, module of each)
         self._hooks: Any = None
         self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
         self._resident: dict[StorageKey, str] = {}
@@ -324,6 +325,8 @@ class SavedTensorLedger:
 
     def __enter__(self) -> SavedTensorLedger:
         self._clock = _NodeClock()
+        self._now = self._clock.now
+        self._seq_index = None
         if self.model is not None:
             named = list(self.model.named_modules())
             self._resident = resident_storages(self.model, named)
@@ -355,30 +358,31 @@ class SavedTensorLedger:
                 # (bitsandbytes' Linear4bit casts its bias to the input dtype on the first call), and
                 # the freed storage's key may then be reused by an activation, or the old storage
                 # be kept by autograd: neither is a parameter any more (names as first seen)
-                start = self._resident
-                self._resident = {k: start.get(k, name) for k, name in resident_storages(self.model).items()}
+                self._resident = resident_storages(self.model, first_names=self._resident)
             self.report = self._build_report()
         self._packs.clear()
         self._inputs.clear()
         self._lives.clear()
 
     def _enter_module(self, name: str, module: torch.nn.Module) -> int:
-        assert self._clock is not None
-        return self._clock.now()
+        return self._now()
 
     def _exit_module(
         self, name: str, start: int, module: torch.nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
-        assert self._clock is not None
-        self._intervals.append((start, self._clock.now(), len(self._modules.stack), name))
+        self._intervals.append((start, self._now(), len(self._modules.stack), name))
+        self._seq_index = None
         if name in self._with_inputs:  # the call's arguments are alive until it returns: same storages
             inputs = self._inputs[name]
-            for t in tensor_leaves((args, kwargs)):
+            # (most calls pass tensors as plain positional arguments: no flattening then)
+            if kwargs or not all(type(a) is torch.Tensor for a in args):
+                args = tensor_leaves((args, kwargs))
+            for t in args:
                 try:
                     storage = t.untyped_storage()
                 except (RuntimeError, NotImplementedError):  # tensors without a storage (sparse, wrappers)
                     continue
-                inputs.add((int(storage._cdata), self._life_of(storage)))
+                inputs.add((storage._cdata, self._life_of(storage)))
 
     def _root_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self.add_roots(output)
@@ -386,7 +390,7 @@ class SavedTensorLedger:
     def _life_of(self, storage: Any) -> int:
         """The life number of ``storage`` under its key: the same while that storage lives, a new one for a
         storage allocated at the address of one that died."""
-        key = int(storage._cdata)
+        key = storage._cdata
         seen = self._lives.get(key)
         if seen is not None and seen[0]() is storage:
             return seen[1]
@@ -395,21 +399,28 @@ class SavedTensorLedger:
         return life
 
     def _pack(self, tensor: torch.Tensor) -> _Slot:
-        assert self._clock is not None
+        # runs once per saved tensor: _life_of and ModuleStack.current inlined
         storage = tensor.untyped_storage()
-        life = self._life_of(storage)
+        key = storage._cdata
+        seen = self._lives.get(key)
+        if seen is not None and seen[0]() is storage:
+            life = seen[1]
+        else:
+            life = seen[1] + 1 if seen is not None else 0
+            self._lives[key] = (weakref.ref(storage), life)
         slot = _Slot(None, self._outer[0](tensor)) if self._outer is not None else _Slot(tensor.detach())
+        stack = self._modules.stack
         self._packs.append(
-            _Pack(
-                slot=weakref.ref(slot),
-                key=int(storage._cdata),
-                life=life,
-                nbytes=storage_nbytes(tensor),
-                shape=tuple(tensor.shape),
-                dtype=str(tensor.dtype).removeprefix("torch."),
-                device=str(tensor.device),
-                module=self._modules.current(),
-                node_seq=self._clock.now(),
+            (
+                weakref.ref(slot),
+                key,
+                life,
+                storage.nbytes(),
+                tensor.shape,
+                tensor.dtype,
+                tensor.device,
+                stack[-1] if stack else OUTSIDE,
+                self._now(),
             )
         )
         return slot
@@ -431,11 +442,27 @@ class SavedTensorLedger:
         return self._module_of_seq(int(node._sequence_nr()))
 
     def _module_of_seq(self, seq: int) -> str:
-        best: tuple[int, str] | None = None
-        for start, end, depth, name in self._intervals:
-            if start < seq <= end and (best is None or depth > best[0]):
-                best = (depth, name)
-        return best[1] if best else OUTSIDE
+        if self._seq_index is None:
+            self._seq_index = self._index_intervals()
+        first, modules = self._seq_index
+        i = seq - first
+        return modules[i] if 0 <= i < len(modules) else OUTSIDE
+
+    def _index_intervals(self) -> tuple[int, list[str]]:
+        """The innermost module of every sequence number the intervals cover: each interval ``(start, end]``
+        painted over its parents (forwards nest, so deeper intervals lie inside shallower ones; at one depth
+        they are disjoint). One list entry per node the forward created."""
+        if not self._intervals:
+            return 0, []
+        first = min(start for start, _, _, _ in self._intervals) + 1
+        last = max(end for _, end, _, _ in self._intervals)
+        modules = [OUTSIDE] * max(0, last - first + 1)
+        order = sorted(range(len(self._intervals)), key=lambda i: (self._intervals[i][2], -i))
+        for i in order:
+            start, end, _, name = self._intervals[i]
+            if end > start:
+                modules[start + 1 - first : end + 1 - first] = [name] * (end - start)
+        return first, modules
 
     def _kind(self, module: str, shape: tuple[int, ...], key: StorageKey, life: int) -> Kind:
         if key in self._resident:
@@ -466,68 +493,58 @@ class SavedTensorLedger:
     def _build_report(self) -> LedgerReport:
         roots = [t for t in (r() for r in self._roots) if t is not None]
         nodes = list(iter_graph(roots))
-        node_names = {int(n._sequence_nr()): n.name() for n in nodes}
-        entries: dict[tuple[StorageKey, int], dict[str, Any]] = {}
+        by_seq = {n._sequence_nr(): n for n in nodes}
+        # (storage key, life) -> [module, shape, dtype, bytes, device, source, attribute, node sequence numbers]
+        entries: dict[tuple[StorageKey, int], list[Any]] = {}
 
-        def add(
-            key: tuple[StorageKey, int],
-            t_meta: dict[str, Any],
-            node: tuple[int, str],
-            source: Source,
-            attribute: str | None,
-        ) -> None:
-            if key in entries:
-                if node not in entries[key]["nodes"]:
-                    entries[key]["nodes"].append(node)
-                return
-            entries[key] = {**t_meta, "nodes": [node], "source": source, "attribute": attribute}
-
-        for p in self._packs:
-            if p.slot() is None:  # autograd already released it (graph freed or consumed)
+        for slot, key, life, nbytes, shape, dtype, device, module, seq in self._packs:
+            if slot() is None:  # autograd already released it (graph freed or consumed)
                 continue
-            meta = {
-                "module": p.module,
-                "shape": p.shape,
-                "dtype": p.dtype,
-                "bytes": p.nbytes,
-                "device": p.device,
-            }
-            add((p.key, p.life), meta, (p.node_seq, node_names.get(p.node_seq, "<unknown>")), "hook", None)
+            e = entries.get((key, life))
+            if e is None:
+                entries[(key, life)] = [module, shape, dtype, nbytes, device, "hook", None, [seq]]
+            elif seq not in e[7]:
+                e[7].append(seq)
 
         for node in nodes:
             if not isinstance(node, BackwardCFunction):
                 continue
-            module = self._module_of_seq(int(node._sequence_nr()))
+            seq = node._sequence_nr()
+            module = self._module_of_seq(seq)
             for attr, value in list(vars(node).items()):
                 if attr.startswith("_") or attr in ("saved_tensors", "to_save"):
                     continue
                 for path, t in tensors_in(value):
-                    meta = {
-                        "module": module,
-                        "shape": tuple(t.shape),
-                        "dtype": str(t.dtype).removeprefix("torch."),
-                        "bytes": storage_nbytes(t),
-                        "device": str(t.device),
-                    }
                     storage = t.untyped_storage()
-                    key = (int(storage._cdata), self._life_of(storage))
-                    add(key, meta, (int(node._sequence_nr()), node.name()), "ctx", attr + path)
+                    key = (storage._cdata, self._life_of(storage))
+                    e = entries.get(key)
+                    if e is None:
+                        entries[key] = [
+                            module, t.shape, t.dtype, storage.nbytes(), t.device, "ctx", attr + path, [seq]
+                        ]
+                    elif seq not in e[7]:
+                        e[7].append(seq)
+
+        def node_name(seq: int) -> str:
+            node = by_seq.get(seq)
+            return node.name() if node is not None else "<unknown>"
 
         report = LedgerReport()
-        for (key, life), e in entries.items():
-            kind = self._kind(e["module"], e["shape"], key, life)
+        for (key, life), (module, shape, dtype, nbytes, device, source, attribute, seqs) in entries.items():
+            shape = tuple(shape)
+            kind = self._kind(module, shape, key, life)
             record = SavedRecord(
-                module=e["module"],
-                node=e["nodes"][0][1],
-                shape=e["shape"],
-                dtype=e["dtype"],
-                bytes=e["bytes"],
-                source=e["source"],
+                module=module,
+                node=node_name(seqs[0]),
+                shape=shape,
+                dtype=str(dtype).removeprefix("torch."),
+                bytes=nbytes,
+                source=source,
                 kind=kind,
-                device=e["device"],
-                attribute=e["attribute"],
+                device=str(device),
+                attribute=attribute,
                 owner=self._resident.get(key),
-                also_saved_by=tuple(name for _, name in e["nodes"][1:]),
+                also_saved_by=tuple(node_name(seq) for seq in seqs[1:]),
                 key=key,
             )
             (report.resident if kind == "resident" else report.records).append(record)

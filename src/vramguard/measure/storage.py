@@ -8,7 +8,7 @@ is alive on every device, meta included (where ``data_ptr()`` is always 0).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -33,6 +33,9 @@ def storage_nbytes(t: torch.Tensor) -> int:
 _SCALARS = frozenset(
     {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
 )
+# module attributes of these exact types hold no tensor the resident walk looks at (it looks into plain
+# objects, tuples and lists): skipped by one set lookup
+_NOT_WALKED = _SCALARS | {dict, set, frozenset, type}
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
@@ -71,30 +74,39 @@ def tensors_in(
     ``depth`` levels into plain objects' attributes (bitsandbytes' ``QuantState``, ``MatmulLtState``).
 
     Yields ``(path, tensor)`` with ``path`` relative to ``obj``: ``""``, ``"[1]"``, ``".absmax"``,
-    ``".state2.code"``.
+    ``".state2.code"``. (Collected in one walk before the first is yielded.)
     """
-    seen = _seen if _seen is not None else set()
+    found: list[tuple[str, torch.Tensor]] = []
+    _tensors_into(obj, depth, _seen if _seen is not None else set(), "", found)
+    return iter(found)
+
+
+def _tensors_into(obj: Any, depth: int, seen: set[int], base: str, found: list[tuple[str, torch.Tensor]]) -> None:
     if id(obj) in seen:
         return
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
-        yield "", obj
+        found.append((base, obj))
         return
     if isinstance(obj, (tuple, list)):
-        items: Iterator[tuple[str, Any]] = ((f"[{i}]", v) for i, v in enumerate(obj))
+        items: Iterable[tuple[Any, Any]] = enumerate(obj)
+        fmt = "{}[{}]"
     elif isinstance(obj, dict):
-        items = ((f"[{k!r}]", v) for k, v in obj.items())
+        items = ((repr(k), v) for k, v in obj.items())
+        fmt = "{}[{}]"
     elif depth > 0 and _is_plain_object(obj):
-        items = ((f".{k}", v) for k, v in list(vars(obj).items()))
+        items = list(vars(obj).items())
+        fmt = "{}.{}"
         depth -= 1
     else:
         return
-    for prefix, value in items:
+    for k, value in items:
+        if type(value) in _SCALARS:  # (no tensor, nothing to look into: the common case, skipped first)
+            continue
         if isinstance(value, torch.Tensor):
-            yield prefix, value
+            found.append((fmt.format(base, k), value))
         elif isinstance(value, (tuple, list, dict)) or (depth > 0 and _is_plain_object(value)):
-            for path, t in tensors_in(value, depth, seen):
-                yield prefix + path, t
+            _tensors_into(value, depth, seen, fmt.format(base, k), found)
 
 
 def _is_plain_object(obj: Any) -> bool:
@@ -107,18 +119,58 @@ def _is_plain_object(obj: Any) -> bool:
 
 
 def resident_storages(
-    model: torch.nn.Module, named: Iterable[tuple[str, torch.nn.Module]] | None = None
+    model: torch.nn.Module,
+    named: Iterable[tuple[str, torch.nn.Module]] | None = None,
+    first_names: Mapping[StorageKey, str] | None = None,
 ) -> dict[StorageKey, str]:
     """Storages that exist before any forward pass: parameters, buffers and the quantization state
     hanging off them (``Params4bit.quant_state``, ``Int8Params.SCB``, ``Linear8bitLt.state``).
 
     Maps storage key to the qualified name of its owner. Saving one of these for backward costs
     nothing extra, so the ledger reports them as resident, never as saved. ``named``: the model's
-    ``named_modules()``, when the caller has walked them already.
+    ``named_modules()``, when the caller has walked them already. ``first_names``: the names an earlier
+    walk gave (its result): a storage found again keeps that name (names as first seen), and no name is
+    built for it.
     """
     owners: dict[StorageKey, str] = {}
-    for owner, tensor in _resident_tensors(model, named):
-        owners.setdefault(storage_key(tensor), owner)
+    known = first_names if first_names is not None else {}
+    walked: dict[int, tuple[Any, list[tuple[str, torch.Tensor]]]] = {}
+
+    def inside(value: Any) -> list[tuple[str, torch.Tensor]]:
+        # one walk per object: a QuantState hangs off its weight and its module, a model config off
+        # every layer (the object is held in ``walked``, so its id stays its own during the walk)
+        hit = walked.get(id(value))
+        if hit is None:
+            hit = walked[id(value)] = (value, list(tensors_in(value)))
+        return hit[1]
+
+    # the same tensors in the same order as ``_resident_tensors`` yields them, the first owner kept;
+    # a name is built only for a storage seen first here
+    for mod_name, module in model.named_modules() if named is None else named:
+        prefix = f"{mod_name}." if mod_name else ""
+        for group in (module._parameters, module._buffers):
+            for name, tensor in group.items():
+                if tensor is None:
+                    continue
+                key = int(tensor.untyped_storage()._cdata)
+                if key not in owners:
+                    owners[key] = known.get(key) or prefix + name
+                extra = _attributes(tensor)
+                for attr, value in extra.items() if extra else ():
+                    if type(value) not in _SCALARS:
+                        for path, t in inside(value):
+                            key = int(t.untyped_storage()._cdata)
+                            if key not in owners:
+                                owners[key] = known.get(key) or f"{prefix}{name}.{attr}{path}"
+        for attr, value in vars(module).items():
+            # (most attributes are scalars, dicts or private: skipped before the checks below)
+            if type(value) in _NOT_WALKED or attr[0] == "_" or isinstance(value, (torch.Tensor, torch.nn.Module)):
+                continue
+            if _is_plain_object(value) or isinstance(value, (tuple, list)):
+                for path, t in inside(value):
+                    key = int(t.untyped_storage()._cdata)
+                    if key not in owners:
+                        owners[key] = known.get(key) or f"{prefix}{attr}{path}"
     return owners
 
 

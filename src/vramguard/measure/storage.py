@@ -36,6 +36,9 @@ _SCALARS = frozenset(
 # module attributes of these exact types hold no tensor the resident walk looks at (it looks into plain
 # objects, tuples and lists): skipped by one set lookup
 _NOT_WALKED = _SCALARS | {dict, set, frozenset, type}
+# the attributes torch.nn.Module.__init__ sets: private, or the bool ``training``; a module with no others
+# (containers, activations, most wrappers) has no attribute the resident walk looks into
+_MODULE_OWN = frozenset(vars(torch.nn.Module()))
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
@@ -162,7 +165,10 @@ def resident_storages(
                             key = int(t.untyped_storage()._cdata)
                             if key not in owners:
                                 owners[key] = known.get(key) or f"{prefix}{name}.{attr}{path}"
-        for attr, value in vars(module).items():
+        attrs = vars(module)
+        if attrs.keys() <= _MODULE_OWN:  # only what torch.nn.Module sets itself: nothing to look into
+            continue
+        for attr, value in attrs.items():
             # (most attributes are scalars, dicts or private: skipped before the checks below)
             if type(value) in _NOT_WALKED or attr[0] == "_" or isinstance(value, (torch.Tensor, torch.nn.Module)):
                 continue

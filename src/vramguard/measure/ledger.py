@@ -165,22 +165,35 @@ class _Slot:
     """What the pack hook hands to autograd: autograd alone owns it, the ledger only a weakref.
 
     Under an outer ``saved_tensors_hooks`` (``save_on_cpu``, TRL's ``OffloadActivations``) the slot holds
-    what the outer pack hook returned, not the tensor, so offloading goes on while the ledger is open."""
+    what the outer pack hook returned, not the tensor, so offloading goes on while the ledger is open.
 
-    __slots__ = ("__weakref__", "outer", "tensor")
+    The slot also carries what the ledger notes about the saved tensor (one object per saved tensor, and
+    the notes of a released one go with it): its storage's key, life (which storage of that key, see
+    ``SavedTensorLedger._life_of``) and bytes, the module saving it, and the sequence number of the node
+    created last; under an outer hook also the tensor's shape, dtype and device (else read off ``tensor``).
+    """
 
-    def __init__(self, tensor: torch.Tensor | None, outer: Any = None) -> None:
+    __slots__ = ("__weakref__", "outer", "tensor", "key", "life", "nbytes", "module", "seq", "meta")
+
+    def __init__(
+        self,
+        tensor: torch.Tensor | None,
+        outer: Any,
+        key: StorageKey,
+        life: int,
+        nbytes: int,
+        module: str,
+        seq: int,
+        meta: tuple[torch.Size, torch.dtype, torch.device] | None = None,
+    ) -> None:
         self.tensor = tensor
         self.outer = outer
-
-
-# what the pack hook notes per saved tensor, as a plain tuple (hundreds per forward): (weakref to the slot,
-# storage key, life (which storage of that key, see SavedTensorLedger._life_of), storage bytes, the tensor's
-# shape (a torch.Size), dtype, device, module, sequence number of the node created last); dtype and device
-# are made strings only for the packs still alive when the report is built
-_Pack = tuple[
-    "weakref.ref[_Slot]", StorageKey, int, int, torch.Size, torch.dtype, torch.device, str, int
-]
+        self.key = key
+        self.life = life
+        self.nbytes = nbytes
+        self.module = module
+        self.seq = seq
+        self.meta = meta
 
 
 class _NodeClock:
@@ -291,7 +304,7 @@ class SavedTensorLedger:
         self.report = LedgerReport()
         self._roots: list[weakref.ref[torch.Tensor]] = []
         self.add_roots(*roots)
-        self._packs: list[_Pack] = []
+        self._packs: list[weakref.ref[_Slot]] = []
         # the running modules; a module's forward spans the autograd nodes created between its entry and exit
         self._modules = ModuleStack({}, self._enter_module, self._exit_module)
         self._intervals: list[tuple[int, int, int, str]] = []  # (start, end, depth, module)
@@ -410,21 +423,14 @@ class SavedTensorLedger:
         else:
             life = seen[1] + 1 if seen is not None else 0
             self._lives[key] = (weakref.ref(storage), life)
-        slot = _Slot(None, self._outer[0](tensor)) if self._outer is not None else _Slot(tensor.detach())
         stack = self._modules.stack
-        self._packs.append(
-            (
-                weakref.ref(slot),
-                key,
-                life,
-                storage.nbytes(),
-                tensor.shape,
-                tensor.dtype,
-                tensor.device,
-                stack[-1] if stack else OUTSIDE,
-                self._now(),
-            )
-        )
+        module = stack[-1] if stack else OUTSIDE
+        if self._outer is None:
+            slot = _Slot(tensor.detach(), None, key, life, storage.nbytes(), module, self._now())
+        else:
+            meta = (tensor.shape, tensor.dtype, tensor.device)
+            slot = _Slot(None, self._outer[0](tensor), key, life, storage.nbytes(), module, self._now(), meta)
+        self._packs.append(weakref.ref(slot))
         return slot
 
     @staticmethod
@@ -499,14 +505,20 @@ class SavedTensorLedger:
         # (storage key, life) -> [module, shape, dtype, bytes, device, source, attribute, node sequence numbers]
         entries: dict[tuple[StorageKey, int], list[Any]] = {}
 
-        for slot, key, life, nbytes, shape, dtype, device, module, seq in self._packs:
-            if slot() is None:  # autograd already released it (graph freed or consumed)
+        for ref in self._packs:
+            slot = ref()
+            if slot is None:  # autograd already released it (graph freed or consumed)
                 continue
-            e = entries.get((key, life))
+            key = (slot.key, slot.life)
+            e = entries.get(key)
             if e is None:
-                entries[(key, life)] = [module, shape, dtype, nbytes, device, "hook", None, [seq]]
-            elif seq not in e[7]:
-                e[7].append(seq)
+                t = slot.tensor
+                shape, dtype, device = (t.shape, t.dtype, t.device) if t is not None else slot.meta
+                entries[key] = [
+                    slot.module, shape, dtype, slot.nbytes, device, "hook", None, [slot.seq]
+                ]
+            elif slot.seq not in e[7]:
+                e[7].append(slot.seq)
 
         for node in nodes:
             if not isinstance(node, BackwardCFunction):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from types import TracebackType
 from typing import Any, Literal
 
@@ -539,28 +539,55 @@ class SavedTensorLedger:
                     elif seq not in e[7]:
                         e[7].append(seq)
 
+        names: dict[int, str] = {}  # node names, dtype and device strings: each made once
+        strings: dict[Any, str] = {}
+
         def node_name(seq: int) -> str:
-            node = by_seq.get(seq)
-            return node.name() if node is not None else "<unknown>"
+            name = names.get(seq)
+            if name is None:
+                node = by_seq.get(seq)
+                name = names[seq] = node.name() if node is not None else "<unknown>"
+            return name
+
+        def string(value: Any) -> str:
+            name = strings.get(value)
+            if name is None:
+                name = strings[value] = str(value).removeprefix("torch.")
+            return name
 
         report = LedgerReport()
+        resident = self._resident
         for (key, life), (module, shape, dtype, nbytes, device, source, attribute, seqs) in entries.items():
             shape = tuple(shape)
-            kind = self._kind(module, shape, key, life)
-            record = SavedRecord(
+            kind = "resident" if key in resident else self._kind(module, shape, key, life)
+            record = _record(
                 module=module,
                 node=node_name(seqs[0]),
                 shape=shape,
-                dtype=str(dtype).removeprefix("torch."),
+                dtype=string(dtype),
                 bytes=nbytes,
                 source=source,
                 kind=kind,
-                device=str(device),
+                device=string(device),
                 attribute=attribute,
-                owner=self._resident.get(key),
-                also_saved_by=tuple(node_name(seq) for seq in seqs[1:]),
+                owner=resident.get(key),
+                also_saved_by=tuple(node_name(seq) for seq in seqs[1:]) if len(seqs) > 1 else (),
                 key=key,
+                new=None,
             )
             (report.resident if kind == "resident" else report.records).append(record)
         report.records.sort(key=lambda r: (-r.bytes, r.module))
         return report
+
+
+_RECORD_FIELDS = frozenset(f.name for f in fields(SavedRecord))
+
+
+def _record(**values: Any) -> SavedRecord:
+    """``SavedRecord(**values)`` with every field given, made the way ``dataclasses.replace`` copies are
+    not: its frozen ``__init__`` sets each field through ``object.__setattr__``, which for the hundreds of
+    records of a report is most of the report's cost; here the instance dict is filled at once."""
+    assert values.keys() == _RECORD_FIELDS
+    record = object.__new__(SavedRecord)
+    record.__dict__.update(values)
+    return record

@@ -228,6 +228,43 @@ def test_a_view_of_a_parameter_is_resident() -> None:
     assert ledger.report.saved_bytes == 3 * 8 * F32
 
 
+class ChangesItsResidents(nn.Module):
+    """A forward that changes what is resident, one way per ``how``, and saves the new storage for backward
+    (``x * new``): resident at the block's end, not saved."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.w = nn.Parameter(torch.randn(8), requires_grad=False)
+        self.w.qs = SimpleNamespace(scale=torch.ones(1))  # as Params4bit.quant_state
+        self.state = SimpleNamespace(cache=None)  # as Linear8bitLt.state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        new = torch.full((8,), 2.0)
+        if self.how == "data":  # bitsandbytes' Linear4bit casts its bias so on its first call
+            self.w.data = new
+        elif self.how == "object":  # an object the walk looks into gets a tensor
+            self.state.cache = new
+        elif self.how == "param-attribute":  # a parameter's attribute set to a new object
+            self.w.qs = SimpleNamespace(scale=new)
+        elif self.how == "buffer":
+            self.register_buffer("extra", new)
+        return x * new
+
+
+@pytest.mark.parametrize("how", ["data", "object", "param-attribute", "buffer"])
+def test_a_storage_the_forward_makes_resident_is_resident_not_saved(how: str) -> None:
+    model = ChangesItsResidents(how)
+    x = torch.randn(3, 8, requires_grad=True)
+    with SavedTensorLedger(model) as ledger:
+        out = model(x)  # noqa: F841
+    owner = {"data": "w", "object": "state.cache", "param-attribute": "w.qs.scale", "buffer": "extra"}[how]
+    res = [r for r in ledger.report.resident if r.shape == (8,)]
+    assert [(r.owner, r.bytes) for r in res] == [(owner, 8 * F32)]
+    assert res[0].key in ledger.resident_keys
+    assert ledger.report.saved_bytes == 0  # x is not saved: new needs no gradient
+
+
 @pytest.mark.parametrize("on_ctx", [False, True], ids=["save_for_backward", "ctx-attribute"])
 def test_function_saving_a_dequantized_weight_is_a_weight_copy(on_ctx: bool) -> None:
     torch.manual_seed(0)

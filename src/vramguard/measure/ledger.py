@@ -30,10 +30,16 @@ from typing import Any, Literal
 
 import torch
 from torch.autograd.function import BackwardCFunction
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.modules import OUTSIDE, ModuleStack
 from vramguard.measure.storage import (
+    ResidentWalk,
     StorageKey,
     resident_storages,
     tensor_leaves,
@@ -316,6 +322,8 @@ class SavedTensorLedger:
         self._hooks: Any = None
         self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
         self._resident: dict[StorageKey, str] = {}
+        self._residents: ResidentWalk | None = None  # the entry's walk, checked at exit
+        self._registered = False  # whether a parameter, buffer or module was registered in the block
         self._weights: dict[str, set[tuple[int, ...]]] = {}
         # storages passed into each module, as (key, life)
         self._inputs: dict[str, set[tuple[StorageKey, int]]] = defaultdict(set)
@@ -344,7 +352,17 @@ class SavedTensorLedger:
         self._seq_index = None
         if self.model is not None:
             named = list(self.model.named_modules())
-            self._resident = resident_storages(self.model, named)
+            self._residents = ResidentWalk(self.model, named)
+            self._resident = self._residents.owners
+            self._registered = False
+            self._handles += [
+                register(self._on_register)
+                for register in (
+                    register_module_parameter_registration_hook,
+                    register_module_buffer_registration_hook,
+                    register_module_module_registration_hook,
+                )
+            ]
             self._weights = _weight_shapes(named)
             self._with_inputs = _under(self._weights, (n for n, _ in named))
             self._modules.names = {id(m): n for n, m in named}
@@ -372,12 +390,16 @@ class SavedTensorLedger:
                 # what is resident is decided at the end: a forward may replace a parameter's storage
                 # (bitsandbytes' Linear4bit casts its bias to the input dtype on the first call), and
                 # the freed storage's key may then be reused by an activation, or the old storage
-                # be kept by autograd: neither is a parameter any more (names as first seen)
-                self._resident = resident_storages(self.model, first_names=self._resident)
+                # be kept by autograd: neither is a parameter any more (names as first seen). Walked again
+                # only where the entry's walk may be out of date (a storage replaced, a module registered)
+                assert self._residents is not None
+                if self._registered or not self._residents.unchanged():
+                    self._resident = resident_storages(self.model, first_names=self._resident)
             self.report = self._build_report()
         self._packs.clear()
         self._inputs.clear()
         self._lives.clear()
+        self._residents = None
 
     def _enter_module(self, name: str, module: torch.nn.Module) -> int:
         return self._now()
@@ -398,6 +420,9 @@ class SavedTensorLedger:
                 except (RuntimeError, NotImplementedError):  # tensors without a storage (sparse, wrappers)
                     continue
                 inputs.add((storage._cdata, self._life_of(storage)))
+
+    def _on_register(self, *_: Any) -> None:
+        self._registered = True
 
     def _root_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self.add_roots(output)

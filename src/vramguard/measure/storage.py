@@ -135,49 +135,88 @@ def resident_storages(
     walk gave (its result): a storage found again keeps that name (names as first seen), and no name is
     built for it.
     """
-    owners: dict[StorageKey, str] = {}
-    known = first_names if first_names is not None else {}
-    walked: dict[int, tuple[Any, list[tuple[str, torch.Tensor]]]] = {}
+    return ResidentWalk(model, named, first_names).owners
 
-    def inside(value: Any) -> list[tuple[str, torch.Tensor]]:
-        # one walk per object: a QuantState hangs off its weight and its module, a model config off
-        # every layer (the object is held in ``walked``, so its id stays its own during the walk)
-        hit = walked.get(id(value))
-        if hit is None:
-            hit = walked[id(value)] = (value, list(tensors_in(value)))
-        return hit[1]
 
-    # the same tensors in the same order as ``_resident_tensors`` yields them, the first owner kept;
-    # a name is built only for a storage seen first here
-    for mod_name, module in model.named_modules() if named is None else named:
-        prefix = f"{mod_name}." if mod_name else ""
-        for group in (module._parameters, module._buffers):
-            for name, tensor in group.items():
-                if tensor is None:
-                    continue
-                key = int(tensor.untyped_storage()._cdata)
-                if key not in owners:
-                    owners[key] = known.get(key) or prefix + name
-                extra = _attributes(tensor)
-                for attr, value in extra.items() if extra else ():
-                    if type(value) not in _SCALARS:
-                        for path, t in inside(value):
-                            key = int(t.untyped_storage()._cdata)
-                            if key not in owners:
-                                owners[key] = known.get(key) or f"{prefix}{name}.{attr}{path}"
-        attrs = vars(module)
-        if attrs.keys() <= _MODULE_OWN:  # only what torch.nn.Module sets itself: nothing to look into
-            continue
-        for attr, value in attrs.items():
-            # (most attributes are scalars, dicts or private: skipped before the checks below)
-            if type(value) in _NOT_WALKED or attr[0] == "_" or isinstance(value, (torch.Tensor, torch.nn.Module)):
-                continue
-            if _is_plain_object(value) or isinstance(value, (tuple, list)):
-                for path, t in inside(value):
-                    key = int(t.untyped_storage()._cdata)
+class ResidentWalk:
+    """The walk of :func:`resident_storages` (its result in :attr:`owners`), with what it read kept, so
+    that :meth:`unchanged` can tell cheaply whether walking again would find the same storages."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        named: Iterable[tuple[str, torch.nn.Module]] | None = None,
+        first_names: Mapping[StorageKey, str] | None = None,
+    ) -> None:
+        owners: dict[StorageKey, str] = {}
+        known = first_names if first_names is not None else {}
+        walked: dict[int, tuple[Any, list[tuple[str, torch.Tensor]]]] = {}
+        # each parameter and buffer: (its dict, its name, its storage, the ids of its attributes' values)
+        self._slots: list[tuple[dict[str, Any], str, StorageKey, tuple[int, ...]]] = []
+
+        def inside(value: Any) -> list[tuple[str, torch.Tensor]]:
+            # one walk per object: a QuantState hangs off its weight and its module, a model config off
+            # every layer (the object is held in ``walked``, so its id stays its own during the walk)
+            hit = walked.get(id(value))
+            if hit is None:
+                hit = walked[id(value)] = (value, list(tensors_in(value)))
+            return hit[1]
+
+        # the tensors in the order ``_resident_tensors`` yields them, the first owner kept; a name is
+        # built only for a storage seen first here
+        for mod_name, module in model.named_modules() if named is None else named:
+            prefix = f"{mod_name}." if mod_name else ""
+            for group in (module._parameters, module._buffers):
+                for name, tensor in group.items():
+                    if tensor is None:
+                        continue
+                    key = int(tensor.untyped_storage()._cdata)
                     if key not in owners:
-                        owners[key] = known.get(key) or f"{prefix}{attr}{path}"
-    return owners
+                        owners[key] = known.get(key) or prefix + name
+                    extra = _attributes(tensor)
+                    self._slots.append((group, name, key, tuple(map(id, extra.values()))))
+                    for attr, value in extra.items() if extra else ():
+                        if type(value) not in _SCALARS:
+                            for path, t in inside(value):
+                                key = int(t.untyped_storage()._cdata)
+                                if key not in owners:
+                                    owners[key] = known.get(key) or f"{prefix}{name}.{attr}{path}"
+            attrs = vars(module)
+            if attrs.keys() <= _MODULE_OWN:  # only what torch.nn.Module sets itself: nothing to look into
+                continue
+            for attr, value in attrs.items():
+                # (most attributes are scalars, dicts or private: skipped before the checks below)
+                if (
+                    type(value) in _NOT_WALKED
+                    or attr[0] == "_"
+                    or isinstance(value, (torch.Tensor, torch.nn.Module))
+                ):
+                    continue
+                if _is_plain_object(value) or isinstance(value, (tuple, list)):
+                    for path, t in inside(value):
+                        key = int(t.untyped_storage()._cdata)
+                        if key not in owners:
+                            owners[key] = known.get(key) or f"{prefix}{attr}{path}"
+        self.owners = owners
+        # each object looked into, and the storages found in it
+        self._objects = [(value, [storage_key(t) for _, t in found]) for value, found in walked.values()]
+
+    def unchanged(self) -> bool:
+        """Whether the parameters and buffers walked still have the same storages and the same attribute
+        objects, and the objects looked into (``QuantState``, ``MatmulLtState``, configs) hold the same
+        storages. What this does not see (and a full walk would): a parameter or buffer added without
+        ``register_parameter``/``register_buffer`` (the ledger watches those through torch's registration
+        hooks), and a module attribute set to a new object holding tensors."""
+        for group, name, key, ids in self._slots:
+            tensor = group.get(name)
+            if tensor is None or int(tensor.untyped_storage()._cdata) != key:
+                return False
+            if tuple(map(id, _attributes(tensor).values())) != ids:
+                return False
+        for value, keys in self._objects:
+            if [storage_key(t) for _, t in tensors_in(value)] != keys:
+                return False
+        return True
 
 
 def frozen_resident_bytes(model: torch.nn.Module) -> int:

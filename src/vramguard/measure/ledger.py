@@ -421,8 +421,10 @@ class SavedTensorLedger:
                     continue
                 inputs.add((storage._cdata, self._life_of(storage)))
 
-    def _on_register(self, *_: Any) -> None:
-        self._registered = True
+    def _on_register(self, module: torch.nn.Module, *_: Any) -> None:
+        # (a forward may fill a new container with the model's modules: transformers slices its layers)
+        if id(module) in self._modules.names:
+            self._registered = True
 
     def _root_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self.add_roots(output)

@@ -150,16 +150,16 @@ class ResidentWalk:
     ) -> None:
         owners: dict[StorageKey, str] = {}
         known = first_names if first_names is not None else {}
-        walked: dict[int, tuple[Any, list[tuple[str, torch.Tensor]]]] = {}
+        walked: dict[int, tuple[Any, list[tuple[str, StorageKey]]]] = {}
         # each parameter and buffer: (its dict, its name, its storage, the ids of its attributes' values)
         self._slots: list[tuple[dict[str, Any], str, StorageKey, tuple[int, ...]]] = []
 
-        def inside(value: Any) -> list[tuple[str, torch.Tensor]]:
+        def inside(value: Any) -> list[tuple[str, StorageKey]]:
             # one walk per object: a QuantState hangs off its weight and its module, a model config off
             # every layer (the object is held in ``walked``, so its id stays its own during the walk)
             hit = walked.get(id(value))
             if hit is None:
-                hit = walked[id(value)] = (value, list(tensors_in(value)))
+                hit = walked[id(value)] = (value, [(path, storage_key(t)) for path, t in tensors_in(value)])
             return hit[1]
 
         # the tensors in the order ``_resident_tensors`` yields them, the first owner kept; a name is
@@ -177,8 +177,7 @@ class ResidentWalk:
                     self._slots.append((group, name, key, tuple(map(id, extra.values()))))
                     for attr, value in extra.items() if extra else ():
                         if type(value) not in _SCALARS:
-                            for path, t in inside(value):
-                                key = int(t.untyped_storage()._cdata)
+                            for path, key in inside(value):
                                 if key not in owners:
                                     owners[key] = known.get(key) or f"{prefix}{name}.{attr}{path}"
             attrs = vars(module)
@@ -193,13 +192,12 @@ class ResidentWalk:
                 ):
                     continue
                 if _is_plain_object(value) or isinstance(value, (tuple, list)):
-                    for path, t in inside(value):
-                        key = int(t.untyped_storage()._cdata)
+                    for path, key in inside(value):
                         if key not in owners:
                             owners[key] = known.get(key) or f"{prefix}{attr}{path}"
         self.owners = owners
         # each object looked into, and the storages found in it
-        self._objects = [(value, [storage_key(t) for _, t in found]) for value, found in walked.values()]
+        self._objects = [(value, [key for _, key in found]) for value, found in walked.values()]
 
     def unchanged(self) -> bool:
         """Whether the parameters and buffers walked still have the same storages and the same attribute

@@ -179,7 +179,7 @@ class _Slot:
     created last; under an outer hook also the tensor's shape, dtype and device (else read off ``tensor``).
     """
 
-    __slots__ = ("__weakref__", "outer", "tensor", "key", "life", "nbytes", "module", "seq", "meta")
+    __slots__ = ("__weakref__", "key", "life", "meta", "module", "nbytes", "outer", "seq", "tensor")
 
     def __init__(
         self,
@@ -541,9 +541,7 @@ class SavedTensorLedger:
             if e is None:
                 t = slot.tensor
                 shape, dtype, device = (t.shape, t.dtype, t.device) if t is not None else slot.meta
-                entries[key] = [
-                    slot.module, shape, dtype, slot.nbytes, device, "hook", None, [slot.seq]
-                ]
+                entries[key] = [slot.module, shape, dtype, slot.nbytes, device, "hook", None, [slot.seq]]
             elif slot.seq not in e[7]:
                 e[7].append(slot.seq)
 
@@ -561,7 +559,14 @@ class SavedTensorLedger:
                     e = entries.get(key)
                     if e is None:
                         entries[key] = [
-                            module, t.shape, t.dtype, storage.nbytes(), t.device, "ctx", attr + path, [seq]
+                            module,
+                            t.shape,
+                            t.dtype,
+                            storage.nbytes(),
+                            t.device,
+                            "ctx",
+                            attr + path,
+                            [seq],
                         ]
                     elif seq not in e[7]:
                         e[7].append(seq)

@@ -84,7 +84,9 @@ def tensors_in(
     return iter(found)
 
 
-def _tensors_into(obj: Any, depth: int, seen: set[int], base: str, found: list[tuple[str, torch.Tensor]]) -> None:
+def _tensors_into(
+    obj: Any, depth: int, seen: set[int], base: str, found: list[tuple[str, torch.Tensor]]
+) -> None:
     if id(obj) in seen:
         return
     seen.add(id(obj))

@@ -284,14 +284,15 @@ def _under(owners: Iterable[str], names: Iterable[str]) -> frozenset[str]:
 def iter_graph(roots: Iterable[torch.Tensor]) -> Iterator[Any]:
     """Every autograd node reachable from ``roots``' grad_fns, each once (depth first)."""
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
-    seen: set[int] = set()
+    seen: set[Any] = set()  # the nodes themselves (hashed by identity), held while the walk runs
     while stack:
         node = stack.pop()
-        if node is None or id(node) in seen:
+        if node in seen:
             continue
-        seen.add(id(node))
+        seen.add(node)
         yield node
-        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+        # (a node seen already is not pushed again: the same order, fewer pops)
+        stack += [fn for fn, _ in node.next_functions if fn is not None and fn not in seen]
 
 
 class SavedTensorLedger:

@@ -15,7 +15,9 @@ not the callback's report at the end of training, timed apart as ``train_end_s``
 (``callback_ratio``), those steps left unmeasured by ``measure_every`` (``callback_unmeasured_ratio``;
 issue 13: <= 5 % on steps where the ledger is off), and every step measured with ``cpu_source="allocator"``
 (``callback_allocator_ratio``: the CPU allocator's events counted in C++, no Python per op). The same
-ratios of the process's CPU time (``*_cpu_ratio``) are steadier on a machine shared with other jobs.
+ratios of the process's CPU time (``*_cpu_ratio``) are steadier on a machine shared with other jobs; steadier
+still, ``callback_allocator_self_ratio`` is the allocator arm's own time (its trainer events and hooks, all
+of its Python: none runs per op) over its steps' wall, measured inside the same runs.
 
 Ratios are recorded as ``*_ratio`` metrics (not gated by default: timings on shared runners are
 noisy; gate them with ``--vram-threshold '*_ratio=10%'``). Nothing here asserts a time: the tests
@@ -167,6 +169,7 @@ class _Clock:
             def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
                 if state.global_step == after:
                     clock.t0, clock.c0 = time.perf_counter(), time.process_time()
+                    clock.inside = 0.0
 
             def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
                 clock.t1 = time.perf_counter()
@@ -177,7 +180,44 @@ class _Clock:
                 clock.end = time.perf_counter() - clock.t1
 
         self.first, self.last = First(), Last()
-        self.t0 = self.t1 = self.c0 = self.elapsed = self.cpu = self.end = 0.0
+        self.t0 = self.t1 = self.c0 = self.elapsed = self.cpu = self.end = self.inside = 0.0
+
+    def time_inside(self, callback: Any) -> None:
+        """Add to :attr:`inside` the wall time spent in ``callback``'s trainer events and hooks (each call's
+        outermost entry; not ``on_train_end``): installed before ``train()``, which registers the hooks."""
+        depth = [0]
+
+        def timed(f: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if depth[0]:
+                    return f(*args, **kwargs)
+                depth[0] += 1
+                t0 = time.perf_counter()
+                try:
+                    return f(*args, **kwargs)
+                finally:
+                    self.inside += time.perf_counter() - t0
+                    depth[0] -= 1
+
+            return call
+
+        for name in CALLBACK_ENTRIES:
+            setattr(callback, name, timed(getattr(callback, name)))
+
+
+# every way into VramGuardCallback's code during a step: the trainer's events, the model's forward hooks, the
+# backward entry (or the outputs' grad_fn hook) and the engine's callback, the optimizer-step hook
+CALLBACK_ENTRIES = (
+    "on_step_begin",
+    "on_pre_optimizer_step",
+    "on_step_end",
+    "on_log",
+    "_forward_pre",
+    "_forward_post",
+    "_backward_begin",
+    "_backward_end",
+    "_saw_optimizer",
+)
 
 
 def callback_overhead(model: str, steps: int, rounds: int, out: str) -> dict[str, Any]:
@@ -198,6 +238,8 @@ def callback_overhead(model: str, steps: int, rounds: int, out: str) -> dict[str
             if every is None
             else VramGuardCallback(ledger_step=1, table=False, measure_every=every, cpu_source=source)
         )
+        if vg is not None and every == 1 and source == "allocator":
+            clock.time_inside(vg)
         cbs: list[Any] = [clock.first, *([] if vg is None else [vg]), clock.last]
         _trainer(q, steps, cbs, out).train()
         if vg is None:
@@ -228,6 +270,11 @@ def callback_overhead(model: str, steps: int, rounds: int, out: str) -> dict[str
     end = {a: statistics.median(c.end for c in cs) for a, cs in clocks.items()}
     ratios = {f"{a}_ratio": med[a] / med["plain"] for a in arms if a != "plain"}
     ratios |= {f"{a}_cpu_ratio": cpu[a] / cpu["plain"] for a in arms if a != "plain"}
+    # the allocator arm's own Python over its steps' wall: what it adds apart from the profiler's C++ recording
+    # (no Python runs per op), free of the noise of comparing separate runs
+    ratios["callback_allocator_self_ratio"] = statistics.median(
+        c.inside / c.elapsed for c in clocks["callback_allocator"]
+    )
     return {
         "median_s": med,
         "cpu_s": cpu,

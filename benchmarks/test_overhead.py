@@ -223,9 +223,9 @@ CALLBACK_ENTRIES = (
 def callback_overhead(model: str, steps: int, rounds: int, out: str) -> dict[str, Any]:
     """Trainer runs of ``steps`` steps without the callback, with it measuring every step, and with it
     measuring step 1 only (``measure_every`` past the end; ledger on step 1), interleaved (the order rotated
-    each round, so that no arm always runs first): median wall
-    and CPU time of steps 2..``steps`` per arm, median wall of each arm's ``on_train_end`` (the report,
-    once), and the peaks the every-step arms measured for them."""
+    each round, so that no arm always runs first): median wall and CPU time of steps 2..``steps`` per arm,
+    median wall of each arm's ``on_train_end`` (the report, once), the allocator arm's own time over its
+    steps' wall, and the peaks the every-step arms measured for them."""
     from vramguard.integrations.transformers import VramGuardCallback
 
     q = build_qlora(QLoRAConfig(model=model, seq_len=SEQ, batch=BATCH))

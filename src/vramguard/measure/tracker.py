@@ -464,8 +464,8 @@ class CpuAllocatorSource:
     It can be read only outside the autograd engine: ``with tracker.phase("backward"): loss.backward()``
     gets backward's exact peak, but a frame opened or closed by an autograd hook (a node's pre/post hook,
     ``queue_callback``) raises ``RuntimeError``: the engine runs nodes under the thread-local state it copied
-    when backward began (see :meth:`_sync`). This is why ``VramGuardCallback``, whose
-    backward phase begins in a hook on the loss's ``grad_fn``, does not use it.
+    when backward began (see :meth:`_sync`). ``VramGuardCallback(cpu_source="allocator")`` therefore opens and
+    closes backward's phase around torch's backward entry, not in autograd hooks.
     """
 
     def __init__(self) -> None:
@@ -526,6 +526,7 @@ class CpuAllocatorSource:
             return
         self._sync()
         self._thread = None
+        # torch has no getter for it: record functions are on unless something turned them off, as start() did
         torch._C._autograd._enable_record_function(True)
         torch._C._autograd._disable_profiler_legacy()
 

@@ -685,3 +685,51 @@ def test_allocator_source_beside_a_running_profiler_fails_before_the_first_step(
 def test_unknown_cpu_source_fails_at_construction():
     with pytest.raises(UsageError, match="cpu_source must be one of storage, allocator"):
         VramGuardCallback(cpu_source="malloc")
+
+
+@pytest.mark.parametrize("cpu_source", ["storage", "allocator"])
+def test_a_forward_that_raises_takes_the_callbacks_hooks_out(tmp_path, cpu_source):
+    """A forward that raises on the ledger step under ``save_on_cpu``: Trainer calls no callback, and the
+    user's ``with`` exit pops whatever pair of saved-tensor hooks is on top. The ledger's and the host meter's
+    pairs used to stay in force for the rest of the process (every later autograd op offloaded and counted);
+    now they come off when the forward raises, the tracker (or the profiler) stops, and the next train()
+    measures as usual."""
+    q = build_qlora(CONFIG)
+    cb = VramGuardCallback(table=False, cpu_source=cpu_source)
+    trainer = _trainer(q, cb, tmp_path, steps=2)
+    layer = q.model.get_base_model().model.layers[1]
+
+    def boom(*_):
+        raise RuntimeError("boom")
+
+    handle = layer.register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"), torch.autograd.graph.save_on_cpu(pin_memory=True):
+        trainer.train()
+    handle.remove()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert not torch._C._autograd._profiler_enabled()
+    trainer.train()
+    assert cb.report is not None and cb.report.verdict.ok, cb.report.verdict.line
+
+
+def test_host_copies_of_two_forwards_in_one_step_are_counted(tmp_path):
+    """A trainer whose loss takes two forwards with grad (two branches, as preference trainers do): the second
+    forward's saved tensors go through the offloader too, and its host copies count (they used to be left
+    out: the host meter's hooks came off after the first forward)."""
+    from transformers import Trainer
+
+    class TwoForwards(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            return model(**inputs).loss + model(**inputs).loss
+
+    per_step = _PerStep()
+    cb = VramGuardCallback(table=False)
+    trainer = _trainer(build_qlora(CONFIG), cb, tmp_path, steps=2)
+    trainer.__class__ = TwoForwards
+    trainer.add_callback(per_step)
+    with _counting(torch.autograd.graph.save_on_cpu(pin_memory=True), per_step):
+        trainer.train()
+    assert cb.report is not None
+    for step, packed in zip(cb.report.steps, per_step.steps, strict=True):
+        assert step.host_peak_bytes == sum(packed) > 0, (step.host_peak_bytes, sum(packed))

@@ -602,3 +602,53 @@ def test_offloaded_storages_freed_in_the_forward_stay_separate_records():
     assert len(plain.records) == 200
     assert len(offloaded.records) == len(plain.records)
     assert offloaded.saved_bytes == plain.saved_bytes == 200 * x.nbytes
+
+
+def test_measure_under_offloading_matches_no_dead_record_to_a_live_storage():
+    """``measure`` matches ledger records to the live tracker's storages by key. Under offloading a saved
+    storage dies in the forward and its address is reused: matched by address alone, 168 of 200 records were
+    called pre-existing and 21 of the offloader's 200 host copies were hidden behind dead records. A record
+    whose storage died has no key (its age is unknown), and every host copy is listed, once."""
+    from vramguard.measure.meters import measure
+
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def forward():
+        y = x
+        for i in range(200):
+            y = (y * 1.0001).sin() if i % 2 else y.tanh()
+        return y
+
+    with torch.autograd.graph.save_on_cpu(pin_memory=True):  # without CUDA: a plain host copy per save
+        m, _ = measure(forward, inputs=(x,))
+    hooked = [r for r in m.kept if r.source == "hook"]
+    copies = [r for r in m.kept if r.source == "tracker"]
+    assert len(hooked) == 200 and all(r.new is not False for r in hooked)
+    assert sum(r.key is None for r in hooked) >= 190  # all but those still alive (the last few)
+    assert len(copies) == 200 and sum(r.bytes for r in copies) == 200 * x.nbytes
+
+
+def test_an_adapters_own_cast_of_its_input_is_no_weight_copy():
+    """Under bf16 autocast LoRA's A casts its input inside its own forward. With batch x seq equal to a frozen
+    layer's out_features (1 x 128 = tiny-llama's hidden size, down_proj's out) that cast has the frozen
+    down_proj weight's shape, was not passed into lora_A, and the ledger called it a weight copy (the H100
+    audit of SFTTrainer on the 1B shape at batch 2 x seq 1024 = hidden 2048 failed on 640 MiB of them). What a
+    trainable module computes is no copy of the frozen weight around it. The frozen lm_head weight that
+    autocast does cast to bf16 and keep for backward stays a weight copy: that one is real."""
+    from vramguard.workload.models import QLoRAConfig, build_qlora
+
+    q = build_qlora(QLoRAConfig(model="tiny-llama", seq_len=128, batch=1))
+    with torch.autocast("cpu", dtype=torch.bfloat16), SavedTensorLedger(q.model) as ledger:
+        loss = q.model(**q.batch(0)).loss
+        ledger.add_roots(loss)
+    copies = [r for r in ledger.report.records if r.kind == "weight-copy"]
+    assert not [r for r in copies if ".lora_" in r.module], copies
+    assert [(r.module.rsplit(".", 1)[-1], r.shape, r.dtype) for r in copies] == [
+        ("lm_head", (128, 512), "bfloat16")
+    ]
+    lora_inputs = [
+        r
+        for r in ledger.report.records
+        if r.module.endswith("down_proj.lora_A.default") and r.shape == (128, 352)
+    ]
+    assert len(lora_inputs) == 2 and all(r.kind == "activation" for r in lora_inputs), lora_inputs

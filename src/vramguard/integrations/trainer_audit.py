@@ -80,9 +80,9 @@ def run_trainer_audit(
             from trl import SFTConfig, SFTTrainer
         except ImportError:
             raise UsageError("--trainer sft needs TRL: pip install 'vramguard[trl]'") from None
-        args = SFTConfig(
-            str(output_dir), max_length=config.seq_len, activation_offloading=offload_activations, **common
-        )
+        if offload_activations:  # (only then: SFTConfig has the field from TRL 0.16 on)
+            common["activation_offloading"] = True
+        args = SFTConfig(str(output_dir), max_length=config.seq_len, **common)
         runner = SFTTrainer(
             model=q.model,
             args=args,

@@ -191,6 +191,7 @@ class VramGuardCallback(TrainerCallback):
             )
         if self._attached:  # an earlier train() that raised: on_train_end never came
             self._detach()
+        self._remove_handles()  # hooks a forward that raised left registered (see _forward_post)
         self.steps, self.ledger, self.report, self.stopped = [], None, None, None
         self.backward_nodes = {}
         self.skipped_steps = 0
@@ -211,7 +212,8 @@ class VramGuardCallback(TrainerCallback):
             "measure_every": self.measure_every,
             "cpu_source": self.cpu_source,
             "device": str(device),
-            "activation_offloading": False,  # True once saved-tensor hooks are seen in force at a forward
+            # True once saved-tensor hooks (activation offloading, or any other pair) are seen in force at a forward
+            "activation_offloading": False,
         }
         allocator = self.cpu_source == "allocator" and torch.device(device).type == "cpu"
         self._tracker = MemoryTracker(
@@ -228,7 +230,8 @@ class VramGuardCallback(TrainerCallback):
         # the optimizer that steps is taken from a global step hook
         self._handles.append(register_optimizer_step_post_hook(self._saw_optimizer))
         self._handles.append(model.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
-        self._handles.append(model.register_forward_hook(self._forward_post))
+        # always_call: it also runs when the model's forward raises, to take vramguard's hooks out then
+        self._handles.append(model.register_forward_hook(self._forward_post, always_call=True))
 
     def measures(self, step: int) -> bool:
         """Whether step ``step`` (1-based) is measured: step 1, the ledger step, every ``measure_every``-th."""
@@ -326,7 +329,10 @@ class VramGuardCallback(TrainerCallback):
             self._tracker.source.resume()
         self._paused = False
 
-    def _detach(self) -> None:
+    def _detach(self, in_forward: bool = False) -> None:
+        """Close every frame and everything that measures. ``in_forward``: from inside a module's forward hooks
+        (a forward that raised): no hook is removed then, and the ledger only pops its saved-tensor hooks
+        (the rest at the next ``train()``)."""
         self._resume()
         try:  # frames still open (training stopped mid-step): closed before the tracker goes
             while self._node_frames and self._tracker is not None:
@@ -336,16 +342,24 @@ class VramGuardCallback(TrainerCallback):
                 self._step_cm.__exit__(None, None, None)
         finally:
             self._step_cm = self._current = None
-            self._detach_hooks()
+            if not in_forward:
+                self._remove_handles()
+            self._release(in_forward)
 
-    def _detach_hooks(self) -> None:
+    def _remove_handles(self) -> None:
         for h in (*self._handles, self._ledger_handle, self._host_handle):
             if h is not None:
                 h.remove()
         self._handles.clear()
         self._ledger_handle = self._host_handle = None
-        if self._ledger is not None:  # a ledger still open (training stopped mid-forward)
-            self._ledger.__exit__(None, None, None)
+
+    def _release(self, in_forward: bool = False) -> None:
+        """Close what measures: the ledger and the host meter's saved-tensor hooks (in the order they were
+        pushed), the host meter, the tracker. Hook handles are not touched."""
+        if self._ledger is not None and in_forward:
+            self._ledger.pop_saved_tensors_hooks()  # its module hooks go with the next train()'s _release
+        elif self._ledger is not None:  # a ledger still open (training stopped mid-forward)
+            self._ledger.__exit__(RuntimeError, None, None)  # no report from a forward that did not finish
             self._ledger = None
         if self._host_cm is not None:  # the host meter's hooks, pushed before the ledger's
             self._host_cm.__exit__(None, None, None)
@@ -385,12 +399,12 @@ class VramGuardCallback(TrainerCallback):
     def _forward_pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if self._current is None or not torch.is_grad_enabled() or not module.training:
             return
-        if self._phase is not None and self._phase[0] == "forward":
-            return  # a second forward in the same micro-step (e.g. a no_grad metrics pass): same phase
-        self._open("forward")
-        ids = kwargs.get("input_ids")
-        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and "seq_len" not in self._config:
-            self._config["seq_len"] = int(ids.shape[1])
+        again = self._phase is not None and self._phase[0] == "forward"  # a second forward of the micro-step
+        if not again:
+            self._open("forward")
+            ids = kwargs.get("input_ids")
+            if isinstance(ids, torch.Tensor) and ids.dim() == 2 and "seq_len" not in self._config:
+                self._config["seq_len"] = int(ids.shape[1])
         hooks = HostMeter.hooks_in_force()  # activation offloading: count what it keeps on the host
         if hooks is not None and self._host_cm is None:
             if self._host is None:
@@ -401,12 +415,17 @@ class VramGuardCallback(TrainerCallback):
             self._host_cm = self._host.wrapping(hooks)
             self._host_cm.__enter__()
             self._config["activation_offloading"] = True
-        if self._current.step == self.ledger_step and self.ledger is None and self._ledger is None:
+        if (
+            not again
+            and self._current.step == self.ledger_step
+            and self.ledger is None
+            and self._ledger is None
+        ):
             self._ledger = SavedTensorLedger(module)
             self._ledger.__enter__()
             # registered after the ledger's own hooks, so it runs after the ledger has taken the outputs as roots
             self._ledger_handle = module.register_forward_hook(self._ledger_exit)
-        if self._host_cm is not None:  # after the ledger's exit: the hooks pop in the order they were pushed
+        if self._host_cm is not None and self._host_handle is None:  # after the ledger's exit: LIFO pops
             self._host_handle = module.register_forward_hook(self._host_exit)
 
     def _host_exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -448,6 +467,16 @@ class VramGuardCallback(TrainerCallback):
             node.register_hook(post)
 
     def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if output is None and sys.exc_info()[0] is not None and self._attached:
+            # the model's forward raised (torch runs always_call hooks from its except block): the Trainer
+            # calls no callback now, so the saved-tensor hooks this callback pushed (ledger, host meter) come
+            # off here, before the caller's own ``with save_on_cpu()`` exits and pops what is on top, and the
+            # tracker stops. Handles stay registered (torch is iterating over them) until the next train().
+            self.stopped = (
+                self.stopped or f"step {self._current.step if self._current else '?'}'s forward raised"
+            )
+            self._detach(in_forward=True)
+            return
         if self._phase is None or self._phase[0] != "forward" or self._current is None:
             return
         loss = getattr(output, "loss", None) if not isinstance(output, torch.Tensor) else None

@@ -69,7 +69,9 @@ class SavedRecord:
     owner: str | None = None
     also_saved_by: tuple[str, ...] = ()
     key: StorageKey | None = field(default=None, compare=False, repr=False)
-    """The storage's identity in this process (not written to JSON)."""
+    """The storage's identity in this process while it lives (not written to JSON); None for a storage that
+    died before the report was built (offloaded: the offloader holds a copy), whose address may now be
+    another storage's."""
     new: bool | None = None
     """Whether the measured block created the storage: known only when the live tracker ran along
     (:func:`vramguard.measure.meters.measure`); not written to JSON."""
@@ -326,6 +328,7 @@ class SavedTensorLedger:
         self._residents: ResidentWalk | None = None  # the entry's walk, checked at exit
         self._registered = False  # whether a parameter, buffer or module was registered in the block
         self._weights: dict[str, set[tuple[int, ...]]] = {}
+        self._trainable: frozenset[str] = frozenset()
         # storages passed into each module, as (key, life)
         self._inputs: dict[str, set[tuple[StorageKey, int]]] = defaultdict(set)
         # key -> (weakref to the storage last seen under it, its life number): a key is a StorageImpl
@@ -337,6 +340,14 @@ class SavedTensorLedger:
     def resident_keys(self) -> frozenset[StorageKey]:
         """The storages of the model's parameters, buffers and quantization state (as of the block's end)."""
         return frozenset(self._resident)
+
+    def pop_saved_tensors_hooks(self) -> None:
+        """Take the ledger's saved-tensor hooks off autograd's stack now (once; ``__exit__`` does it too). For a
+        forward that raised inside the block, where the module hooks cannot be removed yet (torch is iterating
+        over them): then the pair pushed on top of the ledger's (by whatever ran the forward) is gone already."""
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
 
     def add_roots(self, *tensors: Any) -> None:
         """Add tensors (in any nesting of tuples, lists and dicts) where the graph walk starts, e.g. a loss
@@ -365,6 +376,12 @@ class SavedTensorLedger:
                 )
             ]
             self._weights = _weight_shapes(named)
+            # modules with a weight of their own that trains (LoRA's A and B): what they compute is an
+            # adapter's, never a copy of a frozen weight around them (under autocast lora_A casts its input
+            # inside: a (tokens, in_features) tensor that has the frozen weight's shape when tokens == out)
+            self._trainable = frozenset(
+                n for n, m in named if any(p is not None and p.requires_grad for p in m._parameters.values())
+            )
             self._with_inputs = _under(self._weights, (n for n, _ in named))
             self._modules.names = {id(m): n for n, m in named}
             self._modules.__enter__()
@@ -381,7 +398,7 @@ class SavedTensorLedger:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._hooks.__exit__(exc_type, exc, tb)
+        self.pop_saved_tensors_hooks()
         self._modules.__exit__(exc_type, exc, tb)
         for h in self._handles:
             h.remove()
@@ -500,12 +517,16 @@ class SavedTensorLedger:
                 modules[start + 1 - first : end + 1 - first] = [name] * (end - start)
         return first, modules
 
-    def _kind(self, module: str, shape: tuple[int, ...], key: StorageKey, life: int) -> Kind:
-        if key in self._resident:
+    def _kind(self, module: str, shape: tuple[int, ...], key: StorageKey, life: int, alive: bool) -> Kind:
+        if (
+            alive and key in self._resident
+        ):  # (a storage that died is no parameter, whatever took its address)
             return "resident"
         if len(shape) == 2 and self._weights:
             owner = module  # the owners of weights that ``module`` is inside: itself, its parents, the root
             while True:
+                if owner in self._trainable and owner not in self._weights:
+                    return "activation"
                 shapes = self._weights.get(owner)
                 if shapes is not None and shape in shapes and not self._passed_in((key, life), module, owner):
                     return "weight-copy"
@@ -590,9 +611,12 @@ class SavedTensorLedger:
 
         report = LedgerReport()
         resident = self._resident
+        lives = self._lives
         for (key, life), (module, shape, dtype, nbytes, device, source, attribute, seqs) in entries.items():
             shape = tuple(shape)
-            kind = "resident" if key in resident else self._kind(module, shape, key, life)
+            seen = lives.get(key)
+            alive = seen is not None and seen[1] == life and seen[0]() is not None
+            kind = "resident" if alive and key in resident else self._kind(module, shape, key, life, alive)
             record = _record(
                 module=module,
                 node=node_name(seqs[0]),
@@ -603,9 +627,9 @@ class SavedTensorLedger:
                 kind=kind,
                 device=string(device),
                 attribute=attribute,
-                owner=resident.get(key),
+                owner=resident.get(key) if alive else None,
                 also_saved_by=tuple(node_name(seq) for seq in seqs[1:]) if len(seqs) > 1 else (),
-                key=key,
+                key=key if alive else None,
                 new=None,
             )
             (report.resident if kind == "resident" else report.records).append(record)

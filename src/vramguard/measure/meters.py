@@ -187,9 +187,11 @@ def measure(
         torch.cuda.synchronize()
         m.allocator_delta = torch.cuda.memory_allocated() - alloc_before
     saved = ledger.report.records + ledger.report.resident
-    keyed = {r.key for r in saved}
+    keyed = {r.key for r in saved if r.key is not None}
     for r in ledger.report.records:  # (resident ones are the model's, not kept)
-        if r.key not in outs:
+        if r.key is None:  # its storage died in the block (offloaded): kept as a copy elsewhere, age unknown
+            m.kept.append(r)
+        elif r.key not in outs:
             m.kept.append(replace(r, new=r.key in live))
     resident = set(ledger.resident_keys)
     if model is not None:  # parameters whose storage the forward replaced (Linear4bit casts its bias

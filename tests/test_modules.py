@@ -78,10 +78,25 @@ def test_discover_names_modules_on_first_sight() -> None:
         calls.append(type(module).__name__)
         return "the inner one" if isinstance(module, Inner) else None
 
-    stack = ModuleStack({}, on_enter=lambda name, module: calls.append(f"enter {name}"), discover=discover)
+    def on_exit(name, entered, module, args, kwargs, output):
+        calls.append(f"exit {name}")
+
+    stack = ModuleStack(
+        {}, on_enter=lambda name, module: calls.append(f"enter {name}"), on_exit=on_exit, discover=discover
+    )
     with stack:
         model(torch.ones(2), torch.ones(2))
-    assert calls == ["Outer", "Inner", "enter the inner one"]
+        assert stack.stack == []  # the discovered module's frame closed at its exit
+        model(torch.ones(2), torch.ones(2))  # known now: not discovered again
+    assert calls == [
+        "Outer",
+        "Inner",
+        "enter the inner one",
+        "exit the inner one",
+        "Outer",
+        "enter the inner one",
+        "exit the inner one",
+    ]
 
 
 def test_no_global_hook_state_is_left_behind() -> None:

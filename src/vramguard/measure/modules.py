@@ -92,6 +92,7 @@ class ModuleStack:
             name = self._discover(module)
             if name is None:
                 return
+            self.names[id(module)] = name  # known from now on, to its exit hook too
         self.stack.append(name)
         self._entered.append(self._on_enter(name, module) if self._on_enter is not None else None)
 

@@ -702,10 +702,24 @@ def test_a_forward_that_raises_takes_the_callbacks_hooks_out(tmp_path, cpu_sourc
     def boom(*_):
         raise RuntimeError("boom")
 
+    from torch.nn.modules import module as torch_module
+
+    def global_hooks() -> list[int]:
+        names = (
+            "_global_forward_pre_hooks",
+            "_global_forward_hooks",
+            "_global_parameter_registration_hooks",
+            "_global_buffer_registration_hooks",
+            "_global_module_registration_hooks",
+        )
+        return [len(getattr(torch_module, n, {})) for n in names]
+
+    before = global_hooks()
     handle = layer.register_forward_pre_hook(boom)
     with pytest.raises(RuntimeError, match="boom"), torch.autograd.graph.save_on_cpu(pin_memory=True):
         trainer.train()
     handle.remove()
+    assert global_hooks() == before  # the ledger's module hooks are gone too (they used to run on every call)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert torch._C._len_torch_dispatch_stack() == 0
     assert not torch._C._autograd._profiler_enabled()

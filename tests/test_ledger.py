@@ -652,3 +652,32 @@ def test_an_adapters_own_cast_of_its_input_is_no_weight_copy():
         if r.module.endswith("down_proj.lora_A.default") and r.shape == (128, 352)
     ]
     assert len(lora_inputs) == 2 and all(r.kind == "activation" for r in lora_inputs), lora_inputs
+
+
+def test_doras_dequantized_weight_is_a_weight_copy():
+    """PEFT DoRA with dropout (``base_result=None``) dequantizes the 4-bit base weight inside its magnitude
+    module and keeps it for backward: a weight copy. The magnitude module trains (a 1-D weight), and the rule
+    that an adapter's own computation is no weight copy must not reach it (only leaf modules with a 2-D
+    trainable weight, LoRA's A and B, are adapters there)."""
+    from peft import LoraConfig, get_peft_model
+
+    class One(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # .to() quantizes the weight (bitsandbytes does it on the first move)
+            self.q = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.float32, quant_type="nf4").to(
+                "cpu"
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.q(x)
+
+    torch.manual_seed(0)
+    model = get_peft_model(One(), LoraConfig(r=4, target_modules=["q"], use_dora=True, lora_dropout=0.1))
+    model.train()
+    x = torch.randn(8, 64, requires_grad=True)
+    with SavedTensorLedger(model) as ledger:
+        out = model(x)
+    del out
+    copies = [r for r in ledger.report.records if r.kind == "weight-copy"]
+    assert [(r.shape, r.bytes) for r in copies] == [((64, 32), 64 * 32 * 4)], ledger.report.records

@@ -192,6 +192,8 @@ class VramGuardCallback(TrainerCallback):
         if self._attached:  # an earlier train() that raised: on_train_end never came
             self._detach()
         self._remove_handles()  # hooks a forward that raised left registered (see _forward_post)
+        if self._ledger is not None:  # a ledger aborted in a forward that raised
+            self._ledger.__exit__(RuntimeError, None, None)
         self.steps, self.ledger, self.report, self.stopped = [], None, None, None
         self.backward_nodes = {}
         self.skipped_steps = 0
@@ -357,7 +359,7 @@ class VramGuardCallback(TrainerCallback):
         """Close what measures: the ledger and the host meter's saved-tensor hooks (in the order they were
         pushed), the host meter, the tracker. Hook handles are not touched."""
         if self._ledger is not None and in_forward:
-            self._ledger.pop_saved_tensors_hooks()  # its module hooks go with the next train()'s _release
+            self._ledger.abort()  # the hook on the model's forward goes at the next train()'s begin
         elif self._ledger is not None:  # a ledger still open (training stopped mid-forward)
             self._ledger.__exit__(RuntimeError, None, None)  # no report from a forward that did not finish
             self._ledger = None

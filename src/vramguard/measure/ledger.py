@@ -318,6 +318,8 @@ class SavedTensorLedger:
         self._modules = ModuleStack({}, self._enter_module, self._exit_module)
         self._intervals: list[tuple[int, int, int, str]] = []  # (start, end, depth, module)
         self._handles: list[Any] = []
+        self._root_handle: Any = None
+        self._aborted = False
         self._with_inputs: frozenset[str] = frozenset()  # modules whose inputs the weight-copy rule needs
         self._clock: _NodeClock | None = None
         self._now: Callable[[], int] = _no_clock
@@ -342,12 +344,30 @@ class SavedTensorLedger:
         return frozenset(self._resident)
 
     def pop_saved_tensors_hooks(self) -> None:
-        """Take the ledger's saved-tensor hooks off autograd's stack now (once; ``__exit__`` does it too). For a
-        forward that raised inside the block, where the module hooks cannot be removed yet (torch is iterating
-        over them): then the pair pushed on top of the ledger's (by whatever ran the forward) is gone already."""
+        """Take the ledger's saved-tensor hooks off autograd's stack now (once; ``__exit__`` does it too)."""
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             hooks.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        """Stop recording now, from a forward hook of the model's whose forward raised: the saved-tensor hooks
+        come off autograd's stack (the pair pushed on top of them, by whatever ran the forward, is gone
+        already), the global module hooks are removed and what was recorded is dropped. The hook on the
+        model's own forward stays, inert, until ``__exit__`` (torch is iterating over that module's hooks);
+        no report is built."""
+        self.pop_saved_tensors_hooks()
+        self._modules.__exit__(None, None, None)
+        root = self._root_handle
+        for h in self._handles:
+            if h is not root:
+                h.remove()
+        self._handles = [root] if root is not None else []
+        self._aborted = True
+        self._packs.clear()
+        self._inputs.clear()
+        self._lives.clear()
+        self._roots.clear()
+        self._intervals.clear()
 
     def add_roots(self, *tensors: Any) -> None:
         """Add tensors (in any nesting of tuples, lists and dicts) where the graph walk starts, e.g. a loss
@@ -376,16 +396,21 @@ class SavedTensorLedger:
                 )
             ]
             self._weights = _weight_shapes(named)
-            # modules with a weight of their own that trains (LoRA's A and B): what they compute is an
-            # adapter's, never a copy of a frozen weight around them (under autocast lora_A casts its input
-            # inside: a (tokens, in_features) tensor that has the frozen weight's shape when tokens == out)
+            # leaf modules with a 2-D weight of their own that trains (LoRA's A and B): what they compute is
+            # an adapter's, never a copy of a frozen weight around them (under autocast lora_A casts its input
+            # inside: a (tokens, in_features) tensor that has the frozen weight's shape when tokens == out).
+            # Not DoRA's magnitude (1-D): its forward dequantizes the base weight and keeps it (with dropout)
             self._trainable = frozenset(
-                n for n, m in named if any(p is not None and p.requires_grad for p in m._parameters.values())
+                n
+                for n, m in named
+                if not m._modules
+                and any(p is not None and p.requires_grad and p.dim() == 2 for p in m._parameters.values())
             )
             self._with_inputs = _under(self._weights, (n for n, _ in named))
             self._modules.names = {id(m): n for n, m in named}
             self._modules.__enter__()
-            self._handles.append(self.model.register_forward_hook(self._root_output))
+            self._root_handle = self.model.register_forward_hook(self._root_output)
+            self._handles.append(self._root_handle)
         # the hooks in force when the ledger opens (activation offloading): only the innermost pair of
         # saved_tensors_hooks runs, so the ledger's hooks call them, or offloading would stop in its block
         top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -445,7 +470,8 @@ class SavedTensorLedger:
             self._registered = True
 
     def _root_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self.add_roots(output)
+        if not self._aborted:
+            self.add_roots(output)
 
     def _life_of(self, storage: Any) -> int:
         """The life number of ``storage`` under its key: the same while that storage lives, a new one for a

@@ -676,11 +676,12 @@ def test_allocator_source_measures_what_the_storage_tracker_does(tmp_path):
 
 def test_allocator_source_beside_a_running_profiler_fails_before_the_first_step():
     """``on_train_begin`` (what Trainer calls before the first step) refuses while a profiler runs. The model is
-    not trained under the profiler here: a whole Trainer run under torch.profiler hung in ``Module.to``
-    (accelerate's prepare; all threads in futex waits) once in a few runs of the suite on this machine."""
+    not trained under the profiler here, and torch's legacy profiler stands in for ``torch.profiler`` (the same
+    thread-local state): under kineto's a Trainer run hung in ``Module.to`` (accelerate's prepare; every
+    thread in a futex wait) once in a few runs of the suite on this machine."""
     cb = VramGuardCallback(table=False, cpu_source="allocator")
     model = build_qlora(CONFIG).model
-    with torch.profiler.profile(), pytest.raises(UsageError, match="profiler already runs"):
+    with torch.autograd.profiler_legacy.profile(), pytest.raises(UsageError, match="profiler already runs"):
         _begin(cb, model)
     assert cb.steps == []
     assert torch._C._len_torch_dispatch_stack() == 0

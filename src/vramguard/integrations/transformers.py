@@ -58,7 +58,7 @@ from vramguard.audit.run import (
 from vramguard.errors import UsageError
 from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.ledger import LedgerReport, SavedTensorLedger, iter_graph
-from vramguard.measure.offload import HostMeter
+from vramguard.measure.offload import HostMeter, hooks_in_force
 from vramguard.measure.tracker import (
     CpuAllocatorSource,
     CudaAllocatorSource,
@@ -332,9 +332,9 @@ class VramGuardCallback(TrainerCallback):
         self._paused = False
 
     def _detach(self, in_forward: bool = False) -> None:
-        """Close every frame and everything that measures. ``in_forward``: from inside a module's forward hooks
-        (a forward that raised): no hook is removed then, and the ledger only pops its saved-tensor hooks
-        (the rest at the next ``train()``)."""
+        """Close every frame and everything that measures. ``in_forward``: from the model's forward hook of a
+        forward that raised, where torch iterates over the model's hooks: none of the callback's handles is
+        removed then and the ledger is aborted (its hook on the model goes at the next ``train()``)."""
         self._resume()
         try:  # frames still open (training stopped mid-step): closed before the tracker goes
             while self._node_frames and self._tracker is not None:
@@ -407,7 +407,7 @@ class VramGuardCallback(TrainerCallback):
             ids = kwargs.get("input_ids")
             if isinstance(ids, torch.Tensor) and ids.dim() == 2 and "seq_len" not in self._config:
                 self._config["seq_len"] = int(ids.shape[1])
-        hooks = HostMeter.hooks_in_force()  # activation offloading: count what it keeps on the host
+        hooks = hooks_in_force()  # activation offloading: count what it keeps on the host
         if hooks is not None and self._host_cm is None:
             if self._host is None:
                 self._host = HostMeter()

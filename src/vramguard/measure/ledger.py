@@ -38,6 +38,7 @@ from torch.nn.modules.module import (
 
 from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.modules import OUTSIDE, ModuleStack
+from vramguard.measure.offload import hooks_in_force
 from vramguard.measure.storage import (
     ResidentWalk,
     StorageKey,
@@ -343,8 +344,8 @@ class SavedTensorLedger:
         """The storages of the model's parameters, buffers and quantization state (as of the block's end)."""
         return frozenset(self._resident)
 
-    def pop_saved_tensors_hooks(self) -> None:
-        """Take the ledger's saved-tensor hooks off autograd's stack now (once; ``__exit__`` does it too)."""
+    def _pop_saved_tensors_hooks(self) -> None:
+        """Take the ledger's saved-tensor hooks off autograd's stack (once)."""
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             hooks.__exit__(None, None, None)
@@ -355,7 +356,7 @@ class SavedTensorLedger:
         already), the global module hooks are removed and what was recorded is dropped. The hook on the
         model's own forward stays, inert, until ``__exit__`` (torch is iterating over that module's hooks);
         no report is built."""
-        self.pop_saved_tensors_hooks()
+        self._pop_saved_tensors_hooks()
         self._modules.__exit__(None, None, None)
         root = self._root_handle
         for h in self._handles:
@@ -411,10 +412,9 @@ class SavedTensorLedger:
             self._modules.__enter__()
             self._root_handle = self.model.register_forward_hook(self._root_output)
             self._handles.append(self._root_handle)
-        # the hooks in force when the ledger opens (activation offloading): only the innermost pair of
-        # saved_tensors_hooks runs, so the ledger's hooks call them, or offloading would stop in its block
-        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-        self._outer = top(False) if top is not None else None
+        self._outer = (
+            hooks_in_force()
+        )  # activation offloading goes on inside the block: the ledger calls them
         unpack = self._unpack if self._outer is None else self._unpack_outer
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
         self._hooks.__enter__()
@@ -423,7 +423,7 @@ class SavedTensorLedger:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.pop_saved_tensors_hooks()
+        self._pop_saved_tensors_hooks()
         self._modules.__exit__(exc_type, exc, tb)
         for h in self._handles:
             h.remove()

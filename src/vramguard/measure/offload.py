@@ -9,7 +9,7 @@ innermost pair of ``saved_tensors_hooks`` runs, so it calls them) and counts, wi
 every CPU storage the pack creates, until that storage is freed (unpack in backward, or the graph freed).
 On a CPU run the host is the device: those bytes are counted by the device's tracker as well.
 
->>> hooks = HostMeter.hooks_in_force()          # None: no offloading in force
+>>> hooks = hooks_in_force()                    # None: no offloading in force
 >>> meter = HostMeter()
 >>> with meter.wrapping(hooks):                 # around one forward
 ...     loss = model(**batch).loss
@@ -29,6 +29,14 @@ from vramguard.measure.tracker import StorageTracker
 Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 
 
+def hooks_in_force() -> Hooks | None:
+    """The (pack, unpack) pair of saved-tensor hooks autograd would run now (activation offloading), or None
+    when there is none (or torch cannot tell). Only the innermost pair runs: a measurer that pushes its own
+    pair calls these from it, or offloading stops inside its block."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
 class HostMeter:
     """Live and peak bytes of the CPU storages created by the pack hooks it wraps (see the module's text).
 
@@ -39,13 +47,6 @@ class HostMeter:
         self._tracker = StorageTracker("cpu")
         self._running = False
         self.packs = 0
-
-    @staticmethod
-    def hooks_in_force() -> Hooks | None:
-        """The (pack, unpack) pair of saved-tensor hooks autograd would run now, or None when there is none
-        (or torch cannot tell)."""
-        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-        return top(False) if top is not None else None
 
     def start(self) -> None:
         """Count from zero; storages the hooks create are followed until they are freed, even after a

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from vramguard.grad import capabilities
 
@@ -44,3 +45,59 @@ def test_int8_k1_probe_is_stable_and_names_the_cpu() -> None:
 
     assert torch.backends.cpu.get_cpu_capability() in detail
     assert ok == capabilities.get("defect:int8_k1_cpu").ok  # the session's (child process) verdict agrees
+
+
+def test_fp4_code_probe_finds_one_wrong_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe sees a kernel that stores one element as a code other than the nearest (as 0.47-0.49.2's
+    CPU kernels do near the midpoints between codes): here one nibble is changed after quantizing."""
+    import bitsandbytes.functional as bnbF
+
+    real = bnbF.quantize_4bit
+
+    def one_wrong(w, **kw):  # type: ignore[no-untyped-def]
+        packed, qs = real(w, **kw)
+        flat = packed.view(-1).view(torch.uint8)
+        flat[7] ^= 0x10  # the high nibble of byte 7: element 14
+        return packed, qs
+
+    assert capabilities.probe_fp4_codes_cpu()[0] == capabilities.get("defect:fp4_codes_cpu").ok
+    monkeypatch.setattr(bnbF, "quantize_4bit", one_wrong)
+    ok, detail = capabilities.probe_fp4_codes_cpu()
+    assert not ok and "element 14 " in detail and capabilities.cpu_description() in detail
+
+
+def test_kn_one_row_probe_finds_a_failing_inference_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bitsandbytes as bnb
+
+    real = bnb.matmul_4bit
+
+    def fails_on_one_row(x, w, quant_state=None, **kw):  # type: ignore[no-untyped-def]
+        if x.numel() == x.shape[-1] and not x.requires_grad:
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (1x32 and 1x32)")
+        return real(x, w, quant_state=quant_state, **kw)
+
+    monkeypatch.setattr(bnb, "matmul_4bit", fails_on_one_row)
+    ok, detail = capabilities.probe_kn_one_row()
+    assert not ok and "mat1 and mat2" in detail
+
+
+def test_the_property_cases_of_a_probed_defect_are_skipped_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a probe finds a defect, the cases it covers are known-defect skips, named, never failures."""
+    from vramguard.grad import runner, strategies
+
+    real = capabilities.get
+    fake = {
+        "defect:fp4_codes_cpu": capabilities.Probe("defect:fp4_codes_cpu", False, "wrong codes here"),
+        "defect:kn_one_row": capabilities.Probe("defect:kn_one_row", False, "gemv fails here"),
+    }
+    monkeypatch.setattr(runner, "_cap", lambda name: fake[name] if name in fake else real(name))
+    base = dict(lead=(1,), in_features=32, out_features=1, blocksize=32, dtype=torch.float32,
+                compress_statistics=False, bias=False, input_requires_grad=False, seed=0, device="cpu")
+    kn = strategies.Linear4bitCase(quant_type="nf4", call="functional_kn", **base)
+    fp4 = strategies.Linear4bitCase(quant_type="fp4", call="functional_t", **base)
+    for case, reason in ((kn, runner.KNOWN_DEFECT_KN_ONE_ROW), (fp4, runner.KNOWN_DEFECT_FP4_CODES)):
+        with pytest.raises(runner.Unsupported, match="known bitsandbytes defect") as info:
+            runner.check_supported(case)
+        assert reason in str(info.value)
+    runner.check_supported(strategies.Linear4bitCase(quant_type="nf4", call="functional_kn",
+                                                     **{**base, "input_requires_grad": True}))

@@ -185,3 +185,33 @@ def test_linear8bit_inference_with_one_input_feature() -> None:
     for _ in range(3):
         y = layer(x)
         torch.testing.assert_close(y, dense(x), rtol=2e-2, atol=2e-2)
+
+
+@known_defect("kn_one_row")
+def test_matmul_4bit_kn_form_with_one_row_input_without_grad() -> None:
+    """The inference path (gemv_4bit: one row, no grad) of the deprecated [K, N] orientation."""
+    need("matmul_4bit:functional_kn")
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 1, generator=gen)  # [K=32, N=1], the case the property test drew
+    packed, qs = bnbF.quantize_4bit(w, blocksize=32, quant_type="nf4")
+    x = torch.randn(1, 32, generator=gen)
+    with defect("mat1 and mat2 shapes cannot be multiplied"):
+        y = bnb.matmul_4bit(x, packed, quant_state=qs)
+    torch.testing.assert_close(y, x @ bnbF.dequantize_4bit(packed, qs))
+
+
+@known_defect("fp4_codes_cpu", AssertionError)
+def test_fp4_quantization_stores_the_nearest_code() -> None:
+    """Every element of an fp4 weight is stored as its nearest fp4 code (the reference decodes the
+    packed bytes itself). Which CPU kernel runs, and whether it rounds right, depends on the processor."""
+    need("fp4_cpu")
+    from vramguard.grad import reference
+
+    gen = torch.Generator().manual_seed(54256)
+    for shape, dtype, blocksize in capabilities._FP4_CODE_CASES:
+        w = torch.randn(shape, generator=gen).to(getattr(torch, dtype))
+        packed, qs = bnbF.quantize_4bit(w, blocksize=blocksize, quant_type="fp4")
+        try:
+            reference.check_4bit_quantization(w, packed, qs.absmax, blocksize, "fp4", nested=False)
+        except reference.StateMismatch as exc:
+            raise AssertionError(f"{capabilities.cpu_description()}: {exc}") from exc

@@ -127,6 +127,8 @@ def check_supported(case: Case) -> None:
         numel = case.in_features * case.out_features
         if cpu and case.quant_type == "fp4" and not (c := _cap("fp4_cpu")):
             raise Unsupported(f"no fp4 on CPU: {c.detail}")
+        if cpu and case.quant_type == "fp4" and not (c := _cap("defect:fp4_codes_cpu")):
+            raise Unsupported(f"{KNOWN_DEFECT_FP4_CODES}: {c.detail}")
         if cpu and numel % case.blocksize and not (c := _cap("blocksize_remainder_cpu")):
             raise Unsupported(f"no CPU 4-bit quantization of a weight that is not whole blocks: {c.detail}")
         if cpu and numel % 2 and not (c := _cap("defect:odd_numel_4bit")):
@@ -144,6 +146,9 @@ def check_supported(case: Case) -> None:
                 raise Unsupported(KNOWN_DEFECT_4BIT_K1)
             if case.input_requires_grad and not _cap("defect:one_byte_backward"):
                 raise Unsupported(KNOWN_DEFECT_4BIT_K1)
+        one_row = math.prod(case.lead) == 1 and not case.input_requires_grad
+        if call == "functional_kn" and one_row and not (c := _cap("defect:kn_one_row")):
+            raise Unsupported(f"{KNOWN_DEFECT_KN_ONE_ROW}: {c.detail}")
         kn = call == "functional_kn"
         shape = (case.in_features, case.out_features) if kn else (case.out_features, case.in_features)
         defect = dequantize_4bit_defect(case.device, shape, case.blocksize, case.quant_type, case.dtype)
@@ -201,6 +206,14 @@ KNOWN_DEFECT_INT8_K1 = (
 KNOWN_DEFECT_ODD_NUMEL = (
     "known bitsandbytes defect: CPU quantize_4bit of a weight with an odd number of elements fails "
     "('The size of tensor a must match the size of tensor b')"
+)
+KNOWN_DEFECT_KN_ONE_ROW = (
+    "known bitsandbytes defect: matmul_4bit in the [K, N] form with a one-row input that needs no gradient "
+    "(the gemv_4bit inference path) fails with 'mat1 and mat2 shapes cannot be multiplied'"
+)
+KNOWN_DEFECT_FP4_CODES = (
+    "known bitsandbytes defect on this CPU: quantize_4bit(quant_type='fp4') stores some elements as a code "
+    "that is not the nearest"
 )
 KNOWN_DEFECT_NESTED_ONE_BLOCK = (
     "known bitsandbytes defect: nested statistics of a weight with one 4-bit block crash the process "

@@ -45,7 +45,9 @@ def test_every_relative_link_resolves() -> None:
 def test_a_broken_link_is_found(tmp_path: Path) -> None:
     (tmp_path / "there").mkdir()
     page = tmp_path / "p.md"
-    page.write_text("[a](there/) [b](gone/run1/x.log#top) [c](https://x.org/y) [d](#here)\n```\n[e](nope)\n```\n")
+    page.write_text(
+        "[a](there/) [b](gone/run1/x.log#top) [c](https://x.org/y) [d](#here)\n```\n[e](nope)\n```\n"
+    )
     assert broken_links(page) == ["gone/run1/x.log#top"]
 
 
@@ -63,13 +65,22 @@ def test_the_measurements_index_names_every_folder_and_file() -> None:
     index = (MEASUREMENTS / "index.md").read_text()
     entries = [p for p in MEASUREMENTS.iterdir() if p.name != "index.md"]
     entries += [p for campaign in MEASUREMENTS.iterdir() if campaign.is_dir() for p in campaign.iterdir()]
-    unnamed = [str(p.relative_to(MEASUREMENTS)) for p in entries if f"`{p.name}{'/' if p.is_dir() else ''}`" not in index]
+    unnamed = [
+        str(p.relative_to(MEASUREMENTS))
+        for p in entries
+        if f"`{p.name}{'/' if p.is_dir() else ''}`" not in index
+    ]
     assert unnamed == []
 
 
 def test_no_measurement_is_named_by_number_alone() -> None:
-    """Run folders say what they hold after their number (``run3-audits-after-the-attention-fix``)."""
-    bare = [str(p.relative_to(MEASUREMENTS)) for p in MEASUREMENTS.rglob("*") if re.fullmatch(r"(run|est)\d*\w?", p.stem)]
+    """Run folders say what they hold after their number (``run3-audits-after-the-attention-fix``), estimate
+    files are ``estimate-<model>-s<seq>-b<batch>...``, not ``est5-ckpt``."""
+    bare = [
+        str(p.relative_to(MEASUREMENTS))
+        for p in MEASUREMENTS.rglob("*")
+        if re.fullmatch(r"run\d+", p.name) or (p.name.startswith("est") and not p.name.startswith("estimate"))
+    ]
     assert bare == []
 
 
@@ -79,7 +90,17 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     pytest.importorskip("mkdocs", reason="the docs extra is not installed (pip install -e '.[docs]')")
     pytest.importorskip("material", reason="the docs extra is not installed (pip install -e '.[docs]')")
     done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(tmp_path / "site"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -50,7 +50,7 @@ def _block(first_line: str, page: str) -> str:
 
 def _run(first_line: str, page: str, scope: dict | None = None) -> dict:
     scope = {} if scope is None else scope
-    exec(compile(_block(first_line, page), f"{page}:{first_line.splitlines()[0]}", "exec"), scope)
+    exec(compile(_block(first_line, page), f"{page}:{first_line.splitlines()[0]}", "exec"), scope)  # noqa: S102
     return scope
 
 
@@ -137,7 +137,7 @@ def test_the_chunked_logprob_reproducer_runs(capsys) -> None:
 
 
 def test_the_check_a_patch_example_runs(capsys) -> None:
-    """"Check a patch in five lines": the 8-bit no_grad patch applies and, as the page says, saves 0 B."""
+    """ "Check a patch in five lines": the 8-bit no_grad patch applies and, as the page says, saves 0 B."""
     _run("from vramguard.grad import patches", "docs/case-studies.md")
     out = capsys.readouterr().out
     assert out.startswith("Applicability(ok=True") and "\n0 B saved; " in out, out[:500]

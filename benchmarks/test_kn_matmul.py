@@ -4,7 +4,7 @@ A stack of ``layers.N``, each calling ``bnb.matmul_4bit(x, W, quant_state)`` wit
 from a [K, N] tensor (K != N). From bitsandbytes 0.50.0 that form dequantizes and calls ``F.linear``
 outside the autograd Function, under grad, so the whole dequantized weight is kept per layer (a
 ``weight-copy`` in the saved-tensor ledger); 0.49.x computed it inside ``MatMul4Bit.forward`` and kept
-nothing weight-sized. Swept across releases with ``vramguard sweep`` (README, docs/measurements/).
+nothing weight-sized. Swept across releases with ``vramguard sweep`` (docs/benchmarks.md, docs/measurements/bnb-sweep-cpu/).
 Only the forward is measured: backward of this form fails on some releases (a separate defect).
 """
 

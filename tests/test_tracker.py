@@ -402,7 +402,7 @@ def test_allocator_source_leaves_torchs_profiler_as_it_found_it() -> None:
     """It refuses to start beside a running profiler, and after it stops no profiler runs. torch's legacy
     profiler stands in for ``torch.profiler`` (the same thread-local profiler state): kineto's hung now and
     then in a long xdist worker on this machine (every thread waiting). Whether ``torch.profiler`` records ops
-    afterwards is not checked here any more (it did); the legacy profiler does not (known, see README)."""
+    afterwards is not checked here any more (it did); the legacy profiler does not (known, see docs/trainer.md)."""
     with torch.autograd.profiler_legacy.profile(), pytest.raises(RuntimeError, match="profiler already runs"):
         CpuAllocatorSource().start()
     with MemoryTracker("cpu", source=CpuAllocatorSource()):

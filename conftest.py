@@ -8,3 +8,40 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import re  # noqa: E402
+
+import pytest  # noqa: E402
+
+#: options of a run whose numbers are recorded: pytest-benchmark times nothing on xdist workers, and the
+#: GPU suites share one device, so such a run goes in one process whatever ``-n auto`` (addopts) says
+ONE_PROCESS_OPTIONS = (
+    "benchmark_json",
+    "benchmark_save",
+    "benchmark_autosave",
+    "benchmark_only",
+    "benchmark_compare",
+    "benchmark_histogram",
+    "vram_store",
+    "vram_baseline",
+    "vram_require_gpu",
+)
+
+
+def one_process_reason(option: object) -> str | None:
+    """Why a run must not be spread over xdist workers (None: it may be)."""
+    for name in ONE_PROCESS_OPTIONS:
+        if getattr(option, name, None):
+            return f"--{name.replace('_', '-')}"
+    markexpr = getattr(option, "markexpr", "") or ""
+    if re.search(r"(?<!not )\bgpu\b", markexpr):
+        return f"-m {markexpr!r}"
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """The default run spreads over pytest-xdist workers (``-n auto`` in pyproject's addopts); a run that
+    records numbers or uses the GPU runs in one process. An explicit ``-n N`` is left as it is."""
+    if getattr(config.option, "numprocesses", None) == "auto" and one_process_reason(config.option):
+        config.option.numprocesses = 0

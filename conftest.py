@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
+
+import pytest
 
 # Every model is built from a config with random weights; a download attempt is a bug, so fail fast.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-import re  # noqa: E402
-
-import pytest  # noqa: E402
 
 #: options of a run whose numbers are recorded: pytest-benchmark times nothing on xdist workers, and the
 #: GPU suites share one device, so such a run goes in one process whatever ``-n auto`` (addopts) says

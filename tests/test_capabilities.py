@@ -81,7 +81,9 @@ def test_kn_one_row_probe_finds_a_failing_inference_path(monkeypatch: pytest.Mon
     assert not ok and "mat1 and mat2" in detail
 
 
-def test_the_property_cases_of_a_probed_defect_are_skipped_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_property_cases_of_a_probed_defect_are_skipped_with_its_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Where a probe finds a defect, the cases it covers are known-defect skips, named, never failures."""
     from vramguard.grad import runner, strategies
 
@@ -91,13 +93,26 @@ def test_the_property_cases_of_a_probed_defect_are_skipped_with_its_reason(monke
         "defect:kn_one_row": capabilities.Probe("defect:kn_one_row", False, "gemv fails here"),
     }
     monkeypatch.setattr(runner, "_cap", lambda name: fake[name] if name in fake else real(name))
-    base = dict(lead=(1,), in_features=32, out_features=1, blocksize=32, dtype=torch.float32,
-                compress_statistics=False, bias=False, input_requires_grad=False, seed=0, device="cpu")
+    base = {
+        "lead": (1,),
+        "in_features": 32,
+        "out_features": 1,
+        "blocksize": 32,
+        "dtype": torch.float32,
+        "compress_statistics": False,
+        "bias": False,
+        "input_requires_grad": False,
+        "seed": 0,
+        "device": "cpu",
+    }
     kn = strategies.Linear4bitCase(quant_type="nf4", call="functional_kn", **base)
     fp4 = strategies.Linear4bitCase(quant_type="fp4", call="functional_t", **base)
     for case, reason in ((kn, runner.KNOWN_DEFECT_KN_ONE_ROW), (fp4, runner.KNOWN_DEFECT_FP4_CODES)):
         with pytest.raises(runner.Unsupported, match="known bitsandbytes defect") as info:
             runner.check_supported(case)
         assert reason in str(info.value)
-    runner.check_supported(strategies.Linear4bitCase(quant_type="nf4", call="functional_kn",
-                                                     **{**base, "input_requires_grad": True}))
+    runner.check_supported(
+        strategies.Linear4bitCase(
+            quant_type="nf4", call="functional_kn", **{**base, "input_requires_grad": True}
+        )
+    )

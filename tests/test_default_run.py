@@ -4,13 +4,14 @@ store) or uses the GPU goes in one process (the root conftest's ``pytest_cmdline
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,9 +45,16 @@ def test_runs_that_record_numbers_go_in_one_process(options: dict[str, str], one
 
 
 def _pytest(*args: str) -> subprocess.CompletedProcess[str]:
+    """A new pytest session; none of this (maybe xdist worker) session's PYTEST_* variables leak into it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHONBREAKPOINT"))}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import ast
 import importlib.metadata as md
 import sys
-import tomllib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -153,7 +153,9 @@ def test_each_declared_distribution_is_installed_at_its_pin(name: str) -> None:
     try:
         version = md.version(name)
     except md.PackageNotFoundError:
-        pytest.fail(f"{name} is declared but not installed: the environment was not made by the README's command")
+        pytest.fail(
+            f"{name} is declared but not installed: the environment was not made by the README's command"
+        )
     if os.environ.get("VRAMGUARD_UNPINNED"):
         pytest.skip(f"newest-releases run: {name} {version} (pinned {spec})")
     from packaging.specifiers import SpecifierSet

@@ -44,7 +44,9 @@ def defect(message: str) -> Iterator[None]:
 
 def known_defect(key: str, raises: type[BaseException] = KnownDefect) -> pytest.MarkDecorator:
     d = capabilities.KNOWN_DEFECTS[key]
-    where = "on this CPU, " if d.hardware else ""
+    where = (
+        f"on this CPU: {capabilities.cpu_description()} [{capabilities.cpu_flags()}], " if d.hardware else ""
+    )
     return pytest.mark.xfail(
         condition=d.expected_here(),
         strict=True,

@@ -299,7 +299,10 @@ def probe_fp4_codes_cpu() -> tuple[bool, str]:
         try:
             reference.check_4bit_quantization(w, packed, qs.absmax, blocksize, "fp4", nested=False)
         except reference.StateMismatch as exc:
-            return False, f"CPU quantize_4bit(fp4) of a {dtype} {shape[0]}x{shape[1]} weight on this CPU ({where}): {exc}"
+            return (
+                False,
+                f"CPU quantize_4bit(fp4) of a {dtype} {shape[0]}x{shape[1]} weight on this CPU ({where}): {exc}",
+            )
     return True, f"CPU quantize_4bit(fp4) stores the nearest code on this CPU ({where})"
 
 
@@ -317,6 +320,34 @@ def cpu_description() -> str:
     except OSError:
         pass
     return f"{torch.backends.cpu.get_cpu_capability()}, {model}"
+
+
+#: the instruction-set flags that choose between CPU kernels (torch's and bitsandbytes')
+ISA_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
+def cpu_flags() -> str:
+    """The instruction-set flags of this processor that pick CPU kernels, e.g. ``avx2 avx512f amx_tile``
+    (from /proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return " ".join(flag for flag in ISA_FLAGS if flag in have)
+    except OSError:
+        pass
+    return ""
 
 
 def probe_int8_k1_cpu() -> tuple[bool, str]:

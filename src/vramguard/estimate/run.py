@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from vramguard.audit.report import AuditReport, DeviceEstimate, Overhead, Verdict
+from vramguard.audit import verdict as checks
+from vramguard.audit.report import AuditReport, DeviceEstimate, Finding, Overhead
 from vramguard.audit.run import assemble_report, budget_of
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import META, TARGETS, build_meta, forced_decisions
@@ -219,7 +220,17 @@ def run_estimate(
     if taken["find_packed_sequence_indices"] == 0 and taken["scaled_dot_product_attention"] == 0:
         taken = {}  # neither branch exists in this transformers version / model: nothing was forced
     report = assemble_report(
-        q, q.config, budget, tracker, results, ledger, opt, top, time.perf_counter() - t0
+        q,
+        q.config,
+        budget,
+        tracker,
+        results,
+        ledger,
+        opt,
+        top,
+        time.perf_counter() - t0,
+        offloaded=offload_activations,  # on the host by design: no deviation note
+        one_step_note=False,
     )
     weights = report.totals.model_resident_bytes
     trainable = sum(p.numel() * p.element_size() for p in q.trainable_parameters())
@@ -251,42 +262,41 @@ def run_estimate(
         f"+ {fb(estimate.overhead_bytes)} the meta run leaves out (H100 figures)"
     )
     notes = [
-        n
-        for n in report.verdict.notes
-        if not n.startswith("one step only")
-        and (method == "qlora" or "prepare_model_for_kbit" not in n)
-        and not (offload_activations and n.startswith("saved activations are"))  # on the host, by design
-    ]
-    notes.append(
-        "estimated on the meta device: shapes and dtypes are real, values are not"
+        Finding(
+            checks.META_RUN,
+            "estimated on the meta device: shapes and dtypes are real, values are not"
         + (
             "; against an H100 (docs/measurements/2026-11-22-h100): activations to the byte, the plain "
             "step's peak within 0.02 %, the checkpointed, eager and sliding-window peaks 8-11 % low "
             "(about one s x s attention tensor)"
             if target == "cuda"
             else "; with the CPU's kernels: on a CUDA device fp32 GQA attention keeps more (--target cuda)"
+        ),
         )
-    )
+    ]
     if optimizer == "paged-adamw-8bit":
         paged, tensors = paged_state_bytes(opt)
         notes.append(
-            f"paged optimizer: {format_bytes(paged)} of its state ({tensors} moment tensors of parameters "
+            Finding(
+                checks.PAGED_OPTIMIZER,
+                f"paged optimizer: {format_bytes(paged)} of its state ({tensors} moment tensors of parameters "
             f"with >= {PAGED_MIN_NUMEL:,} elements) would live in CUDA unified memory (cudaMallocManaged, "
             "outside torch's allocator: max_memory_allocated leaves it out); counted here on the device, "
             "where it stays until memory runs short, then the driver pages it to the host (evictable). "
-            "Estimated by running AdamW8bit: paged memory does not exist on meta"
+            "Estimated by running AdamW8bit: paged memory does not exist on meta",
+                paged,
+            )
         )
     if isinstance(offload, OffloadActivations):
         notes.append(
-            f"activations offloaded to the host (save_on_cpu, emulated): {offload.packs // steps:,} saved "
+            Finding(
+                checks.OFFLOADING,
+                f"activations offloaded to the host (save_on_cpu, emulated): {offload.packs // steps:,} saved "
             f"tensors per step, at most {format_bytes(offload.host_peak_bytes)} of host memory at once, "
             "not in the device figures; copied back one by one in backward (counted there). "
-            "The per-layer table lists what stays on the device"
+            "The per-layer table lists what stays on the device",
+                offload.host_peak_bytes,
+            )
         )
-    verdict = Verdict(
-        ok=report.verdict.ok,
-        line=line if report.verdict.ok else report.verdict.line + "; " + line,
-        problems=report.verdict.problems,
-        notes=notes,
-    )
+    verdict = checks.verdict([*report.verdict.findings, *notes], len(report.steps), headline=line)
     return dataclasses.replace(report, verdict=verdict, estimate=estimate, device=device)

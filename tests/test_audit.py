@@ -17,7 +17,7 @@ from vramguard.audit.report import SCHEMA_VERSION, AuditReport
 from vramguard.audit.run import planned_budget, run_audit
 from vramguard.cli import audit as audit_cli
 from vramguard.cli.app import library_noise_hidden, main
-from vramguard.console import UNWRAPPED_WIDTH
+from vramguard.view.console import UNWRAPPED_WIDTH
 from vramguard.errors import UsageError
 from vramguard.workload.models import ModelSpec, QLoRAConfig, build_qlora, parse_dtype
 

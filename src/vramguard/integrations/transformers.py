@@ -310,9 +310,10 @@ class VramGuardCallback(TrainerCallback):
         if self.report_path is not None and getattr(state, "is_world_process_zero", True):
             write_text_atomic(self.report_path, json.dumps(self.report.to_dict(), indent=2) + "\n")
         if self.table and getattr(state, "is_world_process_zero", True):
-            from vramguard.console import stdout_console
+            from vramguard.view.console import stdout_console
+            from vramguard.view.report import render
 
-            render(self.report, stdout_console())
+            render(self.report, stdout_console(), "trainer")
 
     def _resume(self) -> None:
         if self._paused and self._tracker is not None and isinstance(self._tracker.source, StorageTracker):
@@ -718,39 +719,3 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
         return [t for v in obj for t in _tensors(v)]
     return []
 
-
-def render(report: AuditReport, console: Any) -> None:
-    """The callback's tables (rich, imported here only): per phase, per decoder layer, retained, verdict."""
-    from rich.table import Table
-
-    fb = format_bytes
-    c = report.config
-    console.print(
-        f"[bold]vramguard[/] {c.get('trainer')} run of {report.architecture.get('model_class')} on {report.device}: "
-        f"batch {c.get('batch')} x seq {c.get('seq_len', '?')}, {len(report.steps)} steps",
-        highlight=False,
-    )
-    p = Table(title="Peak live memory per phase (max over steps)", title_justify="left")
-    for col in ("phase", "peak", "above phase start"):
-        p.add_column(col, justify="left" if col == "phase" else "right")
-    for name, v in report.phases.items():
-        p.add_row(name, fb(v.peak_bytes), fb(v.peak_above_start))
-    console.print(p)
-    t = Table(
-        title=f"Saved for backward, per decoder layer (step {c.get('ledger_step')})", title_justify="left"
-    )
-    for col in ("layer", "saved", "activations", "weight copies", "top modules"):
-        t.add_column(col, justify="left" if col in ("layer", "top modules") else "right")
-    for row in report.layers:
-        tops = ", ".join(f"{m} {fb(b)}" for m, b in row.top_modules)
-        short = row.name[row.name.find("layers.") :] if "layers." in row.name else row.name
-        wc = f"[red]{fb(row.weight_copy_bytes)}[/]" if row.weight_copy_bytes else fb(0)
-        t.add_row(short, fb(row.saved_bytes), fb(row.activation_bytes), wc, tops)
-    t.add_row("outside decoder layers", fb(report.totals.outside_layers_bytes), "", "", "")
-    console.print(t)
-    for note in report.verdict.notes:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
-    for line in report.step_lines():
-        console.print(line, highlight=False)
-    style = "bold green" if report.verdict.ok else "bold red"
-    console.print(f"[{style}]{report.verdict.line}[/]", highlight=False, soft_wrap=True)

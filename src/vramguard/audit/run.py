@@ -144,7 +144,7 @@ def budget_of(q: QLoRAModel, config: QLoRAConfig, device_type: str, analytic: bo
     alone (with the reason) where the analytic model has no answer, or with ``analytic`` False."""
     try:
         if not analytic:
-            raise NoAnalyticModel(f"no analytic model for --method {config.extra.get('method')}")
+            raise NoAnalyticModel(f"no analytic model for --method {config.method}")
         return qlora_budget(
             q.model,
             q.spec,
@@ -199,13 +199,13 @@ def assemble_report(
     optimizer: torch.optim.Optimizer,
     top: int,
     elapsed: float,
-    offloaded: bool = False,
-    one_step_note: bool = True,
+    meta_run: bool = False,
 ) -> AuditReport:
-    """The report of a run of vramguard's loop (the audit's, or the estimate's meta run) through
+    """The report of a run of vramguard's loop (the audit's, or with ``meta_run`` the estimate's) through
     :func:`~vramguard.audit.assemble.assemble`: the build's notes, the fp32-activation check (``qlora``
-    only: the norms are upcast by ``prepare_model_for_kbit_training``) and, with ``one_step_note``, the note
-    that one step checks no leak."""
+    only: the norms are upcast by ``prepare_model_for_kbit_training``) and, for the audit, the note that one
+    step checks no leak. The meta run records its step options (method, optimizer, offloading) in the
+    config."""
     steps = [
         StepRow(
             step=r.step + 1,
@@ -226,7 +226,7 @@ def assemble_report(
             budget=budget,
             optimizer=optimizer,
             trainable=q.trainable_parameters(),
-            config=config.to_dict(),
+            config=config.to_dict(step_options=meta_run),
             architecture={
                 "model_type": q.spec.model_type,
                 "model_class": q.model_class,
@@ -239,11 +239,9 @@ def assemble_report(
             top=top,
             findings_first=checks.notes(checks.BUILD, q.notes),
             findings=[
-                checks.fp32_activations(q.model, config.compute_dtype)
-                if config.extra.get("method", "qlora") == "qlora"
-                else None,
-                checks.one_step(steps) if one_step_note else None,
+                checks.fp32_activations(q.model, config.compute_dtype) if config.method == "qlora" else None,
+                None if meta_run else checks.one_step(steps),
             ],
-            offloaded=offloaded,
+            offloaded=config.offload_activations,  # on the host by design: no deviation note
         )
     )

@@ -12,7 +12,7 @@ from vramguard.audit.report import AuditReport
 from vramguard.cli.options import add_qlora_options, check_json_path, positive_int, qlora_config
 from vramguard.errors import UsageError
 from vramguard.units import parse_size
-from vramguard.workload.models import QLoRAConfig
+from vramguard.workload.models import METHODS, OPTIMIZERS, QLoRAConfig
 
 DESCRIPTION = (
     "Will it fit? The memory of one QLoRA training step (4-bit base, LoRA, AdamW) at full size, "
@@ -33,14 +33,14 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--method",
         default="qlora",
-        choices=("qlora", "lora", "full"),
+        choices=METHODS,
         help="qlora: 4-bit base + LoRA; lora: LoRA on a base in --dtype; full: all parameters, fp32 + "
         "AdamW (default: qlora)",
     )
     p.add_argument(
         "--optimizer",
         default="adamw",
-        choices=("adamw", "adamw-8bit", "paged-adamw-8bit"),
+        choices=OPTIMIZERS,
         help="adamw: torch AdamW (fp32 moments); adamw-8bit: bitsandbytes AdamW8bit; paged-adamw-8bit: "
         "bitsandbytes PagedAdamW8bit, estimated as AdamW8bit with its paged (evictable) state named "
         "(default: adamw)",
@@ -87,19 +87,14 @@ def main(args: argparse.Namespace) -> int:
     config = qlora_config(
         args,
         device="cpu",  # validated as a real device; the run is on meta
+        method=args.method,
+        optimizer=args.optimizer,
+        offload_activations=args.offload_activations,
     )
     size = parse_size(args.fit) if args.fit is not None else None
     if size is not None and size <= 0:
         raise UsageError(f"--fit must be a positive size, got {args.fit!r}")
-    report = run_estimate(
-        config,
-        steps=args.steps,
-        top=args.top,
-        method=args.method,
-        optimizer=args.optimizer,
-        target=args.target,
-        offload_activations=args.offload_activations,
-    )
+    report = run_estimate(config, steps=args.steps, top=args.top, target=args.target)
     console = stdout_console()
     if args.quiet:
         verdict_only(report, console)
@@ -125,16 +120,8 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
     from vramguard.estimate.run import max_positions, run_estimate
     from vramguard.workload.models import ModelSpec
 
-    def estimate(c: QLoRAConfig) -> AuditReport:  # cheaper_changes puts optimizer / offloading in extra
-        return run_estimate(
-            c,
-            steps=args.steps,
-            top=1,
-            method=args.method,
-            optimizer=c.extra.get("optimizer", args.optimizer),
-            target=args.target,
-            offload_activations=c.extra.get("offload_activations", args.offload_activations),
-        )
+    def estimate(c: QLoRAConfig) -> AuditReport:
+        return run_estimate(c, steps=args.steps, top=1, target=args.target)
 
     limit = FIT_LIMIT
     if args.fit_dim == "seq":
@@ -146,7 +133,5 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
         config, size, estimate, dim=args.fit_dim, limit=limit, known={requested: report.estimate.total_bytes}
     )
     if report.estimate.total_bytes > size:
-        result.changes = cheaper_changes(
-            config, size, estimate, optimizer=args.optimizer, offload_activations=args.offload_activations
-        )
+        result.changes = cheaper_changes(config, size, estimate)
     return result.to_dict()

@@ -22,7 +22,7 @@ from vramguard.estimate.meta import META, TARGETS, build_meta, forced_decisions
 from vramguard.estimate.offload import OffloadActivations
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.units import format_bytes
-from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel
+from vramguard.workload.models import OPTIMIZERS, ModelSpec, QLoRAConfig, QLoRAModel
 from vramguard.workload.training import PHASES, make_optimizer, run_steps
 
 MiB = 1 << 20
@@ -106,21 +106,12 @@ class _TooLong(Exception):
         self.limit = limit
 
 
-OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "paged-adamw-8bit")
-"""adamw: ``torch.optim.AdamW`` (what the audit uses); adamw-8bit: ``bitsandbytes.optim.AdamW8bit``
-(two uint8 moments with blockwise absmax); paged-adamw-8bit: ``bitsandbytes.optim.PagedAdamW8bit``,
-which is ``AdamW8bit(is_paged=True)``: the same state, but the two moments of every parameter with at
-least :data:`PAGED_MIN_NUMEL` elements live in CUDA unified memory (``cudaMallocManaged``), which the
-driver pages to the host when the device runs short. Unified memory cannot be had on meta or on a
-CPU, so the meta run runs ``AdamW8bit`` and :func:`paged_state_bytes` names the bytes that would be
-paged."""
-
 PAGED_MIN_NUMEL = 100_000
 """bitsandbytes' ``Optimizer8bit.get_state_buffer``: a state buffer is paged for ``p.numel() >= 1e5``."""
 
 
 def make_estimate_optimizer(q: QLoRAModel, name: str = "adamw") -> torch.optim.Optimizer:
-    """The optimizer the estimate steps with, by its :data:`OPTIMIZERS` name: torch AdamW as the audit builds
+    """The optimizer the estimate steps with, by its :data:`~vramguard.workload.models.OPTIMIZERS` name: torch AdamW as the audit builds
     it, or bitsandbytes ``AdamW8bit`` for both 8-bit names (unified memory cannot be had on meta;
     :func:`paged_state_bytes` names what would be paged). Any other name is a :class:`UsageError`."""
     if name == "adamw":
@@ -152,16 +143,18 @@ def run_estimate(
     config: QLoRAConfig,
     steps: int = 2,
     top: int = 3,
-    method: str = "qlora",
+    method: str | None = None,
     device: str = META,
-    optimizer: str = "adamw",
+    optimizer: str | None = None,
     target: str = "cuda",
-    offload_activations: bool = False,
+    offload_activations: bool | None = None,
 ) -> AuditReport:
     """Build ``config``'s model on meta, run ``steps`` steps under the tracker (the ledger on the
     first) and return the report. ``config.device`` is only validated; the run is on meta.
 
-    ``method``: :data:`vramguard.estimate.meta.METHODS`. ``device="cpu"`` runs the same code on real
+    ``method``, ``optimizer``, ``offload_activations``: when given, they replace the config's fields
+    (:data:`~vramguard.workload.models.METHODS`, :data:`~vramguard.workload.models.OPTIMIZERS`; offloading
+    keeps what autograd saves on the host, emulated on meta). ``device="cpu"`` runs the same code on real
     tensors (random weights; not for ``qlora``, whose CPU reference is ``vramguard audit``): the
     tests' reference for ``lora`` and ``full``.
 
@@ -172,13 +165,10 @@ def run_estimate(
         raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
-    if optimizer not in OPTIMIZERS:
-        raise UsageError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    extra = {**config.extra, "method": method, "optimizer": optimizer}
-    if offload_activations:
-        extra["offload_activations"] = True
-    config = dataclasses.replace(config, extra=extra)
+    given = {"method": method, "optimizer": optimizer, "offload_activations": offload_activations}
+    config = dataclasses.replace(config, **{k: v for k, v in given.items() if v is not None})
     config.validate()
+    method, optimizer, offload_activations = config.method, config.optimizer, config.offload_activations
     spec = ModelSpec.load(config.model)
     too_long: _TooLong | None = None
     try:
@@ -229,8 +219,7 @@ def run_estimate(
         opt,
         top,
         time.perf_counter() - t0,
-        offloaded=offload_activations,  # on the host by design: no deviation note
-        one_step_note=False,
+        meta_run=True,
     )
     weights = report.totals.model_resident_bytes
     trainable = sum(p.numel() * p.element_size() for p in q.trainable_parameters())

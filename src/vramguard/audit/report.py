@@ -104,10 +104,11 @@ RECORDED = "recorded"
 """The kind of a finding read back from a schema-1 document, which stores the wording only."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Verdict:
     """The audit's conclusion: the one line printed last and the findings behind it; ``ok`` when none is a
-    problem. ``problems`` and ``notes`` are the findings' messages (the JSON document stores those)."""
+    problem. ``problems`` and ``notes`` are the findings' messages (the JSON document stores those, so two
+    verdicts are equal when they say the same: a verdict read back from JSON equals the one written)."""
 
     line: str
     findings: list[Finding] = field(default_factory=list)
@@ -126,6 +127,11 @@ class Verdict:
     def notes(self) -> list[str]:
         """The messages of the notes worth knowing."""
         return [f.message for f in self.findings if not f.problem]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Verdict) and self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq
 
     def of_kind(self, *kinds: str) -> list[Finding]:
         """The findings of these kinds."""

@@ -14,11 +14,12 @@ import torch
 
 from vramguard.audit import run as audit
 from vramguard.audit.report import SCHEMA_VERSION, AuditReport
-from vramguard.audit.run import planned_budget, run_audit
+from vramguard.audit.run import run_audit
 from vramguard.cli import audit as audit_cli
 from vramguard.cli.app import library_noise_hidden, main
-from vramguard.view.console import UNWRAPPED_WIDTH
 from vramguard.errors import UsageError
+from vramguard.model.analytic import planned_budget
+from vramguard.view.console import UNWRAPPED_WIDTH
 from vramguard.workload.models import ModelSpec, QLoRAConfig, build_qlora, parse_dtype
 
 SMALL = QLoRAConfig(seq_len=32, batch=1)
@@ -68,7 +69,7 @@ def test_planned_budget_equals_the_built_models(report: AuditReport) -> None:
 
 
 def test_planned_budget_counts_tied_embeddings_once(tmp_path: Path) -> None:
-    from vramguard.model.estimate import qlora_budget
+    from vramguard.model.analytic import qlora_budget
     from vramguard.workload.models import presets
 
     path = tmp_path / "tied.json"

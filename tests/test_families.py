@@ -12,7 +12,7 @@ import torch
 from vramguard.cli import main
 from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.meters import SavedBytesMeter
-from vramguard.model.estimate import activation_budget
+from vramguard.model.analytic import activation_budget
 from vramguard.workload.families import FAMILIES, NoAnalyticModel
 from vramguard.workload.models import ModelSpec, presets
 

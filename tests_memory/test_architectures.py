@@ -15,7 +15,7 @@ from memhelpers import BAND, BATCH, RANK, SEQ, explicit_causal_mask, release
 
 from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.ledger import SavedTensorLedger
-from vramguard.model.estimate import qlora_budget
+from vramguard.model.analytic import qlora_budget
 from vramguard.workload.families import NoAnalyticModel
 from vramguard.workload.models import parse_dtype
 

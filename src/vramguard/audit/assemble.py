@@ -32,7 +32,7 @@ from vramguard.audit.report import (
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.storage import frozen_resident_bytes, storage_nbytes
 from vramguard.measure.tracker import MemoryTracker
-from vramguard.model.estimate import Budget
+from vramguard.model.analytic import Budget
 
 
 def lora_training_bytes(trainable: Iterable[torch.nn.Parameter], optimizer: Any) -> int:

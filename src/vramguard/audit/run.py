@@ -21,15 +21,7 @@ from vramguard.audit.report import AuditReport, StepRow
 from vramguard.errors import UsageError
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.tracker import MemoryTracker
-from vramguard.model.estimate import (
-    QUANT_BLOCKSIZE,
-    Budget,
-    activation_budget,
-    qlora_budget,
-    quantized_weight_bytes,
-    weights_budget,
-)
-from vramguard.model.layers import checkpointed_layer_bytes, logits_fp32_bytes
+from vramguard.model.analytic import Budget, planned_budget, qlora_budget, weights_budget
 from vramguard.units import format_bytes
 from vramguard.workload.families import NoAnalyticModel
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
@@ -43,55 +35,6 @@ def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
-
-
-def _projections(spec: ModelSpec) -> list[tuple[int, int]]:
-    """(in, out) features of the seven linear projections of one Llama decoder layer."""
-    f = spec.fields
-    h, i, d = f["hidden_size"], f["intermediate_size"], spec.head_dim
-    q, kv = f["num_attention_heads"] * d, f["num_key_value_heads"] * d
-    return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
-
-
-def planned_budget(config: QLoRAConfig, spec: ModelSpec) -> Budget:
-    """The analytic model of ``config`` from the model config alone, before anything is built.
-
-    The activations are the family's own formula (:func:`activation_budget`, norms in fp32 as
-    ``prepare_model_for_kbit_training`` leaves them); for a family without one, a lower bound any
-    decoder keeps (each layer's input hidden state and the fp32 logits). The parameters are counted
-    from the shapes: the seven projections per layer in 4 bits (fused projections hold the same
-    elements), embeddings, lm_head and norms in fp32, LoRA on every projection. The tests hold it equal
-    to the budget of the built model.
-    """
-    f = spec.fields
-    try:
-        empty = activation_budget(
-            spec,
-            batch=config.batch,
-            seq=config.seq_len,
-            rank=config.lora_rank,
-            checkpointing=config.gradient_checkpointing,
-            attn_implementation=config.attn_implementation,
-            lora_dropout=config.lora_dropout > 0,
-            device_type=torch.device(config.device).type,
-        )
-    except NoAnalyticModel as exc:
-        per_layer = checkpointed_layer_bytes(config.batch, config.seq_len, f["hidden_size"])
-        empty = Budget(
-            layer_terms=[{"layer input (lower bound)": per_layer}] * f["num_hidden_layers"],
-            logits_bytes=logits_fp32_bytes(config.batch, config.seq_len, f["vocab_size"]),
-            no_analytic_model=str(exc),
-        )
-    layers, h, vocab = f["num_hidden_layers"], f["hidden_size"], f["vocab_size"]
-    projections = _projections(spec)
-    quantized = layers * sum(i * o for i, o in projections)
-    quantized_bytes = layers * sum(
-        quantized_weight_bytes(i * o, QUANT_BLOCKSIZE, config.double_quant) for i, o in projections
-    )
-    embeddings = vocab * h * (1 if f.get("tie_word_embeddings", False) else 2)
-    other = embeddings + (2 * layers + 1) * h  # + input, post-attention and final norms
-    lora = layers * sum(config.lora_rank * (i + o) for i, o in projections)
-    return empty.with_weights(quantized, quantized_bytes, other, 4 * other, lora)
 
 
 def available_memory(device: str) -> tuple[int, str]:

@@ -55,7 +55,7 @@ from vramguard.measure.tracker import (
     StorageTracker,
     source_for,
 )
-from vramguard.model.estimate import weights_budget
+from vramguard.model.analytic import weights_budget
 from vramguard.units import format_bytes, parse_size
 
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")

@@ -75,7 +75,10 @@ def leak(steps: Sequence[StepRow], tolerance: int) -> Finding | None:
     if grown <= tolerance:
         return None
     return Finding(
-        LEAK, f"retained memory grew by {format_bytes(grown)} over {len(steps)} steps (a leak)", grown, problem=True
+        LEAK,
+        f"retained memory grew by {format_bytes(grown)} over {len(steps)} steps (a leak)",
+        grown,
+        problem=True,
     )
 
 
@@ -133,7 +136,9 @@ def notes(kind: str, messages: Iterable[str]) -> list[Finding]:
     return [Finding(kind, m) for m in messages]
 
 
-def verdict(findings: Iterable[Finding | None], steps: int, ok_detail: str = "", headline: str = "") -> Verdict:
+def verdict(
+    findings: Iterable[Finding | None], steps: int, ok_detail: str = "", headline: str = ""
+) -> Verdict:
     """The verdict of ``findings`` (``None`` entries are checks that found nothing) over ``steps`` steps.
 
     With problems the line is ``PROBLEM: `` and their messages (then ``headline``, when given); without, the

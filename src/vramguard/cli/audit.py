@@ -13,13 +13,13 @@ from typing import Any
 
 from vramguard.atomic import write_text_atomic
 from vramguard.audit import run as _audit_run
-from vramguard.audit.report import AuditReport
 from vramguard.audit.run import check_fits, resolve_device, run_audit
 from vramguard.cli.options import add_qlora_options, check_json_path, positive_int, qlora_config
 from vramguard.errors import UsageError
 from vramguard.view.console import progress_bar, stdout_console
 from vramguard.view.report import render, verdict_only
 from vramguard.workload.models import QLoRAConfig
+
 
 def register(subparsers: Any) -> None:
     """Add the ``audit`` subcommand: the QLoRA step's options, steps, device, seed and the output switches."""

@@ -228,7 +228,6 @@ def _quantize_on_meta(model: torch.nn.Module) -> int:
     return count
 
 
-
 def build_meta(
     config: QLoRAConfig, spec: ModelSpec | None = None, method: str = "qlora", device: str = META
 ) -> QLoRAModel:

@@ -254,13 +254,13 @@ def run_estimate(
         Finding(
             checks.META_RUN,
             "estimated on the meta device: shapes and dtypes are real, values are not"
-        + (
-            "; against an H100 (docs/measurements/2026-11-22-h100): activations to the byte, the plain "
-            "step's peak within 0.02 %, the checkpointed, eager and sliding-window peaks 8-11 % low "
-            "(about one s x s attention tensor)"
-            if target == "cuda"
-            else "; with the CPU's kernels: on a CUDA device fp32 GQA attention keeps more (--target cuda)"
-        ),
+            + (
+                "; against an H100 (docs/measurements/2026-11-22-h100): activations to the byte, the plain "
+                "step's peak within 0.02 %, the checkpointed, eager and sliding-window peaks 8-11 % low "
+                "(about one s x s attention tensor)"
+                if target == "cuda"
+                else "; with the CPU's kernels: on a CUDA device fp32 GQA attention keeps more (--target cuda)"
+            ),
         )
     ]
     if optimizer == "paged-adamw-8bit":
@@ -269,10 +269,10 @@ def run_estimate(
             Finding(
                 checks.PAGED_OPTIMIZER,
                 f"paged optimizer: {format_bytes(paged)} of its state ({tensors} moment tensors of parameters "
-            f"with >= {PAGED_MIN_NUMEL:,} elements) would live in CUDA unified memory (cudaMallocManaged, "
-            "outside torch's allocator: max_memory_allocated leaves it out); counted here on the device, "
-            "where it stays until memory runs short, then the driver pages it to the host (evictable). "
-            "Estimated by running AdamW8bit: paged memory does not exist on meta",
+                f"with >= {PAGED_MIN_NUMEL:,} elements) would live in CUDA unified memory (cudaMallocManaged, "
+                "outside torch's allocator: max_memory_allocated leaves it out); counted here on the device, "
+                "where it stays until memory runs short, then the driver pages it to the host (evictable). "
+                "Estimated by running AdamW8bit: paged memory does not exist on meta",
                 paged,
             )
         )
@@ -281,9 +281,9 @@ def run_estimate(
             Finding(
                 checks.OFFLOADING,
                 f"activations offloaded to the host (save_on_cpu, emulated): {offload.packs // steps:,} saved "
-            f"tensors per step, at most {format_bytes(offload.host_peak_bytes)} of host memory at once, "
-            "not in the device figures; copied back one by one in backward (counted there). "
-            "The per-layer table lists what stays on the device",
+                f"tensors per step, at most {format_bytes(offload.host_peak_bytes)} of host memory at once, "
+                "not in the device figures; copied back one by one in backward (counted there). "
+                "The per-layer table lists what stays on the device",
                 offload.host_peak_bytes,
             )
         )

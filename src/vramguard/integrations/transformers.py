@@ -574,7 +574,9 @@ class VramGuardCallback(TrainerCallback):
                 environment_device=self._config["device"],
                 elapsed_s=time.perf_counter() - self._t0,
                 leak_tolerance=self._tolerance(),
-                findings_first=[Finding(checks.STOPPED, self.stopped, problem=True) if self.stopped else None],
+                findings_first=[
+                    Finding(checks.STOPPED, self.stopped, problem=True) if self.stopped else None
+                ],
                 findings=self._findings(steps),
                 ok_detail=f" ({self._trainer_name})",
             )
@@ -718,4 +720,3 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (tuple, list)):
         return [t for v in obj for t in _tensors(v)]
     return []
-

@@ -518,7 +518,9 @@ class SavedTensorLedger:
             slot = SavedSlot(tensor.detach(), None, key, life, storage.nbytes(), module, self._now())
         else:
             meta = (tensor.shape, tensor.dtype, tensor.device)
-            slot = SavedSlot(None, self._outer[0](tensor), key, life, storage.nbytes(), module, self._now(), meta)
+            slot = SavedSlot(
+                None, self._outer[0](tensor), key, life, storage.nbytes(), module, self._now(), meta
+            )
         self._packs.append(weakref.ref(slot))
         return slot
 

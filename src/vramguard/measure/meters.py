@@ -490,4 +490,3 @@ class PeakMeter:
             assert self._tracker is not None
             self.peak_above_start = self._tracker.peak()
             self._tracker.stop()
-

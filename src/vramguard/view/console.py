@@ -57,4 +57,3 @@ def progress_bar(quiet: bool) -> Any:
         transient=True,
         disable=quiet or not console.is_terminal,
     )
-

@@ -14,6 +14,7 @@ import io
 import re
 from typing import Any
 
+from vramguard.errors import UsageError
 from vramguard.history.trend import LayerBars, Series, Trend, params_label
 from vramguard.units import format_bytes
 

@@ -105,7 +105,9 @@ def _layers(
         for row in report.layers:
             t.add_row(*cells(row))
         if outside:
-            t.add_row("outside decoder layers", fb(report.totals.outside_layers_bytes), *[""] * (len(columns) - 2))
+            t.add_row(
+                "outside decoder layers", fb(report.totals.outside_layers_bytes), *[""] * (len(columns) - 2)
+            )
         console.print(t)
 
     section.__doc__ = f"The table {title!r}: {', '.join(columns)}."
@@ -156,11 +158,16 @@ def audit_totals(report: AuditReport, console: Any) -> None:
     """Measured against the analytic model: saved activations, weight copies, frozen weights, LoRA training."""
     tot = report.totals
     b = report.budget
-    s = _table("Totals: measured vs the analytic model", ["what", "measured", "analytic", "note"], ("what", "note"))
+    s = _table(
+        "Totals: measured vs the analytic model", ["what", "measured", "analytic", "note"], ("what", "note")
+    )
     probes = f"hooks {fb(tot.hook_bytes)}, ctx attributes {fb(tot.ctx_bytes)}"
     if b.activation_ratio is None or b.analytic_activation_bytes is None:
         s.add_row(
-            "saved activations (all)", fb(b.measured_activation_bytes), "-", f"{b.no_analytic_model}; {probes}"
+            "saved activations (all)",
+            fb(b.measured_activation_bytes),
+            "-",
+            f"{b.no_analytic_model}; {probes}",
         )
         s.add_row("  outside decoder layers", fb(tot.outside_layers_bytes), "-", "")
     else:

@@ -21,8 +21,8 @@ from vramguard import __version__, environment
 from vramguard.audit import verdict as checks
 from vramguard.audit.report import (
     SCHEMA_VERSION,
+    AnalyticComparison,
     AuditReport,
-    BudgetComparison,
     Finding,
     LayerRow,
     PhasePeak,
@@ -32,7 +32,7 @@ from vramguard.audit.report import (
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.storage import frozen_resident_bytes, storage_nbytes
 from vramguard.measure.tracker import MemoryTracker
-from vramguard.model.analytic import Budget
+from vramguard.model.analytic import Expectation
 
 
 def lora_training_bytes(trainable: Iterable[torch.nn.Parameter], optimizer: Any) -> int:
@@ -63,36 +63,36 @@ def totals_of(ledger: LedgerReport, model: torch.nn.Module, layers: list[LayerRo
     )
 
 
-def budget_comparison(
-    budget: Budget, totals: Totals, ledger: LedgerReport, measured_lora_training: int
-) -> BudgetComparison:
-    """Measured against the analytic budget (activation terms ``None`` where no analytic model applies)."""
-    modelled = not budget.no_analytic_model
-    return BudgetComparison(
-        quantized_params=budget.quantized_params,
-        lora_params=budget.lora_params,
-        other_params=budget.other_params,
-        analytic_weights_bytes=budget.weights_bytes,
+def compare_with_expectation(
+    expected: Expectation, totals: Totals, ledger: LedgerReport, measured_lora_training: int
+) -> AnalyticComparison:
+    """Measured against the analytic expectation (activation terms ``None`` where no analytic model applies)."""
+    modelled = not expected.no_analytic_model
+    return AnalyticComparison(
+        quantized_params=expected.quantized_params,
+        lora_params=expected.lora_params,
+        other_params=expected.other_params,
+        analytic_weights_bytes=expected.weights_bytes,
         measured_weights_bytes=totals.model_resident_bytes,
-        analytic_lora_training_bytes=budget.lora_training_bytes,
+        analytic_lora_training_bytes=expected.lora_training_bytes,
         measured_lora_training_bytes=measured_lora_training,
-        analytic_activation_bytes=budget.activation_bytes if modelled else None,
+        analytic_activation_bytes=expected.activation_bytes if modelled else None,
         measured_activation_bytes=ledger.saved_bytes,
-        analytic_logits_bytes=budget.logits_bytes if modelled else None,
-        analytic_outside_layers_bytes=budget.logits_bytes + budget.shared_bytes if modelled else None,
+        analytic_logits_bytes=expected.logits_bytes if modelled else None,
+        analytic_outside_layers_bytes=expected.logits_bytes + expected.shared_bytes if modelled else None,
         activation_ratio=(
-            (ledger.saved_bytes / budget.activation_bytes if budget.activation_bytes else 0.0)
+            (ledger.saved_bytes / expected.activation_bytes if expected.activation_bytes else 0.0)
             if modelled
             else None
         ),
-        analytic_model=budget.family if modelled else None,
-        no_analytic_model=budget.no_analytic_model,
+        analytic_model=expected.family if modelled else None,
+        no_analytic_model=expected.no_analytic_model,
     )
 
 
-def layer_rows(ledger: LedgerReport, budget: Budget | None = None, top: int = 3) -> list[LayerRow]:
+def layer_rows(ledger: LedgerReport, expected: Expectation | None = None, top: int = 3) -> list[LayerRow]:
     """Per decoder layer: what the ledger saw kept, by kind, the ``top`` modules, and the analytic
-    budget's figure for the layer (``None`` without a budget or an analytic model)."""
+    expected's figure for the layer (``None`` without a expected or an analytic model)."""
     groups = ledger.by_layer()
     rows: list[LayerRow] = []
     for name in sorted(groups, key=lambda n: int(n.rsplit(".", 1)[1])):
@@ -109,9 +109,9 @@ def layer_rows(ledger: LedgerReport, budget: Budget | None = None, top: int = 3)
                 weight_copy_bytes=sum(r.bytes for r in records if r.kind == "weight-copy"),
                 analytic_bytes=(
                     None
-                    if budget is None or budget.no_analytic_model
-                    else budget.layer_bytes[index]
-                    if index < len(budget.layer_bytes)
+                    if expected is None or expected.no_analytic_model
+                    else expected.layer_bytes[index]
+                    if index < len(expected.layer_bytes)
                     else 0
                 ),
                 top_modules=sorted(by_module.items(), key=lambda kv: -kv[1])[:top],
@@ -143,7 +143,7 @@ class Measured:
     tracker: MemoryTracker
     phases: tuple[str, ...]
     steps: list[StepRow]
-    budget: Budget
+    expected: Expectation
     optimizer: Any
     trainable: Iterable[torch.nn.Parameter]
     config: dict[str, Any]
@@ -160,9 +160,11 @@ class Measured:
 
 def assemble(m: Measured) -> AuditReport:
     """The report and its verdict from one producer's measurement."""
-    layers = layer_rows(m.ledger, m.budget, m.top)
+    layers = layer_rows(m.ledger, m.expected, m.top)
     totals = totals_of(m.ledger, m.model, layers)
-    comparison = budget_comparison(m.budget, totals, m.ledger, lora_training_bytes(m.trainable, m.optimizer))
+    comparison = compare_with_expectation(
+        m.expected, totals, m.ledger, lora_training_bytes(m.trainable, m.optimizer)
+    )
     judged = [
         *m.findings_first,
         checks.weight_copies(m.ledger),
@@ -179,7 +181,7 @@ def assemble(m: Measured) -> AuditReport:
         layers=layers,
         totals=totals,
         phases=phase_peaks(m.tracker, m.phases),
-        budget=comparison,
+        budget=comparison,  # schema 1's key for the comparison with the analytic expectation
         steps=m.steps,
         leak_bytes=checks.leak_bytes([s.retained_bytes for s in m.steps]),
         verdict=checks.verdict(

@@ -4,6 +4,8 @@
 within a version. All sizes are bytes (int); all ratios are floats (measured / analytic). The
 analytic numbers and the ratio are ``null`` for an architecture without an analytic model
 (``budget.no_analytic_model`` says so): a measurement is never compared with another family's formula.
+``budget`` is schema 1's key for the measurement set against the analytic expectation
+(:class:`AnalyticComparison`; in Python "budget" is otherwise a user's limit, as in the ``vram_budget`` marker).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class PhasePeak:
 
 
 @dataclass
-class BudgetComparison:
+class AnalyticComparison:
     """The analytic model next to the measurement (``None`` where nothing was measured)."""
 
     quantized_params: int
@@ -196,7 +198,7 @@ class AuditReport:
     layers: list[LayerRow]
     totals: Totals
     phases: dict[str, PhasePeak]
-    budget: BudgetComparison
+    budget: AnalyticComparison
     steps: list[StepRow]
     leak_bytes: int
     verdict: Verdict
@@ -247,7 +249,7 @@ class AuditReport:
         ]
         d["totals"] = Totals(**d["totals"])
         d["phases"] = {k: PhasePeak(**v) for k, v in d["phases"].items()}
-        d["budget"] = BudgetComparison(**d["budget"])
+        d["budget"] = AnalyticComparison(**d["budget"])
         d["steps"] = [StepRow(**s) for s in d["steps"]]
         d["verdict"] = Verdict.from_dict(d["verdict"])
         if d.get("estimate") is not None:

@@ -1,7 +1,7 @@
 """``vramguard audit``: train a small QLoRA model for a few steps and say where its memory went.
 
 The job: build the model (4-bit NF4 via transformers, LoRA via PEFT, random weights), run real
-steps under the live tracker, itemise one forward with the ledger, set the analytic budget next
+steps under the live tracker, itemise one forward with the ledger, set the analytic expectation next
 to the measurement and end with a verdict. Exit code 0 when the verdict is OK, 1 when it names a
 problem (weight copies saved for backward, retained memory growing across steps), 2 on bad input.
 """
@@ -21,7 +21,7 @@ from vramguard.audit.report import AuditReport, StepRow
 from vramguard.errors import UsageError
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.tracker import MemoryTracker
-from vramguard.model.analytic import Budget, planned_budget, qlora_budget, weights_budget
+from vramguard.model.analytic import Expectation, planned_expectation, qlora_expectation, weights_expectation
 from vramguard.units import format_bytes
 from vramguard.workload.families import NoAnalyticModel
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
@@ -48,7 +48,7 @@ def available_memory(device: str) -> tuple[int, str]:
     return int(psutil.virtual_memory().available), "of RAM is available"
 
 
-def check_fits(config: QLoRAConfig, spec: ModelSpec | None = None) -> Budget:
+def check_fits(config: QLoRAConfig, spec: ModelSpec | None = None) -> Expectation:
     """Refuse (:class:`UsageError`) a configuration that cannot run here, before anything is allocated.
 
     Two checks. The audit builds the model once unquantized, in fp32 on the host, and writes that
@@ -59,7 +59,7 @@ def check_fits(config: QLoRAConfig, spec: ModelSpec | None = None) -> Budget:
     errs towards letting a run start.
     """
     spec = spec or ModelSpec.load(config.model)
-    plan = planned_budget(config, spec)
+    plan = planned_expectation(config, spec)
     fb = format_bytes
     build = 4 * (plan.quantized_params + plan.other_params)
     host, host_what = available_memory("cpu")
@@ -82,27 +82,27 @@ def check_fits(config: QLoRAConfig, spec: ModelSpec | None = None) -> Budget:
     return plan
 
 
-def budget_of(q: QLoRAModel, config: QLoRAConfig, device_type: str, analytic: bool = True) -> Budget:
-    """The analytic budget of ``q``'s step for ``config`` with ``device_type``'s kernels; the weights
+def expectation_of(q: QLoRAModel, config: QLoRAConfig, target: str, analytic: bool = True) -> Expectation:
+    """The analytic expectation of ``q``'s step for ``config`` with ``target``'s kernels; the weights
     alone (with the reason) where the analytic model has no answer, or with ``analytic`` False."""
     try:
         if not analytic:
             raise NoAnalyticModel(f"no analytic model for --method {config.method}")
-        return qlora_budget(
+        return qlora_expectation(
             q.model,
             q.spec,
             batch=config.batch,
-            seq=config.seq_len,
-            rank=config.lora_rank,
+            seq_len=config.seq_len,
+            lora_rank=config.lora_rank,
             compute_dtype=parse_dtype(config.compute_dtype),
             double_quant=config.double_quant,
             checkpointing=config.gradient_checkpointing,
             attn_implementation=q.attn_implementation,
             lora_dropout=config.lora_dropout > 0,
-            device_type=device_type,
+            target=target,
         )
     except NoAnalyticModel as exc:  # measured all the same; compared with nothing
-        return weights_budget(q.model, double_quant=config.double_quant, reason=str(exc))
+        return weights_expectation(q.model, double_quant=config.double_quant, reason=str(exc))
 
 
 def run_audit(
@@ -118,7 +118,7 @@ def run_audit(
     report_progress("building 4-bit model", 0, steps + 1)
     q = build_qlora(config)
     optimizer = make_optimizer(q)
-    budget = budget_of(q, config, torch.device(config.device).type)
+    expected = expectation_of(q, config, torch.device(config.device).type)
     report_progress("step 1", 1, steps + 1)
 
     def on_step(r: StepResult) -> None:
@@ -128,14 +128,14 @@ def run_audit(
         results, ledger = run_steps(q, steps, tracker, optimizer=optimizer, ledger_step=0, on_step=on_step)
     assert ledger is not None
     return assemble_report(
-        q, config, budget, tracker, results, ledger, optimizer, top, time.perf_counter() - t0
+        q, config, expected, tracker, results, ledger, optimizer, top, time.perf_counter() - t0
     )
 
 
 def assemble_report(
     q: QLoRAModel,
     config: QLoRAConfig,
-    budget: Budget,
+    expected: Expectation,
     tracker: MemoryTracker,
     results: list[StepResult],
     ledger: LedgerReport,
@@ -166,7 +166,7 @@ def assemble_report(
             tracker=tracker,
             phases=PHASES,
             steps=steps,
-            budget=budget,
+            expected=expected,
             optimizer=optimizer,
             trainable=q.trainable_parameters(),
             config=config.to_dict(step_options=meta_run),
@@ -174,7 +174,7 @@ def assemble_report(
                 "model_type": q.spec.model_type,
                 "model_class": q.model_class,
                 "attn_implementation": q.attn_implementation,
-                "analytic_model": None if budget.no_analytic_model else budget.family,
+                "analytic_model": None if expected.no_analytic_model else expected.family,
             },
             environment_device=config.device,
             elapsed_s=elapsed,

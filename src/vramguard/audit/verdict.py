@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from vramguard.audit.report import BudgetComparison, Finding, StepRow, Verdict
+from vramguard.audit.report import AnalyticComparison, Finding, StepRow, Verdict
 from vramguard.measure.ledger import LedgerReport
 from vramguard.units import format_bytes
 from vramguard.workload.models import parse_dtype
@@ -82,24 +82,24 @@ def leak(steps: Sequence[StepRow], tolerance: int) -> Finding | None:
     )
 
 
-def activation_comparison(budget: BudgetComparison, offloaded: bool = False) -> Finding | None:
+def activation_comparison(comparison: AnalyticComparison, offloaded: bool = False) -> Finding | None:
     """The note on the measured saved activations against the analytic model: measured only (no model for
     the architecture), or off the model by more than :data:`ACTIVATION_BAND` (not said when the activations
     are ``offloaded`` to the host: the device keeps less by design)."""
-    ratio = budget.activation_ratio
+    ratio = comparison.activation_ratio
     if ratio is None:
         return Finding(
             NO_ANALYTIC_MODEL,
-            f"{budget.no_analytic_model}: saved activations measured "
-            f"({format_bytes(budget.measured_activation_bytes)}), not compared with any formula",
-            budget.measured_activation_bytes,
+            f"{comparison.no_analytic_model}: saved activations measured "
+            f"({format_bytes(comparison.measured_activation_bytes)}), not compared with any formula",
+            comparison.measured_activation_bytes,
         )
     if abs(ratio - 1.0) > ACTIVATION_BAND and not offloaded:
         return Finding(
             ACTIVATIONS_OFF_MODEL,
             f"saved activations are {ratio:.1%} of the analytic model "
-            f"({format_bytes(budget.measured_activation_bytes)} vs {format_bytes(budget.analytic_activation_bytes)})",
-            budget.measured_activation_bytes,
+            f"({format_bytes(comparison.measured_activation_bytes)} vs {format_bytes(comparison.analytic_activation_bytes)})",
+            comparison.measured_activation_bytes,
         )
     return None
 
@@ -117,11 +117,11 @@ def fp32_activations(model: torch.nn.Module, compute_dtype: str) -> Finding | No
     )
 
 
-def activation_summary(budget: BudgetComparison) -> str:
+def activation_summary(comparison: AnalyticComparison) -> str:
     """The OK line's clause on the saved activations: their share of the analytic model, or measured only."""
-    if budget.activation_ratio is None:
-        return f"{budget.no_analytic_model} (saved activations measured only)"
-    return f"saved activations {budget.activation_ratio:.1%} of the analytic model"
+    if comparison.activation_ratio is None:
+        return f"{comparison.no_analytic_model} (saved activations measured only)"
+    return f"saved activations {comparison.activation_ratio:.1%} of the analytic model"
 
 
 def one_step(steps: Sequence[StepRow]) -> Finding | None:

@@ -16,7 +16,7 @@ import torch
 
 from vramguard.audit import verdict as checks
 from vramguard.audit.report import AuditReport, DeviceEstimate, Finding, Overhead
-from vramguard.audit.run import assemble_report, budget_of
+from vramguard.audit.run import assemble_report, expectation_of
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import META, TARGETS, build_meta, forced_decisions
 from vramguard.estimate.offload import OffloadActivations
@@ -179,7 +179,7 @@ def run_estimate(
     q = build_meta(config, spec, method=method, device=device)
     opt = make_estimate_optimizer(q, optimizer)
     # the meta run takes the target's kernel choices (see estimate.meta)
-    budget = budget_of(q, config, target, analytic=method == "qlora")
+    expected = expectation_of(q, config, target, analytic=method == "qlora")
     # every device: meta storages and the host-side ones the libraries keep (Adam's step counters),
     # as the CPU audit counts them
     source = StorageTracker(None)
@@ -212,7 +212,7 @@ def run_estimate(
     report = assemble_report(
         q,
         q.config,
-        budget,
+        expected,
         tracker,
         results,
         ledger,

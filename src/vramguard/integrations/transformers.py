@@ -55,7 +55,7 @@ from vramguard.measure.tracker import (
     StorageTracker,
     source_for,
 )
-from vramguard.model.analytic import weights_budget
+from vramguard.model.analytic import weights_expectation
 from vramguard.units import format_bytes, parse_size
 
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
@@ -561,7 +561,7 @@ class VramGuardCallback(TrainerCallback):
                 tracker=self._tracker,
                 phases=PHASES,
                 steps=steps,
-                budget=weights_budget(model, reason=NO_ANALYTIC_MODEL),
+                expected=weights_expectation(model, reason=NO_ANALYTIC_MODEL),
                 optimizer=self._optimizer,
                 trainable=(p for p in model.parameters() if p.requires_grad),
                 config=dict(self._config),

@@ -12,7 +12,7 @@ import json
 import math
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +264,15 @@ class QLoRAConfig:
             del options["offload_activations"]
         d["extra"] = options if step_options else {}
         return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> QLoRAConfig:
+        """Inverse of :meth:`to_dict` (a document's ``config``): the fields, with the step options read
+        from ``extra``; keys that are no field (a trainer run's ``trainer``, ``max_steps``, ...) are left out."""
+        names = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        values.update({k: v for k, v in (data.get("extra") or {}).items() if k in STEP_OPTIONS})
+        return cls(**values)
 
 
 @dataclass

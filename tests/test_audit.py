@@ -14,11 +14,12 @@ import torch
 
 from vramguard.audit import run as audit
 from vramguard.audit.report import SCHEMA_VERSION, AuditReport
-from vramguard.audit.run import planned_budget, run_audit
+from vramguard.audit.run import run_audit
 from vramguard.cli import audit as audit_cli
 from vramguard.cli.app import library_noise_hidden, main
-from vramguard.console import UNWRAPPED_WIDTH
 from vramguard.errors import UsageError
+from vramguard.model.analytic import planned_expectation
+from vramguard.view.console import UNWRAPPED_WIDTH
 from vramguard.workload.models import ModelSpec, QLoRAConfig, build_qlora, parse_dtype
 
 SMALL = QLoRAConfig(seq_len=32, batch=1)
@@ -51,7 +52,7 @@ def test_quantized_weights_match_the_exact_storage_formula(report: AuditReport) 
 def _same_budget(report: AuditReport, config: QLoRAConfig) -> None:
     """The analytic model from the config alone (what the memory check uses before building)
     equals the one computed on the built model."""
-    plan, b = planned_budget(config, ModelSpec.load(config.model)), report.budget
+    plan, b = planned_expectation(config, ModelSpec.load(config.model)), report.budget
     assert (plan.quantized_params, plan.other_params, plan.lora_params) == (
         b.quantized_params,
         b.other_params,
@@ -68,7 +69,7 @@ def test_planned_budget_equals_the_built_models(report: AuditReport) -> None:
 
 
 def test_planned_budget_counts_tied_embeddings_once(tmp_path: Path) -> None:
-    from vramguard.model.estimate import qlora_budget
+    from vramguard.model.analytic import qlora_expectation
     from vramguard.workload.models import presets
 
     path = tmp_path / "tied.json"
@@ -77,10 +78,10 @@ def test_planned_budget_counts_tied_embeddings_once(tmp_path: Path) -> None:
     )
     config = QLoRAConfig(model=str(path), seq_len=16, batch=1, lora_rank=4)
     q = build_qlora(config)
-    built = qlora_budget(
-        q.model, q.spec, batch=1, seq=16, rank=4, compute_dtype=parse_dtype(config.compute_dtype)
+    built = qlora_expectation(
+        q.model, q.spec, batch=1, seq_len=16, lora_rank=4, compute_dtype=parse_dtype(config.compute_dtype)
     )
-    plan = planned_budget(config, q.spec)
+    plan = planned_expectation(config, q.spec)
     assert (plan.other_params, plan.weights_bytes, plan.lora_params) == (
         built.other_params,
         built.weights_bytes,
@@ -215,7 +216,7 @@ def test_huge_seq_len_is_refused_before_anything_is_built(
     monkeypatch.setattr(audit, "build_qlora", must_not_build)
     assert main(["audit", "--seq-len", "1000000000"]) == 2
     err = capsys.readouterr().err.strip()
-    need = planned_budget(QLoRAConfig(seq_len=10**9), ModelSpec.load("tiny-llama")).total_bytes
+    need = planned_expectation(QLoRAConfig(seq_len=10**9), ModelSpec.load("tiny-llama")).total_bytes
     assert need > 4 * 2 * 10**9 * 512  # the fp32 logits alone: 4 B x 2e9 tokens x 512 vocab
     assert len(err.splitlines()) == 1
     assert err.startswith("vramguard: error: tiny-llama at batch 2 x seq 1000000000 needs at least ")
@@ -227,7 +228,7 @@ def test_huge_seq_len_is_refused_before_anything_is_built(
 
 def test_the_memory_check_refuses_only_above_what_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
     config = QLoRAConfig(seq_len=64, batch=2)
-    need = planned_budget(config, ModelSpec.load(config.model)).total_bytes
+    need = planned_expectation(config, ModelSpec.load(config.model)).total_bytes
     monkeypatch.setattr(audit, "available_memory", lambda device: (need, "of RAM is available"))
     assert audit.check_fits(config).total_bytes == need
     monkeypatch.setattr(audit, "available_memory", lambda device: (need - 1, "of RAM is available"))
@@ -375,7 +376,7 @@ def test_a_full_size_preset_that_cannot_be_built_here_is_refused_with_the_figure
         raise AssertionError("the model was built although it cannot fit")
 
     monkeypatch.setattr(audit, "build_qlora", must_not_build)
-    plan = planned_budget(QLoRAConfig(model="llama-3.1-8b"), ModelSpec.load("llama-3.1-8b"))
+    plan = planned_expectation(QLoRAConfig(model="llama-3.1-8b"), ModelSpec.load("llama-3.1-8b"))
     params = plan.quantized_params + plan.other_params
     assert 7.9e9 < params < 8.1e9  # Llama-3.1-8B: 8.03e9
     monkeypatch.setattr(audit, "available_memory", lambda device: (4 * params - 1, "of RAM is available"))

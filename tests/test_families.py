@@ -12,7 +12,7 @@ import torch
 from vramguard.cli import main
 from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.meters import SavedBytesMeter
-from vramguard.model.estimate import activation_budget
+from vramguard.model.analytic import activation_expectation
 from vramguard.workload.families import FAMILIES, NoAnalyticModel
 from vramguard.workload.models import ModelSpec, presets
 
@@ -151,7 +151,7 @@ def test_full_size_presets_estimate_without_weights(name: str) -> None:
     """The public full-size shapes: the analytic model from the config alone (nothing is built)."""
     spec = ModelSpec.load(name)
     attn = "eager" if spec.model_type == "gemma2" else "sdpa"
-    b = activation_budget(spec, batch=1, seq=2048, rank=16, attn_implementation=attn)
+    b = activation_expectation(spec, batch=1, seq_len=2048, lora_rank=16, attn_implementation=attn)
     assert len(b.layer_bytes) == spec.fields["num_hidden_layers"]
     assert b.family == FAMILIES[spec.model_type].name
     # every layer keeps at least its MLP (4 x tokens x intermediate x fp32), layers past the first alike
@@ -161,13 +161,16 @@ def test_full_size_presets_estimate_without_weights(name: str) -> None:
 
 def test_soft_capped_attention_has_no_sdpa_formula() -> None:
     with pytest.raises(NoAnalyticModel, match="soft-capping under sdpa"):
-        activation_budget(ModelSpec.load("gemma-2-9b"), batch=1, seq=128, rank=8, attn_implementation="sdpa")
+        activation_expectation(
+            ModelSpec.load("gemma-2-9b"), batch=1, seq_len=128, lora_rank=8, attn_implementation="sdpa"
+        )
 
 
 def test_sliding_window_shorter_than_seq_is_a_term_per_layer() -> None:
     spec = ModelSpec.load("phi-3-mini-4k")  # window 2047
     short, long = (
-        activation_budget(spec, batch=1, seq=s, rank=8, attn_implementation="sdpa") for s in (2047, 2048)
+        activation_expectation(spec, batch=1, seq_len=s, lora_rank=8, attn_implementation="sdpa")
+        for s in (2047, 2048)
     )
     assert "attn_window_mask" not in short.layer_terms[1]
     assert long.layer_terms[1]["attn_window_mask"] == 2048 * 2048 * 4

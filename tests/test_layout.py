@@ -19,7 +19,10 @@ PACKAGE = SRC / "vramguard"
 #: Parts that measure, estimate, check and record; they never render nor parse a command line.
 CORE = ("measure", "model", "workload", "grad", "history", "bisect", "audit", "estimate")
 #: Imports that belong to a face (the CLI, the pytest plugins), never to the core.
-FACES = ("rich", "argparse", "pytest", "_pytest", "vramguard.cli", "vramguard.pytest")
+FACES = ("rich", "argparse", "pytest", "_pytest", "vramguard.cli", "vramguard.pytest", "vramguard.view")
+#: The one part that draws: every rich import is in it (the CLI, the pytest plugins and the integrations draw
+#: through it).
+VIEW = "vramguard.view"
 
 
 def _module_name(path: Path) -> str:
@@ -57,6 +60,17 @@ def faces_in(graph: dict[str, set[str]]) -> list[str]:
     )
 
 
+def rich_outside_the_view(graph: dict[str, set[str]]) -> list[str]:
+    """Modules outside :data:`VIEW` that import rich (integrations, cli and pytest included)."""
+    return sorted(
+        f"{module} imports {name}"
+        for module, names in graph.items()
+        if module != VIEW and not module.startswith(VIEW + ".")
+        for name in names
+        if name == "rich" or name.startswith("rich.")
+    )
+
+
 def part_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Cycles among the parts (``measure -> model -> measure``), found by depth-first search."""
     edges: dict[str, set[str]] = {}
@@ -79,7 +93,7 @@ def part_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_every_part_is_a_package() -> None:
-    for part in (*CORE, "cli", "pytest"):
+    for part in (*CORE, "cli", "pytest", "view"):
         assert (PACKAGE / part / "__init__.py").is_file(), part
 
 
@@ -92,6 +106,18 @@ def test_a_face_in_the_core_is_found() -> None:
     graph = import_graph()
     graph["vramguard.measure.ledger"] = graph["vramguard.measure.ledger"] | {"rich.console"}
     assert faces_in(graph) == ["vramguard.measure.ledger imports rich.console"]
+
+
+def test_only_the_view_imports_rich() -> None:
+    assert rich_outside_the_view(import_graph()) == []
+
+
+def test_a_rich_import_outside_the_view_is_found() -> None:
+    """The check can fail: a face (here the Trainer callback) that imports rich itself is named."""
+    graph = import_graph()
+    name = "vramguard.integrations.transformers"
+    graph[name] = graph[name] | {"rich.table", "rich.table.Table"}
+    assert rich_outside_the_view(graph) == [f"{name} imports rich.table", f"{name} imports rich.table.Table"]
 
 
 def test_the_parts_form_no_cycle() -> None:

@@ -278,7 +278,7 @@ def test_batch_is_deterministic(tiny_qlora: Any) -> None:
 def test_every_seed_torch_accepts_gives_a_deterministic_batch(tiny_qlora: Any, seed: int) -> None:
     """The ends of torch's seed range are valid; the per-step token seed wraps modulo 2**64 (the
     two's complement torch applies to a negative seed, so small and negative seeds are unchanged)."""
-    config = QLoRAConfig(**{**tiny_qlora.config.to_dict(), "seed": seed})
+    config = QLoRAConfig.from_dict({**tiny_qlora.config.to_dict(), "seed": seed})
     config.validate()
     q = models.QLoRAModel(model=tiny_qlora.model, spec=tiny_qlora.spec, config=config)
     a, b = q.batch(0), q.batch(1)
@@ -382,3 +382,13 @@ def test_a_wheel_install_has_the_presets(tmp_path: Path) -> None:
     )
     shipped = {n.rsplit("/", 1)[1] for n in zipfile.ZipFile(wheel).namelist() if "/presets/" in n}
     assert shipped == {p.name for p in presets().values()}
+
+
+def test_a_config_reads_back_from_its_document_with_the_step_options() -> None:
+    """Schema 1 keeps method, optimizer and offloading under ``extra`` (the estimate's only): they come back
+    as the typed fields; a key that is no field (a trainer run's) is left out."""
+    config = QLoRAConfig(method="lora", optimizer="adamw-8bit", offload_activations=True, seed=5)
+    doc = config.to_dict(step_options=True)
+    assert doc["extra"] == {"method": "lora", "optimizer": "adamw-8bit", "offload_activations": True}
+    assert QLoRAConfig.from_dict({**doc, "trainer": "sft"}) == config
+    assert QLoRAConfig().to_dict()["extra"] == {}

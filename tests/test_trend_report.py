@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from vramguard.cli import main
-from vramguard.cli.report import render_html, render_markdown
 from vramguard.errors import UsageError
 from vramguard.history.store import ResultStore
 from vramguard.history.trend import build
+from vramguard.view.html import render_html, render_markdown
 
 MiB = 2**20
 

@@ -15,7 +15,7 @@ from memhelpers import BAND, BATCH, RANK, SEQ, explicit_causal_mask, release
 
 from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.ledger import SavedTensorLedger
-from vramguard.model.estimate import qlora_budget
+from vramguard.model.analytic import qlora_expectation
 from vramguard.workload.families import NoAnalyticModel
 from vramguard.workload.models import parse_dtype
 
@@ -45,18 +45,18 @@ def test_each_layer_keeps_its_family_formula(
 ) -> None:
     q = qlora(device, model=arch, **variant)
     try:
-        budget = qlora_budget(
+        budget = qlora_expectation(
             q.model,
             q.spec,
             batch=BATCH,
-            seq=SEQ,
-            rank=RANK,
+            seq_len=SEQ,
+            lora_rank=RANK,
             compute_dtype=parse_dtype(q.config.compute_dtype),
             double_quant=q.config.double_quant,
             checkpointing=q.config.gradient_checkpointing,
             attn_implementation=q.attn_implementation,
             lora_dropout=q.config.lora_dropout > 0,
-            device_type=device,
+            target=device,
             explicit_mask=explicit_causal_mask(),
         )
     except NoAnalyticModel as exc:  # Gemma 2's soft-capping under sdpa: transformers 4.x runs it there

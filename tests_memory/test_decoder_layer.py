@@ -70,14 +70,14 @@ def test_decoder_layer_within_formula(
         shape = shape_from(
             q.spec.fields,
             batch=BATCH,
-            seq=SEQ,
-            rank=RANK,
+            seq_len=SEQ,
+            lora_rank=RANK,
             act_bytes=e,
             dropout=kw.get("lora_dropout", 0) > 0,
             mask_bytes=mask_bytes(device, e),
             attn=kw.get("attn_implementation", "sdpa"),
             first_layer=i == 0,
-            device_type=torch.device(device).type,  # the attention kernel torch picks there
+            target=torch.device(device).type,  # the attention kernel torch picks there
             # the explicit causal mask of EXPLICIT_CAUSAL_MASK releases: what a window mask costs
             window_mask=explicit_causal_mask(),
         )
@@ -131,7 +131,7 @@ def test_decoder_layer_within_compute_dtype_budget(
     q = qlora(device)
     m, _out = forward(q)
     shape = shape_from(
-        q.spec.fields, batch=BATCH, seq=SEQ, rank=RANK, act_bytes=2, device_type=torch.device(device).type
+        q.spec.fields, batch=BATCH, seq_len=SEQ, lora_rank=RANK, act_bytes=2, target=torch.device(device).type
     )
     assert_within_budget(m, band("layer 1 at bf16", layer_saved_bytes(shape), f"{LAYERS}.1", "e=2"), request)
 

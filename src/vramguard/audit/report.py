@@ -4,6 +4,8 @@
 within a version. All sizes are bytes (int); all ratios are floats (measured / analytic). The
 analytic numbers and the ratio are ``null`` for an architecture without an analytic model
 (``budget.no_analytic_model`` says so): a measurement is never compared with another family's formula.
+``budget`` is schema 1's key for the measurement set against the analytic expectation
+(:class:`AnalyticComparison`; in Python "budget" is otherwise a user's limit, as in the ``vram_budget`` marker).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class PhasePeak:
 
 
 @dataclass
-class BudgetComparison:
+class AnalyticComparison:
     """The analytic model next to the measurement (``None`` where nothing was measured)."""
 
     quantized_params: int
@@ -87,15 +89,71 @@ class StepRow:
     host_retained_bytes: int | None = None
 
 
-@dataclass
-class Verdict:
-    """The audit's conclusion: ok or not, the one line printed last, the problems that failed it and the notes
-    worth knowing."""
+@dataclass(frozen=True)
+class Finding:
+    """One thing a verdict says: ``kind`` (a stable name, e.g. ``weight-copies``, ``leak``, ``one-step``: what
+    code reads), ``message`` (the wording, for people), ``bytes`` (the figure it is about, where one is) and
+    whether it is a ``problem`` (fails the verdict) or a note. The kinds are listed in
+    :mod:`vramguard.audit.verdict`."""
 
-    ok: bool
+    kind: str
+    message: str
+    bytes: int | None = None
+    problem: bool = False
+
+
+RECORDED = "recorded"
+"""The kind of a finding read back from a schema-1 document, which stores the wording only."""
+
+
+@dataclass(eq=False)
+class Verdict:
+    """The audit's conclusion: the one line printed last and the findings behind it; ``ok`` when none is a
+    problem. ``problems`` and ``notes`` are the findings' messages (the JSON document stores those, so two
+    verdicts are equal when they say the same: a verdict read back from JSON equals the one written)."""
+
     line: str
-    problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """No finding is a problem."""
+        return not any(f.problem for f in self.findings)
+
+    @property
+    def problems(self) -> list[str]:
+        """The messages of the problems that failed the verdict."""
+        return [f.message for f in self.findings if f.problem]
+
+    @property
+    def notes(self) -> list[str]:
+        """The messages of the notes worth knowing."""
+        return [f.message for f in self.findings if not f.problem]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Verdict) and self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq
+
+    def of_kind(self, *kinds: str) -> list[Finding]:
+        """The findings of these kinds."""
+        return [f for f in self.findings if f.kind in kinds]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The schema-1 block: ``ok``, ``line``, ``problems`` and ``notes`` (the messages)."""
+        return {"ok": self.ok, "line": self.line, "problems": self.problems, "notes": self.notes}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Verdict:
+        """Inverse of :meth:`to_dict`; the findings come back with kind :data:`RECORDED`."""
+        unknown = set(data) - {"ok", "line", "problems", "notes"}
+        if unknown:
+            raise TypeError(f"unknown fields in the verdict: {sorted(unknown)}")
+        return cls(
+            line=data["line"],
+            findings=[Finding(RECORDED, m, problem=True) for m in data.get("problems", [])]
+            + [Finding(RECORDED, m) for m in data.get("notes", [])],
+        )
 
 
 @dataclass
@@ -140,7 +198,7 @@ class AuditReport:
     layers: list[LayerRow]
     totals: Totals
     phases: dict[str, PhasePeak]
-    budget: BudgetComparison
+    budget: AnalyticComparison
     steps: list[StepRow]
     leak_bytes: int
     verdict: Verdict
@@ -155,6 +213,7 @@ class AuditReport:
         """The report as the JSON document ``--json`` writes (plain lists and dicts; :meth:`from_dict` reads
         it back)."""
         d = asdict(self)
+        d["verdict"] = self.verdict.to_dict()
         for row in d["layers"]:
             row["top_modules"] = [list(t) for t in row["top_modules"]]
         return d
@@ -190,9 +249,9 @@ class AuditReport:
         ]
         d["totals"] = Totals(**d["totals"])
         d["phases"] = {k: PhasePeak(**v) for k, v in d["phases"].items()}
-        d["budget"] = BudgetComparison(**d["budget"])
+        d["budget"] = AnalyticComparison(**d["budget"])
         d["steps"] = [StepRow(**s) for s in d["steps"]]
-        d["verdict"] = Verdict(**d["verdict"])
+        d["verdict"] = Verdict.from_dict(d["verdict"])
         if d.get("estimate") is not None:
             e = dict(d["estimate"])
             e["overheads"] = [Overhead(**o) for o in e.get("overheads", [])]

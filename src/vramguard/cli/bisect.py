@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 
 from packaging.version import Version
-from rich.console import Console
 
 from vramguard.bisect.overlay import OverlayCache, default_cache_dir
 from vramguard.bisect.pkgindex import IndexOptions, available_versions, select_range, sort_versions
@@ -21,6 +20,7 @@ from vramguard.cli.releases import (
 )
 from vramguard.errors import UsageError
 from vramguard.units import format_bytes, parse_size
+from vramguard.view.console import stderr_console
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
@@ -85,7 +85,7 @@ def _bisect(args: argparse.Namespace, command: list[str], max_bytes: int) -> int
     cache.open("--cache-dir" if args.cache_dir else "overlay cache")
     candidates = _candidates(args, index)
     runs = LiveRuns(cache.root / ".runs")
-    console = Console(stderr=True)
+    console = stderr_console()
     for stale in runs.mark_stale():
         console.print(f"marked the log of a killed run: {stale}", highlight=False, soft_wrap=True)
     try:

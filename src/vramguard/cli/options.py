@@ -31,31 +31,25 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument("--lora-rank", type=positive_int, default=d.lora_rank)
     p.add_argument("--lora-alpha", type=positive_int, default=d.lora_alpha)
     p.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
-    p.add_argument("--dtype", default=d.compute_dtype, help="compute dtype: bf16, fp16 or fp32")
+    p.add_argument("--compute-dtype", default=d.compute_dtype, help="compute dtype: bf16, fp16 or fp32")
+    p.add_argument("--dtype", dest="compute_dtype", help=argparse.SUPPRESS)  # the flag's earlier name
     p.add_argument("--quant-type", default=d.quant_type, choices=("nf4", "fp4"))
     p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=d.double_quant)
     p.add_argument(
         "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing
     )
-    p.add_argument("--attn", default=d.attn_implementation, choices=("sdpa", "eager"))
+    p.add_argument("--attn-implementation", default=d.attn_implementation, choices=("sdpa", "eager"))
+    p.add_argument(  # the flag's earlier name
+        "--attn", dest="attn_implementation", choices=("sdpa", "eager"), help=argparse.SUPPRESS
+    )
 
 
 def qlora_config(args: argparse.Namespace, **rest: object) -> QLoRAConfig:
-    """The :class:`QLoRAConfig` of the options :func:`add_qlora_options` added (``rest``: the others)."""
-    return QLoRAConfig(
-        model=args.model,
-        seq_len=args.seq_len,
-        batch=args.batch,
-        lora_rank=args.lora_rank,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
-        compute_dtype=args.dtype,
-        quant_type=args.quant_type,
-        double_quant=args.double_quant,
-        gradient_checkpointing=args.gradient_checkpointing,
-        attn_implementation=args.attn,
-        **rest,  # type: ignore[arg-type]
-    )
+    """The :class:`QLoRAConfig` of the options :func:`add_qlora_options` added (each flag's destination is
+    the field's name; ``rest``: the others)."""
+    names = ("model", "seq_len", "batch", "lora_rank", "lora_alpha", "lora_dropout", "compute_dtype")
+    names += ("quant_type", "double_quant", "gradient_checkpointing", "attn_implementation")
+    return QLoRAConfig(**{name: getattr(args, name) for name in names}, **rest)  # type: ignore[arg-type]
 
 
 def check_json_path(path: Path | None) -> None:

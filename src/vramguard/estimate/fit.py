@@ -165,33 +165,29 @@ def cheaper_changes(
     config: QLoRAConfig,
     size: int,
     estimate: Estimator,
-    optimizer: str = "adamw",
-    offload_activations: bool = False,
 ) -> list[dict[str, Any]]:
     """For a shape that does not fit: the estimate of each change vramguard can run, cheapest first
     (what fits, then the fewest flags changed, then the smallest total).
 
-    ``estimate`` receives the changed config; a change of optimizer or offloading is in its
-    ``extra`` (``optimizer``, ``offload_activations``), as :func:`vramguard.estimate.run.run_estimate`
-    records them."""
+    ``estimate`` receives the changed config (its ``optimizer`` or ``offload_activations`` changed too)."""
     half = max(1, config.lora_rank // 2)
     options: list[tuple[str, QLoRAConfig]] = []
     if not config.gradient_checkpointing:
         options.append(("--gradient-checkpointing", dataclasses.replace(config, gradient_checkpointing=True)))
     if config.lora_rank > 1:
         options.append((f"--lora-rank {half}", dataclasses.replace(config, lora_rank=half)))
-    if optimizer == "adamw":
+    if config.optimizer == "adamw":
         options.append(
             (
                 "--optimizer adamw-8bit",
-                dataclasses.replace(config, extra={**config.extra, "optimizer": "adamw-8bit"}),
+                dataclasses.replace(config, optimizer="adamw-8bit"),
             )
         )
-    if not offload_activations:
+    if not config.offload_activations:
         options.append(
             (
                 "--offload-activations",
-                dataclasses.replace(config, extra={**config.extra, "offload_activations": True}),
+                dataclasses.replace(config, offload_activations=True),
             )
         )
     if not config.gradient_checkpointing and config.lora_rank > 1:

@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from vramguard.errors import UsageError
 from vramguard.model.layers import sdpa_kernel
 from vramguard.workload.models import (
+    METHODS,
     ModelSpec,
     QLoRAConfig,
     QLoRAModel,
@@ -225,11 +226,6 @@ def _quantize_on_meta(model: torch.nn.Module) -> int:
         bnb_functional.name2qmap.clear()
         bnb_functional.name2qmap.update(cached)
     return count
-
-
-METHODS: tuple[str, ...] = ("qlora", "lora", "full")
-"""qlora: 4-bit base + LoRA (as ``vramguard audit``); lora: LoRA on a base in the compute dtype;
-full: every parameter trained, in fp32 (fp32 weights, gradients and AdamW moments: 16 B/param)."""
 
 
 def build_meta(

@@ -14,14 +14,15 @@ import time
 
 import torch
 
-from vramguard.audit.report import AuditReport, DeviceEstimate, Overhead, Verdict
-from vramguard.audit.run import assemble_report, budget_of
+from vramguard.audit import verdict as checks
+from vramguard.audit.report import AuditReport, DeviceEstimate, Finding, Overhead
+from vramguard.audit.run import assemble_report, expectation_of
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import META, TARGETS, build_meta, forced_decisions
 from vramguard.estimate.offload import OffloadActivations
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.units import format_bytes
-from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel
+from vramguard.workload.models import OPTIMIZERS, ModelSpec, QLoRAConfig, QLoRAModel
 from vramguard.workload.training import PHASES, make_optimizer, run_steps
 
 MiB = 1 << 20
@@ -105,21 +106,12 @@ class _TooLong(Exception):
         self.limit = limit
 
 
-OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "paged-adamw-8bit")
-"""adamw: ``torch.optim.AdamW`` (what the audit uses); adamw-8bit: ``bitsandbytes.optim.AdamW8bit``
-(two uint8 moments with blockwise absmax); paged-adamw-8bit: ``bitsandbytes.optim.PagedAdamW8bit``,
-which is ``AdamW8bit(is_paged=True)``: the same state, but the two moments of every parameter with at
-least :data:`PAGED_MIN_NUMEL` elements live in CUDA unified memory (``cudaMallocManaged``), which the
-driver pages to the host when the device runs short. Unified memory cannot be had on meta or on a
-CPU, so the meta run runs ``AdamW8bit`` and :func:`paged_state_bytes` names the bytes that would be
-paged."""
-
 PAGED_MIN_NUMEL = 100_000
 """bitsandbytes' ``Optimizer8bit.get_state_buffer``: a state buffer is paged for ``p.numel() >= 1e5``."""
 
 
 def make_estimate_optimizer(q: QLoRAModel, name: str = "adamw") -> torch.optim.Optimizer:
-    """The optimizer the estimate steps with, by its :data:`OPTIMIZERS` name: torch AdamW as the audit builds
+    """The optimizer the estimate steps with, by its :data:`~vramguard.workload.models.OPTIMIZERS` name: torch AdamW as the audit builds
     it, or bitsandbytes ``AdamW8bit`` for both 8-bit names (unified memory cannot be had on meta;
     :func:`paged_state_bytes` names what would be paged). Any other name is a :class:`UsageError`."""
     if name == "adamw":
@@ -151,16 +143,18 @@ def run_estimate(
     config: QLoRAConfig,
     steps: int = 2,
     top: int = 3,
-    method: str = "qlora",
+    method: str | None = None,
     device: str = META,
-    optimizer: str = "adamw",
+    optimizer: str | None = None,
     target: str = "cuda",
-    offload_activations: bool = False,
+    offload_activations: bool | None = None,
 ) -> AuditReport:
     """Build ``config``'s model on meta, run ``steps`` steps under the tracker (the ledger on the
     first) and return the report. ``config.device`` is only validated; the run is on meta.
 
-    ``method``: :data:`vramguard.estimate.meta.METHODS`. ``device="cpu"`` runs the same code on real
+    ``method``, ``optimizer``, ``offload_activations``: when given, they replace the config's fields
+    (:data:`~vramguard.workload.models.METHODS`, :data:`~vramguard.workload.models.OPTIMIZERS`; offloading
+    keeps what autograd saves on the host, emulated on meta). ``device="cpu"`` runs the same code on real
     tensors (random weights; not for ``qlora``, whose CPU reference is ``vramguard audit``): the
     tests' reference for ``lora`` and ``full``.
 
@@ -171,13 +165,10 @@ def run_estimate(
         raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
-    if optimizer not in OPTIMIZERS:
-        raise UsageError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    extra = {**config.extra, "method": method, "optimizer": optimizer}
-    if offload_activations:
-        extra["offload_activations"] = True
-    config = dataclasses.replace(config, extra=extra)
+    given = {"method": method, "optimizer": optimizer, "offload_activations": offload_activations}
+    config = dataclasses.replace(config, **{k: v for k, v in given.items() if v is not None})
     config.validate()
+    method, optimizer, offload_activations = config.method, config.optimizer, config.offload_activations
     spec = ModelSpec.load(config.model)
     too_long: _TooLong | None = None
     try:
@@ -188,7 +179,7 @@ def run_estimate(
     q = build_meta(config, spec, method=method, device=device)
     opt = make_estimate_optimizer(q, optimizer)
     # the meta run takes the target's kernel choices (see estimate.meta)
-    budget = budget_of(q, config, target, analytic=method == "qlora")
+    expected = expectation_of(q, config, target, analytic=method == "qlora")
     # every device: meta storages and the host-side ones the libraries keep (Adam's step counters),
     # as the CPU audit counts them
     source = StorageTracker(None)
@@ -219,7 +210,16 @@ def run_estimate(
     if taken["find_packed_sequence_indices"] == 0 and taken["scaled_dot_product_attention"] == 0:
         taken = {}  # neither branch exists in this transformers version / model: nothing was forced
     report = assemble_report(
-        q, q.config, budget, tracker, results, ledger, opt, top, time.perf_counter() - t0
+        q,
+        q.config,
+        expected,
+        tracker,
+        results,
+        ledger,
+        opt,
+        top,
+        time.perf_counter() - t0,
+        meta_run=True,
     )
     weights = report.totals.model_resident_bytes
     trainable = sum(p.numel() * p.element_size() for p in q.trainable_parameters())
@@ -251,42 +251,41 @@ def run_estimate(
         f"+ {fb(estimate.overhead_bytes)} the meta run leaves out (H100 figures)"
     )
     notes = [
-        n
-        for n in report.verdict.notes
-        if not n.startswith("one step only")
-        and (method == "qlora" or "prepare_model_for_kbit" not in n)
-        and not (offload_activations and n.startswith("saved activations are"))  # on the host, by design
-    ]
-    notes.append(
-        "estimated on the meta device: shapes and dtypes are real, values are not"
-        + (
-            "; against an H100 (docs/measurements/2026-11-22-h100): activations to the byte, the plain "
-            "step's peak within 0.02 %, the checkpointed, eager and sliding-window peaks 8-11 % low "
-            "(about one s x s attention tensor)"
-            if target == "cuda"
-            else "; with the CPU's kernels: on a CUDA device fp32 GQA attention keeps more (--target cuda)"
+        Finding(
+            checks.META_RUN,
+            "estimated on the meta device: shapes and dtypes are real, values are not"
+            + (
+                "; against an H100 (docs/measurements/2026-11-22-h100): activations to the byte, the plain "
+                "step's peak within 0.02 %, the checkpointed, eager and sliding-window peaks 8-11 % low "
+                "(about one s x s attention tensor)"
+                if target == "cuda"
+                else "; with the CPU's kernels: on a CUDA device fp32 GQA attention keeps more (--target cuda)"
+            ),
         )
-    )
+    ]
     if optimizer == "paged-adamw-8bit":
         paged, tensors = paged_state_bytes(opt)
         notes.append(
-            f"paged optimizer: {format_bytes(paged)} of its state ({tensors} moment tensors of parameters "
-            f"with >= {PAGED_MIN_NUMEL:,} elements) would live in CUDA unified memory (cudaMallocManaged, "
-            "outside torch's allocator: max_memory_allocated leaves it out); counted here on the device, "
-            "where it stays until memory runs short, then the driver pages it to the host (evictable). "
-            "Estimated by running AdamW8bit: paged memory does not exist on meta"
+            Finding(
+                checks.PAGED_OPTIMIZER,
+                f"paged optimizer: {format_bytes(paged)} of its state ({tensors} moment tensors of parameters "
+                f"with >= {PAGED_MIN_NUMEL:,} elements) would live in CUDA unified memory (cudaMallocManaged, "
+                "outside torch's allocator: max_memory_allocated leaves it out); counted here on the device, "
+                "where it stays until memory runs short, then the driver pages it to the host (evictable). "
+                "Estimated by running AdamW8bit: paged memory does not exist on meta",
+                paged,
+            )
         )
     if isinstance(offload, OffloadActivations):
         notes.append(
-            f"activations offloaded to the host (save_on_cpu, emulated): {offload.packs // steps:,} saved "
-            f"tensors per step, at most {format_bytes(offload.host_peak_bytes)} of host memory at once, "
-            "not in the device figures; copied back one by one in backward (counted there). "
-            "The per-layer table lists what stays on the device"
+            Finding(
+                checks.OFFLOADING,
+                f"activations offloaded to the host (save_on_cpu, emulated): {offload.packs // steps:,} saved "
+                f"tensors per step, at most {format_bytes(offload.host_peak_bytes)} of host memory at once, "
+                "not in the device figures; copied back one by one in backward (counted there). "
+                "The per-layer table lists what stays on the device",
+                offload.host_peak_bytes,
+            )
         )
-    verdict = Verdict(
-        ok=report.verdict.ok,
-        line=line if report.verdict.ok else report.verdict.line + "; " + line,
-        problems=report.verdict.problems,
-        notes=notes,
-    )
+    verdict = checks.verdict([*report.verdict.findings, *notes], len(report.steps), headline=line)
     return dataclasses.replace(report, verdict=verdict, estimate=estimate, device=device)

@@ -39,22 +39,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import TrainerCallback
 
-from vramguard import __version__, environment
 from vramguard.atomic import write_text_atomic
-from vramguard.audit.report import (
-    SCHEMA_VERSION,
-    AuditReport,
-    PhasePeak,
-    StepRow,
-    Verdict,
-)
-from vramguard.audit.run import (
-    budget_comparison,
-    layer_rows,
-    lora_training_bytes,
-    totals_of,
-    weight_copy_problem,
-)
+from vramguard.audit import verdict as checks
+from vramguard.audit.assemble import Measured, assemble, layer_rows
+from vramguard.audit.report import AuditReport, Finding, StepRow
 from vramguard.errors import UsageError
 from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.ledger import LedgerReport, SavedTensorLedger, iter_graph
@@ -67,7 +55,7 @@ from vramguard.measure.tracker import (
     StorageTracker,
     source_for,
 )
-from vramguard.model.estimate import weights_budget
+from vramguard.model.analytic import weights_expectation
 from vramguard.units import format_bytes, parse_size
 
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
@@ -322,9 +310,10 @@ class VramGuardCallback(TrainerCallback):
         if self.report_path is not None and getattr(state, "is_world_process_zero", True):
             write_text_atomic(self.report_path, json.dumps(self.report.to_dict(), indent=2) + "\n")
         if self.table and getattr(state, "is_world_process_zero", True):
-            from vramguard.console import stdout_console
+            from vramguard.view.console import stdout_console
+            from vramguard.view.report import render
 
-            render(self.report, stdout_console())
+            render(self.report, stdout_console(), "trainer")
 
     def _resume(self) -> None:
         if self._paused and self._tracker is not None and isinstance(self._tracker.source, StorageTracker):
@@ -524,18 +513,13 @@ class VramGuardCallback(TrainerCallback):
     # -- verdict and report ------------------------------------------------------------------
 
     def _leak(self) -> int:
-        if len(self.steps) < 2:
-            return 0
-        return max(s.retained for s in self.steps) - self.steps[0].retained
+        return checks.leak_bytes([s.retained for s in self.steps])
 
     def _tolerance(self) -> int:
         if self.leak_tolerance is not None:
             return self.leak_tolerance
-        return (
-            64 * 1024
-            if isinstance(self._tracker.source if self._tracker else None, CudaAllocatorSource)
-            else 0
-        )
+        cuda = isinstance(self._tracker.source if self._tracker else None, CudaAllocatorSource)
+        return checks.leak_tolerance("cuda" if cuda else "cpu")
 
     def _limit_problem(self, s: _Step) -> str | None:
         if self.max_peak is not None:
@@ -557,20 +541,6 @@ class VramGuardCallback(TrainerCallback):
     def _assemble(self) -> AuditReport:
         assert self._model is not None and self._tracker is not None
         model = self._model
-        ledger = self.ledger or LedgerReport()
-        layers = layer_rows(ledger)
-        totals = totals_of(ledger, model, layers)
-        comparison = budget_comparison(
-            weights_budget(model, reason=NO_ANALYTIC_MODEL),
-            totals,
-            ledger,
-            lora_training_bytes((p for p in model.parameters() if p.requires_grad), self._optimizer),
-        )
-        phases = {}
-        for name in PHASES:
-            stats = self._tracker.result.phases.get(name)
-            if stats is not None:
-                phases[name] = PhasePeak(stats.peak_bytes, stats.peak_above_start, stats.reserved_peak_bytes)
         steps = [
             StepRow(
                 step=s.step,
@@ -583,89 +553,113 @@ class VramGuardCallback(TrainerCallback):
             )
             for s in self.steps
         ]
-        leak = self._leak()
-        problems: list[str] = []
-        notes: list[str] = []
-        if self.stopped:
-            problems.append(self.stopped)
-        if (copies := weight_copy_problem(ledger)) is not None:
-            problems.append(copies)
-        if leak > self._tolerance():
-            problems.append(f"retained memory grew by {format_bytes(leak)} over {len(steps)} steps (a leak)")
+        config = getattr(model, "config", None)
+        return assemble(
+            Measured(
+                model=model,
+                ledger=self.ledger or LedgerReport(),
+                tracker=self._tracker,
+                phases=PHASES,
+                steps=steps,
+                expected=weights_expectation(model, reason=NO_ANALYTIC_MODEL),
+                optimizer=self._optimizer,
+                trainable=(p for p in model.parameters() if p.requires_grad),
+                config=dict(self._config),
+                architecture={
+                    "model_type": getattr(config, "model_type", None),
+                    "model_class": _base_class(model),
+                    "attn_implementation": getattr(config, "_attn_implementation", None),
+                    "analytic_model": None,
+                },
+                environment_device=self._config["device"],
+                elapsed_s=time.perf_counter() - self._t0,
+                leak_tolerance=self._tolerance(),
+                findings_first=[
+                    Finding(checks.STOPPED, self.stopped, problem=True) if self.stopped else None
+                ],
+                findings=self._findings(steps),
+                ok_detail=f" ({self._trainer_name})",
+            )
+        )
+
+    def _findings(self, steps: list[StepRow]) -> list[Finding | None]:
+        """What only a Trainer run can find: host copies outliving a step, steps or phases not measured, the
+        ledger not taken, sampled steps, offloading in force and where backward peaked."""
+        found: list[Finding | None] = []
         kept = [(s.step, s.host_retained) for s in self.steps if s.host_retained]
         if kept:
             step, nbytes = kept[0]
-            problems.append(
-                f"activation offloading left {format_bytes(nbytes)} of host copies alive after step {step} "
-                "(nothing saved for backward should outlive its step)"
+            found.append(
+                Finding(
+                    checks.HOST_COPIES_KEPT,
+                    f"activation offloading left {format_bytes(nbytes)} of host copies alive after step {step} "
+                    "(nothing saved for backward should outlive its step)",
+                    nbytes,
+                    problem=True,
+                )
             )
-        missing = [p for p in PHASES if p not in phases]
+        missing = [p for p in PHASES if p not in self._tracker.result.phases] if self._tracker else []
         if not steps:
-            problems.append("no training step was measured")
+            found.append(Finding(checks.NOTHING_MEASURED, "no training step was measured", problem=True))
         elif missing:
-            problems.append(f"phases not seen: {', '.join(missing)} (nothing measured is not a pass)")
+            found.append(
+                Finding(
+                    checks.PHASES_MISSING,
+                    f"phases not seen: {', '.join(missing)} (nothing measured is not a pass)",
+                    problem=True,
+                )
+            )
         if self.ledger is None:
-            problems.append(f"the ledger of step {self.ledger_step} was not taken (training ended before it)")
-        if len(steps) < 2:
-            notes.append("one step only: retained memory growth (leaks) needs >= 2 steps")
+            found.append(
+                Finding(
+                    checks.NO_LEDGER,
+                    f"the ledger of step {self.ledger_step} was not taken (training ended before it)",
+                    problem=True,
+                )
+            )
+        found.append(checks.one_step(steps))
         if self.skipped_steps:
-            notes.append(
-                f"measured {len(steps)} of {len(steps) + self.skipped_steps} steps (measure_every="
-                f"{self.measure_every}, plus the ledger step); the others were not measured and report nothing"
-                + (
-                    " (storages they made and left alive, e.g. a few scalars, are not counted in later steps' "
-                    "retained bytes or absolute peaks; peaks above each phase's start are exact)"
-                    if isinstance(self._tracker.source, StorageTracker)
-                    else ""
+            found.append(
+                Finding(
+                    checks.STEPS_SAMPLED,
+                    f"measured {len(steps)} of {len(steps) + self.skipped_steps} steps (measure_every="
+                    f"{self.measure_every}, plus the ledger step); the others were not measured and report nothing"
+                    + (
+                        " (storages they made and left alive, e.g. a few scalars, are not counted in later steps' "
+                        "retained bytes or absolute peaks; peaks above each phase's start are exact)"
+                        if self._tracker is not None and isinstance(self._tracker.source, StorageTracker)
+                        else ""
+                    ),
                 )
             )
         host = [s.host_peak for s in self.steps if s.host_peak is not None]
         if host:
-            on_cpu = not isinstance(self._tracker.source, CudaAllocatorSource)
-            notes.append(
-                f"activation offloading was in force: its host copies peaked at {format_bytes(max(host))} in a step"
-                + (
-                    " (on CPU the host is the device: those bytes are in the phase peaks as well)"
-                    if on_cpu
-                    else " (host memory, not in the device's peaks)"
+            on_cpu = not isinstance(self._tracker.source if self._tracker else None, CudaAllocatorSource)
+            found.append(
+                Finding(
+                    checks.OFFLOADING,
+                    f"activation offloading was in force: its host copies peaked at {format_bytes(max(host))} in a "
+                    "step"
+                    + (
+                        " (on CPU the host is the device: those bytes are in the phase peaks as well)"
+                        if on_cpu
+                        else " (host memory, not in the device's peaks)"
+                    ),
+                    max(host),
                 )
             )
         where = self.backward_peak()
         if where is not None:
             name, stats = where
-            notes.append(
-                f"step {self.ledger_step}'s backward peaked at {format_bytes(stats.peak_bytes)} while autograd ran "
-                f"{name} (+{format_bytes(stats.peak_above_start)} above what was live when it started)"
+            found.append(
+                Finding(
+                    checks.BACKWARD_PEAK,
+                    f"step {self.ledger_step}'s backward peaked at {format_bytes(stats.peak_bytes)} while autograd "
+                    f"ran {name} (+{format_bytes(stats.peak_above_start)} above what was live when it started)",
+                    stats.peak_bytes,
+                )
             )
-        if problems:
-            line = "FAIL: " + "; ".join(problems)
-        else:
-            line = (
-                f"OK: no weight copies saved for backward, retained memory steady over {len(steps)} steps "
-                f"({self._trainer_name})"
-            )
-        return AuditReport(
-            schema_version=SCHEMA_VERSION,
-            vramguard_version=__version__,
-            environment=environment.collect(self._config["device"]).to_dict(),
-            config=dict(self._config),
-            device=self._tracker.result.device,
-            layers=layers,
-            totals=totals,
-            phases=phases,
-            budget=comparison,
-            steps=steps,
-            leak_bytes=leak,
-            verdict=Verdict(ok=not problems, line=line, problems=problems, notes=notes),
-            records=[r.to_dict() for r in ledger.records],
-            elapsed_s=round(time.perf_counter() - self._t0, 3),
-            architecture={
-                "model_type": getattr(getattr(model, "config", None), "model_type", None),
-                "model_class": _base_class(model),
-                "attn_implementation": getattr(getattr(model, "config", None), "_attn_implementation", None),
-                "analytic_model": None,
-            },
-        )
+        return found
 
 
 class _AroundBackward:
@@ -726,40 +720,3 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (tuple, list)):
         return [t for v in obj for t in _tensors(v)]
     return []
-
-
-def render(report: AuditReport, console: Any) -> None:
-    """The callback's tables (rich, imported here only): per phase, per decoder layer, retained, verdict."""
-    from rich.table import Table
-
-    fb = format_bytes
-    c = report.config
-    console.print(
-        f"[bold]vramguard[/] {c.get('trainer')} run of {report.architecture.get('model_class')} on {report.device}: "
-        f"batch {c.get('batch')} x seq {c.get('seq_len', '?')}, {len(report.steps)} steps",
-        highlight=False,
-    )
-    p = Table(title="Peak live memory per phase (max over steps)", title_justify="left")
-    for col in ("phase", "peak", "above phase start"):
-        p.add_column(col, justify="left" if col == "phase" else "right")
-    for name, v in report.phases.items():
-        p.add_row(name, fb(v.peak_bytes), fb(v.peak_above_start))
-    console.print(p)
-    t = Table(
-        title=f"Saved for backward, per decoder layer (step {c.get('ledger_step')})", title_justify="left"
-    )
-    for col in ("layer", "saved", "activations", "weight copies", "top modules"):
-        t.add_column(col, justify="left" if col in ("layer", "top modules") else "right")
-    for row in report.layers:
-        tops = ", ".join(f"{m} {fb(b)}" for m, b in row.top_modules)
-        short = row.name[row.name.find("layers.") :] if "layers." in row.name else row.name
-        wc = f"[red]{fb(row.weight_copy_bytes)}[/]" if row.weight_copy_bytes else fb(0)
-        t.add_row(short, fb(row.saved_bytes), fb(row.activation_bytes), wc, tops)
-    t.add_row("outside decoder layers", fb(report.totals.outside_layers_bytes), "", "", "")
-    console.print(t)
-    for note in report.verdict.notes:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
-    for line in report.step_lines():
-        console.print(line, highlight=False)
-    style = "bold green" if report.verdict.ok else "bold red"
-    console.print(f"[{style}]{report.verdict.line}[/]", highlight=False, soft_wrap=True)

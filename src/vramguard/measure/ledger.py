@@ -170,8 +170,11 @@ class LedgerReport:
         }
 
 
-class _Slot:
-    """What the pack hook hands to autograd: autograd alone owns it, the ledger only a weakref.
+class SavedSlot:
+    """What a pack hook hands to autograd: autograd alone owns it, the hook's owner only a weakref (the
+    ledger's list of packs, the :class:`~vramguard.measure.meters.SavedBytesMeter`'s finalizer), so the
+    slot's death says autograd let go of the saved tensor. The one slot of every saved-tensor hook pair in
+    vramguard; a meter that needs only the tensor leaves the rest at their defaults.
 
     Under an outer ``saved_tensors_hooks`` (``save_on_cpu``, TRL's ``OffloadActivations``) the slot holds
     what the outer pack hook returned, not the tensor, so offloading goes on while the ledger is open.
@@ -187,12 +190,12 @@ class _Slot:
     def __init__(
         self,
         tensor: torch.Tensor | None,
-        outer: Any,
-        key: StorageKey,
-        life: int,
-        nbytes: int,
-        module: str,
-        seq: int,
+        outer: Any = None,
+        key: StorageKey | None = None,
+        life: int = 0,
+        nbytes: int = 0,
+        module: str = "",
+        seq: int = 0,
         meta: tuple[torch.Size, torch.dtype, torch.device] | None = None,
     ) -> None:
         self.tensor = tensor
@@ -220,6 +223,11 @@ class _NodeClock:
         self._probe = None if self._next is not None else torch.zeros((), requires_grad=True)
         self._last_probe = -2
         self._last_real = -1
+
+    @property
+    def probe(self) -> torch.Tensor | None:
+        """The one-element tensor whose op the clock runs per reading (None where torch numbers nodes itself)."""
+        return self._probe
 
     def now(self) -> int:
         if self._next is not None:
@@ -314,7 +322,7 @@ class SavedTensorLedger:
         self.report = LedgerReport()
         self._roots: list[weakref.ref[torch.Tensor]] = []
         self.add_roots(*roots)
-        self._packs: list[weakref.ref[_Slot]] = []
+        self._packs: list[weakref.ref[SavedSlot]] = []
         # the running modules; a module's forward spans the autograd nodes created between its entry and exit
         self._modules = ModuleStack({}, self._enter_module, self._exit_module)
         self._intervals: list[tuple[int, int, int, str]] = []  # (start, end, depth, module)
@@ -369,6 +377,16 @@ class SavedTensorLedger:
         self._lives.clear()
         self._roots.clear()
         self._intervals.clear()
+
+    def current_module(self) -> str:
+        """The qualified name of the innermost module whose forward is running now (``OUTSIDE`` when none)."""
+        return self._modules.current()
+
+    @property
+    def probe_tensor(self) -> torch.Tensor | None:
+        """The tensor the ledger's node clock makes for its own readings while the block runs, on a torch that
+        does not number autograd nodes itself (None otherwise): it is the ledger's, not the block's."""
+        return self._clock.probe if self._clock is not None else None
 
     def add_roots(self, *tensors: Any) -> None:
         """Add tensors (in any nesting of tuples, lists and dicts) where the graph walk starts, e.g. a loss
@@ -484,7 +502,7 @@ class SavedTensorLedger:
         self._lives[key] = (weakref.ref(storage), life)
         return life
 
-    def _pack(self, tensor: torch.Tensor) -> _Slot:
+    def _pack(self, tensor: torch.Tensor) -> SavedSlot:
         # runs once per saved tensor: _life_of and ModuleStack.current inlined
         storage = tensor.untyped_storage()
         key = storage._cdata
@@ -497,18 +515,20 @@ class SavedTensorLedger:
         stack = self._modules.stack
         module = stack[-1] if stack else OUTSIDE
         if self._outer is None:
-            slot = _Slot(tensor.detach(), None, key, life, storage.nbytes(), module, self._now())
+            slot = SavedSlot(tensor.detach(), None, key, life, storage.nbytes(), module, self._now())
         else:
             meta = (tensor.shape, tensor.dtype, tensor.device)
-            slot = _Slot(None, self._outer[0](tensor), key, life, storage.nbytes(), module, self._now(), meta)
+            slot = SavedSlot(
+                None, self._outer[0](tensor), key, life, storage.nbytes(), module, self._now(), meta
+            )
         self._packs.append(weakref.ref(slot))
         return slot
 
     @staticmethod
-    def _unpack(slot: _Slot) -> torch.Tensor:
+    def _unpack(slot: SavedSlot) -> torch.Tensor:
         return slot.tensor  # type: ignore[return-value]
 
-    def _unpack_outer(self, slot: _Slot) -> torch.Tensor:
+    def _unpack_outer(self, slot: SavedSlot) -> torch.Tensor:
         assert self._outer is not None
         return self._outer[1](slot.outer)
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from vramguard.measure.decoder import decoder_layers_of
-from vramguard.measure.ledger import OUTSIDE, SavedRecord, SavedTensorLedger, Source
+from vramguard.measure.ledger import OUTSIDE, SavedRecord, SavedSlot, SavedTensorLedger, Source
 from vramguard.measure.modules import ModuleStack
 from vramguard.measure.storage import (
     StorageKey,
@@ -124,9 +124,9 @@ class _AnnotatedTracker(StorageTracker):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in tensor_leaves(out):
-            before = len(self._live)
+            before = self.live_count
             self.track(t)
-            if len(self._live) != before:
+            if self.live_count != before:
                 key = storage_key(t)
                 name = getattr(func, "__name__", str(func))
                 self.meta[key] = (
@@ -158,7 +158,7 @@ def measure(
     """
     pre = {storage_key(t) for t in tensor_leaves(inputs)}
     ledger = SavedTensorLedger(model)
-    tracker = _AnnotatedTracker(_tracker_device(device), ledger._modules.current)
+    tracker = _AnnotatedTracker(_tracker_device(device), ledger.current_module)
     cuda = torch.device(device).type == "cuda"
     # young garbage from before the block (an earlier ledger's cycles) must not be freed by the collection
     # inside it: the CUDA allocator's delta would fall by its bytes (seen on an H100 under pytest -n)
@@ -173,14 +173,14 @@ def measure(
             root_obj = roots(result) if roots is not None else result
             ledger.add_roots(*_outputs(root_obj))
         gc.collect(1)  # cycles made by the block are young; a full collection costs ~0.5 s
-        live = {k: v for k, v in tracker._live.items() if k not in pre}
+        live = {k: v for k, v in tracker.live().items() if k not in pre}
         meta = dict(tracker.meta)
     finally:
         tracker.stop()
     outs = {storage_key(t): storage_nbytes(t) for t in _outputs(result)}
-    clock = getattr(ledger, "_clock", None)
-    if clock is not None and clock._probe is not None:  # the ledger's one-element probe is not the block's
-        outs[storage_key(clock._probe)] = 0
+    probe = ledger.probe_tensor
+    if probe is not None:  # the ledger's one-element probe is not the block's
+        outs[storage_key(probe)] = 0
     outs.update({storage_key(t): storage_nbytes(t) for t in _outputs(root_obj)})
     m = Measurement(output_bytes=sum(outs.values()))  # (the clock probe counts 0)
     if cuda:
@@ -413,7 +413,7 @@ class SavedBytesMeter:
         return self._names.get(id(module))
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        slot = _MeterSlot(tensor.detach())
+        slot = SavedSlot(tensor.detach())
         if self._device_type is None or tensor.device.type == self._device_type:
             key, nbytes = storage_key(tensor), storage_nbytes(tensor)
             if key in self._resident:
@@ -490,10 +490,3 @@ class PeakMeter:
             assert self._tracker is not None
             self.peak_above_start = self._tracker.peak()
             self._tracker.stop()
-
-
-class _MeterSlot:
-    __slots__ = ("__weakref__", "tensor")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor

@@ -116,6 +116,11 @@ class StorageTracker(TorchDispatchMode):
         """See ops again after :meth:`pause`."""
         self.__enter__()
 
+    @property
+    def live_count(self) -> int:
+        """How many storages are counted and still alive."""
+        return len(self._live)
+
     def live(self) -> dict[StorageKey, int]:
         """The storages counted and still alive: storage key -> bytes (a copy)."""
         with self._lock:

@@ -1,1 +1,2 @@
-"""Expected bytes, from shapes alone: per-layer terms and the whole-model estimate."""
+"""Expected bytes, from shapes alone: per-layer terms (``layers``) and the whole step (``analytic``: the
+analytic model, and the plan of a configuration before anything is built)."""

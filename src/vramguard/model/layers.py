@@ -1,4 +1,4 @@
-"""Analytic saved-tensor budgets, per layer, from shapes alone.
+"""Analytic saved-tensor bytes, per layer, from shapes alone.
 
 Every function here answers "how many bytes may this piece of a QLoRA training step keep alive
 for backward?" from the model config and the step's shapes -- never from a measured number, so
@@ -216,7 +216,7 @@ SDPA_KERNELS: tuple[str, ...] = ("flash", "efficient", "math")
 
 
 def sdpa_kernel(
-    device_type: str, act_bytes: int, heads: int, kv_heads: int, head_dim: int, explicit_mask: bool
+    target: str, act_bytes: int, heads: int, kv_heads: int, head_dim: int, explicit_mask: bool
 ) -> str:
     """The kernel torch's ``scaled_dot_product_attention`` runs for a decoder layer's attention.
 
@@ -233,7 +233,7 @@ def sdpa_kernel(
     GPUs before sm80 (no flash), sm86/89's refusal of flash with gradients for head dims over 192,
     and torch builds that prefer cuDNN attention.
     """
-    if device_type != "cuda":
+    if target != "cuda":
         return "flash"
     if act_bytes == 2 and not explicit_mask and head_dim <= 256:
         return "flash"
@@ -266,18 +266,18 @@ def shape_from(
     spec_fields: dict[str, Any],
     *,
     batch: int,
-    seq: int,
-    rank: int,
+    seq_len: int,
+    lora_rank: int,
     act_bytes: int = FP32,
     dropout: bool = False,
     mask_bytes: int = FP32,
     attn: str = "sdpa",
     first_layer: bool = False,
-    device_type: str = "cpu",
+    target: str = "cpu",
     **features: bool,
 ) -> LayerShape:
     """A :class:`LayerShape` from a model config's fields (``ModelSpec.fields``); ``features``:
-    the family's (``fused_qkv``, ``qk_norm``, ... as in :class:`LayerShape`). ``device_type`` decides
+    the family's (``fused_qkv``, ``qk_norm``, ... as in :class:`LayerShape`). ``target`` (the device whose kernels run) decides
     the attention kernel (:func:`sdpa_kernel`)."""
     h = int(spec_fields["hidden_size"])
     a = int(spec_fields["num_attention_heads"])
@@ -285,17 +285,17 @@ def shape_from(
     d = int(spec_fields.get("head_dim") or h // a)
     mask = bool(features.get("window_mask", False))
     # with a mask transformers repeats k and v to a heads before the kernel
-    kernel = sdpa_kernel(device_type, act_bytes, a, a if mask else kv, d, mask)
+    kernel = sdpa_kernel(target, act_bytes, a, a if mask else kv, d, mask)
     return LayerShape(
         batch=batch,
-        seq=seq,
+        seq=seq_len,
         hidden=h,
         heads=a,
         kv_heads=kv,
         head_dim=d,
         sdpa_kernel=kernel,
         intermediate=int(spec_fields["intermediate_size"]),
-        rank=rank,
+        rank=lora_rank,
         act_bytes=act_bytes,
         dropout=dropout,
         mask_bytes=mask_bytes,

@@ -308,7 +308,7 @@ def _is_controller(config: pytest.Config) -> bool:
 
 
 def _gate(session: pytest.Session, records: list[dict[str, Any]]) -> None:
-    from vramguard.cli.compare import markdown
+    from vramguard.view.compare import markdown
 
     config = session.config
     base_doc, label = config.stash[_BASELINE]
@@ -336,9 +336,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     """Print where the records went and the comparison table or the gate's error at the end of the session."""
     import io
 
-    from rich.console import Console
-
-    from vramguard.cli.compare import render
+    from vramguard.view.compare import render
+    from vramguard.view.console import text_console
 
     for kind, value in config.stash.get(_RESULTS, []):
         if kind == "stored":
@@ -348,7 +347,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         else:
             terminalreporter.section("vramguard memory gate")
             buffer = io.StringIO()
-            render(value, Console(file=buffer, width=200, force_terminal=False, color_system=None))
+            render(value, text_console(buffer))
             terminalreporter.write(buffer.getvalue())
             if value.failed:
                 terminalreporter.write_line(

@@ -12,7 +12,7 @@ import json
 import math
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -175,9 +175,32 @@ class ModelSpec:
         )
 
 
+METHODS: tuple[str, ...] = ("qlora", "lora", "full")
+"""qlora: 4-bit base + LoRA (as ``vramguard audit``); lora: LoRA on a base in the compute dtype;
+full: every parameter trained, in fp32 (fp32 weights, gradients and AdamW moments: 16 B/param)."""
+
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "paged-adamw-8bit")
+"""adamw: ``torch.optim.AdamW`` (what the audit uses); adamw-8bit: ``bitsandbytes.optim.AdamW8bit``
+(two uint8 moments with blockwise absmax); paged-adamw-8bit: ``bitsandbytes.optim.PagedAdamW8bit``,
+which is ``AdamW8bit(is_paged=True)``: the same state, but the two moments of every parameter with at
+least :data:`vramguard.estimate.run.PAGED_MIN_NUMEL` elements live in CUDA unified memory
+(``cudaMallocManaged``), which the driver pages to the host when the device runs short. Unified memory
+cannot be had on meta or on a CPU, so the meta run runs ``AdamW8bit`` and
+:func:`vramguard.estimate.run.paged_state_bytes` names the bytes that would be paged."""
+
+STEP_OPTIONS: tuple[str, ...] = ("method", "optimizer", "offload_activations")
+"""The fields of :class:`QLoRAConfig` that schema 1 of the JSON document stores under ``config.extra``."""
+
+
 @dataclass(frozen=True)
 class QLoRAConfig:
-    """Everything that decides a QLoRA step's memory, as the user would set it."""
+    """Everything that decides a QLoRA step's memory, as the user would set it: one typed field per
+    parameter, named as its CLI flag (``--seq-len`` is ``seq_len``) and its JSON key.
+
+    A new parameter is a field with its default, a check in :meth:`validate` and, where a command takes it,
+    an option in :mod:`vramguard.cli.options`; the JSON document records every field (:meth:`to_dict`).
+    ``method``, ``optimizer`` and ``offload_activations`` are the meta-run estimate's (the audit's loop
+    always runs qlora with torch AdamW, nothing offloaded)."""
 
     model: str = "tiny-llama"
     seq_len: int = 128
@@ -193,7 +216,9 @@ class QLoRAConfig:
     device: str = "cpu"
     seed: int = 0
     target_modules: str = "all-linear"
-    extra: dict[str, Any] = field(default_factory=dict)
+    method: str = "qlora"
+    optimizer: str = "adamw"
+    offload_activations: bool = False
 
     def validate(self) -> None:
         """Raise UsageError (one line) on a value that cannot run: sizes not positive, dropout outside [0, 1),
@@ -210,6 +235,10 @@ class QLoRAConfig:
         parse_dtype(self.compute_dtype)
         if self.quant_type not in ("nf4", "fp4"):
             raise UsageError(f"quant type must be nf4 or fp4, got {self.quant_type!r}")
+        if self.method not in METHODS:
+            raise UsageError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise UsageError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.attn_implementation not in ("sdpa", "eager"):
             raise UsageError(
                 f"attention implementation must be sdpa or eager, got {self.attn_implementation!r}"
@@ -224,9 +253,26 @@ class QLoRAConfig:
         if torch_dev.type not in ("cpu", "cuda"):
             raise UsageError(f"device must be cpu or cuda, got {dev!r}")
 
-    def to_dict(self) -> dict[str, Any]:
-        """The configuration as the audit's JSON records it."""
-        return asdict(self)
+    def to_dict(self, step_options: bool = False) -> dict[str, Any]:
+        """The configuration as the JSON document records it (schema 1): every field, with the
+        :data:`STEP_OPTIONS` under ``extra``: ``method`` and ``optimizer`` (and ``offload_activations`` when
+        set) with ``step_options`` (the estimate's meta run, which chose them), none otherwise (the audit's
+        loop: ``extra`` is empty)."""
+        d = asdict(self)
+        options = {name: d.pop(name) for name in STEP_OPTIONS}
+        if not options["offload_activations"]:
+            del options["offload_activations"]
+        d["extra"] = options if step_options else {}
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> QLoRAConfig:
+        """Inverse of :meth:`to_dict` (a document's ``config``): the fields, with the step options read
+        from ``extra``; keys that are no field (a trainer run's ``trainer``, ``max_steps``, ...) are left out."""
+        names = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        values.update({k: v for k, v in (data.get("extra") or {}).items() if k in STEP_OPTIONS})
+        return cls(**values)
 
 
 @dataclass

@@ -26,8 +26,8 @@ from vramguard.model.layers import (
     rope_bytes,
     shape_from,
 )
-from vramguard.workload.families import analytic_features
-from vramguard.workload.models import ModelSpec
+from vramguard.workload.families import NoAnalyticModel, analytic_features
+from vramguard.workload.models import ModelSpec, QLoRAConfig
 
 QUANT_BLOCKSIZE = 64
 DOUBLE_QUANT_GROUP = 256
@@ -53,9 +53,9 @@ LORA_TRAINING_BYTES_PER_PARAM = 16
 
 
 @dataclass
-class Budget:
+class Expectation:
     """The analytic model for one configuration, in bytes: the weights and LoRA training state (zero in an
-    activations-only budget, until :meth:`with_weights` adds them) and the activations kept for backward,
+    activations-only expectation, until :meth:`with_weights` adds them) and the activations kept for backward,
     per layer and outside the layers."""
 
     quantized_params: int = 0
@@ -72,8 +72,8 @@ class Budget:
 
     def with_weights(
         self, quantized: int, quantized_bytes: int, other: int, other_bytes: int, lora: int
-    ) -> Budget:
-        """This budget with the parameters counted: ``quantized`` 4-bit parameters in ``quantized_bytes``,
+    ) -> Expectation:
+        """This expectation with the parameters counted: ``quantized`` 4-bit parameters in ``quantized_bytes``,
         ``other`` unquantized ones in ``other_bytes``, ``lora`` trainable LoRA parameters, each with its
         weight, gradient and two Adam moments in fp32 (16 B)."""
         return replace(
@@ -140,69 +140,69 @@ def _count(model: torch.nn.Module, double_quant: bool) -> tuple[int, int, int, i
     return quantized, quantized_bytes, other, other_bytes, lora, norm_dtype or torch.float32
 
 
-def weights_budget(model: torch.nn.Module, *, double_quant: bool = True, reason: str) -> Budget:
+def weights_expectation(model: torch.nn.Module, *, double_quant: bool = True, reason: str) -> Expectation:
     """Weights and LoRA training state only (exact for any architecture: they are counted from the
     model's own parameters), for a model whose activations have no analytic model (``reason``)."""
     n_q, q_bytes, n_other, other_bytes, m, _ = _count(model, double_quant)
-    return Budget(no_analytic_model=reason).with_weights(n_q, q_bytes, n_other, other_bytes, m)
+    return Expectation(no_analytic_model=reason).with_weights(n_q, q_bytes, n_other, other_bytes, m)
 
 
-def qlora_budget(
+def qlora_expectation(
     model: torch.nn.Module,
     spec: ModelSpec,
     *,
     batch: int,
-    seq: int,
-    rank: int,
+    seq_len: int,
+    lora_rank: int,
     compute_dtype: torch.dtype,
     double_quant: bool = True,
     checkpointing: bool = False,
     attn_implementation: str = "sdpa",
     lora_dropout: bool = False,
-    device_type: str = "cpu",
+    target: str = "cpu",
     explicit_mask: bool = False,
-) -> Budget:
-    """The budget of ``model`` (a built QLoRA model) for one training step.
+) -> Expectation:
+    """The expectation of ``model`` (a built QLoRA model) for one training step.
 
     Raises :class:`vramguard.workload.families.NoAnalyticModel` for a family (or configuration) the
-    analytic model does not cover: then there is no budget to compare against.
+    analytic model does not cover: then there is no expectation to compare against.
     """
     n_q, q_bytes, n_other, other_bytes, m, norm_dtype = _count(model, double_quant)
     act_bytes = torch.empty((), dtype=torch.promote_types(norm_dtype, compute_dtype)).element_size()
-    activations = activation_budget(
+    activations = activation_expectation(
         spec,
         batch=batch,
-        seq=seq,
-        rank=rank,
+        seq_len=seq_len,
+        lora_rank=lora_rank,
         act_bytes=act_bytes,
         checkpointing=checkpointing,
         attn_implementation=attn_implementation,
         lora_dropout=lora_dropout,
-        device_type=device_type,
+        target=target,
         explicit_mask=explicit_mask,
     )
     return activations.with_weights(n_q, q_bytes, n_other, other_bytes, m)
 
 
-def activation_budget(
+def activation_expectation(
     spec: ModelSpec,
     *,
     batch: int,
-    seq: int,
-    rank: int,
+    seq_len: int,
+    lora_rank: int,
     act_bytes: int = 4,
     checkpointing: bool = False,
     attn_implementation: str = "sdpa",
     lora_dropout: bool = False,
-    device_type: str = "cpu",
+    target: str = "cpu",
     explicit_mask: bool = False,
-) -> Budget:
+) -> Expectation:
     """The saved activations of one step from the config alone (weights left at 0): an estimate
     for shapes never built, e.g. the full-size presets. ``act_bytes`` 4: the residual stream is
     fp32 after ``prepare_model_for_kbit_training`` (it upcasts the norms). ``explicit_mask``: sdpa gets
     an explicit causal mask in every layer (transformers 4.56-4.57 for a batch without attention_mask),
     which costs what a sliding-window mask does."""
-    fam, arch = analytic_features(spec.model_type, spec.transformers_config(), seq, attn_implementation)
+    fam, arch = analytic_features(spec.model_type, spec.transformers_config(), seq_len, attn_implementation)
     features = {
         "fused_qkv": fam.fused_qkv,
         "fused_gate_up": fam.fused_gate_up,
@@ -212,14 +212,14 @@ def activation_budget(
         "attn_softcap": arch["attn_softcap"],
     }
     f = spec.fields
-    tokens = batch * seq
+    tokens = batch * seq_len
     layers: list[dict[str, int]] = []
     for idx in range(f["num_hidden_layers"]):
         if checkpointing:
             layers.append(
                 {
                     "checkpointed layer input": checkpointed_layer_bytes(
-                        batch, seq, f["hidden_size"], act_bytes
+                        batch, seq_len, f["hidden_size"], act_bytes
                     )
                 }
             )
@@ -227,14 +227,14 @@ def activation_budget(
         shape = shape_from(
             f,
             batch=batch,
-            seq=seq,
-            rank=rank,
+            seq_len=seq_len,
+            lora_rank=lora_rank,
             act_bytes=act_bytes,
             dropout=lora_dropout,
-            mask_bytes=1 if device_type == "cuda" else act_bytes,
+            mask_bytes=1 if target == "cuda" else act_bytes,
             attn=attn_implementation,
             first_layer=idx == 0,  # the embeddings need no grad, so layer 0's input norm keeps nothing
-            device_type=device_type,
+            target=target,
             window_mask=(arch["window_mask"][idx] or explicit_mask) and attn_implementation == "sdpa",
             **features,
         )
@@ -245,7 +245,7 @@ def activation_budget(
         for kind in dict.fromkeys(arch["rope"]):
             first = arch["rope"].index(kind)
             layers[first][f"rotary cos/sin ({kind}, shared by all layers)"] = rope_bytes(
-                1, seq, spec.head_dim
+                1, seq_len, spec.head_dim
             )
     final_norm = tokens * f["hidden_size"] * 4 + tokens * 4 + (f["hidden_size"] * 4 if fam.norm_offset else 0)
     # final_logit_softcapping (Gemma 2): tanh(logits / cap) * cap keeps tanh's output
@@ -253,10 +253,59 @@ def activation_budget(
     # nll_loss keeps the int64 targets (labels padded by one position, then shifted and flattened:
     # still a view of the padded (1, s+1) storage for batch 1, a contiguous b*s copy otherwise)
     # and the fp32 total weight
-    loss_state = ((seq + 1) if batch == 1 else batch * seq) * 8 + 4
-    return Budget(
+    loss_state = ((seq_len + 1) if batch == 1 else batch * seq_len) * 8 + 4
+    return Expectation(
         layer_terms=layers,
         shared_bytes=final_norm + loss_state + softcap,
-        logits_bytes=logits_fp32_bytes(batch, seq, f["vocab_size"]),
+        logits_bytes=logits_fp32_bytes(batch, seq_len, f["vocab_size"]),
         family=fam.name,
     )
+
+
+def _projections(spec: ModelSpec) -> list[tuple[int, int]]:
+    """(in, out) features of the seven linear projections of one Llama decoder layer."""
+    f = spec.fields
+    h, i, d = f["hidden_size"], f["intermediate_size"], spec.head_dim
+    q, kv = f["num_attention_heads"] * d, f["num_key_value_heads"] * d
+    return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+
+
+def planned_expectation(config: QLoRAConfig, spec: ModelSpec) -> Expectation:
+    """The analytic model of ``config`` from the model config alone, before anything is built.
+
+    The activations are the family's own formula (:func:`activation_expectation`, norms in fp32 as
+    ``prepare_model_for_kbit_training`` leaves them); for a family without one, a lower bound any
+    decoder keeps (each layer's input hidden state and the fp32 logits). The parameters are counted
+    from the shapes: the seven projections per layer in 4 bits (fused projections hold the same
+    elements), embeddings, lm_head and norms in fp32, LoRA on every projection. The tests hold it equal
+    to the expectation of the built model.
+    """
+    f = spec.fields
+    try:
+        empty = activation_expectation(
+            spec,
+            batch=config.batch,
+            seq_len=config.seq_len,
+            lora_rank=config.lora_rank,
+            checkpointing=config.gradient_checkpointing,
+            attn_implementation=config.attn_implementation,
+            lora_dropout=config.lora_dropout > 0,
+            target=torch.device(config.device).type,
+        )
+    except NoAnalyticModel as exc:
+        per_layer = checkpointed_layer_bytes(config.batch, config.seq_len, f["hidden_size"])
+        empty = Expectation(
+            layer_terms=[{"layer input (lower bound)": per_layer}] * f["num_hidden_layers"],
+            logits_bytes=logits_fp32_bytes(config.batch, config.seq_len, f["vocab_size"]),
+            no_analytic_model=str(exc),
+        )
+    layers, h, vocab = f["num_hidden_layers"], f["hidden_size"], f["vocab_size"]
+    projections = _projections(spec)
+    quantized = layers * sum(i * o for i, o in projections)
+    quantized_bytes = layers * sum(
+        quantized_weight_bytes(i * o, QUANT_BLOCKSIZE, config.double_quant) for i, o in projections
+    )
+    embeddings = vocab * h * (1 if f.get("tie_word_embeddings", False) else 2)
+    other = embeddings + (2 * layers + 1) * h  # + input, post-attention and final norms
+    lora = layers * sum(config.lora_rank * (i + o) for i, o in projections)
+    return empty.with_weights(quantized, quantized_bytes, other, 4 * other, lora)

@@ -1,0 +1,195 @@
+"""The one assembler of a step report: what a producer measured (:class:`Measured`) in, the
+:class:`~vramguard.audit.report.AuditReport` with its verdict out.
+
+The producers are vramguard's loop (:func:`vramguard.audit.run.run_audit`), the meta-device run
+(:func:`vramguard.estimate.run.run_estimate`) and the Trainer callback
+(:class:`vramguard.integrations.transformers.VramGuardCallback`); each measures its own way, hands the
+numbers and its own findings here, and gets the same document and the same verdict rules
+(:mod:`vramguard.audit.verdict`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vramguard import __version__, environment
+from vramguard.audit import verdict as checks
+from vramguard.audit.report import (
+    SCHEMA_VERSION,
+    AnalyticComparison,
+    AuditReport,
+    Finding,
+    LayerRow,
+    PhasePeak,
+    StepRow,
+    Totals,
+)
+from vramguard.measure.ledger import LedgerReport
+from vramguard.measure.storage import frozen_resident_bytes, storage_nbytes
+from vramguard.measure.tracker import MemoryTracker
+from vramguard.model.analytic import Expectation
+
+
+def lora_training_bytes(trainable: Iterable[torch.nn.Parameter], optimizer: Any) -> int:
+    """LoRA weights + their gradients (same size, alive between backward and step) + optimizer state.
+    ``optimizer`` may be a wrapper holding the real one as ``.optimizer`` (accelerate's, in a Trainer)."""
+    weights = sum(p.numel() * p.element_size() for p in trainable)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    state = sum(
+        storage_nbytes(t)
+        for s in getattr(inner, "state", {}).values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
+    return 2 * weights + state
+
+
+def totals_of(ledger: LedgerReport, model: torch.nn.Module, layers: list[LayerRow]) -> Totals:
+    """The report's totals: what the ledger saw kept, by probe and kind, and the model's resident bytes."""
+    return Totals(
+        saved_bytes=ledger.saved_bytes,
+        hook_bytes=ledger.bytes_by("hook"),
+        ctx_bytes=ledger.bytes_by("ctx"),
+        activation_bytes=ledger.activation_bytes,
+        weight_copy_bytes=ledger.weight_copy_bytes,
+        resident_seen_bytes=ledger.resident_bytes,
+        model_resident_bytes=frozen_resident_bytes(model),
+        outside_layers_bytes=ledger.saved_bytes - sum(row.saved_bytes for row in layers),
+    )
+
+
+def compare_with_expectation(
+    expected: Expectation, totals: Totals, ledger: LedgerReport, measured_lora_training: int
+) -> AnalyticComparison:
+    """Measured against the analytic expectation (activation terms ``None`` where no analytic model applies)."""
+    modelled = not expected.no_analytic_model
+    return AnalyticComparison(
+        quantized_params=expected.quantized_params,
+        lora_params=expected.lora_params,
+        other_params=expected.other_params,
+        analytic_weights_bytes=expected.weights_bytes,
+        measured_weights_bytes=totals.model_resident_bytes,
+        analytic_lora_training_bytes=expected.lora_training_bytes,
+        measured_lora_training_bytes=measured_lora_training,
+        analytic_activation_bytes=expected.activation_bytes if modelled else None,
+        measured_activation_bytes=ledger.saved_bytes,
+        analytic_logits_bytes=expected.logits_bytes if modelled else None,
+        analytic_outside_layers_bytes=expected.logits_bytes + expected.shared_bytes if modelled else None,
+        activation_ratio=(
+            (ledger.saved_bytes / expected.activation_bytes if expected.activation_bytes else 0.0)
+            if modelled
+            else None
+        ),
+        analytic_model=expected.family if modelled else None,
+        no_analytic_model=expected.no_analytic_model,
+    )
+
+
+def layer_rows(ledger: LedgerReport, expected: Expectation | None = None, top: int = 3) -> list[LayerRow]:
+    """Per decoder layer: what the ledger saw kept, by kind, the ``top`` modules, and the analytic
+    expected's figure for the layer (``None`` without a expected or an analytic model)."""
+    groups = ledger.by_layer()
+    rows: list[LayerRow] = []
+    for name in sorted(groups, key=lambda n: int(n.rsplit(".", 1)[1])):
+        records = groups[name]
+        index = int(name.rsplit(".", 1)[1])
+        by_module: dict[str, int] = defaultdict(int)
+        for r in records:
+            by_module[r.module.removeprefix(name).lstrip(".") or "(layer)"] += r.bytes
+        rows.append(
+            LayerRow(
+                name=name,
+                saved_bytes=sum(r.bytes for r in records),
+                activation_bytes=sum(r.bytes for r in records if r.kind == "activation"),
+                weight_copy_bytes=sum(r.bytes for r in records if r.kind == "weight-copy"),
+                analytic_bytes=(
+                    None
+                    if expected is None or expected.no_analytic_model
+                    else expected.layer_bytes[index]
+                    if index < len(expected.layer_bytes)
+                    else 0
+                ),
+                top_modules=sorted(by_module.items(), key=lambda kv: -kv[1])[:top],
+            )
+        )
+    return rows
+
+
+def phase_peaks(tracker: MemoryTracker, phases: Iterable[str]) -> dict[str, PhasePeak]:
+    """The peaks of the named ``phases`` the tracker saw (one it never entered is left out)."""
+    peaks = {}
+    for name in phases:
+        stats = tracker.result.phases.get(name)
+        if stats is not None:
+            peaks[name] = PhasePeak(stats.peak_bytes, stats.peak_above_start, stats.reserved_peak_bytes)
+    return peaks
+
+
+@dataclass
+class Measured:
+    """What one producer measured over its steps, with its own findings, for :func:`assemble`.
+
+    ``findings_first`` go before the shared checks (weight copies, leak), ``findings`` after them; each
+    list keeps its order. ``ok_detail`` ends the OK line (``None``: ``; `` and the saved activations
+    against the analytic model, :func:`~vramguard.audit.verdict.activation_summary`); ``offloaded``: the activations were kept on the host (no deviation note against the model)."""
+
+    model: torch.nn.Module
+    ledger: LedgerReport
+    tracker: MemoryTracker
+    phases: tuple[str, ...]
+    steps: list[StepRow]
+    expected: Expectation
+    optimizer: Any
+    trainable: Iterable[torch.nn.Parameter]
+    config: dict[str, Any]
+    architecture: dict[str, Any]
+    environment_device: str
+    elapsed_s: float
+    leak_tolerance: int
+    top: int = 3
+    findings_first: list[Finding | None] = field(default_factory=list)
+    findings: list[Finding | None] = field(default_factory=list)
+    ok_detail: str | None = None
+    offloaded: bool = False
+
+
+def assemble(m: Measured) -> AuditReport:
+    """The report and its verdict from one producer's measurement."""
+    layers = layer_rows(m.ledger, m.expected, m.top)
+    totals = totals_of(m.ledger, m.model, layers)
+    comparison = compare_with_expectation(
+        m.expected, totals, m.ledger, lora_training_bytes(m.trainable, m.optimizer)
+    )
+    judged = [
+        *m.findings_first,
+        checks.weight_copies(m.ledger),
+        checks.leak(m.steps, m.leak_tolerance),
+        checks.activation_comparison(comparison, offloaded=m.offloaded),
+        *m.findings,
+    ]
+    return AuditReport(
+        schema_version=SCHEMA_VERSION,
+        vramguard_version=__version__,
+        environment=environment.collect(m.environment_device).to_dict(),
+        config=m.config,
+        device=m.tracker.result.device,
+        layers=layers,
+        totals=totals,
+        phases=phase_peaks(m.tracker, m.phases),
+        budget=comparison,  # schema 1's key for the comparison with the analytic expectation
+        steps=m.steps,
+        leak_bytes=checks.leak_bytes([s.retained_bytes for s in m.steps]),
+        verdict=checks.verdict(
+            judged,
+            len(m.steps),
+            ok_detail="; " + checks.activation_summary(comparison) if m.ok_detail is None else m.ok_detail,
+        ),
+        records=[r.to_dict() for r in m.ledger.records],
+        elapsed_s=round(m.elapsed_s, 3),
+        architecture=m.architecture,
+    )

@@ -1,0 +1,59 @@
+"""The consoles every face prints to (the CLI, the pytest plugins, the Trainer callback) and the audit's
+progress bar: rich, imported only when one is asked for."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+UNWRAPPED_WIDTH = 10_000
+"""Console width when stdout is not a terminal: tables and the verdict stay one line per row in a log."""
+
+
+def stdout_console() -> Any:
+    """rich's console on stdout; when stdout is no terminal (a log, a pipe) and ``COLUMNS`` is not
+    set, wide enough that nothing wraps (rich's default there is 80 columns)."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(width=UNWRAPPED_WIDTH)
+    return console
+
+
+def wide_stdout_console() -> Any:
+    """rich's console on stdout, 200 columns wide when stdout is no terminal (``vramguard compare``)."""
+    from rich.console import Console
+
+    return Console(file=sys.stdout, width=200 if not sys.stdout.isatty() else None)
+
+
+def stderr_console() -> Any:
+    """rich's console on stderr (progress and status lines)."""
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def text_console(file: Any, width: int = 200) -> Any:
+    """A rich console writing plain text (no colour, no terminal codes) to ``file``."""
+    from rich.console import Console
+
+    return Console(file=file, width=width, force_terminal=False, color_system=None)
+
+
+def progress_bar(quiet: bool) -> Any:
+    """The audit's progress bar on stderr: a description, a bar and the time elapsed; off with ``quiet`` and
+    when stderr is no terminal (rich would leave a blank line in a log)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = stderr_console()
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=quiet or not console.is_terminal,
+    )

@@ -1,0 +1,334 @@
+"""The one renderer of a step report (:class:`~vramguard.audit.report.AuditReport`) as rich tables.
+
+A report is drawn as a list of sections; :data:`LAYOUTS` names the three lists in use: ``audit``
+(``vramguard audit``, any trainer), ``estimate`` (``vramguard estimate``, a meta-device run) and
+``trainer`` (the tables :class:`~vramguard.integrations.transformers.VramGuardCallback` prints at the end of
+a user's own run). Every section reads the report only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from vramguard.audit.report import AuditReport, LayerRow
+from vramguard.units import format_bytes as fb
+
+Section = Callable[[AuditReport, Any], None]
+
+
+def short_layer_name(name: str) -> str:
+    """``base_model.model.model.layers.3`` -> ``layers.3``: a decoder layer's name from ``layers.`` on."""
+    return name[name.find("layers.") :] if "layers." in name else name
+
+
+def _table(title: str, columns: list[str], left: tuple[str, ...] = ("layer", "top modules", "phase")) -> Any:
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for col in columns:
+        t.add_column(col, justify="left" if col in left else "right")
+    return t
+
+
+# -- headers ------------------------------------------------------------------------------------------------
+
+
+def _lora(c: dict[str, Any]) -> str:
+    return f"LoRA r={c['lora_rank']}, {c['quant_type']}{' +double-quant' if c['double_quant'] else ''}"
+
+
+def _checkpointing(c: dict[str, Any]) -> str:
+    return f"checkpointing {'on' if c['gradient_checkpointing'] else 'off'}"
+
+
+def audit_header(report: AuditReport, console: Any) -> None:
+    """The run's shape and what ran it, then the library versions (dim)."""
+    c = report.config
+    arch = report.architecture
+    kind = (
+        f" ({arch.get('model_type')}, {arch.get('model_class')}, {arch.get('attn_implementation')} attention)"
+        if arch
+        else ""
+    )
+    console.print(
+        f"[bold]vramguard audit[/] {c['model']}{kind} on {report.device}: batch {c['batch']} x seq {c['seq_len']}, "
+        f"{_lora(c)}, compute {c['compute_dtype']}, {_checkpointing(c)}, {len(report.steps)} steps"
+    )
+    env = report.environment.get("packages", {})
+    console.print("[dim]" + ", ".join(f"{k} {v}" for k, v in env.items() if v) + "[/]", highlight=False)
+
+
+def _method(c: dict[str, Any]) -> str:
+    method = c.get("extra", {}).get("method", "qlora")
+    if method == "full":
+        return "full fine-tuning (fp32 weights + AdamW)"
+    if method == "lora":
+        return f"LoRA r={c['lora_rank']} on a {c['compute_dtype']} base"
+    return _lora(c)
+
+
+def estimate_header(report: AuditReport, console: Any) -> None:
+    """The estimated step's shape: model, method, dtype, checkpointing, optimizer, offloading, meta steps."""
+    c = report.config
+    arch = report.architecture
+    step = c.get("extra", {})
+    console.print(
+        f"[bold]vramguard estimate[/] {c['model']} ({arch.get('model_type')}, {arch.get('model_class')}, "
+        f"{arch.get('attn_implementation')} attention) on {report.device}: batch {c['batch']} x seq {c['seq_len']}, "
+        f"{_method(c)}, compute {c['compute_dtype']}, {_checkpointing(c)}, "
+        f"optimizer {step.get('optimizer', 'adamw')}, "
+        + ("activations offloaded to the host, " if step.get("offload_activations") else "")
+        + f"{len(report.steps)} steps in {report.elapsed_s:.1f} s",
+        highlight=False,
+    )
+
+
+def trainer_header(report: AuditReport, console: Any) -> None:
+    """Which trainer ran which model, and the batch."""
+    c = report.config
+    console.print(
+        f"[bold]vramguard[/] {c.get('trainer')} run of {report.architecture.get('model_class')} on {report.device}: "
+        f"batch {c.get('batch')} x seq {c.get('seq_len', '?')}, {len(report.steps)} steps",
+        highlight=False,
+    )
+
+
+# -- the per-layer table ------------------------------------------------------------------------------------
+
+
+def _layers(
+    title: str, columns: list[str], cells: Callable[[LayerRow], list[str]], outside: bool = False
+) -> Section:
+    def section(report: AuditReport, console: Any) -> None:
+        t = _table(title.format(ledger_step=report.config.get("ledger_step")), columns)
+        for row in report.layers:
+            t.add_row(*cells(row))
+        if outside:
+            t.add_row(
+                "outside decoder layers", fb(report.totals.outside_layers_bytes), *[""] * (len(columns) - 2)
+            )
+        console.print(t)
+
+    section.__doc__ = f"The table {title!r}: {', '.join(columns)}."
+    return section
+
+
+def _tops(row: LayerRow) -> str:
+    return ", ".join(f"{m} {fb(b)}" for m, b in row.top_modules)
+
+
+def _copies(row: LayerRow) -> str:
+    return f"[red]{fb(row.weight_copy_bytes)}[/]" if row.weight_copy_bytes else fb(0)
+
+
+def _analytic(row: LayerRow) -> str:
+    return "-" if row.analytic_bytes is None else fb(row.analytic_bytes)
+
+
+audit_layers = _layers(
+    "Saved for backward, per decoder layer (ledger: hooks + ctx walk)",
+    ["layer", "saved", "activations", "weight copies", "analytic", "top modules"],
+    lambda r: [
+        short_layer_name(r.name),
+        fb(r.saved_bytes),
+        fb(r.activation_bytes),
+        _copies(r),
+        _analytic(r),
+        _tops(r),
+    ],
+)
+estimate_layers = _layers(
+    "Saved for backward, per decoder layer (ledger on meta)",
+    ["layer", "saved", "weight copies", "analytic", "top modules"],
+    lambda r: [short_layer_name(r.name), fb(r.saved_bytes), _copies(r), _analytic(r), _tops(r)],
+)
+trainer_layers = _layers(
+    "Saved for backward, per decoder layer (step {ledger_step})",
+    ["layer", "saved", "activations", "weight copies", "top modules"],
+    lambda r: [short_layer_name(r.name), fb(r.saved_bytes), fb(r.activation_bytes), _copies(r), _tops(r)],
+    outside=True,
+)
+
+
+# -- totals -------------------------------------------------------------------------------------------------
+
+
+def audit_totals(report: AuditReport, console: Any) -> None:
+    """Measured against the analytic model: saved activations, weight copies, frozen weights, LoRA training."""
+    tot = report.totals
+    b = report.budget
+    s = _table(
+        "Totals: measured vs the analytic model", ["what", "measured", "analytic", "note"], ("what", "note")
+    )
+    probes = f"hooks {fb(tot.hook_bytes)}, ctx attributes {fb(tot.ctx_bytes)}"
+    if b.activation_ratio is None or b.analytic_activation_bytes is None:
+        s.add_row(
+            "saved activations (all)",
+            fb(b.measured_activation_bytes),
+            "-",
+            f"{b.no_analytic_model}; {probes}",
+        )
+        s.add_row("  outside decoder layers", fb(tot.outside_layers_bytes), "-", "")
+    else:
+        s.add_row(
+            "saved activations (all)",
+            fb(b.measured_activation_bytes),
+            fb(b.analytic_activation_bytes),
+            f"{b.activation_ratio:.1%} ({b.analytic_model}); {probes}",
+        )
+        s.add_row(
+            "  outside decoder layers",
+            fb(tot.outside_layers_bytes),
+            fb(b.analytic_outside_layers_bytes or 0),
+            f"fp32 logits 4*b*s*V = {fb(b.analytic_logits_bytes or 0)}, final norm, loss",
+        )
+    s.add_row("  weight copies", fb(tot.weight_copy_bytes), fb(0), "dequantized weights kept for backward")
+    s.add_row(
+        "frozen weights (4-bit + absmax, others)",
+        fb(b.measured_weights_bytes),
+        fb(b.analytic_weights_bytes),
+        f"N={b.quantized_params:,} quantized, {b.other_params:,} unquantized",
+    )
+    s.add_row(
+        "LoRA weights + grads + Adam",
+        fb(b.measured_lora_training_bytes),
+        fb(b.analytic_lora_training_bytes),
+        f"M={b.lora_params:,} params x 16 B (+ Adam step counters)",
+    )
+    console.print(s)
+
+
+def estimate_components(report: AuditReport, console: Any) -> None:
+    """What the estimated step holds: saved activations, frozen weights, trainable weights with their
+    gradients and optimizer state."""
+    b, tot, e = report.budget, report.totals, report.estimate
+    assert e is not None
+    s = _table("Components", ["what", "bytes", "note"], ("what", "note"))
+    s.add_row(
+        "saved activations (all)",
+        fb(tot.saved_bytes),
+        f"{fb(tot.outside_layers_bytes)} outside decoder layers (logits, final norm, loss)",
+    )
+    s.add_row(
+        "frozen weights (4-bit + absmax, others)",
+        fb(e.weights_bytes),
+        f"N={b.quantized_params:,} quantized, {b.other_params:,} unquantized",
+    )
+    s.add_row(
+        "trainable weights + grads + AdamW",
+        fb(b.measured_lora_training_bytes),
+        f"M={b.lora_params:,} trainable; textbook 16 B x M = {fb(16 * b.lora_params)}",
+    )
+    console.print(s)
+
+
+def estimate_device(report: AuditReport, console: Any) -> None:
+    """The device total: the allocator peak, then each overhead the meta run leaves out."""
+    e = report.estimate
+    assert e is not None
+    o = _table(
+        "On the device: the allocator peak, then what the meta run leaves out (figures measured on an H100)",
+        ["what", "bytes", "basis"],
+        ("what", "basis"),
+    )
+    o.add_row(
+        "allocator peak (max_memory_allocated)",
+        fb(e.allocator_peak_bytes),
+        f"weights {fb(e.weights_bytes)} + trainable params {fb(e.trainable_bytes)} + {e.peak_phase} peak "
+        f"{fb(e.step_peak_bytes)}",
+    )
+    for x in e.overheads:
+        o.add_row(f"  + {x.name}", fb(x.bytes), x.basis)
+    o.add_row("total", fb(e.total_bytes), "")
+    console.print(o)
+
+
+# -- phases, steps, notes, verdict --------------------------------------------------------------------------
+
+
+def _phases(title: str, reserved: bool = False) -> Section:
+    def section(report: AuditReport, console: Any) -> None:
+        shown = reserved and any(v.reserved_peak_bytes is not None for v in report.phases.values())
+        p = _table(title, ["phase", "peak", "above phase start", *(["reserved peak"] if shown else [])])
+        for name, v in report.phases.items():
+            cells = [name, fb(v.peak_bytes), fb(v.peak_above_start)]
+            if shown:
+                cells.append(fb(v.reserved_peak_bytes or 0))
+            p.add_row(*cells)
+        console.print(p)
+
+    section.__doc__ = f"The table {title!r}: each phase's peak" + (" (and reserved peak)" if reserved else "")
+    return section
+
+
+audit_phases = _phases("Peak live memory per phase (tracker)", reserved=True)
+estimate_phases = _phases("Peak per phase (tracker on meta; above the weights and LoRA parameters)")
+trainer_phases = _phases("Peak live memory per phase (max over steps)")
+
+
+def step_lines(report: AuditReport, console: Any) -> None:
+    """The retained bytes after each step (and the host copies of offloaded activations)."""
+    for line in report.step_lines():
+        console.print(line, highlight=False)
+
+
+def notes(report: AuditReport, console: Any) -> None:
+    """The verdict's notes, one line each."""
+    for n in report.verdict.notes:
+        console.print(f"[yellow]note:[/] {n}", highlight=False)
+
+
+def verdict_line(report: AuditReport, console: Any) -> None:
+    """The verdict, green or red: one greppable line whatever the width (COLUMNS=80 is set under
+    pytest-xdist, and by some CI runners)."""
+    style = "bold green" if report.verdict.ok else "bold red"
+    console.print(f"[{style}]{report.verdict.line}[/]", highlight=False, soft_wrap=True)
+
+
+LAYOUTS: dict[str, tuple[Section, ...]] = {
+    "audit": (audit_header, audit_layers, audit_totals, audit_phases, step_lines, notes, verdict_line),
+    "estimate": (
+        estimate_header,
+        estimate_layers,
+        estimate_components,
+        estimate_phases,
+        estimate_device,
+        notes,
+        verdict_line,
+    ),
+    "trainer": (trainer_header, trainer_phases, trainer_layers, notes, step_lines, verdict_line),
+}
+"""The sections of each view of a report, in order."""
+
+
+def render(report: AuditReport, console: Any, layout: str | tuple[Section, ...] = "audit") -> None:
+    """Print ``report`` on the rich ``console`` as the sections of ``layout`` (a :data:`LAYOUTS` name, or
+    the sections themselves)."""
+    for section in LAYOUTS[layout] if isinstance(layout, str) else layout:
+        section(report, console)
+
+
+def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console: Any) -> None:
+    """``vramguard estimate --fit``: the largest batch (or sequence length) that fits, and each cheaper change."""
+    what = "batch" if dim == "batch" else "sequence length"
+    fixed = f"at seq {seq_len}" if dim == "batch" else f"at batch {batch}"
+    if fit["largest"]:
+        line = f"fit: the largest {what} that fits in {fb(fit['size_bytes'])} {fixed} is {fit['largest']}"
+    else:
+        line = f"fit: not even {what} 1 fits in {fb(fit['size_bytes'])} {fixed}"
+    console.print(
+        f"{line} ({fit['run_count']} meta runs besides the requested shape's; at most {fit['bound']})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    for row in fit["changes"]:
+        verdict = "fits" if row["fits"] else "does not fit"
+        console.print(
+            f"  {row['change']}: {fb(row['total_bytes'])} ({verdict})", highlight=False, soft_wrap=True
+        )
+
+
+def verdict_only(report: AuditReport, console: Any) -> None:
+    """``--quiet``: the verdict line alone, without colour markup."""
+    console.print(report.verdict.line, highlight=False, soft_wrap=True)

@@ -407,3 +407,13 @@ def test_the_verdict_is_one_line_even_with_columns_set(
     assert main(["audit", "--seq-len", "8", "--batch", "1", "--steps", "1", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("OK: ") and len(out.splitlines()) == 1 and len(out) > 80, out
+
+
+def test_a_verdict_whose_ok_disagrees_with_its_problems_is_not_read() -> None:
+    """ok is derived from the problems; a document where the two disagree is refused, not flipped."""
+    from vramguard.audit.report import Verdict
+
+    good = Verdict.from_dict({"ok": False, "line": "PROBLEM: x", "problems": ["x"], "notes": []})
+    assert not good.ok and good.problems == ["x"]
+    with pytest.raises(ValueError, match="ok=False"):
+        Verdict.from_dict({"ok": False, "line": "PROBLEM: x", "problems": [], "notes": []})

@@ -92,7 +92,7 @@ def compare_with_expectation(
 
 def layer_rows(ledger: LedgerReport, expected: Expectation | None = None, top: int = 3) -> list[LayerRow]:
     """Per decoder layer: what the ledger saw kept, by kind, the ``top`` modules, and the analytic
-    expected's figure for the layer (``None`` without a expected or an analytic model)."""
+    expected's figure for the layer (``None`` without an expected or an analytic model)."""
     groups = ledger.by_layer()
     rows: list[LayerRow] = []
     for name in sorted(groups, key=lambda n: int(n.rsplit(".", 1)[1])):

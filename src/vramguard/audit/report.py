@@ -149,11 +149,15 @@ class Verdict:
         unknown = set(data) - {"ok", "line", "problems", "notes"}
         if unknown:
             raise TypeError(f"unknown fields in the verdict: {sorted(unknown)}")
-        return cls(
+        verdict = cls(
             line=data["line"],
             findings=[Finding(RECORDED, m, problem=True) for m in data.get("problems", [])]
             + [Finding(RECORDED, m) for m in data.get("notes", [])],
         )
+        if "ok" in data and bool(data["ok"]) != verdict.ok:
+            # ok is derived from the problems now: a document where they disagree is not read as either
+            raise ValueError(f"verdict says ok={data['ok']!r} but lists {len(verdict.problems)} problem(s)")
+        return verdict
 
 
 @dataclass

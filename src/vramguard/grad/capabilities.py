@@ -492,9 +492,10 @@ def forward_calls_linear_4bit() -> Probe:
 class KnownDefect:
     """A bitsandbytes defect and the releases where it reproduces (checked on 0.46.0, 0.47.0, 0.48.0,
     0.49.2, 0.50.0, 0.50.2). ``probe``: the probe that sees it on this machine (None: measured by a test).
-    ``hardware``: it also depends on the CPU; ``intermittent``: some releases inside the range do not
-    have it. In either case the probe on this machine decides inside the range (outside it the defect is
-    never expected, so a release that still has it fails its test until the range is extended)."""
+    ``hardware``: it also depends on the CPU, so inside the range the probe on this machine decides
+    (outside it the defect is never expected: a release that still has it fails its test until the range
+    is extended). ``only``: the releases inside the range that have it, where some in between do not; the
+    others must then behave correctly."""
 
     key: str
     what: str
@@ -502,7 +503,7 @@ class KnownDefect:
     last: str
     probe: str | None = None
     hardware: bool = False
-    intermittent: bool = False
+    only: tuple[str, ...] = ()
 
     def in_range(self, version: str | None = None) -> bool:
         """Whether ``version`` (default: the installed bitsandbytes) lies in the releases where the defect
@@ -510,11 +511,13 @@ class KnownDefect:
         from packaging.version import Version
 
         v = Version(version or bnb_version())
+        if self.only:
+            return v in {Version(r) for r in self.only}
         return Version(self.first) <= v <= Version(self.last)
 
     def expected_here(self) -> bool:
         """Is the defect expected to reproduce with the installed release on this machine?"""
-        if (self.hardware or self.intermittent) and self.probe is not None:
+        if self.hardware and self.probe is not None:
             return self.in_range() and not get(self.probe)
         return self.in_range()
 
@@ -580,7 +583,7 @@ KNOWN_DEFECTS: dict[str, KnownDefect] = {
             "0.46.0",
             "0.48.0",
             "defect:kn_one_row",
-            intermittent=True,
+            only=("0.46.0", "0.48.0"),
         ),
         KnownDefect(
             "fp4_codes_cpu",

@@ -147,7 +147,7 @@ def check_supported(case: Case) -> None:
             if case.input_requires_grad and not _cap("defect:one_byte_backward"):
                 raise Unsupported(KNOWN_DEFECT_4BIT_K1)
         one_row = math.prod(case.lead) == 1 and not case.input_requires_grad
-        if call == "functional_kn" and one_row and not (c := _cap("defect:kn_one_row")):
+        if cpu and call == "functional_kn" and one_row and not (c := _cap("defect:kn_one_row")):
             raise Unsupported(f"{KNOWN_DEFECT_KN_ONE_ROW}: {c.detail}")
         kn = call == "functional_kn"
         shape = (case.in_features, case.out_features) if kn else (case.out_features, case.in_features)

@@ -116,3 +116,104 @@ def test_the_property_cases_of_a_probed_defect_are_skipped_with_its_reason(
             quant_type="nf4", call="functional_kn", **{**base, "input_requires_grad": True}
         )
     )
+
+
+def test_partial_block_probe_finds_a_kernel_that_divides_in_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quantizer that divides the last, partial block by its absmax in bfloat16 before choosing the
+    nearest code (0.47-0.49's CPU path) is seen; the exact division is not. The fake kernel is written here
+    from the format, so the probe's verdict does not rest on the installed release."""
+    import bitsandbytes.functional as bnbF
+
+    from vramguard.grad import reference
+
+    table = torch.tensor(reference.NF4_CODE)
+    real = bnbF.quantize_4bit
+
+    def quantize(w, in_dtype: bool, **kw):  # type: ignore[no-untyped-def]
+        packed, qs = real(w, **kw)
+        flat = w.reshape(-1)
+        bs = kw.get("blocksize", 64)
+        rest = flat.numel() % bs
+        last = flat[flat.numel() - rest :]
+        scaled = (last / last.abs().max()) if in_dtype else (last.double() / last.abs().max().double())
+        codes = (scaled.double().unsqueeze(1) - table.double()).abs().argmin(1)
+        nib = packed.view(-1).view(torch.uint8)
+        for j, code in enumerate(codes.tolist()):
+            i = flat.numel() - rest + j
+            byte, high = divmod(i, 2)
+            nib[byte] = (nib[byte] & 0x0F) | (code << 4) if high == 0 else (nib[byte] & 0xF0) | code
+        return packed, qs
+
+    monkeypatch.setattr(bnbF, "quantize_4bit", lambda w, **kw: quantize(w, False, **kw))
+    ok, detail = capabilities.probe_partial_block_bf16()
+    assert ok, detail
+    monkeypatch.setattr(bnbF, "quantize_4bit", lambda w, **kw: quantize(w, True, **kw))
+    ok, detail = capabilities.probe_partial_block_bf16()
+    assert not ok and "4-bit codes" in detail
+    assert reference.partial_block_rounding_hits(capabilities.partial_block_bf16_traps(), 64, "nf4")
+
+
+def test_dynamic_map_probe_finds_a_kernel_that_overwrites_the_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A blockwise kernel that writes code[0] = -1 into the map it is given (0.46-0.49 on CPU) is seen."""
+    import bitsandbytes  # noqa: F401
+
+    real = torch.ops.bitsandbytes.quantize_blockwise.default
+
+    class Ops:
+        class quantize_blockwise:  # mirrors torch.ops.bitsandbytes.quantize_blockwise
+            @staticmethod
+            def default(a, code, blocksize):  # type: ignore[no-untyped-def]
+                code[0] = -1.0
+                return real(a, code, blocksize)
+
+    ok, _ = capabilities.probe_dynamic_map_cpu()
+    assert ok == capabilities.get("defect:dynamic_map_cpu").ok
+    monkeypatch.setattr(torch.ops, "bitsandbytes", Ops)
+    ok, detail = capabilities.probe_dynamic_map_cpu()
+    assert not ok and "overwrites code[0]" in detail
+
+
+def test_nested_and_partial_block_cases_are_skipped_only_where_their_data_hits_the_defect(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the defect probed present, a case is a known-defect skip only when its own weight triggers it
+    (an element of a bf16 partial block that the bf16 division moves to another code; a block scale in
+    the band where the overwritten map changes the nested code); other cases still run."""
+    from vramguard.grad import reference, runner, strategies
+
+    real = capabilities.get
+    fake = {
+        "defect:partial_block_bf16": capabilities.Probe("defect:partial_block_bf16", False, "bf16 division"),
+        "defect:dynamic_map_cpu": capabilities.Probe("defect:dynamic_map_cpu", False, "map overwritten"),
+    }
+    monkeypatch.setattr(runner, "_cap", lambda name: fake[name] if name in fake else real(name))
+
+    def case(
+        seed: int, dtype: torch.dtype, k: int, n: int, bs: int, nested: bool
+    ) -> strategies.Linear4bitCase:
+        return strategies.Linear4bitCase((1,), k, n, bs, dtype, "nf4", nested, False, "module", False, seed)
+
+    hits = {True: None, False: None}
+    for seed in range(400):
+        c = case(seed, torch.bfloat16, 6, 7, 32, False)
+        hit = reference.partial_block_rounding_hits(runner._inputs(c)["weight"], 32, "nf4")
+        hits.setdefault(hit, c)
+        hits[hit] = hits[hit] or c
+    assert hits[True] is not None and hits[False] is not None
+    with pytest.raises(runner.Unsupported, match="partial block"):
+        runner.check_supported(hits[True])
+    runner.check_supported(hits[False])
+
+    lo, hi = reference.dynamic_most_negative_band()
+    band = {True: None, False: None}
+    for seed in range(2000):
+        c = case(seed, torch.float16, 42, 33, 64, True)
+        _, _, pos = reference.nested_statistics(runner._inputs(c)["weight"], 64)
+        inside = bool(((pos > lo) & (pos < hi)).any())
+        band[inside] = band[inside] or c
+        if all(band.values()):
+            break
+    assert band[True] is not None and band[False] is not None
+    with pytest.raises(runner.Unsupported, match="code\\[0\\] = -1"):
+        runner.check_supported(band[True])
+    runner.check_supported(band[False])

@@ -217,3 +217,33 @@ def test_fp4_quantization_stores_the_nearest_code() -> None:
             reference.check_4bit_quantization(w, packed, qs.absmax, blocksize, "fp4", nested=False)
         except reference.StateMismatch as exc:
             raise AssertionError(f"{capabilities.cpu_description()}: {exc}") from exc
+
+
+@known_defect("partial_block_bf16", AssertionError)
+def test_bf16_partial_block_stores_the_nearest_code() -> None:
+    """A bfloat16 weight whose last block is partial: every element of that block is stored as its nearest
+    nf4 code (the weight is built so that dividing in bfloat16 would move some to the farther code)."""
+    need("blocksize_remainder_cpu")
+    from vramguard.grad import reference
+
+    w = capabilities.partial_block_bf16_traps(64)
+    packed, qs = bnbF.quantize_4bit(w.reshape(1, -1), blocksize=64, quant_type="nf4")
+    try:
+        reference.check_4bit_quantization(w, packed, qs.absmax, 64, "nf4", nested=False)
+    except reference.StateMismatch as exc:
+        raise AssertionError(str(exc)) from exc
+
+
+@known_defect("dynamic_map_cpu", AssertionError)
+def test_quantize_blockwise_leaves_its_code_map_alone() -> None:
+    """``quantize_blockwise`` with the default dynamic map: the map is not changed by the call, and a value
+    nearest to its most negative code (-0.99297) is stored as that code."""
+    from vramguard.grad import reference
+
+    code = bnbF.create_dynamic_map(signed=True)
+    given = code.clone()
+    x = torch.zeros(256)
+    x[0], x[1] = 1.0, -0.99
+    q, _ = bnbF.quantize_blockwise(x, code=code, blocksize=256)
+    assert torch.equal(code, given), f"code[0] {given[0].item():.5f} -> {code[0].item():.5f}"
+    assert given[q[1].long()].item() == pytest.approx(reference.DYNAMIC_CODE[0])

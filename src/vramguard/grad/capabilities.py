@@ -306,6 +306,81 @@ def probe_fp4_codes_cpu() -> tuple[bool, str]:
     return True, f"CPU quantize_4bit(fp4) stores the nearest code on this CPU ({where})"
 
 
+def partial_block_bf16_traps(blocksize: int = 64) -> torch.Tensor:  # type: ignore[name-defined]  # noqa: F821
+    """A bfloat16 weight of one whole block and one half block whose last block holds its absmax (1.3) and
+    elements whose nf4 code differs when ``w / absmax`` is rounded to bfloat16 before the nearest code
+    is chosen: a kernel that divides in bfloat16 stores them as the farther code. Deterministic."""
+    import torch
+
+    from vramguard.grad import reference
+
+    table = torch.tensor(reference.NF4_CODE, dtype=torch.float64)
+    absmax = torch.tensor(1.3, dtype=torch.bfloat16)
+    # every bfloat16 value in (-absmax, absmax): the bit patterns of the positive ones, both signs
+    bits = torch.arange(0, int(absmax.view(torch.int16)), dtype=torch.int16)
+    pos = bits.view(torch.bfloat16)
+    cand = torch.cat([pos, -pos])
+    exact = (cand.double() / absmax.double()).unsqueeze(1)
+    in_bf16 = (cand / absmax).double().unsqueeze(1)
+    traps = cand[(exact - table).abs().argmin(1) != (in_bf16 - table).abs().argmin(1)]
+    half = blocksize // 2
+    last = torch.cat([absmax.reshape(1), traps[: half - 1]])
+    last = torch.nn.functional.pad(last, (0, half - last.numel()))
+    first = torch.linspace(-1, 1, blocksize).to(torch.bfloat16)
+    return torch.cat([first, last])
+
+
+def probe_partial_block_bf16() -> tuple[bool, str]:
+    """Whether the CPU ``quantize_4bit`` of a bfloat16 weight stores every element of the last, partial
+    block as its nearest nf4 code (0.47-0.49's CPU path divides that block by its absmax in bfloat16, so
+    elements near a midpoint between two codes take the farther one)."""
+    from vramguard.grad import reference
+
+    w = partial_block_bf16_traps()
+    packed, qs = _q4(w.reshape(1, -1))
+    try:
+        reference.check_4bit_quantization(w, packed, qs.absmax, 64, "nf4", nested=False)
+    except reference.StateMismatch as exc:
+        return False, f"CPU quantize_4bit(nf4) of a bfloat16 weight whose last block is partial: {exc}"
+    return True, "CPU quantize_4bit(nf4) stores the nearest code in a bfloat16 weight's partial last block"
+
+
+def probe_dynamic_map_cpu() -> tuple[bool, str]:
+    """Whether the CPU ``quantize_blockwise`` kernel (the 8-bit dynamic map that stores nested 4-bit
+    statistics) leaves the code map it is given unchanged and stores each value as its nearest code.
+    0.46-0.49 write ``code[0] = -1`` into the caller's map (bitsandbytes' shared default map, in place):
+    the most negative code becomes -1 instead of -0.99297, and every value in (-0.99648, -0.98594) of its
+    block's absmax -- nearest to -0.99297 -- is stored as -1 or -0.97891."""
+    import bitsandbytes  # noqa: F401  (registers the torch.ops.bitsandbytes kernels)
+    import torch
+
+    from vramguard.grad import reference
+
+    code = torch.tensor(reference.DYNAMIC_CODE, dtype=torch.float32)
+    given = code.clone()
+    lo, hi = reference.dynamic_most_negative_band()
+    inside = torch.linspace(lo, hi, 34, dtype=torch.float64)[1:-1].to(torch.float32)
+    x = torch.nn.functional.pad(torch.cat([torch.tensor([1.0]), inside]), (0, 256 - 33))
+    q, _ = torch.ops.bitsandbytes.quantize_blockwise.default(x, code, 256)
+    problems = []
+    if not torch.equal(code, given):
+        i = int((code != given).nonzero()[0])
+        problems.append(
+            f"it overwrites code[{i}] of the map it is given ({given[i].item():.5f} -> {code[i].item():.5f})"
+        )
+    got = given.double()[q.long()[1:33]]
+    wrong = (got - reference.DYNAMIC_CODE[0]).abs() > 1e-9
+    if wrong.any():
+        i = int(wrong.nonzero()[0])
+        problems.append(
+            f"it stores {inside[i].item():.5f} (of absmax 1) as code {got[i].item():.5f}, the nearest is "
+            f"{reference.DYNAMIC_CODE[0]:.5f} ({int(wrong.sum())} of 32 values in the band)"
+        )
+    if problems:
+        return False, "CPU quantize_blockwise: " + "; ".join(problems)
+    return True, "CPU quantize_blockwise keeps its code map and stores the nearest dynamic code"
+
+
 def cpu_description() -> str:
     """``torch.backends.cpu.get_cpu_capability()`` and the CPU model, e.g. ``AVX512, AMD EPYC``."""
     import torch
@@ -395,6 +470,8 @@ PROBES: dict[str, Callable[[], tuple[bool, str]]] = {
     "defect:int8_k1_cpu": probe_int8_k1_cpu,
     "defect:kn_one_row": probe_kn_one_row,
     "defect:fp4_codes_cpu": probe_fp4_codes_cpu,
+    "defect:partial_block_bf16": probe_partial_block_bf16,
+    "defect:dynamic_map_cpu": probe_dynamic_map_cpu,
     # last: it may kill the child process (the parent restarts it only if something is left)
     "defect:nested_single_block": probe_nested_single_block,
 }
@@ -594,6 +671,24 @@ KNOWN_DEFECTS: dict[str, KnownDefect] = {
             "0.49.2",
             "defect:fp4_codes_cpu",
             hardware=True,
+        ),
+        KnownDefect(
+            "partial_block_bf16",
+            "the CPU quantize_4bit of a bfloat16 weight whose size is not a multiple of the blocksize "
+            "divides the last, partial block by its absmax in bfloat16, so elements near a midpoint between "
+            "two codes are stored as the farther code (w/absmax = -0.3393 stored as -0.3949, not -0.2844)",
+            "0.47.0",
+            "0.49.2",
+            "defect:partial_block_bf16",
+        ),
+        KnownDefect(
+            "dynamic_map_cpu",
+            "the CPU quantize_blockwise kernel (8-bit dynamic map; the nested statistics of 4-bit weights) "
+            "writes code[0] = -1 into the shared default map in place, so every value in (-0.99648, "
+            "-0.98594) of its block's absmax, nearest to the code -0.99297, is stored as -1 or -0.97891",
+            "0.46.0",
+            "0.49.2",
+            "defect:dynamic_map_cpu",
         ),
         KnownDefect(
             "kn_weight_copy",

@@ -53,9 +53,75 @@ FP4_CODE: tuple[float, ...] = _FP4_MAGNITUDES + tuple(-m for m in _FP4_MAGNITUDE
 CODES = {"nf4": NF4_CODE, "fp4": FP4_CODE}
 #: blocksize of the second-level (double) quantization of the 4-bit absmax (bitsandbytes' constant)
 NESTED_BLOCKSIZE = 256
-#: measured bound of that 8-bit dynamic quantization: |absmax error| <= this x the largest deviation
-#: of a block's absmax from the mean within its group of 256 blocks (0.00704 over 400 random weights)
-NESTED_ABSMAX_ERROR = 0.008
+#: slack, in units of a group's largest |absmax - mean|, that a nested scale may sit farther from its
+#: block's true (absmax - mean) than the nearest code of :data:`DYNAMIC_CODE` does: the library divides in
+#: the CPU kernel of 0.50 decides values within ~3e-5 of a midpoint either way (largest excess seen over
+#: 600 random nested weights: 2.9e-5); a wrong code far from a midpoint (0.46-0.49: 0.007) stays visible
+NESTED_CODE_SLACK = 1e-4
+
+
+def dynamic_map(max_exponent_bits: int = 7, total_bits: int = 8) -> tuple[float, ...]:
+    """The signed 8-bit dynamic data type of Dettmers (2015, arXiv:1511.04561) that bitsandbytes uses for
+    the second-level quantization of 4-bit block scales, sorted: for each exponent ``e`` (0..6) the
+    midpoints of a linear split of [0.1, 1] into ``2**e`` parts, times ``10**(e - 6)``, both signs, plus
+    0 and 1 (so the most negative code is -0.99297, not -1). Written from the definition, in float32 as the
+    library stores it, not read from the library."""
+    data: list[float] = []
+    free = total_bits - 1
+    for i in range(max_exponent_bits):
+        edges = torch.linspace(0.1, 1, 2 ** (i + free - max_exponent_bits) + 1, dtype=torch.float32)
+        mids = (edges[:-1] + edges[1:]) / 2.0
+        scale = 10 ** (-(max_exponent_bits - 1) + i)
+        data += (scale * mids).tolist() + (-scale * mids).tolist()  # float32 products
+    data += [0.0, 1.0]
+    return tuple(sorted(torch.tensor(data, dtype=torch.float32).to(torch.float64).tolist()))
+
+
+#: the 256 codes of the signed dynamic map, ascending
+DYNAMIC_CODE: tuple[float, ...] = dynamic_map()
+
+
+def dynamic_most_negative_band() -> tuple[float, float]:
+    """The values (of a block's absmax) whose nearest dynamic code is the most negative one, -0.99297, and
+    which a search that assumed a code at -1 would give the next code: between the midpoint with -1 and the
+    midpoint with the next code."""
+    c0, c1 = DYNAMIC_CODE[0], DYNAMIC_CODE[1]
+    return (c0 - 1.0) / 2, (c0 + c1) / 2
+
+
+def nested_statistics(original: torch.Tensor, blocksize: int) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """The second level of nested (double) quantization of ``original``'s 4-bit block scales, computed in
+    float32 as the library does: ``(mean, group, position)`` where ``mean`` is torch's float32 mean of the
+    scales, ``group`` per block the largest ``|absmax - mean|`` of its group of :data:`NESTED_BLOCKSIZE`
+    blocks, and ``position = (absmax - mean) / group``, the value stored as its nearest :data:`DYNAMIC_CODE`
+    (float64 tensors)."""
+    flat = original.detach().cpu().reshape(-1).to(torch.float32).to(torch.float64)
+    true32 = _block_absmax(flat, blocksize).to(torch.float32)
+    mean = true32.mean()
+    dev = true32 - mean
+    pad = (-dev.numel()) % NESTED_BLOCKSIZE
+    group = torch.nn.functional.pad(dev.abs(), (0, pad)).reshape(-1, NESTED_BLOCKSIZE).amax(dim=1)
+    group = group.repeat_interleave(NESTED_BLOCKSIZE)[: dev.numel()].clamp(min=1e-30).to(torch.float64)
+    return float(mean), group, dev.to(torch.float64) / group
+
+
+def partial_block_rounding_hits(original: torch.Tensor, blocksize: int, quant_type: str) -> bool:
+    """Whether any element of the last, partial block of ``original`` takes a different nearest code when
+    ``w / absmax`` is computed in ``original.dtype`` instead of exactly (the trigger of the 0.49.2 CPU
+    defect ``partial_block_bf16``); False when the last block is whole."""
+    flat = original.detach().cpu().reshape(-1)
+    n = flat.numel()
+    rest = n % blocksize
+    if rest == 0:
+        return False
+    last = flat[n - rest :]
+    absmax = last.abs().max()
+    if absmax == 0:
+        return False
+    table = torch.tensor(CODES[quant_type], dtype=torch.float64)
+    exact = (last.to(torch.float64) / absmax.to(torch.float64)).unsqueeze(1)
+    rounded = (last / absmax).to(torch.float64).unsqueeze(1)
+    return bool(((exact - table).abs().argmin(1) != (rounded - table).abs().argmin(1)).any())
 
 
 def lora_scaling(alpha: float, rank: int, use_rslora: bool = False) -> float:
@@ -110,10 +176,25 @@ def check_4bit_quantization(
             f"{true.numel()}"
         )
     if nested:
-        dev = (true - true.mean()).abs()
-        pad = (-dev.numel()) % NESTED_BLOCKSIZE
-        group = torch.nn.functional.pad(dev, (0, pad)).reshape(-1, NESTED_BLOCKSIZE).amax(dim=1)
-        allowed = NESTED_ABSMAX_ERROR * group.repeat_interleave(NESTED_BLOCKSIZE)[: dev.numel()] + 1e-6 * true
+        # second level: each block's (absmax - mean), divided by the largest |absmax - mean| of its group
+        # of NESTED_BLOCKSIZE blocks, is stored as its nearest code of the signed dynamic map
+        mean, group, want = nested_statistics(original, blocksize)
+        table = torch.tensor(DYNAMIC_CODE, dtype=torch.float64)
+        nearest = (want.unsqueeze(1) - table).abs().min(dim=1).values
+        stored = (absmax - mean) / group
+        # a float32 rounding or two of the scale itself
+        fp32 = 4 * 2.0**-24 * true / group
+        far = ((stored - want).abs() > nearest + NESTED_CODE_SLACK + fp32).nonzero()
+        if far.numel():
+            i = int(far[0])
+            best = table[(want[i] - table).abs().argmin()].item()
+            raise StateMismatch(
+                f"4-bit state: block {i} scale {absmax[i].item():.6g} != absmax of its {blocksize} weights "
+                f"{true[i].item():.6g} (nested=True: (absmax - mean) / group max = {want[i].item():.5g} is "
+                f"stored as {stored[i].item():.5g}, the nearest dynamic code is {best:.5g}; {far.numel()} "
+                f"of {true.numel()} blocks off)"
+            )
+        allowed = (nearest + NESTED_CODE_SLACK + fp32) * group + 1e-6 * true
     else:
         allowed = 1e-6 * true  # float32 absmax of float32 values: exact
     bad = ((absmax - true).abs() > allowed).nonzero()
@@ -256,6 +337,27 @@ def int8_activation(x: torch.Tensor, threshold: float) -> torch.Tensor:
     deq = deq.reshape(x.shape)
     # straight-through: value of the quantized activation, gradient of the identity
     return x + (deq - x.detach())
+
+
+def int8_partial_magnitude(
+    x: torch.Tensor, w64: torch.Tensor, threshold: float, bias: torch.Tensor | None = None
+) -> float:
+    """Norm of ``sum |outlier terms| + |int8 part| + |bias|`` of an LLM.int8() output. MatMul8bitLt
+    multiplies the outlier columns by their weight dequantized to the layer dtype (a rounding per term),
+    rounds the rescaled int8 product to the layer dtype, and only then adds the two: when they partly
+    cancel, the output's error is a rounding of *their* size, not of the (smaller) sum's. Used as the
+    cancellation floor of the output's relative error."""
+    k = x.shape[-1]
+    x2 = x.detach().reshape(-1, k).to(torch.float64)
+    act = int8_activation(x2, threshold).detach()
+    cols = (x2.to(torch.float16).abs() >= threshold).any(dim=0)
+    w = w64.to(torch.float64)
+    # the outlier columns: a few large terms, each with a weight dequantized to the layer dtype (a rounding
+    # per term), so their sum of |terms|; the int8 part: one rescaled product, rounded once
+    mag = act[:, cols].abs() @ w[:, cols].abs().T + (act[:, ~cols] @ w[:, ~cols].T).abs()
+    if bias is not None:
+        mag = mag + bias.detach().to(torch.float64).abs()
+    return torch.linalg.vector_norm(mag).item()
 
 
 def _check_int8_activation(

@@ -1,0 +1,67 @@
+"""vramguard.grad.reference: the nested-statistics check holds each block scale to its *nearest* code of
+the 8-bit dynamic map (written from the format's definition), and the LLM.int8() output floor."""
+
+from __future__ import annotations
+
+import bitsandbytes.functional as bnbF
+import pytest
+import torch
+
+from vramguard.grad import reference
+
+
+def test_the_dynamic_map_is_the_one_bitsandbytes_defines() -> None:
+    """Written from the definition, it equals the library's create_dynamic_map code for code."""
+    lib = bnbF.create_dynamic_map(signed=True).to(torch.float64).sort().values
+    assert torch.equal(torch.tensor(reference.DYNAMIC_CODE, dtype=torch.float64), lib)
+    lo, hi = reference.dynamic_most_negative_band()
+    assert -1 < lo < reference.DYNAMIC_CODE[0] < hi < reference.DYNAMIC_CODE[1]
+
+
+def _nested(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(seed))
+    packed, qs = bnbF.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+    return w, packed, reference.used_4bit_absmax(qs)
+
+
+def test_nested_scales_at_their_nearest_code_pass_and_one_code_off_fails() -> None:
+    """Each block scale rebuilt from the nearest dynamic code passes; moving one block to the neighbouring
+    code (the error of 0.46-0.49's overwritten map, half the map's largest gap) fails and names the block."""
+    w, packed, _ = _nested(0)
+    mean, group, pos = reference.nested_statistics(w, 64)
+    table = torch.tensor(reference.DYNAMIC_CODE, dtype=torch.float64)
+    idx = (pos.unsqueeze(1) - table).abs().argmin(1)
+    exact = (table[idx] * group + mean).to(torch.float32).to(torch.float64)
+    reference.check_4bit_quantization(w, packed, exact, 64, "nf4", nested=True)
+    j = int((pos.abs() < 0.9).nonzero()[0])
+    wrong = exact.clone()
+    wrong[j] = (table[idx[j] + 1] * group[j] + mean).item()
+    with pytest.raises(reference.StateMismatch, match=f"block {j} scale"):
+        reference.check_4bit_quantization(w, packed, wrong, 64, "nf4", nested=True)
+
+
+def test_the_installed_release_passes_or_has_the_probed_defect() -> None:
+    """Random nested weights: the installed bitsandbytes stores every scale at its nearest code (within
+    the tie slack), unless the dynamic-map defect is probed here and a scale lies in its band."""
+    from vramguard.grad import capabilities
+
+    lo, hi = reference.dynamic_most_negative_band()
+    for seed in range(20):
+        w, packed, absmax = _nested(seed)
+        _, _, pos = reference.nested_statistics(w, 64)
+        in_band = bool(((pos > lo) & (pos < hi)).any())
+        if in_band and not capabilities.get("defect:dynamic_map_cpu"):
+            continue
+        reference.check_4bit_quantization(w, packed, absmax, 64, "nf4", nested=True)
+
+
+def test_int8_floor_is_the_size_of_the_partial_results() -> None:
+    """Outlier columns that cancel the int8 part: the floor is the sum of their |terms| plus |int8 part|,
+    far above |output|; without outliers it is |output| (no partial results to round)."""
+    x = torch.tensor([[8.0, -8.0, 0.5, 0.25]])
+    w = torch.tensor([[1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    got = reference.int8_partial_magnitude(x, w, threshold=3.0)
+    assert got == pytest.approx(16 + 0.75, rel=2e-2)
+    calm = torch.tensor([[0.5, -0.5, 0.5, 0.25]])
+    y = (reference.int8_activation(calm.double(), 3.0) @ w.T).abs().item()
+    assert reference.int8_partial_magnitude(calm, w, threshold=3.0) == pytest.approx(y)

@@ -45,3 +45,15 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     records numbers or uses the GPU runs in one process. An explicit ``-n N`` is left as it is."""
     if getattr(config.option, "numprocesses", None) == "auto" and one_process_reason(config.option):
         config.option.numprocesses = 0
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A JUnit XML report names the processor it was measured on (``processor`` property of the test suite):
+    CPU kernels differ per instruction set, so the release matrix's table states it per row."""
+    from _pytest.junitxml import xml_key
+
+    xml = session.config.stash.get(xml_key, None)
+    if xml is not None:
+        from vramguard.grad.capabilities import processor
+
+        xml.add_global_property("processor", processor())

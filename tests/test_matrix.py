@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ def _run_pytest(tmp_path: Path, body: str, xml: Path) -> None:
     test.write_text("import pytest\n" + body)
     subprocess.run(
         [
-            "python",
+            sys.executable,
             "-m",
             "pytest",
             str(test),
@@ -59,7 +60,7 @@ def test_table_counts_outcomes_and_flags_strict_xpass(tmp_path: Path) -> None:
     text, green = matrix.table(tmp_path / "r")
     assert not green, text
     rows = text.splitlines()
-    assert rows[2].startswith("| bitsandbytes-0.46.0 | 1 passed, 1 skipped, 1 xfailed ("), text
+    assert rows[2].startswith("| bitsandbytes-0.46.0 | not recorded | 1 passed, 1 skipped, 1 xfailed ("), text
     assert "**1 passed, 1 skipped, 1 xfailed, 1 xpassed" in rows[3], text
     assert "test_xpass" in text
 
@@ -101,3 +102,20 @@ def test_warm_cache_installs_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
     # and a cold entry does go to pip (the check above can fail)
     with pytest.raises(AssertionError, match="pip was called"):
         matrix.main(["overlay", "bitsandbytes", "0.48.0"])
+
+
+def test_each_row_names_the_processor_its_run_recorded(tmp_path: Path) -> None:
+    """The root conftest records this machine's processor in every JUnit XML; the table shows it per row,
+    and a run that did not record one says so."""
+    from vramguard.grad.capabilities import processor
+
+    out = tmp_path / "r" / "bitsandbytes-0.50.2" / "tests_grad.xml"
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "conftest.py").write_text((repo / "conftest.py").read_text())
+    _run_pytest(tmp_path, GREEN, out)
+    (tmp_path / "conftest.py").unlink()
+    _run_pytest(tmp_path, GREEN, tmp_path / "r" / "bitsandbytes-0.50.0" / "tests_grad.xml")
+    text, _ = matrix.table(tmp_path / "r")
+    rows = text.splitlines()
+    assert rows[2].startswith("| bitsandbytes-0.50.0 | not recorded |"), text
+    assert rows[3].startswith(f"| bitsandbytes-0.50.2 | {processor()} |"), text

@@ -50,6 +50,8 @@ class SuiteResult:
     counts: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
+    #: the ``processor`` property the run recorded (the root conftest writes it), "" when absent
+    processor: str = ""
 
     def ok(self) -> bool:
         """Whether the suite is green: no failure, no error and no unexpected pass of a known defect
@@ -74,6 +76,9 @@ def read_junit(path: Path) -> SuiteResult:
         raise UsageError(f"{path}: no <testsuite> element")
     for suite in suites:
         res.seconds += float(suite.get("time", 0) or 0)
+        for prop in suite.iter("property"):
+            if prop.get("name") == "processor" and not res.processor:
+                res.processor = prop.get("value", "")
         for case in suite.iter("testcase"):
             name = f"{case.get('classname', '')}::{case.get('name', '')}"
             failure, error, skipped = case.find("failure"), case.find("error"), case.find("skipped")
@@ -101,7 +106,7 @@ def table(root: Path) -> tuple[str, bool]:
     if not rows:
         raise UsageError(f"{root}: no <label>/<suite>.xml files")
     suites = sorted({s for r in rows.values() for s in r})
-    lines = ["| release | " + " | ".join(suites) + " |", "|---|" + "---|" * len(suites)]
+    lines = ["| release | processor | " + " | ".join(suites) + " |", "|---|---|" + "---|" * len(suites)]
     green = True
     problems = []
     for label in sorted(rows, key=_label_key):
@@ -115,7 +120,9 @@ def table(root: Path) -> tuple[str, bool]:
             green &= r.ok()
             cells.append(r.cell() if r.ok() else f"**{r.cell()}**")
             problems += [f"{label} {s}: {p}" for p in r.problems]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        cpus = sorted({r.processor for r in rows[label].values()})
+        cpu = " / ".join(c or "not recorded" for c in cpus)
+        lines.append(f"| {label} | {cpu} | " + " | ".join(cells) + " |")
     if problems:
         lines += ["", "Failures:", *[f"* {p}" for p in problems[:50]]]
     return "\n".join(lines), green

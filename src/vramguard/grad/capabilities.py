@@ -425,6 +425,12 @@ def cpu_flags() -> str:
     return ""
 
 
+def processor() -> str:
+    """This machine's processor as the release matrix records it: torch's CPU capability, the model name
+    and the kernel-picking ISA flags, e.g. ``AVX2, AMD EPYC 7B13 [avx2]``."""
+    return f"{cpu_description()} [{cpu_flags()}]"
+
+
 def probe_int8_k1_cpu() -> tuple[bool, str]:
     """int8_linear_matmul with K=1 on CPU against the exact int64 product, on several shapes and inputs,
     each twice. Inputs are nonzero and differ per round, so neither a zeroed buffer nor the freed buffer

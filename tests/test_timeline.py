@@ -32,9 +32,40 @@ SMALL = QLoRAConfig(seq_len=32, batch=1)
 
 #: The opcodes MemoryViz.js's ``unpickle`` handles (any other throws "UNKNOWN OPCODE").
 VIEWER_OPCODES = frozenset(
-    "APPENDS BINGET BININT BININT1 BININT2 EMPTY_DICT EMPTY_LIST FRAME LONG1 LONG_BINGET MARK MEMOIZE PROTO "
-    "SETITEMS SHORT_BINUNICODE STOP TUPLE2 APPEND NEWFALSE BINPUT BINUNICODE EMPTY_TUPLE NEWTRUE NONE BINFLOAT "
-    "TUPLE TUPLE1 TUPLE3 LONG_BINPUT LIST DICT SETITEM".split()
+    [
+        "APPENDS",
+        "BINGET",
+        "BININT",
+        "BININT1",
+        "BININT2",
+        "EMPTY_DICT",
+        "EMPTY_LIST",
+        "FRAME",
+        "LONG1",
+        "LONG_BINGET",
+        "MARK",
+        "MEMOIZE",
+        "PROTO",
+        "SETITEMS",
+        "SHORT_BINUNICODE",
+        "STOP",
+        "TUPLE2",
+        "APPEND",
+        "NEWFALSE",
+        "BINPUT",
+        "BINUNICODE",
+        "EMPTY_TUPLE",
+        "NEWTRUE",
+        "NONE",
+        "BINFLOAT",
+        "TUPLE",
+        "TUPLE1",
+        "TUPLE3",
+        "LONG_BINPUT",
+        "LIST",
+        "DICT",
+        "SETITEM",
+    ]
 )
 
 
@@ -58,10 +89,14 @@ def viewer(data: bytes) -> dict[str, int]:
     categories: list[str] = []
     trace: list[dict[str, Any]] = []
     for t in snap["device_traces"][0]:
-        if t["action"] == "free_completed" and trace and trace[-1]["action"] == "free_requested":
-            if trace[-1]["addr"] == t["addr"]:
-                trace[-1] = {**trace[-1], "action": "free"}
-                continue
+        prev = trace[-1] if trace else {}
+        if (
+            t["action"] == "free_completed"
+            and prev.get("action") == "free_requested"
+            and prev["addr"] == t["addr"]
+        ):
+            trace[-1] = {**prev, "action": "free"}
+            continue
         if "category" in t and t["category"] not in categories:
             categories.append(t["category"])
         trace.append(t)
@@ -93,10 +128,9 @@ def viewer(data: bytes) -> dict[str, int]:
                 elements.append({"action": "alloc", "addr": addr, "size": b["requested_size"]})
                 initially.append(len(elements) - 1)
             addr += b["size"]
-    current = {i for i in initially}
-    total = sum(elements[i]["size"] for i in current)
-    traced = best_total = best_traced = 0
-    best_total = total
+    current = set(initially)
+    total = best_total = sum(elements[i]["size"] for i in current)
+    traced = best_traced = 0
     for i in actions:
         size = elements[i]["size"]
         if i in current:
@@ -139,7 +173,7 @@ def audited(tmp_path_factory: pytest.TempPathFactory) -> tuple[AuditReport, Path
 def test_audit_snapshot_replays_to_the_trackers_peak(
     audited: tuple[AuditReport, Path, AllocationLog],
 ) -> None:
-    report, path, events = audited
+    report, path, _ = audited
     data = path.read_bytes()
     seen = viewer(data)
     tracker_peak = max(p.peak_bytes for p in report.phases.values())

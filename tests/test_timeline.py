@@ -345,3 +345,28 @@ def test_the_log_follows_the_tracker_event_by_event() -> None:
     assert readings == [4000, 8000, 4000, 20000, 0]
     assert set(readings) <= set(sums) and sums[-1] == 0
     assert log.replay()[0] == tracker.peak() == 20000
+
+
+def test_compare_html_takes_two_reports_with_timelines_or_says_why_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with_timeline, without = tmp_path / "a.json", tmp_path / "b.json"
+    report = run_estimate(QLoRAConfig(seq_len=16, batch=1, device="cpu"), events=AllocationLog())
+    with_timeline.write_text(json.dumps(report.to_dict()))
+    without.write_text(json.dumps({**report.to_dict(), "timeline": None}))
+    benchmark, binary = tmp_path / "bench.json", tmp_path / "s.pickle"
+    benchmark.write_text(json.dumps({"benchmarks": []}))
+    binary.write_bytes(dump_snapshot(AllocationLog().snapshot()))
+    page = tmp_path / "c.html"
+    for other, why in (
+        (without, "has no timeline"),
+        (benchmark, "no vramguard audit/estimate --json report"),
+        (binary, "not a JSON document"),
+        (tmp_path / "missing.json", "No such file"),
+    ):
+        assert main(["compare", str(with_timeline), str(other), "--html", str(page)]) == 2
+        err = capsys.readouterr().err
+        assert why in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not page.exists()
+    assert main(["compare", str(with_timeline), str(with_timeline), "--html", str(page)]) == 0
+    assert capsys.readouterr().out.endswith("(0 B)\n") and page.exists()  # a run against itself: no change

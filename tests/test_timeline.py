@@ -370,3 +370,36 @@ def test_compare_html_takes_two_reports_with_timelines_or_says_why_in_one_line(
     assert not page.exists()
     assert main(["compare", str(with_timeline), str(with_timeline), "--html", str(page)]) == 0
     assert capsys.readouterr().out.endswith("(0 B)\n") and page.exists()  # a run against itself: no change
+
+
+def test_the_trainer_callback_writes_a_snapshot_that_replays_to_its_trackers_peak(tmp_path: Path) -> None:
+    from test_integrations import _trainer
+
+    from vramguard.integrations.transformers import VramGuardCallback
+    from vramguard.workload.models import build_qlora
+
+    config = QLoRAConfig(model="tiny-llama", seq_len=32, batch=2)
+    path = tmp_path / "cb.pickle"
+    cb = VramGuardCallback(table=False, snapshot_path=path)
+    q = build_qlora(config)
+    lora = sum(p.numel() * p.element_size() for p in q.trainable_parameters())
+    trainer = _trainer(q, cb, tmp_path, steps=2, per_device_train_batch_size=config.batch)
+    trainer.train()
+    assert cb.report is not None and cb.report.timeline is not None and cb._tracker is not None
+    seen = viewer(path.read_bytes())
+    assert seen["traced"] == cb._tracker.result.peak_bytes == cb.report.timeline.traced_peak_bytes
+    assert seen["total"] == cb.report.totals.model_resident_bytes + lora + seen["traced"]
+    snap = pickle.loads(path.read_bytes())
+    cats = {e.get("category") for e in snap["device_traces"][0]}
+    assert {"saved activations", "gradients", "optimizer state"} <= cats
+    trace_plot_renders(snap)
+
+
+def test_the_callbacks_snapshot_needs_the_storage_tracker(tmp_path: Path) -> None:
+    from vramguard.errors import UsageError
+    from vramguard.integrations.transformers import VramGuardCallback
+
+    with pytest.raises(UsageError, match="cpu_source='storage'"):
+        VramGuardCallback(snapshot_path=tmp_path / "s.pickle", cpu_source="allocator")
+    with pytest.raises(UsageError, match="is a directory"):
+        VramGuardCallback(snapshot_path=tmp_path)

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from vramguard.measure.storage import resident_tensors
+
 WEIGHTS = "weights"
 TRAINABLE = "trainable"
 SAVED = "saved activations"
@@ -470,6 +472,13 @@ def timeline(log: AllocationLog, points: int = 1500, top: int = 8) -> Timeline:
         at_peak=at_peak,
         top_at_peak=[{"bytes": a.size, "category": cats[id(a)], "where": a.where()} for a in alive[:top]],
     )
+
+
+def model_storages(model: torch.nn.Module) -> Iterable[tuple[Any, str, str]]:
+    """The model's own storages for :meth:`AllocationLog.add_preexisting`: parameters, buffers and their
+    quantization state, each with ``trainable`` or ``weights`` and its owner's name."""
+    for name, t in resident_tensors(model):
+        yield t.untyped_storage(), TRAINABLE if t.requires_grad else WEIGHTS, name
 
 
 def optimizer_state(optimizer: Any) -> list[torch.Tensor]:

@@ -29,9 +29,9 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vramguard.measure.events import TRAINABLE, WEIGHTS, AllocationLog, Context
+from vramguard.measure.events import AllocationLog, Context, model_storages
 from vramguard.measure.modules import ModuleStack, module_names
-from vramguard.measure.storage import StorageKey, resident_tensors, storage_key, tensor_leaves
+from vramguard.measure.storage import StorageKey, storage_key, tensor_leaves
 
 
 class MemorySource(Protocol):
@@ -380,10 +380,7 @@ class MemoryTracker:
             self.events.device = self.source.device
             self.events.context = self._context
             if self.model is not None:
-                self.events.add_preexisting(
-                    (t.untyped_storage(), TRAINABLE if t.requires_grad else WEIGHTS, name)
-                    for name, t in resident_tensors(self.model)
-                )
+                self.events.add_preexisting(model_storages(self.model))
             self.source.events = self.events
         self.source.start()
         self._root = self.open_frame(FrameStats("total"))

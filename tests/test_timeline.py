@@ -271,16 +271,22 @@ def test_cli_audit_writes_the_snapshot_and_the_page(
 ) -> None:
     snap, page, doc = tmp_path / "s.pickle", tmp_path / "a.html", tmp_path / "a.json"
     argv = ["audit", "--model", "tiny-llama", "--seq-len", "16", "--batch", "1", "--steps", "2"]
-    assert main([*argv, "--snapshot", str(snap), "--html", str(page), "--json", str(doc)]) == 0
+    png, svg = tmp_path / "t.png", tmp_path / "t.svg"
+    outputs = ["--snapshot", str(snap), "--html", str(page), "--json", str(doc), "--timeline-image", str(png)]
+    assert main([*argv, *outputs]) == 0
     report = AuditReport.from_dict(json.loads(doc.read_text()))
     assert report.timeline is not None
     assert viewer(snap.read_bytes())["traced"] == report.timeline.traced_peak_bytes
     assert 'id="peak-run"' in page.read_text()
+    assert png.read_bytes().startswith(b"\x89PNG")
     out = capsys.readouterr().out
     assert f"memory snapshot written to {snap}" in out and f"page written to {page}" in out
+    estimate = ["estimate", *argv[1:-2], "--timeline-image", str(svg), "--quiet"]
+    assert main(estimate) == 0
+    assert svg.read_text().startswith("<svg") and 'id="peak-image"' in svg.read_text()
 
 
-@pytest.mark.parametrize("flag", ["--snapshot", "--html"])
+@pytest.mark.parametrize("flag", ["--snapshot", "--html", "--timeline-image"])
 def test_unwritable_timeline_paths_are_one_line_before_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
 ) -> None:

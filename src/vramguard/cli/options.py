@@ -82,22 +82,30 @@ def add_timeline_options(p: argparse.ArgumentParser) -> None:
         help="write one self-contained page: the memory through the steps by category, phases and the peak "
         "marked, saved bytes per layer, the verdict",
     )
+    p.add_argument(
+        "--timeline-image",
+        type=Path,
+        metavar="PATH",
+        help="write the page's timeline figure alone: PNG for a .png path, SVG otherwise (a README, a PR)",
+    )
 
 
 def check_timeline_paths(args: argparse.Namespace) -> None:
-    """Fail on a ``--snapshot`` or ``--html`` path that cannot be written, before the run."""
+    """Fail on a ``--snapshot``, ``--html`` or ``--timeline-image`` path that cannot be written, before the
+    run."""
     check_json_path(args.snapshot, "--snapshot")
     check_json_path(args.html, "--html")
+    check_json_path(args.timeline_image, "--timeline-image")
 
 
 def wants_timeline(args: argparse.Namespace) -> bool:
-    """Whether the run must record its allocations (``--snapshot`` or ``--html``)."""
-    return args.snapshot is not None or args.html is not None
+    """Whether the run must record its allocations (``--snapshot``, ``--html`` or ``--timeline-image``)."""
+    return args.snapshot is not None or args.html is not None or args.timeline_image is not None
 
 
 def write_timeline_outputs(args: argparse.Namespace, report: Any, events: Any) -> list[str]:
-    """Write ``--snapshot`` (the events as a snapshot pickle) and ``--html`` (the report's page), each
-    atomically; the lines saying what was written. An unwritable path is a :class:`UsageError`."""
+    """Write ``--snapshot`` (the events as a snapshot pickle), ``--html`` (the report's page) and
+    ``--timeline-image`` (its timeline figure), each atomically; the lines saying what was written. An unwritable path is a :class:`UsageError`."""
     from vramguard.atomic import write_bytes_atomic, write_text_atomic
     from vramguard.measure.events import dump_snapshot
 
@@ -111,6 +119,11 @@ def write_timeline_outputs(args: argparse.Namespace, report: Any, events: Any) -
 
             write_text_atomic(args.html, render_run_html(report))
             written.append(f"page written to {args.html}")
+        if args.timeline_image is not None:
+            from vramguard.view.timeline import timeline_image
+
+            timeline_image(report, args.timeline_image)
+            written.append(f"timeline figure written to {args.timeline_image}")
     except OSError as exc:
         raise UsageError(f"cannot write the timeline: {exc.strerror or exc}") from None
     return written

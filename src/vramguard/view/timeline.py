@@ -10,7 +10,11 @@ report's own: its ``timeline`` (:class:`~vramguard.measure.events.Timeline`), ``
 from __future__ import annotations
 
 import html
+import io
+from pathlib import Path
+from typing import Any
 
+from vramguard.atomic import write_bytes_atomic, write_text_atomic
 from vramguard.audit.report import AuditReport
 from vramguard.errors import UsageError
 from vramguard.measure.events import CATEGORIES, Timeline
@@ -39,6 +43,32 @@ def timeline_svg(t: Timeline, salt: str, title: str = "") -> str:
     """The timeline as stacked areas by category over the events, phase calls shaded and named, the peak ringed
     (svg id ``peak-<salt>``) and annotated with its bytes and the largest categories alive there."""
     plt = _pyplot()
+    fig = _timeline_figure(plt, t, salt, title)
+    try:
+        return _figure_svg(fig, salt)
+    finally:
+        plt.close(fig)
+
+
+def timeline_image(report: AuditReport, path: Path) -> None:
+    """The timeline figure of the page alone, as PNG (``.png``) or SVG (any other suffix), for a README or a
+    pull request: ``--timeline-image``."""
+    if report.timeline is None:
+        raise UsageError("the report has no timeline")
+    plt = _pyplot()
+    fig = _timeline_figure(plt, report.timeline, "image", _heading(report))
+    try:
+        if path.suffix.lower() == ".png":
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", dpi=100, bbox_inches="tight", metadata={"Software": None})
+            write_bytes_atomic(path, buf.getvalue())
+        else:
+            write_text_atomic(path, _figure_svg(fig, "image"))
+    finally:
+        plt.close(fig)
+
+
+def _timeline_figure(plt: Any, t: Timeline, salt: str, title: str) -> Any:
     scale, unit = _unit(t.peak_bytes)
     fig, ax = plt.subplots(figsize=(11, 4.2))
     try:
@@ -90,9 +120,10 @@ def timeline_svg(t: Timeline, salt: str, title: str = "") -> str:
             fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="category", title_fontsize=8
         )
         ax.grid(alpha=0.3)
-        return _figure_svg(fig, salt)
-    finally:
+    except BaseException:
         plt.close(fig)
+        raise
+    return fig
 
 
 def layers_svg(report: AuditReport, salt: str) -> str:

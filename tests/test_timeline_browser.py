@@ -128,3 +128,27 @@ def test_each_check_can_fail_on_a_real_page(
     for name, result in results.items():
         with pytest.raises(AssertionError):
             clean(result, plots=2, peaks=["peak-run"])
+
+
+def test_the_store_report_links_a_runs_page_where_one_exists(
+    chromium: Browser, pages: dict[str, Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    from test_trend_report import MiB, doc
+
+    from vramguard.history.store import ResultStore
+
+    store = ResultStore(tmp_path / "store")
+    store.add(doc("0.49.0", 100 * MiB))
+    second = store.add(doc("0.50.0", 100 * MiB))
+    shutil.copy(pages["audit"], second.parent / "audit.html")
+    report = tmp_path / "out" / "report.html"
+    assert main(["report", str(store.root), "-o", str(report)]) == 0
+    seen = check(chromium, report)
+    assert seen["requests"] == [] and seen["problems"] == []
+    links = chromium.evaluate("[...document.querySelectorAll('a.run-page')].map(a => a.href)")
+    assert len(links) == 1 and links[0].endswith("/audit.html")  # the second run's; the first has none
+    linked = Path(links[0].removeprefix("file://"))
+    assert linked.resolve() == (second.parent / "audit.html").resolve()
+    clean(check(chromium, linked), plots=2, peaks=["peak-run"])

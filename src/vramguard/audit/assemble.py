@@ -29,6 +29,7 @@ from vramguard.audit.report import (
     StepRow,
     Totals,
 )
+from vramguard.measure.events import Timeline
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.storage import frozen_resident_bytes, storage_nbytes
 from vramguard.measure.tracker import MemoryTracker
@@ -156,6 +157,7 @@ class Measured:
     findings: list[Finding | None] = field(default_factory=list)
     ok_detail: str | None = None
     offloaded: bool = False
+    timeline: Timeline | None = None
 
 
 def assemble(m: Measured) -> AuditReport:
@@ -192,4 +194,5 @@ def assemble(m: Measured) -> AuditReport:
         records=[r.to_dict() for r in m.ledger.records],
         elapsed_s=round(m.elapsed_s, 3),
         architecture=m.architecture,
+        timeline=m.timeline,
     )

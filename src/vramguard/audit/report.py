@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from vramguard.measure.events import Timeline
 from vramguard.units import format_bytes
 
 SCHEMA_VERSION = 1
@@ -212,6 +213,8 @@ class AuditReport:
     architecture: dict[str, Any] = field(default_factory=dict)
     # set by ``vramguard estimate`` (device "meta"), None for a measured audit
     estimate: DeviceEstimate | None = None
+    # the memory through the steps by category (--snapshot, --html; CPU and meta runs), None when not recorded
+    timeline: Timeline | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as the JSON document ``--json`` writes (plain lists and dicts; :meth:`from_dict` reads
@@ -260,6 +263,8 @@ class AuditReport:
             e = dict(d["estimate"])
             e["overheads"] = [Overhead(**o) for o in e.get("overheads", [])]
             d["estimate"] = DeviceEstimate(**e)
+        if d.get("timeline") is not None:
+            d["timeline"] = Timeline.from_dict(d["timeline"])
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:

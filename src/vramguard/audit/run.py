@@ -19,6 +19,7 @@ from vramguard.audit import verdict as checks
 from vramguard.audit.assemble import Measured, assemble
 from vramguard.audit.report import AuditReport, StepRow
 from vramguard.errors import UsageError
+from vramguard.measure.events import AllocationLog, timeline
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.tracker import MemoryTracker
 from vramguard.model.analytic import Expectation, planned_expectation, qlora_expectation, weights_expectation
@@ -106,12 +107,19 @@ def expectation_of(q: QLoRAModel, config: QLoRAConfig, target: str, analytic: bo
 
 
 def run_audit(
-    config: QLoRAConfig, steps: int = 3, progress: Progress | None = None, top: int = 3
+    config: QLoRAConfig,
+    steps: int = 3,
+    progress: Progress | None = None,
+    top: int = 3,
+    events: AllocationLog | None = None,
 ) -> AuditReport:
-    """Build, train ``steps`` steps, measure; pure apart from the compute (no printing)."""
+    """Build, train ``steps`` steps, measure; pure apart from the compute (no printing). With ``events`` (CPU:
+    the storage tracker's), every allocation of the steps is logged there and the report has a ``timeline``."""
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
     config.validate()
+    if events is not None and torch.device(config.device).type != "cpu":
+        raise UsageError(f"allocation events are recorded on cpu and meta, not {config.device}")
     check_fits(config)
     report_progress = progress or (lambda what, done, total: None)
     t0 = time.perf_counter()
@@ -124,7 +132,7 @@ def run_audit(
     def on_step(r: StepResult) -> None:
         report_progress(f"step {r.step + 2}" if r.step + 1 < steps else "done", r.step + 2, steps + 1)
 
-    with MemoryTracker(config.device, model=q.model) as tracker:
+    with MemoryTracker(config.device, model=q.model, events=events) as tracker:
         results, ledger = run_steps(q, steps, tracker, optimizer=optimizer, ledger_step=0, on_step=on_step)
     assert ledger is not None
     return assemble_report(
@@ -186,5 +194,6 @@ def assemble_report(
                 None if meta_run else checks.one_step(steps),
             ],
             offloaded=config.offload_activations,  # on the host by design: no deviation note
+            timeline=timeline(tracker.events) if tracker.events is not None else None,
         )
     )

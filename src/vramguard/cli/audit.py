@@ -14,8 +14,18 @@ from typing import Any
 from vramguard.atomic import write_text_atomic
 from vramguard.audit import run as _audit_run
 from vramguard.audit.run import check_fits, resolve_device, run_audit
-from vramguard.cli.options import add_qlora_options, check_json_path, positive_int, qlora_config
+from vramguard.cli.options import (
+    add_qlora_options,
+    add_timeline_options,
+    check_json_path,
+    check_timeline_paths,
+    positive_int,
+    qlora_config,
+    wants_timeline,
+    write_timeline_outputs,
+)
 from vramguard.errors import UsageError
+from vramguard.measure.events import AllocationLog
 from vramguard.view.console import progress_bar, stdout_console
 from vramguard.view.report import render, verdict_only
 from vramguard.workload.models import QLoRAConfig
@@ -49,6 +59,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=QLoRAConfig().seed)
     p.add_argument("--top", type=positive_int, default=3, help="modules listed per layer")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable report here")
+    add_timeline_options(p)
     talk = p.add_mutually_exclusive_group()
     talk.add_argument("--quiet", action="store_true", help="print only the verdict line")
     talk.add_argument(
@@ -61,6 +72,7 @@ def handle(args: argparse.Namespace) -> int:
     """Run the audit the options describe, render it with rich (progress on a terminal), write ``--json``;
     exit 1 on a failed verdict."""
     check_json_path(args.json)  # fail before the run, not after it
+    check_timeline_paths(args)
     if args.offload_activations and args.trainer == "loop":
         raise UsageError("--offload-activations needs --trainer trainer or --trainer sft")
     config = qlora_config(
@@ -68,6 +80,12 @@ def handle(args: argparse.Namespace) -> int:
         device=resolve_device(args.device),
         seed=args.seed,
     )
+    events = AllocationLog() if wants_timeline(args) else None
+    if events is not None and (args.trainer != "loop" or not config.device.startswith("cpu")):
+        raise UsageError(
+            "--snapshot and --html record the storage tracker's allocations: vramguard's loop (--trainer loop) "
+            f"on cpu, not --trainer {args.trainer} on {config.device}"
+        )
     config.validate()
     check_fits(config)  # fail on a bad model, or one that cannot fit, before anything is built
     console = stdout_console()
@@ -79,7 +97,7 @@ def handle(args: argparse.Namespace) -> int:
             progress.update(task, description=what, completed=done, total=total)
 
         if args.trainer == "loop":
-            report = run_audit(config, steps=args.steps, progress=update, top=args.top)
+            report = run_audit(config, steps=args.steps, progress=update, top=args.top, events=events)
         else:
             from vramguard.integrations.trainer_audit import run_trainer_audit
 
@@ -98,4 +116,7 @@ def handle(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot write --json {args.json}: {exc}") from None
         if not args.quiet:
             console.print(f"report written to {args.json}", highlight=False)
+    for line in write_timeline_outputs(args, report, events):
+        if not args.quiet:
+            console.print(line, highlight=False)
     return 0 if report.verdict.ok else 1

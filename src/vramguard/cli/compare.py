@@ -9,10 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from vramguard.atomic import write_text_atomic
+from vramguard.audit.report import AuditReport
+from vramguard.cli.options import check_json_path
 from vramguard.errors import UsageError
 from vramguard.history import compare as _compare
 from vramguard.history.compare import Gate, add_gate_options
 from vramguard.history.store import load_spec
+from vramguard.units import format_bytes
 from vramguard.view.compare import markdown, render
 from vramguard.view.console import wide_stdout_console
 
@@ -45,6 +48,13 @@ def register(subparsers: Any) -> None:
         "--markdown", type=Path, metavar="FILE", help="append a Markdown report (e.g. $GITHUB_STEP_SUMMARY)"
     )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the comparison as JSON")
+    p.add_argument(
+        "--html",
+        type=Path,
+        metavar="FILE",
+        help="BASELINE and CURRENT are two vramguard audit/estimate --json reports written with --html or "
+        "--snapshot: write one page with both memory timelines on one axis and the per-layer difference",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="show every metric, not only headline ones")
     p.set_defaults(func=handle)
 
@@ -54,6 +64,8 @@ def handle(args: argparse.Namespace) -> int:
     regression or missing data."""
     if args.allow_missing and args.fail_on_missing:
         raise UsageError("--allow-missing and --fail-on-missing contradict each other")
+    if args.html is not None:
+        return _html(args)
     gate = Gate.from_options(
         args.threshold, args.fail_above, args.allow_missing, args.fail_on_new or args.fail_on_missing
     )
@@ -70,3 +82,37 @@ def handle(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UsageError(f"cannot write report: {exc}") from None
     return 1 if comparison.failed else 0
+
+
+def _report(spec: str) -> AuditReport:
+    """The audit/estimate report in the JSON file ``spec``; anything else is a :class:`UsageError`."""
+    try:
+        doc = json.loads(Path(spec).read_text())
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not a JSON document"
+        raise UsageError(f"cannot read {spec}: {why}") from None
+    try:
+        return AuditReport.from_dict(doc)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise UsageError(
+            f"{spec} is no vramguard audit/estimate --json report: --html compares two of those"
+        ) from None
+
+
+def _html(args: argparse.Namespace) -> int:
+    """``--html``: the page of two runs (:func:`vramguard.view.timeline.render_compare_html`), written atomically."""
+    from vramguard.view.timeline import render_compare_html
+
+    check_json_path(args.html, "--html")
+    a, b = _report(args.baseline), _report(args.current)
+    page = render_compare_html(a, b, (args.baseline, args.current))
+    try:
+        write_text_atomic(args.html, page)
+    except OSError as exc:
+        raise UsageError(f"cannot write --html {args.html}: {exc.strerror or exc}") from None
+    assert a.timeline is not None and b.timeline is not None
+    print(
+        f"compare page written to {args.html}: peak {format_bytes(a.timeline.peak_bytes)} -> "
+        f"{format_bytes(b.timeline.peak_bytes)} ({format_bytes(b.timeline.peak_bytes - a.timeline.peak_bytes, signed=True)})"
+    )
+    return 0

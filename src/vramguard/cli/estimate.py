@@ -9,7 +9,16 @@ from typing import Any
 
 from vramguard.atomic import write_text_atomic
 from vramguard.audit.report import AuditReport
-from vramguard.cli.options import add_qlora_options, check_json_path, positive_int, qlora_config
+from vramguard.cli.options import (
+    add_qlora_options,
+    add_timeline_options,
+    check_json_path,
+    check_timeline_paths,
+    positive_int,
+    qlora_config,
+    wants_timeline,
+    write_timeline_outputs,
+)
 from vramguard.errors import UsageError
 from vramguard.units import parse_size
 from vramguard.workload.models import METHODS, OPTIMIZERS, QLoRAConfig
@@ -72,6 +81,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--top", type=positive_int, default=3, help="modules listed per layer")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the report (the audit's schema) here")
+    add_timeline_options(p)
     p.add_argument("--quiet", action="store_true", help="print only the estimate line")
     p.set_defaults(func=main)
 
@@ -80,10 +90,12 @@ def main(args: argparse.Namespace) -> int:
     """Run the estimate the options describe on meta, print it (only the verdict line with ``--quiet``),
     search ``--fit`` and write ``--json``; exit 1 when the verdict fails or the total exceeds ``--fit``."""
     from vramguard.estimate.run import run_estimate
+    from vramguard.measure.events import AllocationLog
     from vramguard.view.console import stdout_console
     from vramguard.view.report import render, render_fit, verdict_only
 
     check_json_path(args.json)  # fail before the run, not after it
+    check_timeline_paths(args)
     config = qlora_config(
         args,
         device="cpu",  # validated as a real device; the run is on meta
@@ -94,7 +106,8 @@ def main(args: argparse.Namespace) -> int:
     size = parse_size(args.fit) if args.fit is not None else None
     if size is not None and size <= 0:
         raise UsageError(f"--fit must be a positive size, got {args.fit!r}")
-    report = run_estimate(config, steps=args.steps, top=args.top, target=args.target)
+    events = AllocationLog() if wants_timeline(args) else None
+    report = run_estimate(config, steps=args.steps, top=args.top, target=args.target, events=events)
     console = stdout_console()
     if args.quiet:
         verdict_only(report, console)
@@ -112,6 +125,9 @@ def main(args: argparse.Namespace) -> int:
             write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
         except OSError as exc:
             raise UsageError(f"cannot write --json {args.json}: {exc}") from None
+    for line in write_timeline_outputs(args, report, events):
+        if not args.quiet:
+            console.print(line, highlight=False)
     return 0 if report.verdict.ok and fits else 1
 
 

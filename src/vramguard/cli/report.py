@@ -21,9 +21,25 @@ from vramguard.units import parse_percent
 from vramguard.view.html import bench_title, render_html, render_markdown
 
 
+def run_pages(store: Path, trend: Any, output: Path) -> dict[str, str]:
+    """Run id -> the link, relative to ``output``'s folder, to the first ``*.html`` page in that run's folder
+    of the store (``STORE/<env key>/<run id>/``: a ``vramguard audit/estimate --html`` page kept with the
+    run's records), for the runs that have one."""
+    import os
+
+    pages = {}
+    for run in trend.runs:
+        found = sorted((store / run.key / run.run_id).glob("*.html"))
+        if found:
+            pages[run.run_id] = Path(os.path.relpath(found[0], output.absolute().parent)).as_posix()
+    return pages
+
+
 # -- CLI ------------------------------------------------------------------------------------------------
 def register(subparsers: Any) -> None:
-    """Add the ``report`` subcommand: the store, the HTML output, an optional markdown copy and the threshold."""
+    """Add the ``report`` subcommand: the store, the HTML output, an optional markdown copy and the threshold.
+    A run whose folder in the store holds an HTML page (``vramguard audit --html STORE/<env key>/<run id>/x.html``)
+    is linked from the report."""
     p = subparsers.add_parser(
         "report",
         help="a self-contained HTML (and markdown) report of a results store across runs",
@@ -51,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     threshold = DEFAULT_MEMORY_THRESHOLD if args.fail_above is None else parse_percent(args.fail_above)
     trend = build(ResultStore(args.store), threshold)
     source = str(args.store)
-    page = render_html(trend, source)
+    page = render_html(trend, source, run_pages(args.store, trend, args.output))
     try:
         write_text_atomic(args.output, page)
         if args.markdown:

@@ -20,6 +20,7 @@ from vramguard.audit.run import assemble_report, expectation_of
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import META, TARGETS, build_meta, forced_decisions
 from vramguard.estimate.offload import OffloadActivations
+from vramguard.measure.events import AllocationLog
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.units import format_bytes
 from vramguard.workload.models import OPTIMIZERS, ModelSpec, QLoRAConfig, QLoRAModel
@@ -148,6 +149,7 @@ def run_estimate(
     optimizer: str | None = None,
     target: str = "cuda",
     offload_activations: bool | None = None,
+    events: AllocationLog | None = None,
 ) -> AuditReport:
     """Build ``config``'s model on meta, run ``steps`` steps under the tracker (the ledger on the
     first) and return the report. ``config.device`` is only validated; the run is on meta.
@@ -160,6 +162,9 @@ def run_estimate(
 
     ``target``: the device whose kernel choices the meta run takes (:data:`TARGETS`): ``cuda``, where
     the step will run, or ``cpu``, whose audit the meta run then equals to the byte.
+
+    ``events``: every allocation and free of the steps is logged there (the storages the tracker counts, with
+    phase, module stack and category); the report then has a ``timeline``.
     """
     if target not in TARGETS:
         raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
@@ -188,7 +193,7 @@ def run_estimate(
     try:
         with (
             forced_decisions(target) as taken,
-            MemoryTracker(device, model=q.model, source=source) as tracker,
+            MemoryTracker(device, model=q.model, source=source, events=events) as tracker,
             offload,
         ):
             results, ledger = run_steps(q, steps, tracker, optimizer=opt, ledger_step=0)

@@ -39,12 +39,21 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import TrainerCallback
 
-from vramguard.atomic import write_text_atomic
+from vramguard.atomic import write_bytes_atomic, write_text_atomic
 from vramguard.audit import verdict as checks
 from vramguard.audit.assemble import Measured, assemble, layer_rows
 from vramguard.audit.report import AuditReport, Finding, StepRow
 from vramguard.errors import UsageError
 from vramguard.measure.decoder import decoder_layer
+from vramguard.measure.events import (
+    GRADIENTS,
+    OPTIMIZER,
+    AllocationLog,
+    dump_snapshot,
+    model_storages,
+    optimizer_state,
+    timeline,
+)
 from vramguard.measure.ledger import LedgerReport, SavedTensorLedger, iter_graph
 from vramguard.measure.offload import HostMeter, hooks_in_force
 from vramguard.measure.tracker import (
@@ -96,6 +105,11 @@ class VramGuardCallback(TrainerCallback):
     scratch buffers). The allocator source cannot be read inside the autograd engine, so with it the
     backward phase opens and closes around torch's backward entry (wrapped while training), the ledger
     step's per-node backward attribution is not taken, and ``torch.profiler`` cannot run beside it.
+    ``snapshot_path`` (CPU with the storage tracker): every allocation and free of the measured steps is logged
+    (phase, autograd node; categories: the model's weights and trainable parameters, what the ledger step keeps
+    for backward, gradients, optimizer state, temporaries) and written at the end of training as a PyTorch
+    memory snapshot (``torch.cuda._memory_viz.trace_plot`` renders it; its replay gives the tracker's peak); the
+    report then has a ``timeline``. Saved activations are named on the ledger step only.
     Bad arguments raise :class:`vramguard.errors.UsageError` here; a model without decoder layers or a
     ``ledger_step`` past ``max_steps`` raise it in ``on_train_begin``, before the first step.
     """
@@ -110,6 +124,7 @@ class VramGuardCallback(TrainerCallback):
         leak_tolerance: str | int | None = None,
         measure_every: int = 1,
         cpu_source: str = "storage",
+        snapshot_path: str | Path | None = None,
     ) -> None:
         if isinstance(ledger_step, bool) or not isinstance(ledger_step, int) or ledger_step < 1:
             raise UsageError(
@@ -129,6 +144,13 @@ class VramGuardCallback(TrainerCallback):
         self.report_path = None if report_path is None else Path(report_path)
         if self.report_path is not None and self.report_path.is_dir():
             raise UsageError(f"report_path {self.report_path} is a directory")
+        self.snapshot_path = None if snapshot_path is None else Path(snapshot_path)
+        if self.snapshot_path is not None and self.snapshot_path.is_dir():
+            raise UsageError(f"snapshot_path {self.snapshot_path} is a directory")
+        if self.snapshot_path is not None and cpu_source == "allocator":
+            raise UsageError(
+                "snapshot_path needs cpu_source='storage': the allocator source names no storages"
+            )
         self.table = table
         self.steps: list[_Step] = []
         self.ledger: LedgerReport | None = None
@@ -157,6 +179,7 @@ class VramGuardCallback(TrainerCallback):
         self._t0 = 0.0
         self._trainer_name = "Trainer"
         self._config: dict[str, Any] = {}
+        self._events: AllocationLog | None = None
 
     # -- trainer events ---------------------------------------------------------------------
 
@@ -206,9 +229,15 @@ class VramGuardCallback(TrainerCallback):
             "activation_offloading": False,
         }
         allocator = self.cpu_source == "allocator" and torch.device(device).type == "cpu"
-        self._tracker = MemoryTracker(
-            device, source=CpuAllocatorSource() if allocator else source_for(device)
-        )
+        source = CpuAllocatorSource() if allocator else source_for(device)
+        if self.snapshot_path is not None:
+            if not isinstance(source, StorageTracker):
+                raise UsageError(
+                    f"VramGuardCallback: snapshot_path records the storage tracker's allocations (CPU), not {device}"
+                )
+            self._events = AllocationLog()
+            self._events.add_preexisting(model_storages(model))
+        self._tracker = MemoryTracker(device, source=source, events=self._events)
         try:
             self._tracker.__enter__()
         except RuntimeError as e:  # the allocator source finds a profiler running already
@@ -250,6 +279,9 @@ class VramGuardCallback(TrainerCallback):
         """Close the phase still open (backward) and open the ``optimizer`` phase, which runs until
         :meth:`on_step_end`."""
         if self._current is not None:
+            if self._events is not None and self._model is not None:
+                grads = (p.grad for p in self._model.parameters() if p.requires_grad and p.grad is not None)
+                self._events.label_tensors(grads, GRADIENTS)
             self._open("optimizer")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -261,6 +293,8 @@ class VramGuardCallback(TrainerCallback):
             return
         self._close()
         self._step_cm.__exit__(None, None, None)
+        if self._events is not None and self._optimizer is not None:
+            self._events.label_tensors(optimizer_state(self._optimizer), OPTIMIZER)
         s = self._current
         if isinstance(self._tracker.source, CudaAllocatorSource):
             self._tracker.source.settle()  # blocks freed after a copy stream's work are not retained
@@ -309,6 +343,12 @@ class VramGuardCallback(TrainerCallback):
         self.report = self._assemble()
         if self.report_path is not None and getattr(state, "is_world_process_zero", True):
             write_text_atomic(self.report_path, json.dumps(self.report.to_dict(), indent=2) + "\n")
+        if (
+            self._events is not None
+            and self.snapshot_path is not None
+            and getattr(state, "is_world_process_zero", True)
+        ):
+            write_bytes_atomic(self.snapshot_path, dump_snapshot(self._events.snapshot()))
         if self.table and getattr(state, "is_world_process_zero", True):
             from vramguard.view.console import stdout_console
             from vramguard.view.report import render
@@ -432,6 +472,8 @@ class VramGuardCallback(TrainerCallback):
             ledger.add_roots(output)
             ledger.__exit__(None, None, None)
             self.ledger = ledger.report
+            if self._events is not None:
+                self._events.label_saved(ledger.report.records)
             self._attribute_backward(ledger, _tensors(output))
 
     def _attribute_backward(self, ledger: SavedTensorLedger, roots: list[torch.Tensor]) -> None:
@@ -579,6 +621,7 @@ class VramGuardCallback(TrainerCallback):
                 ],
                 findings=self._findings(steps),
                 ok_detail=f" ({self._trainer_name})",
+                timeline=timeline(self._events) if self._events is not None else None,
             )
         )
 

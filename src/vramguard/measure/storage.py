@@ -231,6 +231,12 @@ def frozen_resident_bytes(model: torch.nn.Module) -> int:
     return sum(sizes.values())
 
 
+def resident_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(owner name, tensor) for every parameter, buffer and tensor hanging off them or their module (the
+    storages :func:`resident_storages` names; a storage may come more than once)."""
+    return _resident_tensors(model)
+
+
 def _resident_tensors(
     model: torch.nn.Module, named: Iterable[tuple[str, torch.nn.Module]] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from vramguard.measure.events import AllocationLog, Context, model_storages
 from vramguard.measure.modules import ModuleStack, module_names
 from vramguard.measure.storage import StorageKey, storage_key, tensor_leaves
 
@@ -58,7 +59,9 @@ class StorageTracker(TorchDispatchMode):
     """Counts storages created by ops, from creation to destruction.
 
     ``device_type`` limits counting to one kind of device (``"cpu"``, ``"meta"``, ``"cuda"``);
-    None counts all of them.
+    None counts all of them. With :attr:`events` set (an :class:`~vramguard.measure.events.AllocationLog`),
+    every storage counted and every one freed is also an event there, at the same moment and with the same
+    bytes.
     """
 
     def __init__(self, device_type: str | None = "cpu") -> None:
@@ -73,6 +76,7 @@ class StorageTracker(TorchDispatchMode):
         self._peak = 0
         self._lock = threading.Lock()
         self.allocations = 0
+        self.events: AllocationLog | None = None
 
     # MemorySource -------------------------------------------------------------------------
     def current(self) -> int:
@@ -154,6 +158,8 @@ class StorageTracker(TorchDispatchMode):
                 self._current += nbytes - known
                 self._live[storage._cdata] = nbytes
                 self._peak = max(self._peak, self._current)
+                if self.events is not None:
+                    self.events.resize(storage._cdata, nbytes, storage.device.type)
         return True
 
     def _count(self, storage: Any) -> None:
@@ -165,6 +171,8 @@ class StorageTracker(TorchDispatchMode):
             self._current += nbytes
             self._peak = max(self._peak, self._current)
             self.allocations += 1
+            if self.events is not None:
+                self.events.alloc(key, nbytes, storage.device.type)
 
     def _free(self, ref: weakref.KeyedRef) -> None:
         with self._lock:
@@ -172,6 +180,8 @@ class StorageTracker(TorchDispatchMode):
                 return
             del self._refs[ref.key]
             self._current -= self._live.pop(ref.key)
+            if self.events is not None:
+                self.events.free(ref.key)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -340,6 +350,12 @@ class MemoryTracker:
     ...     with tracker.phase("backward"):
     ...         loss.backward()
     >>> tracker.result.phases["forward"].peak_bytes
+
+    ``events``: an :class:`~vramguard.measure.events.AllocationLog` that receives every allocation and free the
+    source counts (a :class:`StorageTracker`: CPU and meta), each with the phase, the module stack and, in
+    backward, the autograd node running when it happened; with ``model``, the model's storages that exist
+    before the block are its pre-existing blocks (weights, trainable parameters). Another source records no
+    events (``ValueError``).
     """
 
     def __init__(
@@ -347,20 +363,41 @@ class MemoryTracker:
         device: str | torch.device = "cpu",
         model: torch.nn.Module | None = None,
         source: MemorySource | None = None,
+        events: AllocationLog | None = None,
     ) -> None:
         self.source: MemorySource = source or source_for(device)
         self.model = model
         self.result = TrackerResult(device=self.source.device, peak_bytes=0)
         self._open: list[Frame] = []
         self._modules = ModuleStack({}, self._enter_module, self._exit_module)
+        if events is not None and not isinstance(self.source, StorageTracker):
+            raise ValueError(f"{type(self.source).__name__} records no allocation events")
+        self.events = events
 
     def __enter__(self) -> MemoryTracker:
+        if self.events is not None:
+            assert isinstance(self.source, StorageTracker)
+            self.events.device = self.source.device
+            self.events.context = self._context
+            if self.model is not None:
+                self.events.add_preexisting(model_storages(self.model))
+            self.source.events = self.events
         self.source.start()
         self._root = self.open_frame(FrameStats("total"))
         if self.model is not None:
             self._modules.names = module_names(self.model)
             self._modules.__enter__()
         return self
+
+    def _context(self) -> Context:
+        """Where the step is now, for :attr:`events`: phase, call, module stack and autograd node."""
+        assert self.events is not None
+        phase, call = self.events.phase_now()
+        node = None
+        if torch._C._current_graph_task_id() != -1:
+            running = torch._C._current_autograd_node()
+            node = running.name() if running is not None else None
+        return (phase, call, tuple(self._modules.stack), node)
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -371,6 +408,10 @@ class MemoryTracker:
         root = self.close_frame()
         self.result.peak_bytes = root.peak_bytes
         self.source.stop()
+        if self.events is not None:
+            assert isinstance(self.source, StorageTracker)
+            self.source.events = None
+            self.events.stop()
 
     def current(self) -> int:
         """Bytes live now as the source counts them (a reading only: no frame's peak is updated)."""
@@ -386,9 +427,13 @@ class MemoryTracker:
         """Measure a block; yields this call's stats (filled on exit), aggregated under ``name``."""
         call = FrameStats(name)
         frame = self.open_frame(call, self.result.phases.setdefault(name, FrameStats(name)))
+        if self.events is not None:
+            self.events.begin(name)
         try:
             yield call
         finally:
+            if self.events is not None:
+                self.events.end(name)
             self.close_frame(frame)
 
     # frames -------------------------------------------------------------------------------

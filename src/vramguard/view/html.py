@@ -124,9 +124,10 @@ def bench_title(bench: str, params: str) -> str:
     return f"{bench} [{p}]" if p else bench
 
 
-def render_html(trend: Trend, source: str) -> str:
+def render_html(trend: Trend, source: str, pages: dict[str, str] | None = None) -> str:
     """The whole report as one self-contained HTML page: regressions first, then each benchmark's plots and
-    the runs."""
+    the runs; ``pages`` (run id -> a link relative to the report) links each run's own page (a run's
+    ``vramguard audit/estimate --html`` page kept in its folder of the store) from the environment table."""
     e = html.escape
     out = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
@@ -168,7 +169,9 @@ def render_html(trend: Trend, source: str) -> str:
                     f"<figure class='plot layers'>{layers_svg(bars, f'f{n}')}</figure>"
                 )
     out.append("<h2>Values</h2>" + _html_table(*_values_table(trend)))
-    out.append("<h2>Environment</h2>" + _html_table(*_env_table(trend)))
+    out.append(
+        "<h2>Environment</h2>" + _html_table(*_env_table(trend), links=_page_links(trend, pages or {}))
+    )
     if trend.skipped_runs:
         out.append("<h2>Runs without memory fields</h2><ul>")
         out += [f"<li>{e(run)}: {e(why)}</li>" for run, why in trend.skipped_runs]
@@ -212,15 +215,24 @@ def _env_table(trend: Trend) -> tuple[list[str], list[list[tuple[str, bool]]]]:
     return header, rows
 
 
-def _html_table(header: list[str], rows: list[list[tuple[str, bool]]]) -> str:
+def _page_links(trend: Trend, pages: dict[str, str]) -> list[str | None]:
+    """Per run (the environment table's rows), the link to its page, or None."""
+    return [pages.get(r.run_id) for r in trend.runs]
+
+
+def _html_table(
+    header: list[str], rows: list[list[tuple[str, bool]]], links: list[str | None] | None = None
+) -> str:
+    """A table; with ``links`` (one per row), a last ``page`` column links each row's page where it has one."""
     e = html.escape
-    out = ["<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>"]
-    for row in rows:
-        out.append(
-            "<tr>"
-            + "".join(f"<td class='{'regression' if reg else 'num'}'>{e(text)}</td>" for text, reg in row)
-            + "</tr>"
-        )
+    extra = ["page"] if links is not None else []
+    out = ["<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in [*header, *extra]) + "</tr>"]
+    for i, row in enumerate(rows):
+        cells = "".join(f"<td class='{'regression' if reg else 'num'}'>{e(text)}</td>" for text, reg in row)
+        if links is not None:
+            link = links[i]
+            cells += f"<td><a class='run-page' href='{e(link)}'>page</a></td>" if link else "<td>-</td>"
+        out.append("<tr>" + cells + "</tr>")
     return "".join(out) + "</table>"
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from vramguard.measure.events import GRADIENTS, OPTIMIZER, optimizer_state
 from vramguard.measure.ledger import LedgerReport, SavedTensorLedger
 from vramguard.measure.tracker import FrameStats, MemoryTracker
 from vramguard.workload.models import QLoRAModel
@@ -52,7 +53,9 @@ def train_step(
     ledger: SavedTensorLedger | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
 ) -> StepResult:
-    """Run one step inside ``tracker``; with ``ledger``, the forward pass is also itemised.
+    """Run one step inside ``tracker``; with ``ledger``, the forward pass is also itemised. When the tracker
+    records events (:attr:`MemoryTracker.events`), every step's forward runs under a ledger whose saved
+    storages, like the gradients and the optimizer's state, label their allocations.
 
     ``loss_fn`` maps the model output to the loss (default: the model's own ``loss``).
     """
@@ -60,12 +63,17 @@ def train_step(
     device = q.device
     start = tracker.current()
     calls: dict[str, FrameStats] = {}
+    events = tracker.events
+    if ledger is None and events is not None:  # what this step keeps for backward, for the events' labels
+        ledger = SavedTensorLedger(q.model)
     with tracker.phase("forward") as calls["forward"]:
         if ledger is not None:
             with ledger:
                 out = q.model(**batch)
                 loss = loss_fn(out) if loss_fn else out.loss
                 ledger.add_roots(loss)
+            if events is not None:
+                events.label_saved(ledger.report.records)
         else:
             out = q.model(**batch)
             loss = loss_fn(out) if loss_fn else out.loss
@@ -75,8 +83,12 @@ def train_step(
     with tracker.phase("backward") as calls["backward"]:
         loss.backward()
         _sync(device)
+    if events is not None:
+        events.label_tensors((p.grad for p in q.trainable_parameters() if p.grad is not None), GRADIENTS)
     with tracker.phase("optimizer") as calls["optimizer"]:
         optimizer.step()
+        if events is not None:
+            events.label_tensors(optimizer_state(optimizer), OPTIMIZER)
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
     value = None if loss.is_meta else float(loss.detach().float().item())  # meta: shapes, no values

@@ -9,7 +9,14 @@ from typing import Any
 
 from vramguard.atomic import write_text_atomic
 from vramguard.audit.report import AuditReport
-from vramguard.cli.options import add_qlora_options, check_json_path, positive_int, qlora_config
+from vramguard.cli.options import (
+    add_qlora_options,
+    check_json_path,
+    positive_int,
+    print_not_priced,
+    qlora_config,
+    with_config_notes,
+)
 from vramguard.errors import UsageError
 from vramguard.units import parse_size
 from vramguard.workload.models import METHODS, OPTIMIZERS, QLoRAConfig
@@ -32,14 +39,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--method",
-        default="qlora",
         choices=METHODS,
         help="qlora: 4-bit base + LoRA; lora: LoRA on a base in --dtype; full: all parameters, fp32 + "
         "AdamW (default: qlora)",
     )
     p.add_argument(
         "--optimizer",
-        default="adamw",
         choices=OPTIMIZERS,
         help="adamw: torch AdamW (fp32 moments); adamw-8bit: bitsandbytes AdamW8bit; paged-adamw-8bit: "
         "bitsandbytes PagedAdamW8bit, estimated as AdamW8bit with its paged (evictable) state named "
@@ -47,7 +52,8 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--offload-activations",
-        action="store_true",
+        action="store_const",
+        const=True,
         help="keep what autograd saves for backward on the host (torch.autograd.graph.save_on_cpu), "
         "emulated on meta: the device holds only the copies backward takes back",
     )
@@ -84,20 +90,17 @@ def main(args: argparse.Namespace) -> int:
     from vramguard.view.report import render, render_fit, verdict_only
 
     check_json_path(args.json)  # fail before the run, not after it
-    config = qlora_config(
-        args,
-        device="cpu",  # validated as a real device; the run is on meta
-        method=args.method,
-        optimizer=args.optimizer,
-        offload_activations=args.offload_activations,
-    )
+    config, lines = qlora_config(args, device="cpu")  # validated as a real device; the run is on meta
     size = parse_size(args.fit) if args.fit is not None else None
     if size is not None and size <= 0:
         raise UsageError(f"--fit must be a positive size, got {args.fit!r}")
-    report = run_estimate(config, steps=args.steps, top=args.top, target=args.target)
+    report = with_config_notes(
+        run_estimate(config, steps=args.steps, top=args.top, target=args.target), lines
+    )
     console = stdout_console()
     if args.quiet:
         verdict_only(report, console)
+        print_not_priced(lines)
     else:
         render(report, console, "estimate")
     fits = True

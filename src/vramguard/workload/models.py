@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -188,6 +189,17 @@ least :data:`vramguard.estimate.run.PAGED_MIN_NUMEL` elements live in CUDA unifi
 cannot be had on meta or on a CPU, so the meta run runs ``AdamW8bit`` and
 :func:`vramguard.estimate.run.paged_state_bytes` names the bytes that would be paged."""
 
+MIXED_PRECISION: tuple[str, ...] = ("no", "bf16", "fp16")
+"""Trainer's autocast (``TrainingArguments.bf16`` / ``fp16``): recorded in :class:`QLoRAConfig`, not priced yet."""
+
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+def names_of(value: str) -> list[str]:
+    """The names of a comma-separated list (``target_modules``, ``target_parameters``), blanks dropped."""
+    return [n.strip() for n in value.split(",") if n.strip()] if isinstance(value, str) else []
+
+
 STEP_OPTIONS: tuple[str, ...] = ("method", "optimizer", "offload_activations")
 """The fields of :class:`QLoRAConfig` that schema 1 of the JSON document stores under ``config.extra``."""
 
@@ -200,7 +212,14 @@ class QLoRAConfig:
     A new parameter is a field with its default, a check in :meth:`validate` and, where a command takes it,
     an option in :mod:`vramguard.cli.options`; the JSON document records every field (:meth:`to_dict`).
     ``method``, ``optimizer`` and ``offload_activations`` are the meta-run estimate's (the audit's loop
-    always runs qlora with torch AdamW, nothing offloaded)."""
+    always runs qlora with torch AdamW, nothing offloaded).
+
+    ``target_modules``: PEFT's ``target_modules``: ``all-linear``, ``peft-default`` (PEFT's own choice for
+    the architecture, what ``LoraConfig(target_modules=None)`` and TRL's default pick) or comma-separated
+    module names. ``target_parameters``: PEFT's ``target_parameters``, comma-separated parameter names
+    (e.g. a mixture of experts' ``mlp.experts.gate_up_proj``), empty for none. ``use_rslora``: PEFT's
+    rank-stabilised scaling (``alpha / sqrt(r)``). ``mixed_precision``: Trainer's ``bf16`` / ``fp16``
+    autocast (``no``, ``bf16``, ``fp16``), recorded but not priced yet: both commands say so."""
 
     model: str = "tiny-llama"
     seq_len: int = 128
@@ -216,6 +235,9 @@ class QLoRAConfig:
     device: str = "cpu"
     seed: int = 0
     target_modules: str = "all-linear"
+    target_parameters: str = ""
+    use_rslora: bool = False
+    mixed_precision: str = "no"
     method: str = "qlora"
     optimizer: str = "adamw"
     offload_activations: bool = False
@@ -243,6 +265,20 @@ class QLoRAConfig:
             raise UsageError(
                 f"attention implementation must be sdpa or eager, got {self.attn_implementation!r}"
             )
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise UsageError(
+                f"mixed precision must be one of {', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}"
+            )
+        for name in ("target_modules", "target_parameters"):
+            value = getattr(self, name)
+            names = names_of(value)
+            if not isinstance(value, str) or any(not _NAME.fullmatch(n) for n in names):
+                raise UsageError(
+                    f"{name.replace('_', '-')} must be comma-separated module names (letters, digits, _ . -), "
+                    f"got {value!r}"
+                )
+        if not names_of(self.target_modules) and not names_of(self.target_parameters):
+            raise UsageError("target-modules is empty and so is target-parameters: LoRA would adapt nothing")
         dev = self.device
         try:
             torch_dev = torch.device(dev)
@@ -354,14 +390,20 @@ def bnb_4bit_config(config: QLoRAConfig) -> Any:
 
 
 def lora_config(config: QLoRAConfig) -> Any:
-    """PEFT's ``LoraConfig`` for ``config``: rank, alpha, dropout, target modules, causal LM."""
+    """PEFT's ``LoraConfig`` for ``config``: rank, alpha, dropout, target modules and parameters, rsLoRA,
+    causal LM."""
     from peft import LoraConfig
 
+    targets: str | list[str] | None = names_of(config.target_modules)  # [] with target_parameters alone
+    if config.target_modules in ("all-linear", "peft-default"):
+        targets = None if config.target_modules == "peft-default" else "all-linear"
     return LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
-        target_modules=config.target_modules,
+        target_modules=targets,
+        target_parameters=names_of(config.target_parameters) or None,
+        use_rslora=config.use_rslora,
         task_type="CAUSAL_LM",
     )
 

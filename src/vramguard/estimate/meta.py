@@ -41,8 +41,9 @@ from vramguard.workload.models import (
     bnb_4bit_config,
     lora_config,
     parse_dtype,
-    refuse_unquantized,
     resolve_attention,
+    routing_line,
+    weights_line,
 )
 
 META = "meta"
@@ -310,7 +311,6 @@ def build_meta(
             _quantize_on_meta(model)
             quantizer.postprocess_model(model)
             model.hf_quantizer = quantizer
-            refuse_unquantized(model, spec, hf_config)
             model = prepare_model_for_kbit_training(
                 model,
                 use_gradient_checkpointing=config.gradient_checkpointing,
@@ -325,6 +325,8 @@ def build_meta(
             model = get_peft_model(model, lora_config(config))
     model.train()
     model.config.use_cache = False
+    loaded = getattr(model, "config", hf_config)  # from_pretrained set its experts implementation there
+    notes += [line for line in (weights_line(model, loaded), routing_line(loaded)) if line]
     return MetaQLoRAModel(
         model=model,
         spec=spec,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from vramguard.errors import UsageError
-from vramguard.workload.families import is_hf_config, moe_refusal, spec_from_hf, transformers_config
+from vramguard.workload.families import experts_of, is_hf_config, spec_from_hf, transformers_config
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -408,17 +408,102 @@ def lora_config(config: QLoRAConfig) -> Any:
     )
 
 
-def refuse_unquantized(model: torch.nn.Module, spec: ModelSpec, hf_config: Any) -> None:
-    """UsageError when 4-bit loading left parameters of 3+ dimensions unquantized (fused experts of a
-    mixture of experts, which bitsandbytes does not quantize)."""
-    unquantized = [
-        n for n, p in model.named_parameters() if p.dim() >= 3 and getattr(p, "quant_state", None) is None
-    ]
-    if unquantized:
-        raise UsageError(
-            moe_refusal(spec.model_type, hf_config)
-            or f"{spec.model_type}: parameters bitsandbytes does not quantize ({unquantized[0]}, ...)"
+def weights_line(model: torch.nn.Module, hf_config: Any) -> str | None:
+    """One line on how a mixture of experts really loaded: which weights are 4-bit, which stay unquantized
+    (and in which dtype), how many bytes each takes, and where PEFT put LoRA; None for a dense model.
+
+    Read from the built model's own parameters (after ``prepare_model_for_kbit_training``, which casts every
+    parameter bitsandbytes left unquantized to fp32: the expert stacks load in the compute dtype and train
+    in fp32)."""
+    experts = experts_of(hf_config)
+    if experts is None:
+        return None
+    quantized = stacks = other = 0
+    quantized_bytes = stack_bytes = other_bytes = 0
+    stack_dtypes: set[str] = set()
+    for p in model.parameters():
+        if p.requires_grad:
+            continue
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            quantized += int(torch.Size(qs.shape).numel())
+            quantized_bytes += storage_bytes_of(p, qs)
+        elif p.dim() >= 3:
+            stacks += p.numel()
+            stack_bytes += p.numel() * p.element_size()
+            stack_dtypes.add(str(p.dtype).removeprefix("torch."))
+        else:
+            other += p.numel()
+            other_bytes += p.numel() * p.element_size()
+    adapted: set[str] = set()  # LoRA on modules (PEFT's lora.Linear*), by their last name
+    wrapped: set[str] = set()  # LoRA on parameters (PEFT's ParamWrapper: target_parameters)
+    for name, m in model.named_modules():
+        if not hasattr(m, "lora_A"):
+            continue
+        while name.endswith(".base_layer"):
+            name = name.removesuffix(".base_layer")
+        last = name.rsplit(".", 1)[-1]
+        if hasattr(m, "parameter_name"):
+            wrapped.add(f"{last}.{m.parameter_name}")
+        else:
+            adapted.add(last)
+    impl = getattr(hf_config, "_experts_implementation", None) or "eager"
+    fb = _format_bytes
+    lora = ", ".join(sorted(adapted))
+    return (
+        f"mixture of experts: {experts.count} experts, top {experts.top_k}, experts_implementation {impl}; "
+        f"4-bit (bitsandbytes Linear4bit): {quantized:,} params in {fb(quantized_bytes)}; not quantized "
+        f"(bitsandbytes replaces nn.Linear only): the fused 3-D expert stacks, {stacks:,} params in "
+        f"{'/'.join(sorted(stack_dtypes))} = {fb(stack_bytes)}, and {other:,} other params (embeddings, "
+        f"lm_head, norms, routers) = {fb(other_bytes)}; LoRA (PEFT) on modules {lora or 'none'}"
+        + (f" and on parameters {', '.join(sorted(wrapped))} (target_parameters)" if wrapped else "")
+    )
+
+
+def routing_line(hf_config: Any) -> str | None:
+    """What routing decides in a mixture of experts' step, or None for a dense model.
+
+    With transformers' ``grouped_mm`` experts (its default where ``torch.nn.functional.grouped_mm`` exists)
+    every expert matmul takes all ``tokens x top_k`` rows, sorted by expert and split by offsets: no tensor's
+    size depends on which experts the router picks, so the bound for balanced routing and the one for the
+    worst case (all tokens to the same experts) are the measured figure. The ``eager`` implementation loops
+    over the experts hit, with per-expert tensors sized by their tokens: there routing decides, and it is
+    not bounded here."""
+    experts = experts_of(hf_config)
+    if experts is None:
+        return None
+    impl = getattr(hf_config, "_experts_implementation", None) or "eager"
+    if impl in ("grouped_mm", "batched_mm"):
+        return (
+            f"routing: with the {impl} experts every expert matmul takes all tokens x top {experts.top_k} rows, "
+            "whatever the router picks: balanced routing, all tokens to the same experts and the measured "
+            "figure keep the same bytes (no tensor's size depends on routing)"
         )
+    return (
+        f"routing: with the {impl} experts the tensors of each expert are sized by the tokens routed to it; "
+        "these figures are for the routing this run drew, not bounded for balanced or worst-case routing"
+    )
+
+
+def _format_bytes(n: int) -> str:
+    from vramguard.units import format_bytes
+
+    return format_bytes(n)
+
+
+def storage_bytes_of(p: torch.Tensor, quant_state: Any) -> int:
+    """Bytes of a 4-bit parameter as stored: packed data, absmax (and its double-quantization state), code."""
+    total = p.numel() * p.element_size()
+    for t in (
+        getattr(quant_state, "absmax", None),
+        getattr(quant_state, "code", None),
+        getattr(getattr(quant_state, "state2", None), "absmax", None),
+        getattr(getattr(quant_state, "state2", None), "code", None),
+        getattr(quant_state, "offset", None),
+    ):
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    return total
 
 
 def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAModel:
@@ -457,7 +542,6 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAMode
             dtype=compute_dtype,
             attn_implementation=attn,
         )
-        refuse_unquantized(model, spec, hf_config)
         model = prepare_model_for_kbit_training(
             model,
             use_gradient_checkpointing=config.gradient_checkpointing,
@@ -466,4 +550,6 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAMode
         model = get_peft_model(model, lora_config(config))
     model.train()
     model.config.use_cache = False
+    loaded = getattr(model, "config", hf_config)  # from_pretrained set its experts implementation there
+    notes += [line for line in (weights_line(model, loaded), routing_line(loaded)) if line]
     return QLoRAModel(model=model, spec=spec, config=config, attn_implementation=attn, notes=tuple(notes))

@@ -10,6 +10,7 @@ forced to the worst case (all tokens to the same experts) and to balanced routin
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,8 +34,9 @@ MOE = [
 
 
 def hook_count(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
-    """Bytes the forward saves for backward, by ``saved_tensors_hooks`` alone: every storage once, except the
-    model's parameters, buffers and the tensors of their quantization state (resident, not saved)."""
+    """Bytes the forward leaves saved for backward, by ``saved_tensors_hooks`` alone: the storages of the
+    packed tensors still alive after the forward (a branch whose graph was dropped keeps nothing), each once,
+    except the model's parameters, buffers and the tensors of their quantization state (resident)."""
     resident: set[int] = set()
     for t in [*model.parameters(), *model.buffers()]:
         resident.add(t.untyped_storage().data_ptr())
@@ -43,19 +45,19 @@ def hook_count(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
             for value in vars(inner).values() if inner is not None else ():
                 if isinstance(value, torch.Tensor):
                     resident.add(value.untyped_storage().data_ptr())
-    saved: dict[int, int] = {}
+    packed: list[weakref.ref[torch.Tensor]] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in resident:
-            saved[storage.data_ptr()] = storage.nbytes()
+        packed.append(weakref.ref(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(**batch).loss
     assert loss.requires_grad
+    alive = [t for ref in packed if (t := ref()) is not None]  # all alive: no address is reused among them
+    saved = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}
     del loss
-    return sum(saved.values())
+    return sum(n for ptr, n in saved.items() if ptr not in resident)
 
 
 @contextmanager
@@ -120,11 +122,11 @@ def test_routing_does_not_change_a_byte_with_grouped_mm_experts() -> None:
     for kind in ("drawn", "worst", "balanced"):
         picks: list[torch.Tensor] = []
 
-        def record(module: torch.nn.Module, args: Any, out: Any, picks: list[torch.Tensor] = picks) -> None:
-            if type(module).__name__.endswith("SparseMoeBlock"):
-                picks.append(module.gate(args[0].reshape(-1, args[0].shape[-1]))[2].detach())
+        def record(module: torch.nn.Module, args: Any, picks: list[torch.Tensor] = picks) -> None:
+            if type(module).__name__.endswith("MixtralExperts"):  # (hidden, top_k_index, top_k_weights)
+                picks.append(args[1].detach().clone())
 
-        handle = torch.nn.modules.module.register_module_forward_hook(record)
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
         try:
             with routing(kind) if kind != "drawn" else _nothing():
                 counts[kind] = hook_count(q.model, batch)

@@ -97,19 +97,6 @@ def test_unknown_family_console_report_shows_no_ratio(
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (
-            {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
-            "mixtral is a mixture-of-experts model (4 experts)",
-        ),
-        (
-            {
-                "model_type": "qwen3_moe",
-                "num_experts": 4,
-                "num_experts_per_tok": 2,
-                "moe_intermediate_size": 96,
-            },
-            "qwen3_moe is a mixture-of-experts model (4 experts)",
-        ),
         ({"model_type": "no-such-model"}, "model_type 'no-such-model' is not known to transformers"),
         ({"model_type": 3}, "model_type must be a non-empty string"),
         ({"model_type": "qwen2", "num_key_value_heads": 3}, "num_key_value_heads must be a positive divisor"),
@@ -135,6 +122,38 @@ def test_refused_configs_are_one_line(
     assert main(["audit", "--model", str(path), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize(
+    ("config", "experts"),
+    [
+        ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}, (4, 2, 352)),
+        (
+            {
+                "model_type": "qwen3_moe",
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 96,
+            },
+            (4, 2, 96),
+        ),
+        ({"model_type": "qwen2"}, None),
+    ],
+)
+def test_mixtures_of_experts_are_read_not_refused(
+    tmp_path: Path, config: dict, experts: tuple | None
+) -> None:
+    """transformers keeps their experts as 3-D parameters bitsandbytes does not quantize: measured as they
+    load (tests/test_moe.py), no longer refused."""
+    from vramguard.workload.families import experts_of
+    from vramguard.workload.models import ModelSpec
+
+    shape = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**shape, "num_attention_heads": 4, "num_key_value_heads": 2, **config}))
+    spec = ModelSpec.load(path)
+    found = experts_of(spec.transformers_config())
+    assert (found and (found.count, found.top_k, found.intermediate)) == experts
 
 
 def test_presets_include_the_hf_configs() -> None:

@@ -89,6 +89,11 @@ def expectation_of(q: QLoRAModel, config: QLoRAConfig, target: str, analytic: bo
     try:
         if not analytic:
             raise NoAnalyticModel(f"no analytic model for --method {config.method}")
+        if config.target_modules != "all-linear" or config.target_parameters:
+            raise NoAnalyticModel(
+                "no analytic model for LoRA on target modules other than all-linear "
+                f"({config.target_modules}{'; parameters ' + config.target_parameters if config.target_parameters else ''})"
+            )
         return qlora_expectation(
             q.model,
             q.spec,
@@ -125,7 +130,7 @@ def run_audit(
     t0 = time.perf_counter()
     report_progress("building 4-bit model", 0, steps + 1)
     q = build_qlora(config)
-    optimizer = make_optimizer(q)
+    optimizer = make_optimizer(q, name=config.optimizer)
     expected = expectation_of(q, config, torch.device(config.device).type)
     report_progress("step 1", 1, steps + 1)
 
@@ -177,7 +182,7 @@ def assemble_report(
             expected=expected,
             optimizer=optimizer,
             trainable=q.trainable_parameters(),
-            config=config.to_dict(step_options=meta_run),
+            config=config.to_dict(step_options=meta_run or config.optimizer != "adamw"),
             architecture={
                 "model_type": q.spec.model_type,
                 "model_class": q.model_class,

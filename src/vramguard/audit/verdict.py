@@ -40,6 +40,7 @@ OFFLOADING = "offloading"
 BACKWARD_PEAK = "backward-peak"
 META_RUN = "meta-run"
 PAGED_OPTIMIZER = "paged-optimizer"
+CONFIG = "config"  # how a --config file (and the flags) were read: priced, no byte, not priced
 
 
 def leak_tolerance(device: str) -> int:

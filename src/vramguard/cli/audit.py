@@ -6,6 +6,7 @@ The audit itself (:func:`vramguard.audit.run.run_audit`) renders nothing; :mod:`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -20,8 +21,10 @@ from vramguard.cli.options import (
     check_json_path,
     check_timeline_paths,
     positive_int,
+    print_not_priced,
     qlora_config,
     wants_timeline,
+    with_config_notes,
     write_timeline_outputs,
 )
 from vramguard.errors import UsageError
@@ -50,7 +53,8 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--offload-activations",
-        action="store_true",
+        action="store_const",
+        const=True,
         help="with --trainer: offload what autograd saves to the host (trainer: torch's save_on_cpu with "
         "pinned buffers around train(); sft: SFTConfig(activation_offloading=True), TRL's OffloadActivations, "
         "which needs an accelerator) and report the host copies per step",
@@ -75,18 +79,24 @@ def handle(args: argparse.Namespace) -> int:
     check_timeline_paths(args)
     if args.offload_activations and args.trainer == "loop":
         raise UsageError("--offload-activations needs --trainer trainer or --trainer sft")
-    config = qlora_config(
-        args,
-        device=resolve_device(args.device),
-        seed=args.seed,
-    )
+    config, lines = qlora_config(args, device=resolve_device(args.device), seed=args.seed)
+    if config.method != "qlora":
+        raise UsageError(
+            f"the audit measures a QLoRA step, but {args.config} gives method {config.method} (QLoRA is "
+            "use_peft and load_in_4bit true); vramguard estimate prices the others"
+        )
+    if config.offload_activations and args.trainer == "loop":
+        lines.append(
+            f"config {args.config.name}: NOT PRICED: activation_offloading=true: vramguard's loop does not "
+            "offload (TRL's offloading runs with --trainer sft on an accelerator); measured without it"
+        )
+        config = dataclasses.replace(config, offload_activations=False)
     events = AllocationLog() if wants_timeline(args) else None
     if events is not None and (args.trainer != "loop" or not config.device.startswith("cpu")):
         raise UsageError(
             "--snapshot and --html record the storage tracker's allocations: vramguard's loop (--trainer loop) "
             f"on cpu, not --trainer {args.trainer} on {config.device}"
         )
-    config.validate()
     check_fits(config)  # fail on a bad model, or one that cannot fit, before anything is built
     console = stdout_console()
     progress = progress_bar(args.quiet)
@@ -103,10 +113,12 @@ def handle(args: argparse.Namespace) -> int:
 
             with tempfile.TemporaryDirectory(prefix="vramguard-trainer-") as tmp:
                 report = run_trainer_audit(
-                    config, args.steps, args.trainer, tmp, offload_activations=args.offload_activations
+                    config, args.steps, args.trainer, tmp, offload_activations=config.offload_activations
                 )
+    report = with_config_notes(report, lines)
     if args.quiet:
         verdict_only(report, console)
+        print_not_priced(lines)
     else:
         render(report, console, "audit")
     if args.json is not None:

@@ -15,8 +15,10 @@ from vramguard.cli.options import (
     check_json_path,
     check_timeline_paths,
     positive_int,
+    print_not_priced,
     qlora_config,
     wants_timeline,
+    with_config_notes,
     write_timeline_outputs,
 )
 from vramguard.errors import UsageError
@@ -41,14 +43,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--method",
-        default="qlora",
         choices=METHODS,
         help="qlora: 4-bit base + LoRA; lora: LoRA on a base in --dtype; full: all parameters, fp32 + "
         "AdamW (default: qlora)",
     )
     p.add_argument(
         "--optimizer",
-        default="adamw",
         choices=OPTIMIZERS,
         help="adamw: torch AdamW (fp32 moments); adamw-8bit: bitsandbytes AdamW8bit; paged-adamw-8bit: "
         "bitsandbytes PagedAdamW8bit, estimated as AdamW8bit with its paged (evictable) state named "
@@ -56,7 +56,8 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--offload-activations",
-        action="store_true",
+        action="store_const",
+        const=True,
         help="keep what autograd saves for backward on the host (torch.autograd.graph.save_on_cpu), "
         "emulated on meta: the device holds only the copies backward takes back",
     )
@@ -96,21 +97,18 @@ def main(args: argparse.Namespace) -> int:
 
     check_json_path(args.json)  # fail before the run, not after it
     check_timeline_paths(args)
-    config = qlora_config(
-        args,
-        device="cpu",  # validated as a real device; the run is on meta
-        method=args.method,
-        optimizer=args.optimizer,
-        offload_activations=args.offload_activations,
-    )
+    config, lines = qlora_config(args, device="cpu")  # validated as a real device; the run is on meta
     size = parse_size(args.fit) if args.fit is not None else None
     if size is not None and size <= 0:
         raise UsageError(f"--fit must be a positive size, got {args.fit!r}")
     events = AllocationLog() if wants_timeline(args) else None
-    report = run_estimate(config, steps=args.steps, top=args.top, target=args.target, events=events)
+    report = with_config_notes(
+        run_estimate(config, steps=args.steps, top=args.top, target=args.target, events=events), lines
+    )
     console = stdout_console()
     if args.quiet:
         verdict_only(report, console)
+        print_not_priced(lines)
     else:
         render(report, console, "estimate")
     fits = True

@@ -4,10 +4,14 @@ default, one way from the parsed arguments to a :class:`QLoRAConfig`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
+from vramguard.audit import verdict as checks
+from vramguard.audit.report import AuditReport
 from vramguard.errors import UsageError
 from vramguard.workload.models import QLoRAConfig
 
@@ -23,34 +27,107 @@ def positive_int(text: str) -> int:
     return value
 
 
+STEP_FLAGS: tuple[str, ...] = (
+    "model",
+    "seq_len",
+    "batch",
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "compute_dtype",
+    "quant_type",
+    "double_quant",
+    "gradient_checkpointing",
+    "attn_implementation",
+    "target_modules",
+    "target_parameters",
+    "mixed_precision",
+    "method",
+    "optimizer",
+    "offload_activations",
+)
+"""The :class:`QLoRAConfig` fields a flag may set (each flag's destination is the field's name). A flag
+not given is ``None`` in the parsed arguments, so a ``--config`` file decides it; without a file, the
+field's default does."""
+
+
 def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
-    """The model and the QLoRA step: shapes, LoRA, quantization, dtype, checkpointing, attention."""
+    """The model and the QLoRA step: the user's training config, shapes, LoRA, quantization, dtype,
+    checkpointing, attention, autocast. Every flag overrides the ``--config`` file."""
     d = QLoRAConfig()
-    p.add_argument("--model", default=d.model, help=model_help)
-    p.add_argument("--seq-len", type=positive_int, default=d.seq_len)
-    p.add_argument("--batch", type=positive_int, default=d.batch)
-    p.add_argument("--lora-rank", type=positive_int, default=d.lora_rank)
-    p.add_argument("--lora-alpha", type=positive_int, default=d.lora_alpha)
-    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
-    p.add_argument("--compute-dtype", default=d.compute_dtype, help="compute dtype: bf16, fp16 or fp32")
-    p.add_argument("--dtype", dest="compute_dtype", help=argparse.SUPPRESS)  # the flag's earlier name
-    p.add_argument("--quant-type", default=d.quant_type, choices=("nf4", "fp4"))
-    p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=d.double_quant)
     p.add_argument(
-        "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="the run's own training config: a `trl sft --config` YAML (TRL's SFTConfig + ModelConfig keys, "
+        "TRL's defaults) or a TrainingArguments JSON; flags override it, and every key it sets that is not "
+        "priced is named",
     )
-    p.add_argument("--attn-implementation", default=d.attn_implementation, choices=("sdpa", "eager"))
+    p.add_argument("--model", help=f"{model_help} (default: {d.model})")
+    p.add_argument("--seq-len", type=positive_int, help=f"default: {d.seq_len}")
+    p.add_argument("--batch", type=positive_int, help=f"default: {d.batch}")
+    p.add_argument("--lora-rank", type=positive_int, help=f"default: {d.lora_rank}")
+    p.add_argument("--lora-alpha", type=positive_int, help=f"default: {d.lora_alpha}")
+    p.add_argument("--lora-dropout", type=float, help=f"default: {d.lora_dropout}")
+    p.add_argument("--compute-dtype", help=f"compute dtype: bf16, fp16 or fp32 (default: {d.compute_dtype})")
+    p.add_argument("--dtype", dest="compute_dtype", help=argparse.SUPPRESS)  # the flag's earlier name
+    p.add_argument("--quant-type", choices=("nf4", "fp4"), help=f"default: {d.quant_type}")
+    p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, help="default: on")
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, help="default: off")
+    p.add_argument(
+        "--attn-implementation", choices=("sdpa", "eager"), help=f"default: {d.attn_implementation}"
+    )
     p.add_argument(  # the flag's earlier name
         "--attn", dest="attn_implementation", choices=("sdpa", "eager"), help=argparse.SUPPRESS
     )
+    p.add_argument(
+        "--target-modules",
+        metavar="NAMES",
+        help="PEFT's target_modules: all-linear (default), peft-default (PEFT's choice for the architecture, "
+        "TRL's default) or comma-separated module names, e.g. q_proj,v_proj",
+    )
+    p.add_argument(
+        "--target-parameters",
+        metavar="NAMES",
+        help="PEFT's target_parameters: comma-separated parameter names, e.g. the fused experts of a "
+        "mixture of experts (mlp.experts.gate_up_proj,mlp.experts.down_proj); default: none",
+    )
+    autocast = p.add_mutually_exclusive_group()
+    for name in ("bf16", "fp16"):
+        autocast.add_argument(
+            f"--{name}",
+            dest="mixed_precision",
+            action="store_const",
+            const=name,
+            help=f"Trainer's {name} autocast (TrainingArguments.{name}): recorded and named, not priced yet",
+        )
 
 
-def qlora_config(args: argparse.Namespace, **rest: object) -> QLoRAConfig:
-    """The :class:`QLoRAConfig` of the options :func:`add_qlora_options` added (each flag's destination is
-    the field's name; ``rest``: the others)."""
-    names = ("model", "seq_len", "batch", "lora_rank", "lora_alpha", "lora_dropout", "compute_dtype")
-    names += ("quant_type", "double_quant", "gradient_checkpointing", "attn_implementation")
-    return QLoRAConfig(**{name: getattr(args, name) for name in names}, **rest)  # type: ignore[arg-type]
+def qlora_config(args: argparse.Namespace, **fixed: object) -> tuple[QLoRAConfig, list[str]]:
+    """The :class:`QLoRAConfig` of the parsed options, and the lines that say how it was read.
+
+    ``--config``'s file first (:func:`vramguard.workload.run_config.load_run_config`), then every flag of
+    :data:`STEP_FLAGS` the user gave, then ``fixed`` (what the command decides: device, seed). The lines
+    name what the file priced, what changes no byte, what flags overrode and what is not priced; and, from
+    file or flag, the autocast that is not priced yet."""
+    flags = {name: getattr(args, name) for name in STEP_FLAGS if getattr(args, name, None) is not None}
+    lines: list[str] = []
+    path = getattr(args, "config", None)
+    if path is not None:
+        from vramguard.workload.run_config import load_run_config
+
+        run = load_run_config(path)
+        config = run.config(**flags, **fixed)
+        lines = run.lines(overridden=frozenset(n for n in flags if n in run.values))
+    else:
+        config = QLoRAConfig(**flags, **fixed)  # type: ignore[arg-type]
+        config.validate()
+    if config.mixed_precision != "no":
+        lines.append(
+            f"mixed precision {config.mixed_precision} (Trainer's autocast): NOT PRICED: the step is priced "
+            "without autocast, as vramguard runs it"
+        )
+    return config, lines
 
 
 def check_json_path(path: Path | None, flag: str = "--json") -> None:
@@ -127,3 +204,19 @@ def write_timeline_outputs(args: argparse.Namespace, report: Any, events: Any) -
     except OSError as exc:
         raise UsageError(f"cannot write the timeline: {exc.strerror or exc}") from None
     return written
+
+
+def with_config_notes(report: AuditReport, lines: list[str]) -> AuditReport:
+    """``report`` with the lines of :func:`qlora_config` among its verdict's notes (kind ``config``): drawn
+    with the other notes, kept in the JSON document."""
+    if not lines:
+        return report
+    findings = [*report.verdict.findings, *checks.notes(checks.CONFIG, lines)]
+    return dataclasses.replace(report, verdict=dataclasses.replace(report.verdict, findings=findings))
+
+
+def print_not_priced(lines: list[str]) -> None:
+    """``--quiet``: the lines that name what is not priced still reach the user, on stderr."""
+    for line in lines:
+        if "NOT PRICED" in line:
+            print(f"vramguard: {line}", file=sys.stderr)

@@ -41,8 +41,9 @@ from vramguard.workload.models import (
     bnb_4bit_config,
     lora_config,
     parse_dtype,
-    refuse_unquantized,
     resolve_attention,
+    routing_line,
+    weights_line,
 )
 
 META = "meta"
@@ -118,12 +119,55 @@ def forced_decisions(target: str = "cpu") -> Iterator[dict[str, int]]:
     masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
     functional.scaled_dot_product_attention = scaled_dot_product_attention
     functional.dropout = dropout
+    original_autocast = torch.autocast
+    torch.autocast = _MetaAutocast  # type: ignore[misc]
+    grouped = _GroupedMmAnyDtype()
     try:
-        yield taken
+        with grouped:
+            yield taken
     finally:
         masking_utils.find_packed_sequence_indices = original
         functional.scaled_dot_product_attention = original_sdpa
         functional.dropout = original_dropout
+        torch.autocast = original_autocast  # type: ignore[misc]
+        taken["grouped_mm"] = grouped.answered
+
+
+class _MetaAutocast(torch.amp.autocast_mode.autocast):
+    """``torch.autocast`` that takes ``device_type="meta"`` as the CPU's: PEFT's expert-parameter LoRA
+    (``_LoraFactorsProxy``) disables autocast on its weight's device, which torch cannot look up for meta.
+    Only the device type is changed; what the block enables or disables is the caller's."""
+
+    def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__("cpu" if device_type == META else device_type, *args, **kwargs)
+
+
+class _GroupedMmAnyDtype(TorchDispatchMode):
+    """``aten._grouped_mm`` on meta tensors of any dtype, as the CPU kernel takes them.
+
+    transformers 5.x runs mixture-of-experts layers through ``torch.nn.functional.grouped_mm`` (its
+    ``grouped_mm`` experts implementation, the default). After ``prepare_model_for_kbit_training`` the
+    unquantized expert weights are fp32, which the CPU kernel multiplies, but torch's meta kernel follows
+    the CUDA fast path's check ("Expected inputs of BF16 type"). The output is made by the meta kernel's
+    own shape rule (``_create_grouped_mm_output_tensor``: shape, strides, dtype), skipping only that check;
+    autograd, above this mode, saves what its formula saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answered = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten._grouped_mm.default or args[0].device.type != META:
+            return func(*args, **kwargs)
+        a, b = args[0], args[1]
+        if a.dtype == b.dtype == torch.bfloat16:
+            return func(*args, **kwargs)
+        from torch._meta_registrations import _create_grouped_mm_output_tensor
+
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        self.answered += 1
+        return _create_grouped_mm_output_tensor(a, b, offs, kwargs.get("out_dtype"))
 
 
 _SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -267,7 +311,6 @@ def build_meta(
             _quantize_on_meta(model)
             quantizer.postprocess_model(model)
             model.hf_quantizer = quantizer
-            refuse_unquantized(model, spec, hf_config)
             model = prepare_model_for_kbit_training(
                 model,
                 use_gradient_checkpointing=config.gradient_checkpointing,
@@ -282,6 +325,8 @@ def build_meta(
             model = get_peft_model(model, lora_config(config))
     model.train()
     model.config.use_cache = False
+    loaded = getattr(model, "config", hf_config)  # from_pretrained set its experts implementation there
+    notes += [line for line in (weights_line(model, loaded), routing_line(loaded)) if line]
     return MetaQLoRAModel(
         model=model,
         spec=spec,

@@ -23,7 +23,7 @@ from vramguard.estimate.offload import OffloadActivations
 from vramguard.measure.events import AllocationLog
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.units import format_bytes
-from vramguard.workload.models import OPTIMIZERS, ModelSpec, QLoRAConfig, QLoRAModel
+from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel
 from vramguard.workload.training import PHASES, make_optimizer, run_steps
 
 MiB = 1 << 20
@@ -112,16 +112,9 @@ PAGED_MIN_NUMEL = 100_000
 
 
 def make_estimate_optimizer(q: QLoRAModel, name: str = "adamw") -> torch.optim.Optimizer:
-    """The optimizer the estimate steps with, by its :data:`~vramguard.workload.models.OPTIMIZERS` name: torch AdamW as the audit builds
-    it, or bitsandbytes ``AdamW8bit`` for both 8-bit names (unified memory cannot be had on meta;
-    :func:`paged_state_bytes` names what would be paged). Any other name is a :class:`UsageError`."""
-    if name == "adamw":
-        return make_optimizer(q)
-    if name in ("adamw-8bit", "paged-adamw-8bit"):
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(q.trainable_parameters(), lr=1e-4)  # paged: see OPTIMIZERS
-    raise UsageError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+    """The optimizer the estimate steps with: :func:`vramguard.workload.training.make_optimizer`'s, the
+    audit's."""
+    return make_optimizer(q, name=name)
 
 
 def paged_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:

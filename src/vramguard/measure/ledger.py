@@ -11,7 +11,8 @@ Two probes, because one is not enough:
 
 Bytes are counted per storage, once (views and repeated saves share a storage); storages of
 parameters, buffers and their quantization state are *resident*, not saved. A record is a
-``weight-copy`` when it has the logical shape of a quantized or frozen weight of its module: the
+``weight-copy`` when it has the logical shape of a quantized or frozen weight of its module (a 2-D weight, or
+a mixture of experts' 3-D expert stack): the
 signature of "the dequantized weight was saved for backward".
 
 The ledger never extends a tensor's lifetime: the pack hook stores a detached alias in a slot
@@ -249,14 +250,18 @@ def _no_clock() -> int:
 
 
 def _weight_shapes(named: Iterable[tuple[str, torch.nn.Module]]) -> dict[str, set[tuple[int, ...]]]:
-    """Logical 2-D weight shapes (both orientations) of quantized or frozen layers, by module name (of
-    ``named``: a model's ``named_modules()``)."""
+    """Logical 2-D weight shapes (both orientations) of quantized or frozen layers, and the 3-D shapes of
+    frozen expert stacks (:func:`_frozen_stacks`), by module name (of ``named``: a model's
+    ``named_modules()``)."""
     shapes: dict[str, set[tuple[int, ...]]] = {}
     for name, module in named:
         # PEFT wrappers compute with their base layer's weight (a submodule: read from ``_modules``, as
         # ``getattr`` would, without its slow miss on the other modules)
         base = module._modules.get("base_layer")
         target = base if isinstance(base, torch.nn.Module) else module
+        stacks = _frozen_stacks(target)
+        if stacks:  # a mixture of experts' fused 3-D expert weights (W or W + LoRA's delta, per expert)
+            shapes[name] = stacks
         weight = target._parameters.get("weight")
         if weight is None:
             continue
@@ -272,7 +277,23 @@ def _weight_shapes(named: Iterable[tuple[str, torch.nn.Module]]) -> dict[str, se
         else:
             logical = tuple(int(d) for d in weight.shape)
         if len(logical) == 2:
-            shapes[name] = {logical, logical[::-1]}
+            shapes[name] = shapes.get(name, set()) | {logical, logical[::-1]}
+    return shapes
+
+
+def _frozen_stacks(module: torch.nn.Module) -> set[tuple[int, ...]]:
+    """Shapes (both orientations of the last two dimensions) of ``module``'s own frozen 3-D parameters: a
+    mixture of experts' fused expert weights, which bitsandbytes leaves unquantized. A parameter PEFT wraps
+    with a parametrization (``target_parameters``) is its ``parametrizations.<name>.original``."""
+    params = list(module._parameters.values())
+    wrapped = module._modules.get("parametrizations")
+    if isinstance(wrapped, torch.nn.Module):
+        params += [getattr(p, "original", None) for p in wrapped._modules.values()]
+    shapes = set()
+    for p in params:
+        if isinstance(p, torch.Tensor) and p.dim() == 3 and not p.requires_grad:
+            e, a, b = (int(d) for d in p.shape)
+            shapes |= {(e, a, b), (e, b, a)}
     return shapes
 
 
@@ -568,7 +589,7 @@ class SavedTensorLedger:
             alive and key in self._resident
         ):  # (a storage that died is no parameter, whatever took its address)
             return "resident"
-        if len(shape) == 2 and self._weights:
+        if len(shape) in (2, 3) and self._weights:
             owner = module  # the owners of weights that ``module`` is inside: itself, its parents, the root
             while True:
                 if owner in self._trainable and owner not in self._weights:

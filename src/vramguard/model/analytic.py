@@ -26,7 +26,7 @@ from vramguard.model.layers import (
     rope_bytes,
     shape_from,
 )
-from vramguard.workload.families import NoAnalyticModel, analytic_features
+from vramguard.workload.families import NoAnalyticModel, analytic_features, experts_of
 from vramguard.workload.models import ModelSpec, QLoRAConfig
 
 QUANT_BLOCKSIZE = 64
@@ -277,7 +277,9 @@ def planned_expectation(config: QLoRAConfig, spec: ModelSpec) -> Expectation:
     ``prepare_model_for_kbit_training`` leaves them); for a family without one, a lower bound any
     decoder keeps (each layer's input hidden state and the fp32 logits). The parameters are counted
     from the shapes: the seven projections per layer in 4 bits (fused projections hold the same
-    elements), embeddings, lm_head and norms in fp32, LoRA on every projection. The tests hold it equal
+    elements), embeddings, lm_head and norms in fp32, LoRA on every projection; for a mixture of experts,
+    the four attention projections in 4 bits and the expert stacks and routers unquantized in fp32 (a
+    lower bound: LoRA on the experts is left out). The tests hold it equal
     to the expectation of the built model.
     """
     f = spec.fields
@@ -301,11 +303,16 @@ def planned_expectation(config: QLoRAConfig, spec: ModelSpec) -> Expectation:
         )
     layers, h, vocab = f["num_hidden_layers"], f["hidden_size"], f["vocab_size"]
     projections = _projections(spec)
+    experts = experts_of(spec.transformers_config()) if spec.hf is not None else None
+    stacks = 0
+    if experts is not None:  # the MLP is a stack of experts bitsandbytes leaves unquantized (fp32 once prepared)
+        projections = projections[:4]
+        stacks = layers * experts.count * (3 * h * experts.intermediate + h)  # + the router's row per expert
     quantized = layers * sum(i * o for i, o in projections)
     quantized_bytes = layers * sum(
         quantized_weight_bytes(i * o, QUANT_BLOCKSIZE, config.double_quant) for i, o in projections
     )
     embeddings = vocab * h * (1 if f.get("tie_word_embeddings", False) else 2)
-    other = embeddings + (2 * layers + 1) * h  # + input, post-attention and final norms
+    other = embeddings + (2 * layers + 1) * h + stacks  # + input, post-attention and final norms
     lora = layers * sum(config.lora_rank * (i + o) for i, o in projections)
     return empty.with_weights(quantized, quantized_bytes, other, 4 * other, lora)

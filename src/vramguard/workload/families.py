@@ -126,9 +126,9 @@ def _value(config: Any, key: str) -> Any:
 def spec_from_hf(path: Path, data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """(model_type, the shape fields vramguard uses) of a Hugging Face ``config.json``.
 
-    transformers parses the file (its own defaults and checks); unknown model types, mixture-of-
-    experts models (their experts are not quantized, see :func:`moe_refusal`) and shapes the build
-    would fail on are one-line :class:`UsageError`.
+    transformers parses the file (its own defaults and checks); unknown model types and shapes the build
+    would fail on are one-line :class:`UsageError`. Mixtures of experts are measured as they load
+    (:func:`experts_of`).
     """
     model_type = data.get("model_type")
     if not isinstance(model_type, str) or not model_type:
@@ -143,9 +143,6 @@ def spec_from_hf(path: Path, data: dict[str, Any]) -> tuple[str, dict[str, Any]]
         raise UsageError(f"model config {path}: {_first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001  (transformers' own validation: strict dataclass errors too)
         raise UsageError(f"model config {path}: {_last_line(exc)}") from None
-    refusal = moe_refusal(model_type, config)
-    if refusal:
-        raise UsageError(f"model config {path}: {refusal}")
     fields: dict[str, Any] = {}
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         value = _value(config, key)
@@ -171,22 +168,31 @@ def spec_from_hf(path: Path, data: dict[str, Any]) -> tuple[str, dict[str, Any]]
     return model_type, fields
 
 
-def moe_refusal(model_type: str, config: Any) -> str | None:
-    """Why a mixture-of-experts config is refused, or None.
+@dataclass(frozen=True)
+class Experts:
+    """The mixture of experts of a config: how many experts, how many each token is routed to, and the
+    intermediate size of one expert."""
 
-    transformers (5.x) keeps the experts of Mixtral, Qwen3-MoE and the like as fused 3-D
-    parameters (``mlp.experts.gate_up_proj``), which ``BitsAndBytesConfig(load_in_4bit=True)``
-    does not quantize (it replaces ``nn.Linear`` only) and ``target_modules="all-linear"`` does not
-    adapt: the bulk of the model would stay in bf16, which is not the QLoRA step this tool measures.
+    count: int
+    top_k: int
+    intermediate: int
+
+
+def experts_of(config: Any) -> Experts | None:
+    """The :class:`Experts` of a transformers config, or None for a dense model.
+
+    transformers (5.x) keeps the experts of Mixtral, Qwen3-MoE, OLMoE, gpt-oss and the like as fused 3-D
+    parameters (``mlp.experts.gate_up_proj``), which ``BitsAndBytesConfig(load_in_4bit=True)`` does not
+    quantize (it replaces ``nn.Linear`` only): such a "4-bit" model loads with its experts in the dtype it
+    is loaded in. That is what users get, and what is measured (see
+    :func:`vramguard.workload.models.weights_line`).
     """
-    experts = next((getattr(config, k) for k in MOE_KEYS if isinstance(getattr(config, k, None), int)), 0)
-    if experts and experts > 1:
-        return (
-            f"{model_type} is a mixture-of-experts model ({experts} experts): transformers {_tf()} keeps its "
-            "experts as fused 3-D parameters, which bitsandbytes 4-bit loading does not quantize, so it "
-            "cannot be built as a QLoRA model (refused rather than measured in bf16)"
-        )
-    return None
+    count = next((getattr(config, k) for k in MOE_KEYS if isinstance(getattr(config, k, None), int)), 0)
+    if not count or count < 2:
+        return None
+    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k", None) or 1
+    intermediate = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0)
+    return Experts(count=int(count), top_k=int(top_k), intermediate=int(intermediate))
 
 
 def layer_windows(config: Any, num_layers: int) -> list[int | None]:
@@ -246,13 +252,14 @@ def _first_line(exc: BaseException) -> str:
 
 __all__ = [
     "FAMILIES",
+    "Experts",
     "Family",
     "NoAnalyticModel",
     "analytic_features",
+    "experts_of",
     "family",
     "is_hf_config",
     "layer_windows",
-    "moe_refusal",
     "spec_from_hf",
     "transformers_config",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from vramguard.errors import UsageError
-from vramguard.workload.families import is_hf_config, moe_refusal, spec_from_hf, transformers_config
+from vramguard.workload.families import experts_of, is_hf_config, spec_from_hf, transformers_config
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -188,6 +189,17 @@ least :data:`vramguard.estimate.run.PAGED_MIN_NUMEL` elements live in CUDA unifi
 cannot be had on meta or on a CPU, so the meta run runs ``AdamW8bit`` and
 :func:`vramguard.estimate.run.paged_state_bytes` names the bytes that would be paged."""
 
+MIXED_PRECISION: tuple[str, ...] = ("no", "bf16", "fp16")
+"""Trainer's autocast (``TrainingArguments.bf16`` / ``fp16``): recorded in :class:`QLoRAConfig`, not priced yet."""
+
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+def names_of(value: str) -> list[str]:
+    """The names of a comma-separated list (``target_modules``, ``target_parameters``), blanks dropped."""
+    return [n.strip() for n in value.split(",") if n.strip()] if isinstance(value, str) else []
+
+
 STEP_OPTIONS: tuple[str, ...] = ("method", "optimizer", "offload_activations")
 """The fields of :class:`QLoRAConfig` that schema 1 of the JSON document stores under ``config.extra``."""
 
@@ -200,7 +212,14 @@ class QLoRAConfig:
     A new parameter is a field with its default, a check in :meth:`validate` and, where a command takes it,
     an option in :mod:`vramguard.cli.options`; the JSON document records every field (:meth:`to_dict`).
     ``method``, ``optimizer`` and ``offload_activations`` are the meta-run estimate's (the audit's loop
-    always runs qlora with torch AdamW, nothing offloaded)."""
+    always runs qlora with torch AdamW, nothing offloaded).
+
+    ``target_modules``: PEFT's ``target_modules``: ``all-linear``, ``peft-default`` (PEFT's own choice for
+    the architecture, what ``LoraConfig(target_modules=None)`` and TRL's default pick) or comma-separated
+    module names. ``target_parameters``: PEFT's ``target_parameters``, comma-separated parameter names
+    (e.g. a mixture of experts' ``mlp.experts.gate_up_proj``), empty for none. ``use_rslora``: PEFT's
+    rank-stabilised scaling (``alpha / sqrt(r)``). ``mixed_precision``: Trainer's ``bf16`` / ``fp16``
+    autocast (``no``, ``bf16``, ``fp16``), recorded but not priced yet: both commands say so."""
 
     model: str = "tiny-llama"
     seq_len: int = 128
@@ -216,6 +235,9 @@ class QLoRAConfig:
     device: str = "cpu"
     seed: int = 0
     target_modules: str = "all-linear"
+    target_parameters: str = ""
+    use_rslora: bool = False
+    mixed_precision: str = "no"
     method: str = "qlora"
     optimizer: str = "adamw"
     offload_activations: bool = False
@@ -243,6 +265,20 @@ class QLoRAConfig:
             raise UsageError(
                 f"attention implementation must be sdpa or eager, got {self.attn_implementation!r}"
             )
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise UsageError(
+                f"mixed precision must be one of {', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}"
+            )
+        for name in ("target_modules", "target_parameters"):
+            value = getattr(self, name)
+            names = names_of(value)
+            if not isinstance(value, str) or any(not _NAME.fullmatch(n) for n in names):
+                raise UsageError(
+                    f"{name.replace('_', '-')} must be comma-separated module names (letters, digits, _ . -), "
+                    f"got {value!r}"
+                )
+        if not names_of(self.target_modules) and not names_of(self.target_parameters):
+            raise UsageError("target-modules is empty and so is target-parameters: LoRA would adapt nothing")
         dev = self.device
         try:
             torch_dev = torch.device(dev)
@@ -354,29 +390,120 @@ def bnb_4bit_config(config: QLoRAConfig) -> Any:
 
 
 def lora_config(config: QLoRAConfig) -> Any:
-    """PEFT's ``LoraConfig`` for ``config``: rank, alpha, dropout, target modules, causal LM."""
+    """PEFT's ``LoraConfig`` for ``config``: rank, alpha, dropout, target modules and parameters, rsLoRA,
+    causal LM."""
     from peft import LoraConfig
 
+    targets: str | list[str] | None = names_of(config.target_modules)  # [] with target_parameters alone
+    if config.target_modules in ("all-linear", "peft-default"):
+        targets = None if config.target_modules == "peft-default" else "all-linear"
     return LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
-        target_modules=config.target_modules,
+        target_modules=targets,
+        target_parameters=names_of(config.target_parameters) or None,
+        use_rslora=config.use_rslora,
         task_type="CAUSAL_LM",
     )
 
 
-def refuse_unquantized(model: torch.nn.Module, spec: ModelSpec, hf_config: Any) -> None:
-    """UsageError when 4-bit loading left parameters of 3+ dimensions unquantized (fused experts of a
-    mixture of experts, which bitsandbytes does not quantize)."""
-    unquantized = [
-        n for n, p in model.named_parameters() if p.dim() >= 3 and getattr(p, "quant_state", None) is None
-    ]
-    if unquantized:
-        raise UsageError(
-            moe_refusal(spec.model_type, hf_config)
-            or f"{spec.model_type}: parameters bitsandbytes does not quantize ({unquantized[0]}, ...)"
+def weights_line(model: torch.nn.Module, hf_config: Any) -> str | None:
+    """One line on how a mixture of experts really loaded: which weights are 4-bit, which stay unquantized
+    (and in which dtype), how many bytes each takes, and where PEFT put LoRA; None for a dense model.
+
+    Read from the built model's own parameters (after ``prepare_model_for_kbit_training``, which casts every
+    parameter bitsandbytes left unquantized to fp32: the expert stacks load in the compute dtype and train
+    in fp32)."""
+    experts = experts_of(hf_config)
+    if experts is None:
+        return None
+    quantized = stacks = other = 0
+    quantized_bytes = stack_bytes = other_bytes = 0
+    stack_dtypes: set[str] = set()
+    for p in model.parameters():
+        if p.requires_grad:
+            continue
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            quantized += int(torch.Size(qs.shape).numel())
+            quantized_bytes += storage_bytes_of(p, qs)
+        elif p.dim() >= 3:
+            stacks += p.numel()
+            stack_bytes += p.numel() * p.element_size()
+            stack_dtypes.add(str(p.dtype).removeprefix("torch."))
+        else:
+            other += p.numel()
+            other_bytes += p.numel() * p.element_size()
+    adapted: set[str] = set()  # LoRA on modules (PEFT's lora.Linear*), by their last name
+    wrapped: set[str] = set()  # LoRA on parameters (PEFT's ParamWrapper: target_parameters)
+    for name, m in model.named_modules():
+        if not hasattr(m, "lora_A"):
+            continue
+        while name.endswith(".base_layer"):
+            name = name.removesuffix(".base_layer")
+        last = name.rsplit(".", 1)[-1]
+        if hasattr(m, "parameter_name"):
+            wrapped.add(f"{last}.{m.parameter_name}")
+        else:
+            adapted.add(last)
+    impl = getattr(hf_config, "_experts_implementation", None) or "eager"
+    fb = _format_bytes
+    lora = ", ".join(sorted(adapted))
+    return (
+        f"mixture of experts: {experts.count} experts, top {experts.top_k}, experts_implementation {impl}; "
+        f"4-bit (bitsandbytes Linear4bit): {quantized:,} params in {fb(quantized_bytes)}; not quantized "
+        f"(bitsandbytes replaces nn.Linear only): the fused 3-D expert stacks, {stacks:,} params in "
+        f"{'/'.join(sorted(stack_dtypes))} = {fb(stack_bytes)}, and {other:,} other params (embeddings, "
+        f"lm_head, norms, routers) = {fb(other_bytes)}; LoRA (PEFT) on modules {lora or 'none'}"
+        + (f" and on parameters {', '.join(sorted(wrapped))} (target_parameters)" if wrapped else "")
+    )
+
+
+def routing_line(hf_config: Any) -> str | None:
+    """What routing decides in a mixture of experts' step, or None for a dense model.
+
+    With transformers' ``grouped_mm`` experts (its default where ``torch.nn.functional.grouped_mm`` exists)
+    every expert matmul takes all ``tokens x top_k`` rows, sorted by expert and split by offsets: no tensor's
+    size depends on which experts the router picks, so the bound for balanced routing and the one for the
+    worst case (all tokens to the same experts) are the measured figure. The ``eager`` implementation loops
+    over the experts hit, with per-expert tensors sized by their tokens: there routing decides, and it is
+    not bounded here."""
+    experts = experts_of(hf_config)
+    if experts is None:
+        return None
+    impl = getattr(hf_config, "_experts_implementation", None) or "eager"
+    if impl in ("grouped_mm", "batched_mm"):
+        return (
+            f"routing: with the {impl} experts every expert matmul takes all tokens x top {experts.top_k} rows, "
+            "whatever the router picks: balanced routing, all tokens to the same experts and the measured "
+            "figure keep the same bytes (no tensor's size depends on routing)"
         )
+    return (
+        f"routing: with the {impl} experts the tensors of each expert are sized by the tokens routed to it; "
+        "these figures are for the routing this run drew, not bounded for balanced or worst-case routing"
+    )
+
+
+def _format_bytes(n: int) -> str:
+    from vramguard.units import format_bytes
+
+    return format_bytes(n)
+
+
+def storage_bytes_of(p: torch.Tensor, quant_state: Any) -> int:
+    """Bytes of a 4-bit parameter as stored: packed data, absmax (and its double-quantization state), code."""
+    total = p.numel() * p.element_size()
+    for t in (
+        getattr(quant_state, "absmax", None),
+        getattr(quant_state, "code", None),
+        getattr(getattr(quant_state, "state2", None), "absmax", None),
+        getattr(getattr(quant_state, "state2", None), "code", None),
+        getattr(quant_state, "offset", None),
+    ):
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    return total
 
 
 def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAModel:
@@ -415,7 +542,6 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAMode
             dtype=compute_dtype,
             attn_implementation=attn,
         )
-        refuse_unquantized(model, spec, hf_config)
         model = prepare_model_for_kbit_training(
             model,
             use_gradient_checkpointing=config.gradient_checkpointing,
@@ -424,4 +550,6 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAMode
         model = get_peft_model(model, lora_config(config))
     model.train()
     model.config.use_cache = False
+    loaded = getattr(model, "config", hf_config)  # from_pretrained set its experts implementation there
+    notes += [line for line in (weights_line(model, loaded), routing_line(loaded)) if line]
     return QLoRAModel(model=model, spec=spec, config=config, attn_implementation=attn, notes=tuple(notes))

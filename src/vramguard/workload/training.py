@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
+from vramguard.errors import UsageError
 from vramguard.measure.events import GRADIENTS, OPTIMIZER, optimizer_state
 from vramguard.measure.ledger import LedgerReport, SavedTensorLedger
 from vramguard.measure.tracker import FrameStats, MemoryTracker
-from vramguard.workload.models import QLoRAModel
+from vramguard.workload.models import OPTIMIZERS, QLoRAModel
 
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
@@ -35,9 +36,19 @@ class StepResult:
         return asdict(self)
 
 
-def make_optimizer(q: QLoRAModel, lr: float = 1e-4) -> torch.optim.Optimizer:
-    """AdamW on the LoRA parameters: 8 bytes of state per trainable fp32 parameter."""
-    return torch.optim.AdamW(q.trainable_parameters(), lr=lr)
+def make_optimizer(q: QLoRAModel, lr: float = 1e-4, name: str = "adamw") -> torch.optim.Optimizer:
+    """The optimizer of the trainable parameters, by its :data:`~vramguard.workload.models.OPTIMIZERS` name:
+    torch AdamW (8 bytes of state per trainable fp32 parameter), or bitsandbytes ``AdamW8bit`` for both 8-bit
+    names (unified memory, the paged one's, cannot be had on meta or a CPU;
+    :func:`vramguard.estimate.run.paged_state_bytes` names what would be paged). Any other name is a
+    :class:`UsageError`."""
+    if name == "adamw":
+        return torch.optim.AdamW(q.trainable_parameters(), lr=lr)
+    if name in ("adamw-8bit", "paged-adamw-8bit"):
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(q.trainable_parameters(), lr=lr)  # paged: see OPTIMIZERS
+    raise UsageError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
 
 
 def _sync(device: torch.device) -> None:

@@ -1,0 +1,472 @@
+"""The user's own training configuration (``--config``): a ``trl sft --config`` YAML or a TrainingArguments
+JSON, read into the one typed :class:`~vramguard.workload.models.QLoRAConfig`.
+
+The key set is TRL's, not a copy of it: the file goes through ``HfArgumentParser((SFTConfig, ModelConfig))``
+(what ``trl sft`` parses with), so an unknown key or a value TRL refuses (``optim: nonsense``) is the same
+error it would be there, one line here. Values the parser does not type-check (it builds the dataclasses
+from the dict as given) are checked where they are mapped. Defaults are TRL's: a file that names no
+``gradient_checkpointing`` is priced with it on, as ``trl sft`` would run.
+
+Every key the file sets (a value other than TRL's default) is read one of three ways, each listed in the
+output (:meth:`RunConfig.lines`), none silently:
+
+* **priced**: it maps onto a :class:`QLoRAConfig` field, which the run then takes;
+* **changes no byte**: it decides values, schedules, logging or files, not the memory of a step (the ones
+  the run takes, ``lora_alpha``, ``use_rslora``, ``bnb_4bit_quant_type``, are passed to it all the same);
+* **not priced**: it changes memory in a way vramguard does not run yet (packing, Liger, DoRA, ...):
+  named with what the figures assume instead.
+
+One environment check of TrainingArguments is not the run's: it refuses ``bf16`` on a machine without a
+GPU ("Your setup doesn't support bf16/gpu"). The file is read with ``use_cpu: true`` unless it sets
+``use_cpu``, which changes no byte of the step priced; the estimate is for the machine the file is for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from vramguard.errors import UsageError
+from vramguard.workload.models import MAX_CONFIG_BYTES, QLoRAConfig
+
+Reading = Literal["priced", "no-byte", "not-priced"]
+
+OPTIMIZERS_OF_TRL: dict[str, str] = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw",
+    "adamw_bnb_8bit": "adamw-8bit",
+    "adamw_8bit": "adamw-8bit",
+    "paged_adamw_8bit": "paged-adamw-8bit",
+}
+"""TrainingArguments' ``optim`` names vramguard prices, as :data:`~vramguard.workload.models.OPTIMIZERS`
+names: torch's AdamW (fused or not: the same state) and bitsandbytes' 8-bit AdamW, paged or not."""
+
+NO_BYTE_KEYS: dict[str, str] = {
+    "lora_alpha": "scales the adapter's output; passed to PEFT",
+    "use_rslora": "scales the adapter's output by alpha / sqrt(r); passed to PEFT",
+    "bnb_4bit_quant_type": "nf4 and fp4 are both 4-bit codes of 16 entries; passed to bitsandbytes",
+    "lora_task_type": "CAUSAL_LM is what is run",
+    "model_revision": "which files, not their shapes",
+    "learning_rate": "a value",
+    "weight_decay": "a value",
+    "adam_beta1": "a value",
+    "adam_beta2": "a value",
+    "adam_epsilon": "a value",
+    "max_grad_norm": "clipping scales gradients in place",
+    "seed": "values",
+    "data_seed": "values",
+    "num_train_epochs": "how many steps, not what one keeps",
+    "max_steps": "how many steps, not what one keeps",
+    "output_dir": "files",
+    "run_name": "a name",
+    "report_to": "logging",
+    "use_cpu": "read as true unless set, see vramguard.workload.run_config",
+    "dataset_name": "which data (the longest batch is priced)",
+    "dataset_text_field": "which data",
+    "dataset_num_proc": "data preparation on the host",
+    "dataloader_num_workers": "data loading on the host",
+    "chat_template_path": "the text, not its length bound",
+    "eos_token": "the text",
+    "pad_token": "the text",
+}
+"""Keys that decide values, schedules, logging or files but not one byte of a step, with why. Besides these,
+every key whose name starts with one of :data:`NO_BYTE_PREFIXES`."""
+
+NO_BYTE_PREFIXES: tuple[str, ...] = (
+    "logging_",
+    "save_",
+    "eval_",
+    "hub_",
+    "push_to_hub",
+    "lr_scheduler_",
+    "warmup_",
+    "log_",
+    "disable_tqdm",
+)
+
+PRICED_KEYS: tuple[str, ...] = (
+    "model_name_or_path",
+    "per_device_train_batch_size",
+    "max_length",
+    "gradient_checkpointing",
+    "activation_checkpointing",
+    "gradient_checkpointing_kwargs",
+    "activation_checkpointing_kwargs",
+    "optim",
+    "bf16",  # into mixed_precision, named by the commands (see mixed_precision_line)
+    "fp16",
+    "activation_offloading",
+    "use_peft",
+    "load_in_4bit",
+    "use_bnb_nested_quant",
+    "lora_r",
+    "lora_dropout",
+    "lora_target_modules",
+    "lora_target_parameters",
+    "attn_implementation",
+    "dtype",
+)
+"""Keys read into :class:`QLoRAConfig` fields (a value outside what the field takes is named, not priced)."""
+
+
+@dataclass(frozen=True)
+class KeyReading:
+    """How one key of the file is read: ``priced`` (into ``field``), ``no-byte`` or ``not-priced`` (``why``)."""
+
+    key: str
+    value: Any
+    reading: Reading
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A training configuration file read into :class:`QLoRAConfig` values (``values``: field -> value, what
+    the file decides; the flags override them) and how each key it sets was read (``readings``)."""
+
+    path: Path
+    values: dict[str, Any]
+    readings: list[KeyReading] = field(default_factory=list)
+    model_problem: str | None = None  # why model_name_or_path gives no model (then --model must)
+
+    def config(self, **overrides: Any) -> QLoRAConfig:
+        """The :class:`QLoRAConfig` of the file, with ``overrides`` (the flags the user gave) on top."""
+        values = {**self.values, **overrides}
+        if "model" not in values:
+            raise UsageError(self.model_problem or f"{self.path} names no model_name_or_path: pass --model")
+        config = QLoRAConfig(**values)
+        config.validate()
+        return config
+
+    def named(self, reading: Reading) -> list[KeyReading]:
+        """The keys read as ``reading``."""
+        return [r for r in self.readings if r.reading == reading]
+
+    def lines(self, overridden: frozenset[str] = frozenset()) -> list[str]:
+        """One line per reading that has keys: what is priced, what changes no byte, what is not priced and
+        what the figures assume instead. ``overridden``: fields a flag set (said in the priced line)."""
+        out = []
+        priced = self.named("priced")
+        if priced:
+            out.append(f"config {self.path.name}: priced: " + ", ".join(_show(r) for r in priced))
+        same = self.named("no-byte")
+        if same:
+            out.append(
+                f"config {self.path.name}: changes no byte: " + ", ".join(f"{r.key} ({r.why})" for r in same)
+            )
+        if overridden:
+            out.append(f"config {self.path.name}: overridden by flags: {', '.join(sorted(overridden))}")
+        missing = self.named("not-priced")
+        if missing:
+            out.append(
+                f"config {self.path.name}: NOT PRICED: " + "; ".join(f"{_show(r)}: {r.why}" for r in missing)
+            )
+        return out
+
+
+def _show(r: KeyReading) -> str:
+    return f"{r.key}={json.dumps(r.value, default=str)}"
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """The mapping a ``--config`` file holds: YAML (``trl sft --config``) or JSON (TrainingArguments); a
+    missing, binary, oversized or malformed file, or one that is no mapping, is a one-line UsageError."""
+    import yaml
+
+    try:
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise UsageError(f"--config {path}: no such file") from None
+    except OSError as exc:
+        raise UsageError(f"--config {path}: cannot read it: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UsageError(f"--config {path} is over {MAX_CONFIG_BYTES} bytes: not a training config")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"--config {path}: not UTF-8 text (a binary file?)") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"--config {path}: cannot parse it: {first}") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise UsageError(f"--config {path} must be a mapping of TRL / TrainingArguments keys")
+    return data
+
+
+def parse_trl(path: Path, data: dict[str, Any]) -> tuple[Any, Any, dict[str, Any], list[dict[str, Any]]]:
+    """(SFTConfig, ModelConfig, the file's values as they parse, the defaults they are held against) of
+    ``data``, parsed by TRL's own dataclasses through ``HfArgumentParser``; an unknown key or a value TRL
+    refuses is a one-line UsageError.
+
+    Values are compared as the dataclasses write them (``to_dict``: enums by value), against TRL's defaults
+    and against TrainingArguments' own (a TrainingArguments dump records every field at its defaults, some of
+    which TRL changes, such as ``logging_steps``): a key equal to either is not set by the user."""
+    try:
+        from transformers import HfArgumentParser, TrainingArguments
+        from trl import ModelConfig, SFTConfig
+    except ImportError as exc:
+        raise UsageError(f"--config needs TRL (pip install 'vramguard[trl]'): {exc}") from None
+    data = dict(data)
+    data.pop("env", None)  # TrlParser's environment block: named by load_run_config, not a dataclass field
+    data.setdefault("use_cpu", True)
+    data.setdefault("output_dir", str(Path.cwd()))  # TrainingArguments' only required field; files only
+    parser = HfArgumentParser((SFTConfig, ModelConfig))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. gradient_checkpointing's deprecation in favour of its new name
+        try:
+            sft, model_args = parser.parse_dict(data, allow_extra_keys=False)
+            base = {"use_cpu": True, "output_dir": data["output_dir"]}
+            defaults = [
+                {**SFTConfig(**base).to_dict(), **dataclasses.asdict(ModelConfig())},
+                TrainingArguments(**base).to_dict(),
+            ]
+        except (ValueError, TypeError, KeyError) as exc:
+            raise UsageError(f"--config {path}: {_one_line(exc)}") from None
+    parsed = {**sft.to_dict(), **dataclasses.asdict(model_args)}
+    return sft, model_args, parsed, defaults
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def _value_of(obj: Any) -> Any:
+    """A dataclass value as the file would write it (enums by their value)."""
+    return getattr(obj, "value", obj)
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read ``path`` (a ``trl sft --config`` YAML or a TrainingArguments JSON) into a :class:`RunConfig`."""
+    path = Path(path)
+    data = read_file(path)
+    sft, model_args, parsed, defaults = parse_trl(path, data)
+    values: dict[str, Any] = {}
+    readings: list[KeyReading] = []
+    model_problem = None
+
+    def given(key: str) -> bool:
+        if key not in data:
+            return False
+        value = parsed.get(key, data[key])
+        return all(value != d.get(key, object()) for d in defaults)
+
+    def priced(key: str, name: str, value: Any, shown: Any = None) -> None:
+        values[name] = value
+        if key in data:
+            readings.append(KeyReading(key, data[key] if shown is None else shown, "priced", name))
+
+    def no_byte(key: str, name: str, value: Any) -> None:
+        """A key passed to the run that changes none of its bytes (the tests check both)."""
+        values[name] = value
+        if key in data:
+            readings.append(KeyReading(key, _value_of(data[key]), "no-byte", NO_BYTE_KEYS[key]))
+
+    def not_priced(key: str, why: str) -> None:
+        readings.append(KeyReading(key, _value_of(data.get(key)), "not-priced", why))
+
+    # the model: a local directory with config.json, or the config.json itself
+    ref = model_args.model_name_or_path
+    if ref is not None:
+        candidate = Path(str(ref)).expanduser()
+        if not candidate.is_absolute():
+            candidate = (path.parent / candidate) if (path.parent / candidate).exists() else candidate
+        if candidate.is_dir() and (candidate / "config.json").is_file():
+            priced("model_name_or_path", "model", str(candidate / "config.json"))
+        elif candidate.is_file():
+            priced("model_name_or_path", "model", str(candidate))
+        else:
+            model_problem = (
+                f"--config {path}: model_name_or_path {ref!r} is not a local directory with a config.json nor a "
+                "config.json (vramguard downloads nothing): pass --model"
+            )
+
+    def integer(key: str, obj: Any, minimum: int = 1) -> int | None:
+        value = getattr(obj, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise UsageError(f"--config {path}: {key} must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def boolean(key: str, obj: Any) -> bool:
+        value = getattr(obj, key)
+        if not isinstance(value, bool):
+            raise UsageError(f"--config {path}: {key} must be true or false, got {value!r}")
+        return value
+
+    priced("per_device_train_batch_size", "batch", integer("per_device_train_batch_size", sft))
+    if sft.max_length is None:
+        if "max_length" in data:
+            not_priced(
+                "max_length", "null (no truncation): the longest row is the data's; priced at --seq-len"
+            )
+    else:
+        priced("max_length", "seq_len", integer("max_length", sft))
+
+    # gradient checkpointing (and its new name): on by default in TRL; non-reentrant is what is run
+    checkpointing = boolean("activation_checkpointing", sft)
+    for key in ("gradient_checkpointing", "activation_checkpointing"):
+        if key in data:
+            priced(key, "gradient_checkpointing", checkpointing)
+    values["gradient_checkpointing"] = checkpointing
+    kwargs = sft.activation_checkpointing_kwargs
+    for key in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
+        if key not in data:
+            continue
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise UsageError(f"--config {path}: {key} must be a mapping, got {kwargs!r}")
+        if not checkpointing:
+            readings.append(KeyReading(key, data[key], "no-byte", "gradient checkpointing is off"))
+        elif not kwargs or kwargs == {"use_reentrant": False}:  # None: transformers 5 runs non-reentrant
+            readings.append(KeyReading(key, data[key], "priced", "gradient_checkpointing (non-reentrant)"))
+        else:
+            not_priced(key, "priced as {use_reentrant: false}, the only checkpointing vramguard runs")
+
+    optim = str(_value_of(sft.optim))
+    if optim in OPTIMIZERS_OF_TRL:
+        priced("optim", "optimizer", OPTIMIZERS_OF_TRL[optim], shown=optim)
+    else:
+        not_priced("optim", "priced as torch AdamW (fp32 moments)")
+    values.setdefault("optimizer", "adamw")
+
+    # Trainer's autocast (TRL's default: bf16): recorded, not priced yet; both commands say so in one line
+    values["mixed_precision"] = "bf16" if sft.bf16 else "fp16" if sft.fp16 else "no"
+
+    priced("activation_offloading", "offload_activations", boolean("activation_offloading", sft))
+
+    # what is trained: TRL loads 4-bit with use_peft + load_in_4bit, LoRA on the dtype's base with use_peft
+    # alone, and trains every parameter without use_peft
+    peft = boolean("use_peft", model_args)
+    four_bit = boolean("load_in_4bit", model_args)
+    method = ("qlora" if four_bit else "lora") if peft else "full"
+    for key in ("use_peft", "load_in_4bit"):
+        if key in data:
+            readings.append(KeyReading(key, data[key], "priced", f"method {method}"))
+    values["method"] = method
+    if boolean("load_in_8bit", model_args):
+        not_priced("load_in_8bit", f"8-bit loading is not run: priced as method {method}")
+    if four_bit and not peft:
+        not_priced(
+            "load_in_4bit", "a 4-bit base without use_peft cannot train (TRL needs adapters): priced as full"
+        )
+
+    quant_type = model_args.bnb_4bit_quant_type
+    if quant_type not in ("nf4", "fp4"):
+        raise UsageError(f"--config {path}: bnb_4bit_quant_type must be nf4 or fp4, got {quant_type!r}")
+    no_byte("bnb_4bit_quant_type", "quant_type", quant_type)
+    priced("use_bnb_nested_quant", "double_quant", boolean("use_bnb_nested_quant", model_args))
+    if model_args.bnb_4bit_quant_storage not in (None, "uint8"):
+        not_priced("bnb_4bit_quant_storage", "priced with uint8 storage (what bitsandbytes uses by default)")
+
+    priced("lora_r", "lora_rank", integer("lora_r", model_args))
+    alpha = model_args.lora_alpha
+    if isinstance(alpha, bool) or not isinstance(alpha, int) or alpha <= 0:
+        raise UsageError(f"--config {path}: lora_alpha must be a positive integer, got {alpha!r}")
+    no_byte("lora_alpha", "lora_alpha", alpha)
+    dropout = model_args.lora_dropout
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise UsageError(f"--config {path}: lora_dropout must be a number in [0, 1), got {dropout!r}")
+    priced("lora_dropout", "lora_dropout", float(dropout))
+    no_byte("use_rslora", "use_rslora", boolean("use_rslora", model_args))
+    targets = model_args.lora_target_modules
+    priced(
+        "lora_target_modules", "target_modules", _names(path, "lora_target_modules", targets, "peft-default")
+    )
+    priced(
+        "lora_target_parameters",
+        "target_parameters",
+        _names(path, "lora_target_parameters", model_args.lora_target_parameters, ""),
+    )
+    if model_args.lora_modules_to_save:
+        not_priced("lora_modules_to_save", "the full copies of these modules PEFT trains are not run")
+    if boolean("use_dora", model_args):
+        not_priced(
+            "use_dora", "DoRA's magnitude vector and dequantized weight norm are not run: priced as LoRA"
+        )
+
+    attn = model_args.attn_implementation
+    if attn in (None, "sdpa", "eager"):
+        if attn is not None:
+            priced("attn_implementation", "attn_implementation", attn)
+        values.setdefault("attn_implementation", "sdpa")  # what from_pretrained picks by default
+    else:
+        not_priced("attn_implementation", "priced with sdpa (on --target cuda, the kernel CUDA's sdpa picks)")
+        values["attn_implementation"] = "sdpa"
+
+    dtype = str(model_args.dtype)
+    names = {
+        "bfloat16": "bf16",
+        "float16": "fp16",
+        "float32": "fp32",
+        "bf16": "bf16",
+        "fp16": "fp16",
+        "fp32": "fp32",
+    }
+    if dtype in names:
+        priced("dtype", "compute_dtype", names[dtype], shown=dtype)
+    elif dtype == "auto":
+        not_priced("dtype", "'auto' takes the checkpoint's dtype: priced as bfloat16")
+        values["compute_dtype"] = "bf16"
+    else:
+        raise UsageError(f"--config {path}: dtype must be bfloat16, float16, float32 or auto, got {dtype!r}")
+
+    # everything else the file sets
+    read = {r.key for r in readings}
+    for key in data:
+        if key in PRICED_KEYS or key in read or not given(key):
+            continue  # mapped above, or at TRL's default: the run TRL describes, nothing to name
+        why = NO_BYTE_KEYS.get(key) or next(
+            (f"{p.rstrip('_')} only" for p in NO_BYTE_PREFIXES if key.startswith(p)), None
+        )
+        if why is not None:
+            readings.append(KeyReading(key, _value_of(data[key]), "no-byte", why))
+        else:
+            not_priced(key, _UNPRICED_WHY.get(key, "not run by vramguard: its effect on memory is left out"))
+    if "env" in data:
+        not_priced("env", "environment variables the run would set are not applied")
+    readings.sort(key=lambda r: list(data).index(r.key) if r.key in data else len(data))
+    return RunConfig(path=path, values=values, readings=readings, model_problem=model_problem)
+
+
+_UNPRICED_WHY: dict[str, str] = {
+    "packing": "rows are priced as one sequence of max_length each (the longest batch the config allows); "
+    "several sequences per row (position ids, the packed-sequence mask) are not run",
+    "padding_free": "rows are priced as one sequence of max_length each, without the flattened varlen batch",
+    "use_liger_kernel": "Liger's fused linear cross-entropy (Triton, GPU) is not run: the fp32 logits "
+    "4 x b x s x vocab stay in the figures",
+    "gradient_accumulation_steps": "one micro-batch step is priced: the gradients held during the next "
+    "micro-batch's forward (4 B per trainable parameter) are not added",
+    "torch_compile": "torch.compile is not run: eager autograd is priced",
+    "assistant_only_loss": "loss masks change no tensor size, but are not run",
+    "completion_only_loss": "loss masks change no tensor size, but are not run",
+}
+
+
+def _names(path: Path, key: str, value: Any, none: str) -> str:
+    """A list (or comma-separated string) of names as :class:`QLoRAConfig` holds it; ``none`` for null."""
+    if value is None:
+        return none
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return ",".join(value)
+    raise UsageError(f"--config {path}: {key} must be a list of names, got {value!r}")
+
+
+__all__ = [
+    "NO_BYTE_KEYS",
+    "NO_BYTE_PREFIXES",
+    "OPTIMIZERS_OF_TRL",
+    "PRICED_KEYS",
+    "KeyReading",
+    "RunConfig",
+    "load_run_config",
+    "parse_trl",
+    "read_file",
+]

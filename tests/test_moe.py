@@ -1,0 +1,178 @@
+"""Mixtures of experts as they really load: attention 4-bit, the fused 3-D expert stacks unquantized.
+
+transformers 5.x keeps the experts as 3-D parameters that bitsandbytes' 4-bit loading leaves alone; the
+audit measures that (it used to refuse it). Its saved bytes are held against a count written here with
+``saved_tensors_hooks`` alone (each storage once, parameters and quantization state left out), not read
+from vramguard; the meta estimate with the CPU's kernels equals the CPU audit to the byte; and routing
+forced to the worst case (all tokens to the same experts) and to balanced routing keeps the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from vramguard.audit.run import run_audit
+from vramguard.cli import main
+from vramguard.workload.models import QLoRAConfig, build_qlora
+
+SHAPE = {"seq_len": 64, "batch": 2}
+
+MOE = [
+    pytest.param("tiny-mixtral", id="mixtral"),
+    pytest.param("tiny-qwen3-moe", id="qwen3-moe"),
+    pytest.param("tiny-olmoe", id="olmoe", marks=pytest.mark.slow),
+    pytest.param("tiny-gpt-oss", id="gpt-oss", marks=pytest.mark.slow),
+]
+
+
+def hook_count(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """Bytes the forward leaves saved for backward, by ``saved_tensors_hooks`` alone: the storages of the
+    packed tensors still alive after the forward (a branch whose graph was dropped keeps nothing), each once,
+    except the model's parameters, buffers and the tensors of their quantization state (resident)."""
+    resident: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        resident.add(t.untyped_storage().data_ptr())
+        qs = getattr(t, "quant_state", None)
+        for inner in (qs, getattr(qs, "state2", None)):
+            for value in vars(inner).values() if inner is not None else ():
+                if isinstance(value, torch.Tensor):
+                    resident.add(value.untyped_storage().data_ptr())
+    packed: list[weakref.ref[torch.Tensor]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**batch).loss
+    assert loss.requires_grad
+    alive = [t for ref in packed if (t := ref()) is not None]  # all alive: no address is reused among them
+    saved = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}
+    del loss
+    return sum(n for ptr, n in saved.items() if ptr not in resident)
+
+
+@contextmanager
+def routing(kind: str) -> Iterator[None]:
+    """Every router's choice replaced after its own ops ran (so it saves what it saves): ``worst``, all
+    tokens to experts 0..k-1; ``balanced``, token t to experts t*k .. t*k+k-1 (mod the count)."""
+
+    def hook(module: torch.nn.Module, args: Any, out: Any) -> Any:
+        if not type(module).__name__.endswith("TopKRouter"):
+            return None
+        logits, scores, indices = out
+        tokens, k = indices.shape
+        experts = logits.shape[-1]
+        if kind == "worst":
+            forced = torch.arange(k).expand(tokens, k)
+        else:
+            forced = (torch.arange(tokens)[:, None] * k + torch.arange(k)[None, :]) % experts
+        return logits, scores, forced.to(indices.device, indices.dtype).contiguous()
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("model", MOE)
+def test_moe_audit_measures_and_equals_an_independent_hook_count_and_the_estimate(
+    model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", model, "--seq-len", str(SHAPE["seq_len"]), "--batch", str(SHAPE["batch"]), "--quiet"]
+    audit_json, estimate_json = tmp_path / "audit.json", tmp_path / "estimate.json"
+    code = main(["audit", *argv, "--device", "cpu", "--steps", "2", "--json", str(audit_json)])
+    out = capsys.readouterr()
+    assert code in (0, 1) and "mixture-of-experts" not in out.err, out  # measured, never refused
+    assert main(["estimate", *argv, "--target", "cpu", "--json", str(estimate_json)]) == code
+    audit, estimate = json.loads(audit_json.read_text()), json.loads(estimate_json.read_text())
+
+    q = build_qlora(QLoRAConfig(model=model, **SHAPE))  # the audit's model: same config, same seed
+    counted = hook_count(q.model, q.batch(0))
+    assert audit["totals"]["saved_bytes"] == counted and audit["totals"]["ctx_bytes"] == 0
+
+    assert estimate["totals"] == audit["totals"]
+    assert estimate["layers"] == audit["layers"]
+    assert estimate["phases"] == audit["phases"]
+    assert [s["peak_bytes"] for s in estimate["steps"]] == [s["peak_bytes"] for s in audit["steps"]]
+    line = next(n for n in audit["verdict"]["notes"] if n.startswith("mixture of experts:"))
+    assert "4-bit (bitsandbytes Linear4bit)" in line and "fused 3-D expert stacks" in line
+    assert line in estimate["verdict"]["notes"]
+
+
+def test_routing_does_not_change_a_byte_with_grouped_mm_experts() -> None:
+    """The bound for balanced routing and for the worst case, and the measured value between them: equal
+    saved bytes (counted by hooks) and equal phase peaks (the audit's tracker), because every expert
+    matmul takes tokens x top_k rows whatever the routing. The forced routing really is different."""
+    config = QLoRAConfig(model="tiny-mixtral", **SHAPE)
+    q = build_qlora(config)
+    assert q.model.config._experts_implementation == "grouped_mm"
+    batch = q.batch(0)
+    chosen: dict[str, list[torch.Tensor]] = {}
+    counts = {}
+    for kind in ("drawn", "worst", "balanced"):
+        picks: list[torch.Tensor] = []
+
+        def record(module: torch.nn.Module, args: Any, picks: list[torch.Tensor] = picks) -> None:
+            if type(module).__name__.endswith("MixtralExperts"):  # (hidden, top_k_index, top_k_weights)
+                picks.append(args[1].detach().clone())
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+        try:
+            with routing(kind) if kind != "drawn" else _nothing():
+                counts[kind] = hook_count(q.model, batch)
+        finally:
+            handle.remove()
+        chosen[kind] = picks
+    assert len(set(counts.values())) == 1, counts
+    tokens_per_expert = {k: torch.bincount(v[0].flatten(), minlength=4).tolist() for k, v in chosen.items()}
+    assert tokens_per_expert["worst"] == [128, 128, 0, 0]
+    assert tokens_per_expert["balanced"] == [64, 64, 64, 64]
+    assert tokens_per_expert["drawn"] not in (tokens_per_expert["worst"],)
+
+    reports = {"drawn": run_audit(config, steps=1)}
+    for kind in ("worst", "balanced"):
+        with routing(kind):
+            reports[kind] = run_audit(config, steps=1)
+    peaks = {
+        k: ({p: v.peak_bytes for p, v in r.phases.items()}, r.totals.saved_bytes) for k, r in reports.items()
+    }
+    assert peaks["worst"] == peaks["drawn"] == peaks["balanced"], peaks
+    note = next(n for n in reports["drawn"].verdict.notes if n.startswith("routing:"))
+    assert "grouped_mm" in note
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def test_expert_stacks_lora_copies_are_weight_copies() -> None:
+    """PEFT's LoRA on expert parameters (what all-linear gives Mixtral under transformers 5) materialises
+    W + B A per forward, which grouped_mm keeps for backward: the ledger calls it a weight copy."""
+    report = run_audit(QLoRAConfig(model="tiny-mixtral", **SHAPE), steps=1)
+    copies = [r for r in report.records if r["kind"] == "weight-copy" and len(r["shape"]) == 3]
+    assert copies and all(r["node"] == "GroupedMmBackward0" for r in copies)
+    # the merged stacks of both layers: (4, 2*176, 128) and (4, 128, 176), fp32, transposed as grouped_mm takes them
+    assert sum(r["bytes"] for r in copies) == 2 * 4 * (2 * 176 * 128 + 128 * 176) * 4
+    assert not report.verdict.ok
+
+
+def test_target_modules_without_experts_keeps_no_weight_copy() -> None:
+    """Asked for attention only (no expert parameters), the experts are not wrapped and nothing is copied.
+    (96 tokens: at 128, the router's (tokens, 4) softmax output has its (4, 128) weight's shape, which the
+    ledger's shape rule takes for a copy.)"""
+    config = QLoRAConfig(model="tiny-mixtral", target_modules="q_proj,v_proj", seq_len=48, batch=2)
+    report = run_audit(config, steps=1)
+    assert report.totals.weight_copy_bytes == 0
+    line = next(n for n in report.verdict.notes if n.startswith("mixture of experts:"))
+    assert "LoRA (PEFT) on modules q_proj, v_proj" in line and "target_parameters" not in line

@@ -1,0 +1,331 @@
+"""``--config``: the user's own TRL / TrainingArguments file, read by TRL's dataclasses into ``QLoRAConfig``.
+
+Every key of the issue's list either changes the estimate's answer when its value changes, or is named
+in the output (not priced, or changes no byte: then the answer must not change either). The estimate on
+meta with the CPU's kernels equals the audit of the same file to the byte.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vramguard.cli import main
+from vramguard.workload.models import presets
+from vramguard.workload.run_config import load_run_config
+
+pytest.importorskip("trl")
+
+BASE: dict[str, Any] = {
+    "model_name_or_path": str(presets()["tiny-llama-hf"]),
+    "per_device_train_batch_size": 1,
+    "max_length": 32,
+    "use_peft": True,
+    "load_in_4bit": True,
+    "lora_target_modules": "all-linear",
+    "gradient_checkpointing": False,
+    "bf16": False,
+    "dtype": "bfloat16",
+    "lora_r": 8,
+    "lora_alpha": 16,
+    "lora_dropout": 0.0,
+    "optim": "adamw_torch",
+    "attn_implementation": "sdpa",
+    "use_bnb_nested_quant": True,
+    "bnb_4bit_quant_type": "nf4",
+    "activation_offloading": False,
+}
+
+# each key of issue 23's item 1, changed: "changes" (the answer moves), "no-byte" or "not-priced" (named)
+KEYS: list[tuple[str, dict[str, Any], str]] = [
+    ("model_name_or_path", {"model_name_or_path": "QWEN3_DIR"}, "changes"),
+    ("per_device_train_batch_size", {"per_device_train_batch_size": 2}, "changes"),
+    ("gradient_accumulation_steps", {"gradient_accumulation_steps": 4}, "not-priced"),
+    ("max_length", {"max_length": 48}, "changes"),
+    ("packing", {"packing": True}, "not-priced"),
+    ("padding_free", {"padding_free": True}, "not-priced"),
+    ("gradient_checkpointing", {"gradient_checkpointing": True}, "changes"),
+    (
+        "gradient_checkpointing_kwargs",
+        {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+        "not-priced",
+    ),
+    ("optim", {"optim": "adamw_8bit"}, "changes"),
+    ("optim", {"optim": "paged_adamw_8bit"}, "changes"),
+    ("optim", {"optim": "adafactor"}, "not-priced"),
+    ("bf16", {"bf16": True}, "mixed-precision"),
+    ("use_liger_kernel", {"use_liger_kernel": True}, "not-priced"),
+    ("activation_offloading", {"activation_offloading": True}, "changes"),
+    ("use_peft", {"use_peft": False}, "changes"),
+    ("load_in_4bit", {"load_in_4bit": False}, "changes"),
+    ("bnb_4bit_quant_type", {"bnb_4bit_quant_type": "fp4"}, "no-byte"),
+    ("use_bnb_nested_quant", {"use_bnb_nested_quant": False}, "changes"),
+    ("lora_r", {"lora_r": 4}, "changes"),
+    ("lora_alpha", {"lora_alpha": 64}, "no-byte"),
+    ("lora_dropout", {"lora_dropout": 0.1}, "changes"),
+    ("lora_target_modules", {"lora_target_modules": ["q_proj", "v_proj"]}, "changes"),
+    ("use_dora", {"use_dora": True}, "not-priced"),
+    ("use_rslora", {"use_rslora": True}, "no-byte"),
+    ("attn_implementation", {"attn_implementation": "eager"}, "changes"),
+    ("attn_implementation", {"attn_implementation": "flash_attention_2"}, "not-priced"),
+    ("dtype", {"dtype": "float32"}, "changes"),
+]
+
+
+def _write(tmp_path: Path, data: dict[str, Any], name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if name.endswith(".yaml") else json.dumps(data))
+    return path
+
+
+def _answer(config: Any) -> tuple[Any, ...]:
+    """What the estimate says, byte for byte: weights, trainable state, saved bytes, every phase peak."""
+    from vramguard.estimate.run import run_estimate
+
+    r = run_estimate(config, steps=1, target="cpu")
+    assert r.estimate is not None
+    return (
+        r.totals,
+        [(row.name, row.saved_bytes) for row in r.layers],
+        {k: v.peak_bytes for k, v in r.phases.items()},
+        r.estimate.weights_bytes,
+        r.estimate.trainable_bytes,
+        r.estimate.allocator_peak_bytes,
+    )
+
+
+@pytest.fixture(scope="module")
+def base_answer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ...]:
+    path = _write(tmp_path_factory.mktemp("base"), BASE)
+    return _answer(load_run_config(path).config())
+
+
+@pytest.mark.parametrize(
+    ("key", "change", "expect"), KEYS, ids=[f"{k}={list(c.values())[-1]}" for k, c, _ in KEYS]
+)
+def test_each_key_changes_the_answer_or_is_named(
+    key: str, change: dict[str, Any], expect: str, tmp_path: Path, base_answer: tuple[Any, ...]
+) -> None:
+    if change.get("model_name_or_path") == "QWEN3_DIR":  # a local model directory, as trl sft takes it
+        (tmp_path / "qwen3").mkdir()
+        shutil.copy(presets()["tiny-qwen3"], tmp_path / "qwen3" / "config.json")
+        change = {"model_name_or_path": str(tmp_path / "qwen3")}
+    run = load_run_config(_write(tmp_path, {**BASE, **change}))
+    config = run.config()
+    lines = "\n".join(run.lines())
+    if config.mixed_precision != "no":
+        lines += "\n" + "mixed precision " + config.mixed_precision
+    answer = _answer(config)
+    if expect == "changes":
+        assert answer != base_answer, f"{key}: a changed value left every byte of the answer as it was"
+        assert f"{key}=" in lines.split("\n")[0], "a priced key is listed as priced"
+    elif expect == "no-byte":
+        no_byte = next(line for line in run.lines() if "changes no byte" in line)
+        assert key in no_byte
+        assert answer == base_answer, f"{key} is said to change no byte, but the answer moved"
+    elif expect == "mixed-precision":
+        assert "mixed precision bf16" in lines
+    else:
+        not_priced = next(line for line in run.lines() if "NOT PRICED" in line)
+        assert f"{key}=" in not_priced, not_priced
+
+
+def test_values_passed_on_even_when_no_byte_changes(tmp_path: Path) -> None:
+    """lora_alpha, use_rslora and the quant type reach the libraries (PEFT, bitsandbytes), not a note only."""
+    from vramguard.estimate.meta import build_meta
+
+    run = load_run_config(
+        _write(tmp_path, {**BASE, "lora_alpha": 64, "use_rslora": True, "bnb_4bit_quant_type": "fp4"})
+    )
+    q = build_meta(run.config())
+    peft_config = q.model.peft_config["default"]
+    assert (peft_config.lora_alpha, peft_config.use_rslora) == (64, True)
+    quant_types = {
+        p.quant_state.quant_type for p in q.model.parameters() if getattr(p, "quant_state", None) is not None
+    }
+    assert quant_types == {"fp4"}
+
+
+def test_trl_defaults_are_the_run_trl_describes(tmp_path: Path) -> None:
+    """A file that sets almost nothing is priced as ``trl sft`` would run it: TRL's defaults, not vramguard's
+    (checkpointing on, batch 8, max_length 1024, fp32 dtype, no nested quantization, PEFT's default targets)."""
+    from trl import ModelConfig, SFTConfig
+
+    run = load_run_config(
+        _write(tmp_path, {"model_name_or_path": BASE["model_name_or_path"], "use_peft": True})
+    )
+    sft = SFTConfig(output_dir=str(tmp_path), use_cpu=True)
+    model = ModelConfig()
+    config = run.config()
+    assert config.gradient_checkpointing is sft.gradient_checkpointing
+    assert (config.batch, config.seq_len) == (sft.per_device_train_batch_size, sft.max_length)
+    assert config.lora_rank == model.lora_r and config.double_quant is model.use_bnb_nested_quant
+    assert config.method == "lora"  # use_peft without load_in_4bit (TRL's default): LoRA on the dtype's base
+    assert config.target_modules == "peft-default"
+    assert config.mixed_precision == ("bf16" if sft.bf16 else "no")
+
+
+def test_training_arguments_json_names_only_what_differs_from_the_defaults(tmp_path: Path) -> None:
+    """A TrainingArguments dump records every field; only the ones set away from the defaults are read out."""
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=2,
+        learning_rate=3e-4,
+        use_cpu=True,
+        torch_compile=False,
+    )
+    path = _write(tmp_path, json.loads(args.to_json_string()), "args.json")
+    run = load_run_config(path)
+    config = run.config(model="tiny-llama", seq_len=16)
+    assert config.batch == 3
+    named = {r.key for r in run.readings}
+    assert {"per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate"} <= named
+    assert "logging_steps" not in named and "torch_compile" not in named  # at the defaults
+    assert "gradient_accumulation_steps=2" in next(line for line in run.lines() if "NOT PRICED" in line)
+
+
+def test_flags_override_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, BASE)
+    out_json = tmp_path / "out.json"
+    argv = ["estimate", "--config", str(path), "--batch", "2", "--target-modules", "q_proj,v_proj"]
+    assert main([*argv, "--target", "cpu", "--bf16", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    document = json.loads(out_json.read_text())
+    assert document["config"]["batch"] == 2 and document["config"]["seq_len"] == 32
+    assert document["config"]["target_modules"] == "q_proj,v_proj"
+    assert document["config"]["mixed_precision"] == "bf16"
+    assert "overridden by flags: batch, mixed_precision, target_modules" in out.replace("\n", " ")
+    assert any("mixed precision bf16" in n and "NOT PRICED" in n for n in document["verdict"]["notes"])
+
+
+def test_quiet_still_names_what_is_not_priced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, {**BASE, "packing": True, "use_liger_kernel": True})
+    assert main(["estimate", "--config", str(path), "--target", "cpu", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("\n") == 1 and captured.out.startswith("estimate:")
+    assert "NOT PRICED: packing=true" in captured.err and "use_liger_kernel=true" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"lora_rnak": 3}, "lora_rnak"),
+        ({"lora_r": "x"}, "lora_r must be an integer"),
+        ({"optim": "nonsense"}, "nonsense is not a valid OptimizerNames"),
+        ({"packing": "yes"}, None),  # named below: TRL's parser takes it; a truthy string is not priced
+        ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be an integer >= 1"),
+        ({"lora_target_modules": 3}, "lora_target_modules must be a list of names"),
+        ({"dtype": "int3"}, "dtype must be"),
+        ({"model_name_or_path": "meta-llama/Llama-3.1-8B"}, "downloads nothing"),
+    ],
+)
+def test_a_bad_file_or_value_is_one_line_and_exit_2(
+    data: dict[str, Any], needle: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path, {**BASE, **data})
+    code = main(["estimate", "--config", str(path), "--target", "cpu", "--quiet"])
+    err = capsys.readouterr().err
+    if needle is None:
+        assert code == 0 and "packing=" in err
+        return
+    assert code == 2, err
+    assert err.startswith("vramguard: error: ") and err.count("\n") == 1 and needle in err, err
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b"a: [1, 2", "cannot parse it"),
+        (b"- 1\n- 2\n", "must be a mapping"),
+        (b"\xff\xfe\x00binary", "not UTF-8"),
+        (None, "no such file"),
+    ],
+)
+def test_a_file_that_is_no_config_is_one_line(
+    content: bytes | None, needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "run.yaml"
+    if content is not None:
+        path.write_bytes(content)
+    for command in ("estimate", "audit"):
+        assert main([command, "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("vramguard: error: ") and err.count("\n") == 1 and needle in err, err
+
+
+def test_audit_refuses_a_config_that_is_no_qlora(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, {**BASE, "load_in_4bit": False})
+    assert main(["audit", "--config", str(path), "--device", "cpu"]) == 2
+    assert "method lora" in capsys.readouterr().err
+
+
+CONFIGS = [
+    pytest.param(
+        {
+            "per_device_train_batch_size": 2,
+            "max_length": 64,
+            "packing": True,
+            "padding_free": True,
+            "gradient_checkpointing": True,
+            "optim": "paged_adamw_8bit",
+        },
+        id="packing-padding_free-checkpointing-paged_adamw_8bit",
+    ),
+    pytest.param(
+        {
+            "per_device_train_batch_size": 2,
+            "max_length": 64,
+            "lora_dropout": 0.1,
+            "lora_target_modules": ["q_proj", "v_proj", "down_proj"],
+        },
+        id="dropout-targets",
+    ),
+]
+
+
+@pytest.mark.parametrize("change", CONFIGS)
+def test_estimate_on_cpu_kernels_equals_the_audit_of_the_same_file(
+    change: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path, {**BASE, **change})
+    estimate_json, audit_json = tmp_path / "estimate.json", tmp_path / "audit.json"
+    assert (
+        main(["estimate", "--config", str(path), "--target", "cpu", "--quiet", "--json", str(estimate_json)])
+        == 0
+    )
+    code = main(
+        [
+            "audit",
+            "--config",
+            str(path),
+            "--device",
+            "cpu",
+            "--steps",
+            "2",
+            "--quiet",
+            "--json",
+            str(audit_json),
+        ]
+    )
+    assert code == 0, capsys.readouterr()
+    estimate, audit = json.loads(estimate_json.read_text()), json.loads(audit_json.read_text())
+
+    def run_config(document: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in document["config"].items() if k not in ("device", "extra")}
+
+    assert run_config(estimate) == run_config(audit)
+    assert estimate["totals"] == audit["totals"] and estimate["totals"]["saved_bytes"] > 0
+    assert estimate["layers"] == audit["layers"]
+    assert estimate["phases"] == audit["phases"]
+    for mine, theirs in zip(estimate["steps"], audit["steps"], strict=True):
+        assert (
+            mine["peak_bytes"] == theirs["peak_bytes"] and mine["retained_bytes"] == theirs["retained_bytes"]
+        )

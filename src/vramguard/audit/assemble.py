@@ -30,7 +30,7 @@ from vramguard.audit.report import (
     Totals,
 )
 from vramguard.measure.ledger import LedgerReport
-from vramguard.measure.storage import frozen_resident_bytes, storage_nbytes
+from vramguard.measure.storage import frozen_resident_bytes, local_tensor, storage_nbytes
 from vramguard.measure.tracker import MemoryTracker
 from vramguard.model.analytic import Expectation
 
@@ -38,7 +38,7 @@ from vramguard.model.analytic import Expectation
 def lora_training_bytes(trainable: Iterable[torch.nn.Parameter], optimizer: Any) -> int:
     """LoRA weights + their gradients (same size, alive between backward and step) + optimizer state.
     ``optimizer`` may be a wrapper holding the real one as ``.optimizer`` (accelerate's, in a Trainer)."""
-    weights = sum(p.numel() * p.element_size() for p in trainable)
+    weights = sum(local_tensor(p).numel() * p.element_size() for p in trainable)  # a DTensor: its shard
     inner = getattr(optimizer, "optimizer", optimizer)
     state = sum(
         storage_nbytes(t)

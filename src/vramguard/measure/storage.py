@@ -19,14 +19,30 @@ StorageKey = int
 _MAX_DEPTH = 2
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s bytes on this process: ``t`` itself, or the local shard of a
+    ``DTensor`` (FSDP2's sharded parameters, their gradients and optimizer state). A ``DTensor`` is a wrapper
+    whose own storage has the *global* size (all ranks' shards), so counting it would charge every rank with
+    the whole tensor."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return t
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def storage_of(t: torch.Tensor) -> Any:
+    """The untyped storage holding ``t``'s bytes on this process (of its local shard, for a ``DTensor``)."""
+    return local_tensor(t).untyped_storage()
+
+
 def storage_key(t: torch.Tensor) -> StorageKey:
     """Identity of the storage behind ``t`` (shared by all of its views)."""
-    return int(t.untyped_storage()._cdata)
+    return int(storage_of(t)._cdata)
 
 
 def storage_nbytes(t: torch.Tensor) -> int:
     """Bytes of the whole storage behind ``t``: what keeping ``t`` alive costs."""
-    return int(t.untyped_storage().nbytes())
+    return int(storage_of(t).nbytes())
 
 
 # leaves ``torch.utils._pytree`` never looks into, and that are no tensors: skipped without asking it
@@ -172,7 +188,7 @@ class ResidentWalk:
                 for name, tensor in group.items():
                     if tensor is None:
                         continue
-                    key = int(tensor.untyped_storage()._cdata)
+                    key = storage_key(tensor)
                     if key not in owners:
                         owners[key] = known.get(key) or prefix + name
                     extra = _attributes(tensor)
@@ -209,7 +225,7 @@ class ResidentWalk:
         hooks), and a module attribute set to a new object holding tensors."""
         for group, name, key, ids in self._slots:
             tensor = group.get(name)
-            if tensor is None or int(tensor.untyped_storage()._cdata) != key:
+            if tensor is None or storage_key(tensor) != key:
                 return False
             if tuple(map(id, _attributes(tensor).values())) != ids:
                 return False

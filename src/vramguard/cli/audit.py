@@ -14,7 +14,14 @@ from typing import Any
 from vramguard.atomic import write_text_atomic
 from vramguard.audit import run as _audit_run
 from vramguard.audit.run import check_fits, resolve_device, run_audit
-from vramguard.cli.options import add_qlora_options, check_json_path, positive_int, qlora_config
+from vramguard.cli.options import (
+    add_qlora_options,
+    add_sharding_options,
+    check_json_path,
+    positive_int,
+    qlora_config,
+    sharding_config,
+)
 from vramguard.errors import UsageError
 from vramguard.view.console import progress_bar, stdout_console
 from vramguard.view.report import render, verdict_only
@@ -46,6 +53,7 @@ def register(subparsers: Any) -> None:
         "which needs an accelerator) and report the host copies per step",
     )
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    add_sharding_options(p)
     p.add_argument("--seed", type=int, default=QLoRAConfig().seed)
     p.add_argument("--top", type=positive_int, default=3, help="modules listed per layer")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable report here")
@@ -63,14 +71,22 @@ def handle(args: argparse.Namespace) -> int:
     check_json_path(args.json)  # fail before the run, not after it
     if args.offload_activations and args.trainer == "loop":
         raise UsageError("--offload-activations needs --trainer trainer or --trainer sft")
+    sharding = sharding_config(args)
     config = qlora_config(
         args,
-        device=resolve_device(args.device),
+        device="cpu" if sharding is not None and args.device == "auto" else resolve_device(args.device),
         seed=args.seed,
     )
     config.validate()
     check_fits(config)  # fail on a bad model, or one that cannot fit, before anything is built
     console = stdout_console()
+    if sharding is not None:
+        if args.trainer != "loop":
+            raise UsageError("--world-size runs vramguard's loop on every rank: leave out --trainer")
+        from vramguard.audit.distributed import run_distributed_audit
+
+        report = run_distributed_audit(config, sharding, steps=args.steps, top=args.top)
+        return _show(report, args, console, "distributed-audit")
     progress = progress_bar(args.quiet)
     with progress:
         task = progress.add_task("audit", total=args.steps + 1)
@@ -87,10 +103,15 @@ def handle(args: argparse.Namespace) -> int:
                 report = run_trainer_audit(
                     config, args.steps, args.trainer, tmp, offload_activations=args.offload_activations
                 )
+    return _show(report, args, console, "audit")
+
+
+def _show(report: Any, args: argparse.Namespace, console: Any, layout: str) -> int:
+    """Print ``report`` (the verdict line alone with ``--quiet``), write ``--json``; the exit code."""
     if args.quiet:
         verdict_only(report, console)
     else:
-        render(report, console, "audit")
+        render(report, console, layout)
     if args.json is not None:
         try:
             write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")

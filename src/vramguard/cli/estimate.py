@@ -9,7 +9,14 @@ from typing import Any
 
 from vramguard.atomic import write_text_atomic
 from vramguard.audit.report import AuditReport
-from vramguard.cli.options import add_qlora_options, check_json_path, positive_int, qlora_config
+from vramguard.cli.options import (
+    add_qlora_options,
+    add_sharding_options,
+    check_json_path,
+    positive_int,
+    qlora_config,
+    sharding_config,
+)
 from vramguard.errors import UsageError
 from vramguard.units import parse_size
 from vramguard.workload.models import METHODS, OPTIMIZERS, QLoRAConfig
@@ -58,6 +65,7 @@ def register(subparsers: Any) -> None:
         "seq) that fits, and for a shape that does not fit, the changes that would make it",
     )
     p.add_argument("--fit-dim", default="batch", choices=("batch", "seq"))
+    add_sharding_options(p)
     p.add_argument(
         "--target",
         default="cuda",
@@ -94,6 +102,9 @@ def main(args: argparse.Namespace) -> int:
     size = parse_size(args.fit) if args.fit is not None else None
     if size is not None and size <= 0:
         raise UsageError(f"--fit must be a positive size, got {args.fit!r}")
+    sharding = sharding_config(args)
+    if sharding is not None:
+        return _distributed(config, sharding, size, args)
     report = run_estimate(config, steps=args.steps, top=args.top, target=args.target)
     console = stdout_console()
     if args.quiet:
@@ -135,3 +146,29 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
     if report.estimate.total_bytes > size:
         result.changes = cheaper_changes(config, size, estimate)
     return result.to_dict()
+
+
+def _distributed(config: QLoRAConfig, sharding: Any, size: int | None, args: argparse.Namespace) -> int:
+    """``--world-size N --sharding fsdp2``: every rank on meta under the fake process group."""
+    from vramguard.estimate.distributed import run_distributed_estimate
+    from vramguard.view.console import stdout_console
+    from vramguard.view.report import render, verdict_only
+
+    if size is not None:
+        raise UsageError("--fit with --world-size is not implemented yet")
+    if config.method != "qlora" or config.optimizer != "adamw" or config.offload_activations:
+        raise UsageError(
+            "--world-size estimates the FSDP + QLoRA recipe: --method qlora, --optimizer adamw, no offloading"
+        )
+    report = run_distributed_estimate(config, sharding, steps=args.steps, top=args.top, target=args.target)
+    console = stdout_console()
+    if args.quiet:
+        verdict_only(report, console)
+    else:
+        render(report, console, "distributed-estimate")
+    if args.json is not None:
+        try:
+            write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
+        except OSError as exc:
+            raise UsageError(f"cannot write --json {args.json}: {exc}") from None
+    return 0 if report.verdict.ok else 1

@@ -28,7 +28,14 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 CONFIG = QLoRAConfig()  # tiny-llama, batch 2 x seq 128
 STEPS = 2
 COMPARED = ("weights_bytes", "trainable_bytes", "lora_training_bytes", "saved_bytes", "step_peak_bytes")
-COMPARED += ("allocator_peak_bytes", "phases", "terms", "transient")
+COMPARED += (
+    "allocator_peak_bytes",
+    "phases",
+    "terms",
+    "transient",
+    "gathered_weight_bytes",
+    "gathered_held_bytes",
+)
 
 
 # -- the tracker sees what FSDP does to storages ---------------------------------------------------------------
@@ -79,6 +86,48 @@ def test_a_dtensor_counts_its_local_shard() -> None:
 def test_shard_signature_follows_torch_chunk() -> None:
     shapes = [torch.Size([10, 3]), torch.Size([4])]
     assert [shard_signature(shapes, r, 4) for r in range(4)] == [(3, 1), (3, 1), (3, 1), (1, 1)]
+
+
+# -- what a rank's forward keeps: activations, and all-gathered weights named apart ------------------------------
+
+
+def _one_device(config: QLoRAConfig):
+    """The recipe's model, unsharded, on one (meta) device with the CPU's kernel decisions: the model and the
+    ledger of its first forward."""
+    from vramguard.estimate.meta import META, build_meta, forced_decisions
+    from vramguard.measure.tracker import MemoryTracker
+    from vramguard.workload.training import make_optimizer, run_steps
+
+    q = build_meta(config, sharded=True)
+    source = StorageTracker(None)
+    source.device = META
+    with forced_decisions("cpu"), MemoryTracker(META, model=q.model, source=source) as tracker:
+        _, ledger = run_steps(q, 1, tracker, optimizer=make_optimizer(q), ledger_step=0)
+    return q.model, ledger
+
+
+def _saved(record) -> tuple:
+    return (record["module"], record["node"], tuple(record["shape"]), record["dtype"], record["bytes"])
+
+
+def test_a_rank_saves_what_one_device_saves_and_names_the_gathered_weights_apart() -> None:
+    """Sharding moves weights, not activations: a rank's forward keeps what the unsharded model's forward keeps
+    for the same batch, record by record. The unsharded weights FSDP2 all-gathers and its backward uses (freed
+    after forward, gathered again; the root unit's stay gathered) are no saved activations: they are the
+    weights one device keeps resident for backward, byte for byte, named ``gathered-weight``."""
+    from vramguard.measure.decoder import decoder_layer
+
+    model, one = _one_device(CONFIG)
+    rank = run_distributed_estimate(CONFIG, ShardingConfig(2, "fsdp2"), steps=1, target="cpu", ranks=[0])
+    row = rank.distributed.per_rank[0]
+    assert row.saved_bytes == rank.totals.saved_bytes == one.saved_bytes > 0
+    kept = sorted(_saved(r) for r in rank.records if r["kind"] != "gathered-weight")
+    assert kept == sorted(_saved(r.to_dict()) for r in one.records)
+    params = {name for name, _ in model.named_parameters()}
+    weights = [r for r in one.resident if r.owner in params]  # parameters one device saved for backward
+    assert row.gathered_weight_bytes == rank.totals.gathered_weight_bytes == sum(r.bytes for r in weights) > 0
+    root = sum(r.bytes for r in weights if decoder_layer(r.module) is None)  # FSDP2's root unit
+    assert row.gathered_held_bytes == root > 0
 
 
 # -- real ranks against the fake process group ---------------------------------------------------------------

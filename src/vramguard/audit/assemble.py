@@ -60,6 +60,7 @@ def totals_of(ledger: LedgerReport, model: torch.nn.Module, layers: list[LayerRo
         resident_seen_bytes=ledger.resident_bytes,
         model_resident_bytes=frozen_resident_bytes(model),
         outside_layers_bytes=ledger.saved_bytes - sum(row.saved_bytes for row in layers),
+        gathered_weight_bytes=ledger.gathered_bytes,
     )
 
 
@@ -189,7 +190,8 @@ def assemble(m: Measured) -> AuditReport:
             len(m.steps),
             ok_detail="; " + checks.activation_summary(comparison) if m.ok_detail is None else m.ok_detail,
         ),
-        records=[r.to_dict() for r in m.ledger.records],
+        # (the saved records, then a sharded model's saved all-gathered weights: kind gathered-weight)
+        records=[r.to_dict() for r in (*m.ledger.records, *m.ledger.gathered)],
         elapsed_s=round(m.elapsed_s, 3),
         architecture=m.architecture,
     )

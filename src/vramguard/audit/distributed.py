@@ -100,6 +100,8 @@ def measure_rank(
         trainable_bytes=terms.trainable_bytes,
         lora_training_bytes=report.budget.measured_lora_training_bytes,
         saved_bytes=report.totals.saved_bytes,
+        gathered_weight_bytes=ledger.gathered_bytes,
+        gathered_held_bytes=ledger.gathered_held_bytes,
         step_peak_bytes=phases[peak_phase],
         peak_phase=peak_phase,
         allocator_peak_bytes=allocator,

@@ -42,6 +42,9 @@ class Totals:
     resident_seen_bytes: int
     model_resident_bytes: int
     outside_layers_bytes: int
+    gathered_weight_bytes: int = 0
+    """Saved all-gathered weights of a sharded model, at their gathered size (0 on one device): not in
+    ``saved_bytes`` (:attr:`vramguard.measure.ledger.LedgerReport.gathered_bytes`)."""
 
 
 @dataclass
@@ -196,7 +199,11 @@ class RankRow:
 
     ``weights_bytes``: this rank's frozen resident bytes (its shards of the packed 4-bit and unquantized
     weights, plus the replicated quantization state and buffers); ``trainable_bytes``: its LoRA shards;
-    ``saved_bytes``: what its forward kept for backward (ledger); ``step_peak_bytes``: the highest phase peak
+    ``saved_bytes``: the activations its forward kept for backward (ledger; its own batch);
+    ``gathered_weight_bytes``: the all-gathered (unsharded) weights its backward computes with, each unit's
+    at its gathered size, not in ``saved_bytes`` (transient: FSDP frees a unit's after forward and gathers it
+    again before its backward), of which ``gathered_held_bytes`` stayed gathered from forward to backward
+    (the root unit, not resharded after forward); ``step_peak_bytes``: the highest phase peak
     (tracker: activations, all-gathered units, dequantized weights, gradients, reduce-scatter buffers,
     optimizer state); ``allocator_peak_bytes`` = weights + trainable + step peak; ``reserved_bytes``: the
     caching allocator's reserved peak (CUDA only, else None); ``total_bytes``: the allocator peak plus the
@@ -219,6 +226,8 @@ class RankRow:
     terms: dict[str, int] = field(default_factory=dict)
     transient: dict[str, int] = field(default_factory=dict)
     same_as: int | None = None
+    gathered_weight_bytes: int = 0
+    gathered_held_bytes: int = 0
 
 
 @dataclass

@@ -235,6 +235,45 @@ class ResidentWalk:
         return True
 
 
+def gathered_storages(model: torch.nn.Module) -> dict[StorageKey, int]:
+    """Storages a sharding engine all-gathers a unit's weights into, with the bytes each holds while gathered.
+
+    FSDP2 (``fully_shard``) gathers each parameter into its ``all_gather_outputs`` (the unsharded parameter is
+    a view of them) and the unit into its group's flat buffer; FSDP1 into each flat parameter's
+    ``_full_param_padded``. Both free these with ``storage.resize_(0)`` after forward (all but the root unit,
+    which stays gathered until backward) and gather them again before backward: the storage object lives on,
+    so its key is stable while its size comes and goes. The bytes are the padded unsharded size, read off the
+    buffer's shape (its storage may hold 0 bytes now). Empty for a model no engine shards."""
+    out: dict[StorageKey, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            t = local_tensor(t)
+            storage = t.untyped_storage()
+            nbytes = max(int(storage.nbytes()), (t.storage_offset() + t.numel()) * t.element_size())
+            key = int(storage._cdata)
+            out[key] = max(out.get(key, 0), nbytes)
+
+    for module in model.modules():
+        if getattr(type(module), "_get_fsdp_state", None) is not None:  # FSDP2
+            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+            if group is None:
+                continue
+            add(getattr(group, "_all_gather_output", None))
+            for fp in group.fsdp_params:
+                for t in [
+                    *getattr(fp, "all_gather_outputs", ()),
+                    *getattr(fp, "_unsharded_inner_tensors", ()),
+                ]:
+                    add(t)
+                add(fp.__dict__.get("_unsharded_param"))
+        for p in module._parameters.values():  # FSDP1's FlatParameter
+            if p is not None and hasattr(p, "_full_param_padded"):
+                add(getattr(p, "_full_param_padded", None))
+                add(getattr(p, "_full_prec_full_param_padded", None))
+    return out
+
+
 def frozen_resident_bytes(model: torch.nn.Module) -> int:
     """Bytes of the resident storages that training does not update: frozen (quantized) weights with
     their quantization state, and buffers. Trainable parameters are left out."""

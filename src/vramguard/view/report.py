@@ -329,6 +329,12 @@ def distributed_ranks(report: AuditReport, console: Any) -> None:
         t.add_row("saved activations (ledger)", fb(row.saved_bytes), "per rank: its own batch")
         x = row.transient
         t.add_row(
+            "  all-gathered weights used by backward (ledger)",
+            fb(row.gathered_weight_bytes),
+            f"transient, not saved: freed after forward, gathered again unit by unit "
+            f"({fb(row.gathered_held_bytes)} of it, the root unit's, stays gathered until backward)",
+        )
+        t.add_row(
             "  largest unit all-gathered",
             fb(x.get("all_gathered_unit", 0)),
             f"transient, in the step peak ({x.get('units', 0)} units)",

@@ -110,15 +110,28 @@ def _saved(record) -> tuple:
     return (record["module"], record["node"], tuple(record["shape"]), record["dtype"], record["bytes"])
 
 
-def test_a_rank_saves_what_one_device_saves_and_names_the_gathered_weights_apart() -> None:
+@pytest.fixture(scope="module")
+def fsdp2_estimate():
+    """Both ranks of the FSDP2 step on meta under the fake process group (one run: same shard shapes)."""
+    return run_distributed_estimate(CONFIG, ShardingConfig(2, "fsdp2"), steps=STEPS, target="cpu")
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _one_device(CONFIG)
+
+
+def test_a_rank_saves_what_one_device_saves_and_names_the_gathered_weights_apart(
+    fsdp2_estimate, one_device
+) -> None:
     """Sharding moves weights, not activations: a rank's forward keeps what the unsharded model's forward keeps
     for the same batch, record by record. The unsharded weights FSDP2 all-gathers and its backward uses (freed
     after forward, gathered again; the root unit's stay gathered) are no saved activations: they are the
     weights one device keeps resident for backward, byte for byte, named ``gathered-weight``."""
     from vramguard.measure.decoder import decoder_layer
 
-    model, one = _one_device(CONFIG)
-    rank = run_distributed_estimate(CONFIG, ShardingConfig(2, "fsdp2"), steps=1, target="cpu", ranks=[0])
+    model, one = one_device
+    rank = fsdp2_estimate
     row = rank.distributed.per_rank[0]
     assert row.saved_bytes == rank.totals.saved_bytes == one.saved_bytes > 0
     kept = sorted(_saved(r) for r in rank.records if r["kind"] != "gathered-weight")
@@ -162,8 +175,8 @@ def _rows(report) -> list[dict]:
     return [{k: getattr(row, k) for k in COMPARED} for row in report.distributed.per_rank]
 
 
-def test_fsdp2_audit_equals_the_fake_process_group_estimate_per_rank(fsdp2_audit) -> None:
-    estimate = run_distributed_estimate(CONFIG, ShardingConfig(2, "fsdp2"), steps=STEPS, target="cpu")
+def test_fsdp2_audit_equals_the_fake_process_group_estimate_per_rank(fsdp2_audit, fsdp2_estimate) -> None:
+    estimate = fsdp2_estimate
     assert _rows(fsdp2_audit) == _rows(estimate)
     assert _records(fsdp2_audit) == _records(estimate)  # rank 0's ledger, record by record
     assert [s.retained_bytes for s in fsdp2_audit.steps] == [s.retained_bytes for s in estimate.steps]
@@ -184,16 +197,51 @@ def test_fsdp2_shards_the_weights_and_replicates_the_quant_state(fsdp2_audit) ->
         assert row.weights_bytes == sum(v for k, v in terms.items() if k != "trainable_bytes")
 
 
-def test_fsdp1_audit_runs_sharded_ranks() -> None:
-    report = run_distributed_audit(CONFIG, ShardingConfig(2, "fsdp1"), steps=STEPS)
+def _fake_ranks(sharding: ShardingConfig, steps: int = STEPS) -> list:
+    """Each rank of ``sharding``'s step on the host's real tensors in this process, under torch's fake process
+    group (collectives move nothing; every buffer FSDP allocates is real): the rows, as the ranks write them."""
+    from vramguard.audit.distributed import measure_rank, rank_expectation
+    from vramguard.estimate.distributed import fake_process_group
+    from vramguard.workload.sharding import cpu_mesh
+
+    rows = []
+    for rank in range(sharding.world_size):
+        q = build_qlora(CONFIG, sharded=True)
+        expected = rank_expectation(q, CONFIG)
+        with fake_process_group(rank, sharding.world_size):
+            mesh = cpu_mesh(sharding.world_size)
+            _, row = measure_rank(q, CONFIG, sharding, mesh, rank, steps, 3, expected, "cpu")
+        rows.append(row)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def fsdp1_ranks():
+    return _fake_ranks(ShardingConfig(2, "fsdp1"))
+
+
+def test_fsdp1_shards_the_weights_and_keeps_what_one_device_saves(fsdp1_ranks, one_device) -> None:
+    """FSDP1's flat parameters split the packed weights (unevenly, same total) and replicate the quant_state;
+    each rank saves the activations of the unsharded model on one device and names the gathered units apart,
+    the root unit (not resharded after forward) held until backward."""
     whole = rank_terms(build_qlora(CONFIG, sharded=True).model)
-    rows = report.distributed.per_rank
-    assert [r.rank for r in rows] == [0, 1]
-    packed = [r.terms["packed_4bit_bytes"] for r in rows]
-    assert sum(packed) == whole.packed_4bit_bytes  # the flat parameters split it, unevenly
-    for r in rows:
+    _, one = one_device
+    assert [r.rank for r in fsdp1_ranks] == [0, 1]
+    assert sum(r.terms["packed_4bit_bytes"] for r in fsdp1_ranks) == whole.packed_4bit_bytes
+    for r in fsdp1_ranks:
+        assert 0 < r.terms["packed_4bit_bytes"] < whole.packed_4bit_bytes
         assert r.terms["quant_state_bytes"] == whole.quant_state_bytes
         assert r.transient["units"] > 0 and r.transient["all_gathered_unit"] > 0
+        assert r.saved_bytes == one.saved_bytes
+        assert 0 < r.gathered_held_bytes < r.gathered_weight_bytes
+
+
+@pytest.mark.slow
+def test_fsdp1_audit_equals_the_fake_process_group_on_the_host(fsdp1_ranks) -> None:
+    """Real gloo FSDP1 ranks against the same ranks under the fake process group: byte for byte."""
+    report = run_distributed_audit(CONFIG, ShardingConfig(2, "fsdp1"), steps=STEPS)
+    real = [{k: getattr(row, k) for k in COMPARED} for row in report.distributed.per_rank]
+    assert real == [{k: getattr(row, k) for k in COMPARED} for row in fsdp1_ranks]
     assert report.verdict.ok, report.verdict.line
 
 

@@ -329,10 +329,14 @@ def distributed_ranks(report: AuditReport, console: Any) -> None:
         t.add_row("saved activations (ledger)", fb(row.saved_bytes), "per rank: its own batch")
         x = row.transient
         t.add_row(
-            "  all-gathered weights used by backward (ledger)",
+            "all-gathered weights backward uses (ledger)",
             fb(row.gathered_weight_bytes),
-            f"transient, not saved: freed after forward, gathered again unit by unit "
-            f"({fb(row.gathered_held_bytes)} of it, the root unit's, stays gathered until backward)",
+            "transient, not saved: each unit freed after forward, gathered again for its backward",
+        )
+        t.add_row(
+            "  of which gathered from forward to backward",
+            fb(row.gathered_held_bytes),
+            "the root unit: not resharded after forward",
         )
         t.add_row(
             "  largest unit all-gathered",

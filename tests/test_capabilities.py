@@ -145,12 +145,12 @@ def test_partial_block_probe_finds_a_kernel_that_divides_in_bfloat16(monkeypatch
         return packed, qs
 
     monkeypatch.setattr(bnbF, "quantize_4bit", lambda w, **kw: quantize(w, False, **kw))
-    ok, detail = capabilities.probe_partial_block_bf16()
+    ok, detail = capabilities.probe_partial_block_16bit()
     assert ok, detail
     monkeypatch.setattr(bnbF, "quantize_4bit", lambda w, **kw: quantize(w, True, **kw))
-    ok, detail = capabilities.probe_partial_block_bf16()
+    ok, detail = capabilities.probe_partial_block_16bit()
     assert not ok and "4-bit codes" in detail
-    assert reference.partial_block_rounding_hits(capabilities.partial_block_bf16_traps(), 64, "nf4")
+    assert reference.partial_block_rounding_hits(capabilities.partial_block_traps(), 64, "nf4")
 
 
 def test_dynamic_map_probe_finds_a_kernel_that_overwrites_the_map(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -183,7 +183,9 @@ def test_nested_and_partial_block_cases_are_skipped_only_where_their_data_hits_t
 
     real = capabilities.get
     fake = {
-        "defect:partial_block_bf16": capabilities.Probe("defect:partial_block_bf16", False, "bf16 division"),
+        "defect:partial_block_16bit": capabilities.Probe(
+            "defect:partial_block_16bit", False, "bf16 division"
+        ),
         "defect:dynamic_map_cpu": capabilities.Probe("defect:dynamic_map_cpu", False, "map overwritten"),
     }
     monkeypatch.setattr(runner, "_cap", lambda name: fake[name] if name in fake else real(name))

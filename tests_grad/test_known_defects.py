@@ -219,19 +219,20 @@ def test_fp4_quantization_stores_the_nearest_code() -> None:
             raise AssertionError(f"{capabilities.cpu_description()}: {exc}") from exc
 
 
-@known_defect("partial_block_bf16", AssertionError)
-def test_bf16_partial_block_stores_the_nearest_code() -> None:
-    """A bfloat16 weight whose last block is partial: every element of that block is stored as its nearest
-    nf4 code (the weight is built so that dividing in bfloat16 would move some to the farther code)."""
+@known_defect("partial_block_16bit", AssertionError)
+def test_16bit_partial_block_stores_the_nearest_code() -> None:
+    """A bfloat16 and a float16 weight whose last block is partial: every element of that block is stored as
+    its nearest nf4 code (each is built so that dividing in its own dtype would move some to the farther code)."""
     need("blocksize_remainder_cpu")
     from vramguard.grad import reference
 
-    w = capabilities.partial_block_bf16_traps(64)
-    packed, qs = bnbF.quantize_4bit(w.reshape(1, -1), blocksize=64, quant_type="nf4")
-    try:
-        reference.check_4bit_quantization(w, packed, qs.absmax, 64, "nf4", nested=False)
-    except reference.StateMismatch as exc:
-        raise AssertionError(str(exc)) from exc
+    for dtype in ("bfloat16", "float16"):
+        w = capabilities.partial_block_traps(64, dtype)
+        packed, qs = bnbF.quantize_4bit(w.reshape(1, -1), blocksize=64, quant_type="nf4")
+        try:
+            reference.check_4bit_quantization(w, packed, qs.absmax, 64, "nf4", nested=False)
+        except reference.StateMismatch as exc:
+            raise AssertionError(f"{dtype}: {exc}") from exc
 
 
 @known_defect("dynamic_map_cpu", AssertionError)

@@ -31,7 +31,7 @@ from vramguard.audit.report import (
 )
 from vramguard.measure.events import Timeline
 from vramguard.measure.ledger import LedgerReport
-from vramguard.measure.storage import frozen_resident_bytes, storage_nbytes
+from vramguard.measure.storage import frozen_resident_bytes, local_tensor, storage_nbytes
 from vramguard.measure.tracker import MemoryTracker
 from vramguard.model.analytic import Expectation
 
@@ -39,7 +39,7 @@ from vramguard.model.analytic import Expectation
 def lora_training_bytes(trainable: Iterable[torch.nn.Parameter], optimizer: Any) -> int:
     """LoRA weights + their gradients (same size, alive between backward and step) + optimizer state.
     ``optimizer`` may be a wrapper holding the real one as ``.optimizer`` (accelerate's, in a Trainer)."""
-    weights = sum(p.numel() * p.element_size() for p in trainable)
+    weights = sum(local_tensor(p).numel() * p.element_size() for p in trainable)  # a DTensor: its shard
     inner = getattr(optimizer, "optimizer", optimizer)
     state = sum(
         storage_nbytes(t)
@@ -61,6 +61,7 @@ def totals_of(ledger: LedgerReport, model: torch.nn.Module, layers: list[LayerRo
         resident_seen_bytes=ledger.resident_bytes,
         model_resident_bytes=frozen_resident_bytes(model),
         outside_layers_bytes=ledger.saved_bytes - sum(row.saved_bytes for row in layers),
+        gathered_weight_bytes=ledger.gathered_bytes,
     )
 
 
@@ -191,7 +192,8 @@ def assemble(m: Measured) -> AuditReport:
             len(m.steps),
             ok_detail="; " + checks.activation_summary(comparison) if m.ok_detail is None else m.ok_detail,
         ),
-        records=[r.to_dict() for r in m.ledger.records],
+        # (the saved records, then a sharded model's saved all-gathered weights: kind gathered-weight)
+        records=[r.to_dict() for r in (*m.ledger.records, *m.ledger.gathered)],
         elapsed_s=round(m.elapsed_s, 3),
         architecture=m.architecture,
         timeline=m.timeline,

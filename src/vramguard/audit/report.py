@@ -43,6 +43,9 @@ class Totals:
     resident_seen_bytes: int
     model_resident_bytes: int
     outside_layers_bytes: int
+    gathered_weight_bytes: int = 0
+    """Saved all-gathered weights of a sharded model, at their gathered size (0 on one device): not in
+    ``saved_bytes`` (:attr:`vramguard.measure.ledger.LedgerReport.gathered_bytes`)."""
 
 
 @dataclass
@@ -192,6 +195,56 @@ class DeviceEstimate:
 
 
 @dataclass
+class RankRow:
+    """One rank of a sharded step (``audit --world-size N``, measured; ``estimate --world-size N``, on meta).
+
+    ``weights_bytes``: this rank's frozen resident bytes (its shards of the packed 4-bit and unquantized
+    weights, plus the replicated quantization state and buffers); ``trainable_bytes``: its LoRA shards;
+    ``saved_bytes``: the activations its forward kept for backward (ledger; its own batch);
+    ``gathered_weight_bytes``: the all-gathered (unsharded) weights its backward computes with, each unit's
+    at its gathered size, not in ``saved_bytes`` (transient: FSDP frees a unit's after forward and gathers it
+    again before its backward), of which ``gathered_held_bytes`` stayed gathered from forward to backward
+    (the root unit, not resharded after forward); ``step_peak_bytes``: the highest phase peak
+    (tracker: activations, all-gathered units, dequantized weights, gradients, reduce-scatter buffers,
+    optimizer state); ``allocator_peak_bytes`` = weights + trainable + step peak; ``reserved_bytes``: the
+    caching allocator's reserved peak (CUDA only, else None); ``total_bytes``: the allocator peak plus the
+    named overheads (none on CPU). ``terms``: :class:`vramguard.workload.sharding.RankTerms` (sharded and
+    replicated resident bytes) and ``transient``: the named transient buffers the step peak contains
+    (:func:`vramguard.workload.sharding.transient_terms`). ``same_as``: an estimate ran this rank's shard
+    shapes once, as rank ``same_as``."""
+
+    rank: int
+    weights_bytes: int
+    trainable_bytes: int
+    lora_training_bytes: int
+    saved_bytes: int
+    step_peak_bytes: int
+    peak_phase: str
+    allocator_peak_bytes: int
+    reserved_bytes: int | None
+    total_bytes: int
+    phases: dict[str, int] = field(default_factory=dict)
+    terms: dict[str, int] = field(default_factory=dict)
+    transient: dict[str, int] = field(default_factory=dict)
+    same_as: int | None = None
+    gathered_weight_bytes: int = 0
+    gathered_held_bytes: int = 0
+
+
+@dataclass
+class DistributedSection:
+    """The per-rank view of a sharded step: ``world_size`` ranks sharded by ``sharding`` (``fsdp2``,
+    ``fsdp1``), ``engine`` saying what ran (real processes and backend, or the fake process group on meta),
+    and one :class:`RankRow` per rank."""
+
+    world_size: int
+    sharding: str
+    cpu_offload: bool
+    engine: str
+    per_rank: list[RankRow] = field(default_factory=list)
+
+
+@dataclass
 class AuditReport:
     """Everything ``vramguard audit`` measured, in one self-describing document."""
 
@@ -215,6 +268,8 @@ class AuditReport:
     estimate: DeviceEstimate | None = None
     # the memory through the steps by category (--snapshot, --html; CPU and meta runs), None when not recorded
     timeline: Timeline | None = None
+    # ``--world-size N``: every rank's figures (the rest of the document is rank 0's); None for one device
+    distributed: DistributedSection | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as the JSON document ``--json`` writes (plain lists and dicts; :meth:`from_dict` reads
@@ -265,6 +320,10 @@ class AuditReport:
             d["estimate"] = DeviceEstimate(**e)
         if d.get("timeline") is not None:
             d["timeline"] = Timeline.from_dict(d["timeline"])
+        if d.get("distributed") is not None:
+            dist = dict(d["distributed"])
+            dist["per_rank"] = [RankRow(**row) for row in dist.get("per_rank", [])]
+            d["distributed"] = DistributedSection(**dist)
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:

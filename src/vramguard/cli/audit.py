@@ -17,12 +17,14 @@ from vramguard.audit import run as _audit_run
 from vramguard.audit.run import check_fits, resolve_device, run_audit
 from vramguard.cli.options import (
     add_qlora_options,
+    add_sharding_options,
     add_timeline_options,
     check_json_path,
     check_timeline_paths,
     positive_int,
     print_not_priced,
     qlora_config,
+    sharding_config,
     wants_timeline,
     with_config_notes,
     write_timeline_outputs,
@@ -60,6 +62,7 @@ def register(subparsers: Any) -> None:
         "which needs an accelerator) and report the host copies per step",
     )
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    add_sharding_options(p)
     p.add_argument("--seed", type=int, default=QLoRAConfig().seed)
     p.add_argument("--top", type=positive_int, default=3, help="modules listed per layer")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable report here")
@@ -79,7 +82,9 @@ def handle(args: argparse.Namespace) -> int:
     check_timeline_paths(args)
     if args.offload_activations and args.trainer == "loop":
         raise UsageError("--offload-activations needs --trainer trainer or --trainer sft")
-    config, lines = qlora_config(args, device=resolve_device(args.device), seed=args.seed)
+    sharding = sharding_config(args)
+    device = "cpu" if sharding is not None and args.device == "auto" else resolve_device(args.device)
+    config, lines = qlora_config(args, device=device, seed=args.seed)
     if config.method != "qlora":
         raise UsageError(
             f"the audit measures a QLoRA step, but {args.config} gives method {config.method} (QLoRA is "
@@ -99,6 +104,17 @@ def handle(args: argparse.Namespace) -> int:
         )
     check_fits(config)  # fail on a bad model, or one that cannot fit, before anything is built
     console = stdout_console()
+    if sharding is not None:
+        if args.trainer != "loop":
+            raise UsageError("--world-size runs vramguard's loop on every rank: leave out --trainer")
+        from vramguard.audit.distributed import run_distributed_audit
+
+        if events is not None:
+            raise UsageError("--snapshot and --html record one process's allocations: leave out --world-size")
+        report = with_config_notes(
+            run_distributed_audit(config, sharding, steps=args.steps, top=args.top), lines
+        )
+        return _show(report, args, console, "distributed-audit", lines)
     progress = progress_bar(args.quiet)
     with progress:
         task = progress.add_task("audit", total=args.steps + 1)
@@ -116,11 +132,19 @@ def handle(args: argparse.Namespace) -> int:
                     config, args.steps, args.trainer, tmp, offload_activations=config.offload_activations
                 )
     report = with_config_notes(report, lines)
+    return _show(report, args, console, "audit", lines, events)
+
+
+def _show(
+    report: Any, args: argparse.Namespace, console: Any, layout: str, lines: list[str], events: Any = None
+) -> int:
+    """Print ``report`` (the verdict line alone with ``--quiet``, plus what is not priced), write ``--json``
+    and the timeline outputs; the exit code."""
     if args.quiet:
         verdict_only(report, console)
         print_not_priced(lines)
     else:
-        render(report, console, "audit")
+        render(report, console, layout)
     if args.json is not None:
         try:
             write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
@@ -128,7 +152,8 @@ def handle(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot write --json {args.json}: {exc}") from None
         if not args.quiet:
             console.print(f"report written to {args.json}", highlight=False)
-    for line in write_timeline_outputs(args, report, events):
-        if not args.quiet:
-            console.print(line, highlight=False)
+    if events is not None:
+        for line in write_timeline_outputs(args, report, events):
+            if not args.quiet:
+                console.print(line, highlight=False)
     return 0 if report.verdict.ok else 1

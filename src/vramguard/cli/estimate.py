@@ -11,12 +11,14 @@ from vramguard.atomic import write_text_atomic
 from vramguard.audit.report import AuditReport
 from vramguard.cli.options import (
     add_qlora_options,
+    add_sharding_options,
     add_timeline_options,
     check_json_path,
     check_timeline_paths,
     positive_int,
     print_not_priced,
     qlora_config,
+    sharding_config,
     wants_timeline,
     with_config_notes,
     write_timeline_outputs,
@@ -68,6 +70,7 @@ def register(subparsers: Any) -> None:
         "seq) that fits, and for a shape that does not fit, the changes that would make it",
     )
     p.add_argument("--fit-dim", default="batch", choices=("batch", "seq"))
+    add_sharding_options(p)
     p.add_argument(
         "--target",
         default="cuda",
@@ -102,6 +105,11 @@ def main(args: argparse.Namespace) -> int:
     if size is not None and size <= 0:
         raise UsageError(f"--fit must be a positive size, got {args.fit!r}")
     events = AllocationLog() if wants_timeline(args) else None
+    sharding = sharding_config(args)
+    if sharding is not None:
+        if events is not None:
+            raise UsageError("--snapshot and --html record one process's allocations: leave out --world-size")
+        return _distributed(config, sharding, size, args, lines)
     report = with_config_notes(
         run_estimate(config, steps=args.steps, top=args.top, target=args.target, events=events), lines
     )
@@ -123,9 +131,10 @@ def main(args: argparse.Namespace) -> int:
             write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
         except OSError as exc:
             raise UsageError(f"cannot write --json {args.json}: {exc}") from None
-    for line in write_timeline_outputs(args, report, events):
-        if not args.quiet:
-            console.print(line, highlight=False)
+    if events is not None:
+        for line in write_timeline_outputs(args, report, events):
+            if not args.quiet:
+                console.print(line, highlight=False)
     return 0 if report.verdict.ok and fits else 1
 
 
@@ -149,3 +158,34 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
     if report.estimate.total_bytes > size:
         result.changes = cheaper_changes(config, size, estimate)
     return result.to_dict()
+
+
+def _distributed(
+    config: QLoRAConfig, sharding: Any, size: int | None, args: argparse.Namespace, lines: list[str]
+) -> int:
+    """``--world-size N --sharding fsdp2``: every rank on meta under the fake process group."""
+    from vramguard.estimate.distributed import run_distributed_estimate
+    from vramguard.view.console import stdout_console
+    from vramguard.view.report import render, verdict_only
+
+    if size is not None:
+        raise UsageError("--fit with --world-size is not implemented yet")
+    if config.method != "qlora" or config.optimizer != "adamw" or config.offload_activations:
+        raise UsageError(
+            "--world-size estimates the FSDP + QLoRA recipe: --method qlora, --optimizer adamw, no offloading"
+        )
+    report = with_config_notes(
+        run_distributed_estimate(config, sharding, steps=args.steps, top=args.top, target=args.target), lines
+    )
+    console = stdout_console()
+    if args.quiet:
+        verdict_only(report, console)
+        print_not_priced(lines)
+    else:
+        render(report, console, "distributed-estimate")
+    if args.json is not None:
+        try:
+            write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
+        except OSError as exc:
+            raise UsageError(f"cannot write --json {args.json}: {exc}") from None
+    return 0 if report.verdict.ok else 1

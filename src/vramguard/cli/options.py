@@ -14,6 +14,7 @@ from vramguard.audit import verdict as checks
 from vramguard.audit.report import AuditReport
 from vramguard.errors import UsageError
 from vramguard.workload.models import QLoRAConfig
+from vramguard.workload.sharding import SHARDINGS, ShardingConfig
 
 
 def positive_int(text: str) -> int:
@@ -220,3 +221,47 @@ def print_not_priced(lines: list[str]) -> None:
     for line in lines:
         if "NOT PRICED" in line:
             print(f"vramguard: {line}", file=sys.stderr)
+
+
+def add_sharding_options(p: argparse.ArgumentParser) -> None:
+    """``--world-size``, ``--sharding`` and ``--cpu-offload``: the step spread over ranks."""
+    p.add_argument(
+        "--world-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="ranks to shard the step over (needs --sharding); each rank gets --batch",
+    )
+    p.add_argument(
+        "--sharding",
+        choices=SHARDINGS,
+        default=None,
+        help="fsdp2 (fully_shard per decoder layer), fsdp1 (FSDP with PEFT's wrap policy, use_orig_params=False), "
+        "zero3 (DeepSpeed: not installed, refused)",
+    )
+    p.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="FSDP's CPU offload of the sharded parameters (not implemented yet: refused)",
+    )
+
+
+def sharding_config(args: argparse.Namespace) -> ShardingConfig | None:
+    """The :class:`ShardingConfig` of the options :func:`add_sharding_options` added; None for one device.
+    One line (UsageError) for a combination that cannot run."""
+    if args.world_size is None and args.sharding is None:
+        if args.cpu_offload:
+            raise UsageError("--cpu-offload needs --world-size and --sharding")
+        return None
+    if args.sharding is None:
+        raise UsageError("--world-size needs --sharding (fsdp2 or fsdp1)")
+    if args.cpu_offload:
+        raise UsageError(
+            "--cpu-offload is not implemented yet: FSDP's offload moves the shards to the host, which a host-only "
+            "run cannot tell apart and a meta run cannot copy"
+        )
+    config = ShardingConfig(
+        world_size=args.world_size if args.world_size is not None else 1, sharding=args.sharding
+    )
+    config.validate()
+    return config

@@ -41,6 +41,7 @@ from vramguard.workload.models import (
     bnb_4bit_config,
     lora_config,
     parse_dtype,
+    prepare_for_training,
     resolve_attention,
     routing_line,
     weights_line,
@@ -273,7 +274,11 @@ def _quantize_on_meta(model: torch.nn.Module) -> int:
 
 
 def build_meta(
-    config: QLoRAConfig, spec: ModelSpec | None = None, method: str = "qlora", device: str = META
+    config: QLoRAConfig,
+    spec: ModelSpec | None = None,
+    method: str = "qlora",
+    device: str = META,
+    sharded: bool = False,
 ) -> QLoRAModel:
     """The model :func:`vramguard.workload.models.build_qlora` builds for ``config``, on the meta device.
 
@@ -281,6 +286,7 @@ def build_meta(
     says ``device`` (``meta``), so its batches are created there. ``method`` picks what is trained
     (:data:`METHODS`). ``device="cpu"`` builds the ``lora`` and ``full`` models with random weights on
     the host, the reference the tests hold the meta run against (``qlora``'s is ``build_qlora``).
+    ``sharded``: the FSDP + QLoRA recipe, as ``build_qlora(sharded=True)`` (``qlora`` only).
     """
     if method not in METHODS:
         raise UsageError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -288,7 +294,7 @@ def build_meta(
         raise ValueError("build the real-device QLoRA model with vramguard.workload.models.build_qlora")
     config.validate()
     spec = spec or ModelSpec.load(config.model)
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model
     from transformers.quantizers import AutoHfQuantizer
     from transformers.utils import logging as hf_logging
 
@@ -306,16 +312,14 @@ def build_meta(
         except (ValueError, TypeError, RuntimeError) as exc:
             raise UsageError(f"transformers cannot build {spec.name}: {_first_line(exc)}") from None
         if method == "qlora":
-            quantizer = AutoHfQuantizer.from_config(bnb_4bit_config(config), pre_quantized=False)
+            quantizer = AutoHfQuantizer.from_config(
+                bnb_4bit_config(config, sharded=sharded), pre_quantized=False
+            )
             quantizer.preprocess_model(model, device_map={"": META}, dtype=compute_dtype)
             _quantize_on_meta(model)
             quantizer.postprocess_model(model)
             model.hf_quantizer = quantizer
-            model = prepare_model_for_kbit_training(
-                model,
-                use_gradient_checkpointing=config.gradient_checkpointing,
-                gradient_checkpointing_kwargs=checkpointing,
-            )
+            model = prepare_for_training(model, config, sharded=sharded)
         elif config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
         if method == "full":

@@ -306,43 +306,45 @@ def probe_fp4_codes_cpu() -> tuple[bool, str]:
     return True, f"CPU quantize_4bit(fp4) stores the nearest code on this CPU ({where})"
 
 
-def partial_block_bf16_traps(blocksize: int = 64) -> torch.Tensor:  # type: ignore[name-defined]  # noqa: F821
-    """A bfloat16 weight of one whole block and one half block whose last block holds its absmax (1.3) and
-    elements whose nf4 code differs when ``w / absmax`` is rounded to bfloat16 before the nearest code
-    is chosen: a kernel that divides in bfloat16 stores them as the farther code. Deterministic."""
+def partial_block_traps(blocksize: int = 64, dtype: str = "bfloat16") -> torch.Tensor:  # type: ignore[name-defined]  # noqa: F821
+    """A 16-bit weight of one whole block and one half block whose last block holds its absmax (1.3) and
+    elements whose nf4 code differs when ``w / absmax`` is rounded to ``dtype`` before the nearest code is
+    chosen: a kernel that divides in the weight's dtype stores them as the farther code. Deterministic."""
     import torch
 
     from vramguard.grad import reference
 
+    dt = getattr(torch, dtype)
     table = torch.tensor(reference.NF4_CODE, dtype=torch.float64)
-    absmax = torch.tensor(1.3, dtype=torch.bfloat16)
-    # every bfloat16 value in (-absmax, absmax): the bit patterns of the positive ones, both signs
+    absmax = torch.tensor(1.3, dtype=dt)
+    # every value of the dtype in (-absmax, absmax): the bit patterns of the positive ones, both signs
     bits = torch.arange(0, int(absmax.view(torch.int16)), dtype=torch.int16)
-    pos = bits.view(torch.bfloat16)
+    pos = bits.view(dt)
     cand = torch.cat([pos, -pos])
     exact = (cand.double() / absmax.double()).unsqueeze(1)
-    in_bf16 = (cand / absmax).double().unsqueeze(1)
-    traps = cand[(exact - table).abs().argmin(1) != (in_bf16 - table).abs().argmin(1)]
+    in_dtype = (cand / absmax).double().unsqueeze(1)
+    traps = cand[(exact - table).abs().argmin(1) != (in_dtype - table).abs().argmin(1)]
     half = blocksize // 2
     last = torch.cat([absmax.reshape(1), traps[: half - 1]])
     last = torch.nn.functional.pad(last, (0, half - last.numel()))
-    first = torch.linspace(-1, 1, blocksize).to(torch.bfloat16)
+    first = torch.linspace(-1, 1, blocksize).to(dt)
     return torch.cat([first, last])
 
 
-def probe_partial_block_bf16() -> tuple[bool, str]:
-    """Whether the CPU ``quantize_4bit`` of a bfloat16 weight stores every element of the last, partial
-    block as its nearest nf4 code (0.47-0.49's CPU path divides that block by its absmax in bfloat16, so
-    elements near a midpoint between two codes take the farther one)."""
+def probe_partial_block_16bit() -> tuple[bool, str]:
+    """Whether the CPU ``quantize_4bit`` of a bfloat16 or float16 weight stores every element of the last,
+    partial block as its nearest nf4 code (0.47-0.49's CPU path divides that block by its absmax in the
+    weight's own dtype, so elements near a midpoint between two codes take the farther one)."""
     from vramguard.grad import reference
 
-    w = partial_block_bf16_traps()
-    packed, qs = _q4(w.reshape(1, -1))
-    try:
-        reference.check_4bit_quantization(w, packed, qs.absmax, 64, "nf4", nested=False)
-    except reference.StateMismatch as exc:
-        return False, f"CPU quantize_4bit(nf4) of a bfloat16 weight whose last block is partial: {exc}"
-    return True, "CPU quantize_4bit(nf4) stores the nearest code in a bfloat16 weight's partial last block"
+    for dtype in ("bfloat16", "float16"):
+        w = partial_block_traps(64, dtype)
+        packed, qs = _q4(w.reshape(1, -1))
+        try:
+            reference.check_4bit_quantization(w, packed, qs.absmax, 64, "nf4", nested=False)
+        except reference.StateMismatch as exc:
+            return False, f"CPU quantize_4bit(nf4) of a {dtype} weight whose last block is partial: {exc}"
+    return True, "CPU quantize_4bit(nf4) stores the nearest code in a 16-bit weight's partial last block"
 
 
 def probe_dynamic_map_cpu() -> tuple[bool, str]:
@@ -476,7 +478,7 @@ PROBES: dict[str, Callable[[], tuple[bool, str]]] = {
     "defect:int8_k1_cpu": probe_int8_k1_cpu,
     "defect:kn_one_row": probe_kn_one_row,
     "defect:fp4_codes_cpu": probe_fp4_codes_cpu,
-    "defect:partial_block_bf16": probe_partial_block_bf16,
+    "defect:partial_block_16bit": probe_partial_block_16bit,
     "defect:dynamic_map_cpu": probe_dynamic_map_cpu,
     # last: it may kill the child process (the parent restarts it only if something is left)
     "defect:nested_single_block": probe_nested_single_block,
@@ -679,13 +681,14 @@ KNOWN_DEFECTS: dict[str, KnownDefect] = {
             hardware=True,
         ),
         KnownDefect(
-            "partial_block_bf16",
-            "the CPU quantize_4bit of a bfloat16 weight whose size is not a multiple of the blocksize "
-            "divides the last, partial block by its absmax in bfloat16, so elements near a midpoint between "
-            "two codes are stored as the farther code (w/absmax = -0.3393 stored as -0.3949, not -0.2844)",
+            "partial_block_16bit",
+            "the CPU quantize_4bit of a bfloat16 or float16 weight whose size is not a multiple of the "
+            "blocksize divides the last, partial block by its absmax in the weight's dtype, so elements near "
+            "a midpoint between two codes are stored as the farther code (bf16: w/absmax = -0.3393 stored as "
+            "-0.3949, not -0.2844; fp16: -0.4601 stored as -0.3949, not -0.5251)",
             "0.47.0",
             "0.49.2",
-            "defect:partial_block_bf16",
+            "defect:partial_block_16bit",
         ),
         KnownDefect(
             "dynamic_map_cpu",

@@ -108,7 +108,7 @@ def nested_statistics(original: torch.Tensor, blocksize: int) -> tuple[float, to
 def partial_block_rounding_hits(original: torch.Tensor, blocksize: int, quant_type: str) -> bool:
     """Whether any element of the last, partial block of ``original`` takes a different nearest code when
     ``w / absmax`` is computed in ``original.dtype`` instead of exactly (the trigger of the 0.49.2 CPU
-    defect ``partial_block_bf16``); False when the last block is whole."""
+    defect ``partial_block_16bit``); False when the last block is whole."""
     flat = original.detach().cpu().reshape(-1)
     n = flat.numel()
     rest = n % blocksize

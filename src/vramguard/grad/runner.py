@@ -138,13 +138,13 @@ def check_supported(case: Case) -> None:
         one_block = numel <= case.blocksize
         if cpu and case.compress_statistics and one_block and not (c := _cap("defect:nested_single_block")):
             raise Unsupported(f"{KNOWN_DEFECT_NESTED_ONE_BLOCK}: {c.detail}")
-        bf16_partial = cpu and case.dtype == torch.bfloat16 and numel % case.blocksize
+        half_partial = cpu and case.dtype in (torch.bfloat16, torch.float16) and numel % case.blocksize
         if (
-            bf16_partial
-            and not (c := _cap("defect:partial_block_bf16"))
+            half_partial
+            and not (c := _cap("defect:partial_block_16bit"))
             and ref.partial_block_rounding_hits(_inputs(case)["weight"], case.blocksize, case.quant_type)
         ):
-            raise Unsupported(f"{KNOWN_DEFECT_PARTIAL_BLOCK_BF16}: {c.detail}")
+            raise Unsupported(f"{KNOWN_DEFECT_PARTIAL_BLOCK_16BIT}: {c.detail}")
         if cpu and case.compress_statistics and not (c := _cap("defect:dynamic_map_cpu")):
             lo, hi = ref.dynamic_most_negative_band()
             _, _, position = ref.nested_statistics(_inputs(case)["weight"], case.blocksize)
@@ -229,9 +229,9 @@ KNOWN_DEFECT_FP4_CODES = (
     "known bitsandbytes defect on this CPU: quantize_4bit(quant_type='fp4') stores some elements as a code "
     "that is not the nearest"
 )
-KNOWN_DEFECT_PARTIAL_BLOCK_BF16 = (
-    "known bitsandbytes defect: the CPU quantize_4bit of a bfloat16 weight divides the last, partial block "
-    "by its absmax in bfloat16, and an element of this weight's last block then takes the farther code"
+KNOWN_DEFECT_PARTIAL_BLOCK_16BIT = (
+    "known bitsandbytes defect: the CPU quantize_4bit of a 16-bit weight divides the last, partial block by "
+    "its absmax in the weight's dtype, and an element of this weight's last block then takes the farther code"
 )
 KNOWN_DEFECT_DYNAMIC_MAP = (
     "known bitsandbytes defect: the CPU quantize_blockwise writes code[0] = -1 into the dynamic map, and a "

@@ -9,8 +9,12 @@ Two probes, because one is not enough:
   the pass the ledger walks the autograd graph from the outputs and looks into those contexts
   (one level into tuples/lists, two into objects such as ``QuantState``).
 
-Bytes are counted per storage, once (views and repeated saves share a storage); storages of
-parameters, buffers and their quantization state are *resident*, not saved. A record is a
+Bytes are counted per storage, once (views and repeated saves share a storage), in the storage that holds
+them on this process (a ``DTensor``'s local shard, not its global wrapper); storages of parameters, buffers
+and their quantization state are *resident*, not saved. Under a sharding engine (FSDP2, FSDP1) the unsharded
+weights a forward computes with live in all-gather buffers the engine frees after forward and gathers again
+before backward (:func:`~vramguard.measure.storage.gathered_storages`): a saved one is a *gathered-weight*,
+at its gathered size, not an activation the graph keeps, and not in the saved bytes. A record is a
 ``weight-copy`` when it has the logical shape of a quantized or frozen weight of its module (a 2-D weight, or
 a mixture of experts' 3-D expert stack): the
 signature of "the dequantized weight was saved for backward".
@@ -43,7 +47,10 @@ from vramguard.measure.offload import hooks_in_force
 from vramguard.measure.storage import (
     ResidentWalk,
     StorageKey,
+    gathered_storages,
+    local_tensor,
     resident_storages,
+    storage_of,
     tensor_leaves,
     tensors_in,
 )
@@ -51,8 +58,10 @@ from vramguard.measure.storage import (
 Source = Literal["hook", "ctx", "tracker"]
 """Which probe saw a storage first: ``saved_tensors_hooks`` (hook), the walk of custom Functions'
 contexts (ctx), or only the live-storage tracker (:func:`vramguard.measure.meters.measure`)."""
-Kind = Literal["activation", "weight-copy", "resident", "unexplained"]
-"""What a kept storage is; ``unexplained``: alive after the block, held by no hook or ctx (tracker only)."""
+Kind = Literal["activation", "weight-copy", "resident", "gathered-weight", "unexplained"]
+"""What a kept storage is; ``gathered-weight``: a sharding engine's all-gather buffer of unsharded weights
+(transient: freed after forward and gathered again for backward, or for the root unit kept gathered until
+backward); ``unexplained``: alive after the block, held by no hook or ctx (tracker only)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,13 @@ class LedgerReport:
 
     records: list[SavedRecord] = field(default_factory=list)
     resident: list[SavedRecord] = field(default_factory=list)
+    gathered: list[SavedRecord] = field(default_factory=list)
+    """Saved all-gathered weights of a sharded model (kind ``gathered-weight``), each at its gathered size;
+    not in :attr:`saved_bytes`. Empty on one device."""
+    gathered_held_bytes: int = 0
+    """Of :attr:`gathered_bytes`, what was still gathered when the forward ended (the root unit, which FSDP
+    does not reshard after forward); the rest was freed and is gathered again, one unit at a time, in
+    backward."""
 
     @property
     def saved_bytes(self) -> int:
@@ -126,6 +142,12 @@ class LedgerReport:
         """Bytes of the model's own storages (parameters, buffers, quantization state) that the pass saved for
         backward: there before it, so not counted in :attr:`saved_bytes`."""
         return sum(r.bytes for r in self.resident)
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of the all-gathered weights the backward needs (each buffer once, at its gathered size): one
+        unit at a time is gathered, so this is no amount held at once (see :attr:`gathered_held_bytes`)."""
+        return sum(r.bytes for r in self.gathered)
 
     def bytes_by(self, source: Source | None = None) -> int:
         """Saved bytes of the records a probe saw first (``hook`` or ``ctx``); None: all of them, as
@@ -166,8 +188,11 @@ class LedgerReport:
             "activation_bytes": self.activation_bytes,
             "weight_copy_bytes": self.weight_copy_bytes,
             "resident_bytes": self.resident_bytes,
+            "gathered_bytes": self.gathered_bytes,
+            "gathered_held_bytes": self.gathered_held_bytes,
             "records": [r.to_dict() for r in self.records],
             "resident": [r.to_dict() for r in self.resident],
+            "gathered": [r.to_dict() for r in self.gathered],
         }
 
 
@@ -525,7 +550,7 @@ class SavedTensorLedger:
 
     def _pack(self, tensor: torch.Tensor) -> SavedSlot:
         # runs once per saved tensor: _life_of and ModuleStack.current inlined
-        storage = tensor.untyped_storage()
+        storage = tensor.untyped_storage() if type(tensor) is torch.Tensor else storage_of(tensor)
         key = storage._cdata
         seen = self._lives.get(key)
         if seen is not None and seen[0]() is storage:
@@ -643,6 +668,9 @@ class SavedTensorLedger:
                 if attr.startswith("_") or attr in ("saved_tensors", "to_save"):
                     continue
                 for path, t in tensors_in(value):
+                    # (a DTensor, e.g. FSDP2's sharded parameters in its post-backward hook's context:
+                    # its local shard holds its bytes here, its wrapper's storage has the global size)
+                    t = local_tensor(t)
                     storage = t.untyped_storage()
                     key = (storage._cdata, self._life_of(storage))
                     e = entries.get(key)
@@ -679,11 +707,23 @@ class SavedTensorLedger:
         report = LedgerReport()
         resident = self._resident
         lives = self._lives
+        gathered = gathered_storages(self.model) if self.model is not None else {}
         for (key, life), (module, shape, dtype, nbytes, device, source, attribute, seqs) in entries.items():
             shape = tuple(shape)
             seen = lives.get(key)
-            alive = seen is not None and seen[1] == life and seen[0]() is not None
-            kind = "resident" if alive and key in resident else self._kind(module, shape, key, life, alive)
+            storage = seen[0]() if seen is not None and seen[1] == life else None
+            alive = storage is not None
+            if alive and key in gathered:
+                # an all-gather buffer: at its gathered size (a hook saw it full, a ctx walk after the
+                # engine freed it sees 0 B); held past the forward only where the engine did not free it
+                kind = "gathered-weight"
+                nbytes = gathered[key]
+                if storage.nbytes():
+                    report.gathered_held_bytes += nbytes
+            elif alive and key in resident:
+                kind = "resident"
+            else:
+                kind = self._kind(module, shape, key, life, alive)
             record = _record(
                 module=module,
                 node=node_name(seqs[0]),
@@ -699,8 +739,14 @@ class SavedTensorLedger:
                 key=key if alive else None,
                 new=None,
             )
-            (report.resident if kind == "resident" else report.records).append(record)
+            if kind == "resident":
+                report.resident.append(record)
+            elif kind == "gathered-weight":
+                report.gathered.append(record)
+            else:
+                report.records.append(record)
         report.records.sort(key=lambda r: (-r.bytes, r.module))
+        report.gathered.sort(key=lambda r: (-r.bytes, r.module))
         return report
 
 

@@ -186,7 +186,7 @@ def measure(
     if cuda:
         torch.cuda.synchronize()
         m.allocator_delta = torch.cuda.memory_allocated() - alloc_before
-    saved = ledger.report.records + ledger.report.resident
+    saved = ledger.report.records + ledger.report.resident + ledger.report.gathered
     keyed = {r.key for r in saved if r.key is not None}
     for r in ledger.report.records:  # (resident ones are the model's, not kept)
         if r.key is None:  # its storage died in the block (offloaded): kept as a copy elsewhere, age unknown

@@ -19,14 +19,30 @@ StorageKey = int
 _MAX_DEPTH = 2
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s bytes on this process: ``t`` itself, or the local shard of a
+    ``DTensor`` (FSDP2's sharded parameters, their gradients and optimizer state). A ``DTensor`` is a wrapper
+    whose own storage has the *global* size (all ranks' shards), so counting it would charge every rank with
+    the whole tensor."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return t
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def storage_of(t: torch.Tensor) -> Any:
+    """The untyped storage holding ``t``'s bytes on this process (of its local shard, for a ``DTensor``)."""
+    return local_tensor(t).untyped_storage()
+
+
 def storage_key(t: torch.Tensor) -> StorageKey:
     """Identity of the storage behind ``t`` (shared by all of its views)."""
-    return int(t.untyped_storage()._cdata)
+    return int(storage_of(t)._cdata)
 
 
 def storage_nbytes(t: torch.Tensor) -> int:
     """Bytes of the whole storage behind ``t``: what keeping ``t`` alive costs."""
-    return int(t.untyped_storage().nbytes())
+    return int(storage_of(t).nbytes())
 
 
 # leaves ``torch.utils._pytree`` never looks into, and that are no tensors: skipped without asking it
@@ -172,7 +188,7 @@ class ResidentWalk:
                 for name, tensor in group.items():
                     if tensor is None:
                         continue
-                    key = int(tensor.untyped_storage()._cdata)
+                    key = storage_key(tensor)
                     if key not in owners:
                         owners[key] = known.get(key) or prefix + name
                     extra = _attributes(tensor)
@@ -209,7 +225,7 @@ class ResidentWalk:
         hooks), and a module attribute set to a new object holding tensors."""
         for group, name, key, ids in self._slots:
             tensor = group.get(name)
-            if tensor is None or int(tensor.untyped_storage()._cdata) != key:
+            if tensor is None or storage_key(tensor) != key:
                 return False
             if tuple(map(id, _attributes(tensor).values())) != ids:
                 return False
@@ -217,6 +233,45 @@ class ResidentWalk:
             if [storage_key(t) for _, t in tensors_in(value)] != keys:
                 return False
         return True
+
+
+def gathered_storages(model: torch.nn.Module) -> dict[StorageKey, int]:
+    """Storages a sharding engine all-gathers a unit's weights into, with the bytes each holds while gathered.
+
+    FSDP2 (``fully_shard``) gathers each parameter into its ``all_gather_outputs`` (the unsharded parameter is
+    a view of them) and the unit into its group's flat buffer; FSDP1 into each flat parameter's
+    ``_full_param_padded``. Both free these with ``storage.resize_(0)`` after forward (all but the root unit,
+    which stays gathered until backward) and gather them again before backward: the storage object lives on,
+    so its key is stable while its size comes and goes. The bytes are the padded unsharded size, read off the
+    buffer's shape (its storage may hold 0 bytes now). Empty for a model no engine shards."""
+    out: dict[StorageKey, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            t = local_tensor(t)
+            storage = t.untyped_storage()
+            nbytes = max(int(storage.nbytes()), (t.storage_offset() + t.numel()) * t.element_size())
+            key = int(storage._cdata)
+            out[key] = max(out.get(key, 0), nbytes)
+
+    for module in model.modules():
+        if getattr(type(module), "_get_fsdp_state", None) is not None:  # FSDP2
+            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+            if group is None:
+                continue
+            add(getattr(group, "_all_gather_output", None))
+            for fp in group.fsdp_params:
+                for t in [
+                    *getattr(fp, "all_gather_outputs", ()),
+                    *getattr(fp, "_unsharded_inner_tensors", ()),
+                ]:
+                    add(t)
+                add(fp.__dict__.get("_unsharded_param"))
+        for p in module._parameters.values():  # FSDP1's FlatParameter
+            if p is not None and hasattr(p, "_full_param_padded"):
+                add(getattr(p, "_full_param_padded", None))
+                add(getattr(p, "_full_prec_full_param_padded", None))
+    return out
 
 
 def frozen_resident_bytes(model: torch.nn.Module) -> int:

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vramguard.measure.events import AllocationLog, Context, model_storages
 from vramguard.measure.modules import ModuleStack, module_names
-from vramguard.measure.storage import StorageKey, storage_key, tensor_leaves
+from vramguard.measure.storage import StorageKey, storage_key, storage_of, tensor_leaves
 
 
 class MemorySource(Protocol):
@@ -75,6 +75,7 @@ class StorageTracker(TorchDispatchMode):
         self._current = 0
         self._peak = 0
         self._lock = threading.Lock()
+        self._seeing = False
         self.allocations = 0
         self.events: AllocationLog | None = None
 
@@ -95,17 +96,20 @@ class StorageTracker(TorchDispatchMode):
 
     def start(self) -> None:
         """Enter the dispatch mode with nothing counted: storages of an earlier run are forgotten, and current
-        and peak restart at 0."""
+        and peak restart at 0. Storage resizes are watched from here on (:class:`_ResizeWatch`)."""
         with self._lock:  # storages of an earlier run are no longer followed: do not count them
             self._live.clear()
             self._refs.clear()
             self._current = self._peak = 0
+        self._seeing = True
+        _RESIZES.add(self)
         self.__enter__()
 
     def stop(self) -> None:
         """Leave the dispatch mode and forget the storages counted: freeing them no longer subtracts, so
         :meth:`current` and :meth:`peak` keep the values they had at the stop."""
         self.__exit__(None, None, None)
+        _RESIZES.discard(self)
         with self._lock:
             self._refs.clear()  # the callbacks of storages counted so far never run
             self._live.clear()
@@ -114,11 +118,25 @@ class StorageTracker(TorchDispatchMode):
         """Stop seeing ops (the dispatch mode is left, so ops run at full speed) while storages counted
         so far are still subtracted when freed. Storages made while paused are never counted: a peak
         taken across a pause is no measurement. :meth:`resume` undoes it."""
+        self._seeing = False
         self.__exit__(None, None, None)
 
     def resume(self) -> None:
         """See ops again after :meth:`pause`."""
+        self._seeing = True
         self.__enter__()
+
+    def resized(self, storage: Any, old_nbytes: int) -> None:
+        """``storage`` was resized in place from ``old_nbytes`` (``UntypedStorage.resize_``, which is no
+        dispatcher op: FSDP frees and re-allocates its unsharded parameters this way, keeping the storage
+        object). A counted storage takes its new size (shrunk to 0 it holds nothing); one not counted that
+        grows from nothing while ops are seen is an allocation and is counted from now on."""
+        if self._device_type is not None and storage.device.type != self._device_type:
+            return
+        if self._known(storage):
+            return
+        if old_nbytes == 0 and storage.nbytes() > 0 and self._seeing:
+            self._count(storage)
 
     @property
     def live_count(self) -> int:
@@ -141,7 +159,7 @@ class StorageTracker(TorchDispatchMode):
         if self._device_type is not None and t.device.type != self._device_type:
             return
         try:
-            storage = t.untyped_storage()
+            storage = storage_of(t)
         except (RuntimeError, NotImplementedError):  # sparse / wrapper subclasses without a storage
             return
         if not self._known(storage) and storage._cdata not in inputs:
@@ -193,7 +211,8 @@ class StorageTracker(TorchDispatchMode):
             if self._device_type is not None and t.device.type != self._device_type:
                 continue
             try:
-                storage = t.untyped_storage()
+                # a DTensor's own storage has the global size: its local shard's is what this process holds
+                storage = t.untyped_storage() if type(t) is torch.Tensor else storage_of(t)
             except (RuntimeError, NotImplementedError):  # sparse / wrapper subclasses without a storage
                 continue
             if self._known(storage):
@@ -206,6 +225,49 @@ class StorageTracker(TorchDispatchMode):
 
 
 _LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default})
+
+
+class _ResizeWatch:
+    """The :class:`StorageTracker` objects started and not stopped, told of every in-place storage resize.
+
+    ``UntypedStorage.resize_`` changes a storage's bytes without an op a dispatch mode could see; FSDP (both
+    versions) frees each unsharded parameter after use with ``resize_(0)`` and allocates it again with
+    ``resize_(n)`` on the same storage object. While at least one tracker is started, the method is wrapped
+    (on ``torch.UntypedStorage``, which ``TypedStorage._resize_`` also reaches); the original is put back when
+    the last one stops."""
+
+    def __init__(self) -> None:
+        self.trackers: list[StorageTracker] = []
+        self._original: Any = None
+
+    def add(self, tracker: StorageTracker) -> None:
+        """Tell ``tracker`` of resizes from now on (the wrapper is installed with the first tracker)."""
+        if tracker in self.trackers:
+            return
+        self.trackers.append(tracker)
+        if self._original is None:
+            original = self._original = torch.UntypedStorage.resize_
+            watch = self
+
+            def resize_(storage: Any, size: int) -> Any:
+                old = storage.nbytes()
+                result = original(storage, size)
+                for t in list(watch.trackers):
+                    t.resized(storage, old)
+                return result
+
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+
+    def discard(self, tracker: StorageTracker) -> None:
+        """Stop telling ``tracker``; the last one gone, ``resize_`` is torch's own again."""
+        if tracker in self.trackers:
+            self.trackers.remove(tracker)
+        if not self.trackers and self._original is not None:
+            torch.UntypedStorage.resize_ = self._original  # type: ignore[method-assign]
+            self._original = None
+
+
+_RESIZES = _ResizeWatch()
 
 
 def _storage_keys(values: Iterable[torch.Tensor]) -> frozenset[StorageKey]:

@@ -305,7 +305,9 @@ def planned_expectation(config: QLoRAConfig, spec: ModelSpec) -> Expectation:
     projections = _projections(spec)
     experts = experts_of(spec.transformers_config()) if spec.hf is not None else None
     stacks = 0
-    if experts is not None:  # the MLP is a stack of experts bitsandbytes leaves unquantized (fp32 once prepared)
+    if (
+        experts is not None
+    ):  # the MLP is a stack of experts bitsandbytes leaves unquantized (fp32 once prepared)
         projections = projections[:4]
         stacks = layers * experts.count * (3 * h * experts.intermediate + h)  # + the router's row per expert
     quantized = layers * sum(i * o for i, o in projections)

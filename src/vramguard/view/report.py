@@ -286,6 +286,119 @@ def verdict_line(report: AuditReport, console: Any) -> None:
     console.print(f"[{style}]{report.verdict.line}[/]", highlight=False, soft_wrap=True)
 
 
+# -- per rank (--world-size) ---------------------------------------------------------------------------------
+
+
+def distributed_header(report: AuditReport, console: Any) -> None:
+    """What sharded the step and how the ranks ran (real processes, or the fake process group on meta)."""
+    d = report.distributed
+    assert d is not None
+    offload = ", parameters offloaded to the host" if d.cpu_offload else ""
+    console.print(
+        f"[bold]{d.sharding}[/] over {d.world_size} ranks{offload} ({d.engine}); FSDP + QLoRA recipe: packed "
+        "4-bit weights stored in the compute dtype, no fp32 upcast; every rank measured with the ledger and tracker",
+        highlight=False,
+    )
+
+
+def distributed_ranks(report: AuditReport, console: Any) -> None:
+    """One table per rank: its sharded, replicated and transient terms, each named, then its peaks."""
+    d = report.distributed
+    assert d is not None
+    for row in d.per_rank:
+        same = f" (same shard shapes as rank {row.same_as}: not run again)" if row.same_as is not None else ""
+        t = _table(f"Rank {row.rank} of {d.world_size}{same}", ["term", "bytes", "kind"], ("term", "kind"))
+        terms = row.terms
+        t.add_row("packed 4-bit weights (its shard)", fb(terms.get("packed_4bit_bytes", 0)), "sharded")
+        t.add_row(
+            "unquantized weights (its shard: embeddings, norms, lm_head)",
+            fb(terms.get("unquantized_bytes", 0)),
+            "sharded",
+        )
+        t.add_row(
+            "LoRA shard + grads + AdamW state",
+            fb(row.lora_training_bytes),
+            "sharded (grads: after reduce-scatter)",
+        )
+        t.add_row(
+            "quant_state (absmax, nested statistics, code tables)",
+            fb(terms.get("quant_state_bytes", 0)),
+            "replicated: neither parameter nor buffer, no engine shards it",
+        )
+        t.add_row("buffers", fb(terms.get("buffer_bytes", 0)), "replicated")
+        t.add_row("saved activations (ledger)", fb(row.saved_bytes), "per rank: its own batch")
+        x = row.transient
+        t.add_row(
+            "all-gathered weights backward uses (ledger)",
+            fb(row.gathered_weight_bytes),
+            "transient, not saved: each unit freed after forward, gathered again for its backward",
+        )
+        t.add_row(
+            "  of which gathered from forward to backward",
+            fb(row.gathered_held_bytes),
+            "the root unit: not resharded after forward",
+        )
+        t.add_row(
+            "  largest unit all-gathered",
+            fb(x.get("all_gathered_unit", 0)),
+            f"transient, in the step peak ({x.get('units', 0)} units)",
+        )
+        t.add_row(
+            "  dequantized weight (largest)",
+            fb(x.get("dequantized_weight", 0)),
+            "transient, in the step peak",
+        )
+        t.add_row(
+            "  reduce-scatter input (largest unit's grads)",
+            fb(x.get("reduce_scatter_input", 0)),
+            "transient, in the step peak",
+        )
+        for name, peak in row.phases.items():
+            t.add_row(f"{name} peak (tracker)", fb(peak), "above the resident weights")
+        t.add_row(
+            "allocator peak",
+            fb(row.allocator_peak_bytes),
+            f"weights {fb(row.weights_bytes)} + LoRA shard {fb(row.trainable_bytes)} + {row.peak_phase} peak",
+        )
+        if row.reserved_bytes is not None:
+            t.add_row("reserved peak", fb(row.reserved_bytes), "caching allocator")
+        if row.total_bytes != row.allocator_peak_bytes:
+            t.add_row(
+                "total with overheads", fb(row.total_bytes), "CUDA context, cuBLAS, fragmentation (H100)"
+            )
+        console.print(t)
+
+
+def distributed_summary(report: AuditReport, console: Any) -> None:
+    """Every rank in one table, with a summary row: the highest of each column."""
+    d = report.distributed
+    assert d is not None
+    cols = ["rank", "weights", "LoRA + grads + Adam", "saved", "step peak", "allocator peak", "total"]
+    t = _table("Per rank", cols, ("rank",))
+    for row in d.per_rank:
+        t.add_row(
+            str(row.rank),
+            fb(row.weights_bytes),
+            fb(row.lora_training_bytes),
+            fb(row.saved_bytes),
+            f"{fb(row.step_peak_bytes)} ({row.peak_phase})",
+            fb(row.allocator_peak_bytes),
+            fb(row.total_bytes),
+        )
+    rows = d.per_rank
+    t.add_section()
+    t.add_row(
+        "max",
+        fb(max(r.weights_bytes for r in rows)),
+        fb(max(r.lora_training_bytes for r in rows)),
+        fb(max(r.saved_bytes for r in rows)),
+        fb(max(r.step_peak_bytes for r in rows)),
+        fb(max(r.allocator_peak_bytes for r in rows)),
+        fb(max(r.total_bytes for r in rows)),
+    )
+    console.print(t)
+
+
 LAYOUTS: dict[str, tuple[Section, ...]] = {
     "audit": (audit_header, audit_layers, audit_totals, audit_phases, step_lines, notes, verdict_line),
     "estimate": (
@@ -298,6 +411,22 @@ LAYOUTS: dict[str, tuple[Section, ...]] = {
         verdict_line,
     ),
     "trainer": (trainer_header, trainer_phases, trainer_layers, notes, step_lines, verdict_line),
+    "distributed-audit": (
+        audit_header,
+        distributed_header,
+        distributed_ranks,
+        distributed_summary,
+        notes,
+        verdict_line,
+    ),
+    "distributed-estimate": (
+        estimate_header,
+        distributed_header,
+        distributed_ranks,
+        distributed_summary,
+        notes,
+        verdict_line,
+    ),
 }
 """The sections of each view of a report, in order."""
 

@@ -377,16 +377,41 @@ def resolve_attention(config: QLoRAConfig, spec: ModelSpec) -> tuple[Any, Any, s
     return hf_config, model_class, attn, notes
 
 
-def bnb_4bit_config(config: QLoRAConfig) -> Any:
-    """The ``BitsAndBytesConfig`` a user passes to ``from_pretrained`` for ``config``'s 4-bit base."""
+def bnb_4bit_config(config: QLoRAConfig, sharded: bool = False) -> Any:
+    """The ``BitsAndBytesConfig`` a user passes to ``from_pretrained`` for ``config``'s 4-bit base; with
+    ``sharded``, the FSDP + QLoRA recipe's: packed weights stored in the compute dtype
+    (``bnb_4bit_quant_storage``), so a wrap unit has one dtype (:mod:`vramguard.workload.sharding`)."""
     from transformers import BitsAndBytesConfig
 
+    extra = {"bnb_4bit_quant_storage": parse_dtype(config.compute_dtype)} if sharded else {}
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=config.quant_type,
         bnb_4bit_compute_dtype=parse_dtype(config.compute_dtype),
         bnb_4bit_use_double_quant=config.double_quant,
+        **extra,
     )
+
+
+def prepare_for_training(model: Any, config: QLoRAConfig, sharded: bool = False) -> Any:
+    """What the model goes through before LoRA: PEFT's ``prepare_model_for_kbit_training`` (norms and
+    unquantized weights upcast to fp32, input gradients, checkpointing), or, ``sharded`` (the FSDP + QLoRA
+    recipe, which TRL follows by skipping that preparation for a sharded 4-bit model), only gradient
+    checkpointing when asked: everything stays in the model dtype."""
+    checkpointing = {"use_reentrant": False} if config.gradient_checkpointing else None
+    if not sharded:
+        from peft import prepare_model_for_kbit_training
+
+        return prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=config.gradient_checkpointing,
+            gradient_checkpointing_kwargs=checkpointing,
+        )
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    return model
 
 
 def lora_config(config: QLoRAConfig) -> Any:
@@ -506,15 +531,17 @@ def storage_bytes_of(p: torch.Tensor, quant_state: Any) -> int:
     return total
 
 
-def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAModel:
+def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: bool = False) -> QLoRAModel:
     """Random-weight model -> 4-bit via ``BitsAndBytesConfig`` -> PEFT LoRA on all linear layers.
 
     Any architecture transformers builds with ``AutoModelForCausalLM``; one without sdpa attention
     (Gemma 2) runs eager, as ``from_pretrained`` would by default, and says so in ``notes``.
+    ``sharded``: the FSDP + QLoRA recipe (:func:`bnb_4bit_config`, :func:`prepare_for_training`), for a model
+    :mod:`vramguard.workload.sharding` then shards.
     """
     config.validate()
     spec = spec or ModelSpec.load(config.model)
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model
     from transformers.utils import logging as hf_logging
 
     hf_config, model_class, attn, notes = resolve_attention(config, spec)
@@ -534,7 +561,7 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAMode
             random_model = model_class(hf_config)
         random_model.save_pretrained(tmp)
         del random_model
-        quant = bnb_4bit_config(config)
+        quant = bnb_4bit_config(config, sharded=sharded)
         model = model_class.from_pretrained(
             tmp,
             quantization_config=quant,
@@ -542,11 +569,7 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None) -> QLoRAMode
             dtype=compute_dtype,
             attn_implementation=attn,
         )
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=config.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False} if config.gradient_checkpointing else None,
-        )
+        model = prepare_for_training(model, config, sharded=sharded)
         model = get_peft_model(model, lora_config(config))
     model.train()
     model.config.use_cache = False

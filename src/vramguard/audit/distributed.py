@@ -1,0 +1,311 @@
+"""``vramguard audit --world-size N --sharding fsdp2|fsdp1``: the step on N real processes, measured per rank.
+
+Each rank is a process of its own (``python -m vramguard.audit.distributed rank SPEC R``) that builds the
+model the FSDP + QLoRA recipe's way (:mod:`vramguard.workload.sharding`), joins the others through
+``torch.distributed`` (gloo on the host, rendezvous through a file store in a temporary folder: no port
+to pick), lets the real engine shard it and runs vramguard's loop under the *same* ledger and tracker as
+the single-device audit (:func:`measure_rank`, shared with the estimate's fake process group). Each rank
+writes its report (the audit's document) atomically; the parent reads them and puts rank 0's report with
+a ``distributed`` section (:class:`~vramguard.audit.report.DistributedSection`) in front of the user.
+
+The ranks are started by one launcher process (``... ranks SPEC``) under
+:func:`vramguard.bisect.procgroup.run_in_group`: they share its process group, which is killed whole when
+vramguard ends (SIGKILL included), when the run times out, or when one rank fails (the launcher kills the
+group rather than leave the others waiting in a collective).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vramguard.atomic import write_text_atomic
+from vramguard.audit import verdict as checks
+from vramguard.audit.report import AuditReport, DistributedSection, Finding, RankRow
+from vramguard.audit.run import assemble_report, check_fits
+from vramguard.errors import UsageError
+from vramguard.measure.tracker import MemorySource, MemoryTracker
+from vramguard.model.analytic import Expectation, weights_expectation
+from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
+from vramguard.workload.sharding import ShardingConfig, apply_sharding, cpu_mesh, rank_terms, transient_terms
+from vramguard.workload.training import PHASES, make_optimizer, run_steps
+
+DEFAULT_TIMEOUT_S = 900.0
+"""The whole distributed run (build, N ranks, steps) is killed after this long."""
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+"""A rank waiting this long in a collective fails (its peer died): gloo's own timeout."""
+
+
+def measure_rank(
+    q: QLoRAModel,
+    config: QLoRAConfig,
+    sharding: ShardingConfig,
+    mesh: Any,
+    rank: int,
+    steps: int,
+    top: int,
+    expected: Expectation,
+    device: str,
+    source: MemorySource | None = None,
+    meta_run: bool = False,
+    engine: str = "",
+) -> tuple[AuditReport, RankRow]:
+    """Shard ``q``'s model with the real engine over ``mesh`` and run ``steps`` steps of vramguard's loop
+    under the audit's tracker and ledger; this rank's report and its :class:`RankRow`.
+
+    The process group is the caller's (gloo between real processes, or torch's fake process group on meta).
+    ``expected`` is the analytic expectation of the unsharded model (weights and activations of one rank's
+    batch)."""
+    t0 = time.perf_counter()
+    model = apply_sharding(q.model, sharding, mesh)
+    q = dataclasses.replace(q, model=model)
+    optimizer = make_optimizer(q)
+    with MemoryTracker(device, model=model, source=source) as tracker:
+        results, ledger = run_steps(q, steps, tracker, optimizer=optimizer, ledger_step=0)
+    assert ledger is not None
+    transient = transient_terms(model, parse_dtype(config.compute_dtype))  # FSDP1 sizes its units lazily
+    report = assemble_report(
+        q,
+        config,
+        expected,
+        tracker,
+        results,
+        ledger,
+        optimizer,
+        top,
+        time.perf_counter() - t0,
+        meta_run=meta_run,
+    )
+    terms = rank_terms(model)
+    weights = report.totals.model_resident_bytes
+    phases = {name: report.phases[name].peak_bytes for name in PHASES if name in report.phases}
+    peak_phase = max(phases, key=lambda n: phases[n])
+    reserved = [p.reserved_peak_bytes for p in report.phases.values() if p.reserved_peak_bytes is not None]
+    allocator = weights + terms.trainable_bytes + phases[peak_phase]
+    row = RankRow(
+        rank=rank,
+        weights_bytes=weights,
+        trainable_bytes=terms.trainable_bytes,
+        lora_training_bytes=report.budget.measured_lora_training_bytes,
+        saved_bytes=report.totals.saved_bytes,
+        gathered_weight_bytes=ledger.gathered_bytes,
+        gathered_held_bytes=ledger.gathered_held_bytes,
+        step_peak_bytes=phases[peak_phase],
+        peak_phase=peak_phase,
+        allocator_peak_bytes=allocator,
+        reserved_bytes=max(reserved) if reserved else None,
+        total_bytes=allocator,
+        phases=phases,
+        terms=terms.to_dict(),
+        transient=transient,
+    )
+    return report, row
+
+
+def merged(
+    reports: list[AuditReport], rows: list[RankRow], sharding: ShardingConfig, engine: str
+) -> AuditReport:
+    """Rank 0's report with the ``distributed`` section of every rank; its verdict fails when any rank's does
+    (each other rank's problems are named with its rank)."""
+    first = reports[0]
+    findings: list[Finding | None] = list(first.verdict.findings)
+    for r, report in enumerate(reports[1:], start=1):
+        findings += [
+            dataclasses.replace(f, message=f"rank {r}: {f.message}")
+            for f in report.verdict.findings
+            if f.problem
+        ]
+    fb = _fmt
+    peak = max(rows, key=lambda row: row.allocator_peak_bytes)
+    headline = (
+        f"{sharding.sharding} over {sharding.world_size} ranks ({engine}): rank {peak.rank} peaks at "
+        f"{fb(peak.allocator_peak_bytes)} (weights {fb(peak.weights_bytes)}, {peak.peak_phase} peak "
+        f"{fb(peak.step_peak_bytes)})"
+    )
+    verdict = checks.verdict(findings, len(first.steps), headline=headline)
+    if verdict.ok:
+        verdict = dataclasses.replace(verdict, line=f"OK: {headline}")
+    section = DistributedSection(
+        world_size=sharding.world_size,
+        sharding=sharding.sharding,
+        cpu_offload=sharding.cpu_offload,
+        engine=engine,
+        per_rank=rows,
+    )
+    return dataclasses.replace(first, verdict=verdict, distributed=section)
+
+
+def _fmt(n: int) -> str:
+    from vramguard.units import format_bytes
+
+    return format_bytes(n)
+
+
+RECIPE_NOT_MODELLED = (
+    "no analytic model for a rank of the FSDP + QLoRA recipe (its fp32 LoRA adapters keep fp32 copies of their "
+    "inputs, its norms are not upcast, an unsharded unit's weights may be kept for backward): measured only"
+)
+
+
+def rank_expectation(q: QLoRAModel, config: QLoRAConfig) -> Expectation:
+    """The expectation a rank's report carries: the unsharded model's weights and LoRA terms, no activation
+    formula (:data:`RECIPE_NOT_MODELLED`). Taken before sharding."""
+    return weights_expectation(q.model, double_quant=config.double_quant, reason=RECIPE_NOT_MODELLED)
+
+
+# -- the real processes --------------------------------------------------------------------------------
+
+
+def run_distributed_audit(
+    config: QLoRAConfig,
+    sharding: ShardingConfig,
+    steps: int = 3,
+    top: int = 3,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> AuditReport:
+    """Launch ``sharding.world_size`` ranks of ``config``'s step on this host and return the merged report.
+
+    CPU only (gloo): one process per rank needs one device per rank, and NCCL ranks on GPUs are not wired
+    here yet. A rank that fails, or a run past ``timeout``, is one line (:class:`UsageError` for what the
+    user can change, RuntimeError otherwise), with nothing left running."""
+    from vramguard.bisect.procgroup import run_with_tail
+
+    sharding.validate()
+    config.validate()
+    if torch.device(config.device).type != "cpu":
+        raise UsageError("--world-size runs its ranks on the host (gloo): use --device cpu")
+    check_fits(config)
+    _check_host_fits(config, sharding.world_size)
+    with tempfile.TemporaryDirectory(prefix="vramguard-ranks-") as tmp:
+        spec = Path(tmp) / "spec.json"
+        spec.write_text(
+            json.dumps(
+                {
+                    "config": dataclasses.asdict(config),
+                    "sharding": sharding.to_dict(),
+                    "steps": steps,
+                    "top": top,
+                    "folder": tmp,
+                }
+            )
+        )
+        cmd = [sys.executable, "-m", "vramguard.audit.distributed", "ranks", str(spec)]
+        code, tail = run_with_tail(cmd, _child_env(), timeout)
+        if code != 0:
+            why = "timed out" if code is None else f"exited with {code}"
+            last = next((line for line in reversed(tail) if line.strip()), "no output")
+            raise RuntimeError(f"the {sharding.world_size} ranks {why}: {last.strip()}")
+        reports = [
+            AuditReport.from_dict(json.loads((Path(tmp) / f"rank{r}.json").read_text()))
+            for r in range(sharding.world_size)
+        ]
+        rows = [
+            RankRow(**json.loads((Path(tmp) / f"rank{r}.row.json").read_text()))
+            for r in range(sharding.world_size)
+        ]
+    return merged(reports, rows, sharding, f"{sharding.world_size} processes, torch.distributed gloo")
+
+
+def _check_host_fits(config: QLoRAConfig, world_size: int) -> None:
+    """Each rank builds the whole model once in fp32 on the host before sharding it (random weights through
+    ``from_pretrained``): N times the single build must fit the RAM available."""
+    import psutil
+
+    from vramguard.model.analytic import planned_expectation
+    from vramguard.units import format_bytes
+    from vramguard.workload.models import ModelSpec
+
+    plan = planned_expectation(config, ModelSpec.load(config.model))
+    need = world_size * 4 * (plan.quantized_params + plan.other_params)
+    room = int(psutil.virtual_memory().available)
+    if need > room:
+        raise UsageError(
+            f"{world_size} ranks each build {config.model} in fp32 on the host ({format_bytes(need)} in all) but "
+            f"only {format_bytes(room)} of RAM is available; use a smaller preset or estimate it"
+        )
+
+
+def _child_env() -> dict[str, str]:
+    """The ranks' environment: this one, with vramguard importable the way it is here, gloo on loopback."""
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def _launch_ranks(spec_path: str) -> int:
+    """The launcher: start every rank, wait; when one fails, say which and kill the whole process group
+    (the ranks and this launcher), so none is left waiting in a collective."""
+    spec = json.loads(Path(spec_path).read_text())
+    world = int(spec["sharding"]["world_size"])
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "vramguard.audit.distributed", "rank", spec_path, str(r)])
+        for r in range(world)
+    ]
+    pending = set(range(world))
+    while pending:
+        for r in sorted(pending):
+            code = procs[r].poll()
+            if code is None:
+                continue
+            pending.discard(r)
+            if code != 0:
+                print(f"[vramguard] rank {r} exited with {code}", file=sys.stderr, flush=True)
+                os.killpg(0, signal.SIGKILL)
+        time.sleep(0.05)
+    return 0
+
+
+def _run_one_rank(spec_path: str, rank: int) -> int:
+    """One rank: build (before joining: transformers writes the random checkpoint only outside a process
+    group's non-zero ranks), join through the file store, shard, measure, write the report and row."""
+    import torch.distributed as dist
+
+    spec = json.loads(Path(spec_path).read_text())
+    config = QLoRAConfig(**spec["config"])
+    sharding = ShardingConfig(**spec["sharding"])
+    folder = Path(spec["folder"])
+    world = sharding.world_size
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    q = build_qlora(config, sharded=True)
+    expected = rank_expectation(q, config)
+    store = dist.FileStore(str(folder / "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        mesh = cpu_mesh(world)
+        report, row = measure_rank(
+            q, config, sharding, mesh, rank, int(spec["steps"]), int(spec["top"]), expected, config.device
+        )
+        write_text_atomic(folder / f"rank{rank}.json", json.dumps(report.to_dict()))
+        write_text_atomic(folder / f"rank{rank}.row.json", json.dumps(dataclasses.asdict(row)))
+        dist.barrier()  # gloo's teardown aborts now and then when a peer is already gone
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """``ranks SPEC`` (the launcher) or ``rank SPEC R`` (one rank); anything else exits 2."""
+    if len(argv) == 2 and argv[0] == "ranks":
+        return _launch_ranks(argv[1])
+    if len(argv) == 3 and argv[0] == "rank":
+        return _run_one_rank(argv[1], int(argv[2]))
+    print("usage: python -m vramguard.audit.distributed ranks SPEC | rank SPEC RANK", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

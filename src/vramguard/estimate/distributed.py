@@ -1,0 +1,163 @@
+"""``vramguard estimate --world-size N --sharding fsdp2``: one rank of a sharded step, on the meta device.
+
+The real engine runs in this one process: torch's fake process group (``FakeStore``, the ``fake`` backend,
+world size N, this process playing rank r) answers every collective at once without moving data, and FSDP2's
+``fully_shard`` shards the meta-built model of the FSDP + QLoRA recipe over a ``meta`` device mesh. Each
+rank's shards, all-gather buffers, reduce-scatter buffers, gradients and optimizer state get their real
+shapes and dtypes; the step runs under the audit's ledger and tracker (:func:`vramguard.audit.distributed.
+measure_rank`, shared with the real ranks), so on CPU kernels (``--target cpu``) it equals
+``audit --world-size N`` rank by rank.
+
+FSDP2 never expected to *train* on meta; :func:`meta_fsdp` lets it, changing three things and no
+sharding: the check that refuses meta parameters at lazy init (``_validate_no_meta_params``) is skipped;
+the device of a ``meta`` mesh is ``meta`` (FSDP2 asks a device module for an index); and the device module
+of ``meta`` is the CPU's (``torch.cpu``: streams and events that do nothing, one device), where torch has
+none. FSDP1 builds its flat parameters on an accelerator or the CPU only and is not estimated here.
+
+Ranks whose shards have the same shapes (all but a last, shorter one, typically) run once; their rows say
+which rank they copy (``same_as``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from vramguard.audit.distributed import measure_rank, merged, rank_expectation
+from vramguard.audit.report import AuditReport, RankRow
+from vramguard.errors import UsageError
+from vramguard.estimate.meta import META, TARGETS, build_meta, forced_decisions
+from vramguard.estimate.run import overheads
+from vramguard.measure.tracker import StorageTracker
+from vramguard.workload.models import QLoRAConfig
+from vramguard.workload.sharding import ShardingConfig
+
+
+@contextlib.contextmanager
+def meta_fsdp() -> Iterator[None]:
+    """Within the block FSDP2 trains on a ``meta`` mesh (see the module's docstring for the three changes)."""
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives
+    import torch.distributed.fsdp._fully_shard._fsdp_init as fsdp_init
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+    import torch.distributed.fsdp._fully_shard._fsdp_state as fsdp_state
+    import torch.distributed.fsdp._fully_shard._fully_shard as fully
+    from torch.distributed import device_mesh
+
+    original_handle = device_mesh._get_device_handle
+    original_device = fully._get_device_from_mesh
+    original_validate = param_group.FSDPParamGroup._validate_no_meta_params
+
+    def handle(device_type: str = "cuda") -> Any:
+        return torch.cpu if device_type == META else original_handle(device_type)
+
+    def device_of(mesh: Any) -> torch.device:
+        return torch.device(META) if mesh.device_type == META else original_device(mesh)
+
+    modules = (device_mesh, collectives, fsdp_init, param_group, fsdp_state)
+    saved = [(m, m._get_device_handle) for m in modules]
+    for m in modules:
+        m._get_device_handle = handle
+    fully._get_device_from_mesh = device_of
+    param_group.FSDPParamGroup._validate_no_meta_params = lambda self: None
+    try:
+        yield
+    finally:
+        for m, value in saved:
+            m._get_device_handle = value
+        fully._get_device_from_mesh = original_device
+        param_group.FSDPParamGroup._validate_no_meta_params = original_validate
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """torch's fake process group as the default group, this process being ``rank`` of ``world_size``
+    (collectives return at once and move nothing); destroyed on the way out. Refused when a process group
+    is already initialised here (a real run's)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise UsageError("a process group is already initialised in this process: cannot estimate here")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def shard_signature(shapes: list[torch.Size], rank: int, world_size: int) -> tuple[int, ...]:
+    """The dim-0 length of each parameter's shard on ``rank`` (FSDP2 splits dim 0 as ``torch.chunk`` does):
+    two ranks with the same signature run the same step."""
+    rows = []
+    for shape in shapes:
+        d = int(shape[0]) if len(shape) else 1
+        chunk = math.ceil(d / world_size)
+        rows.append(max(0, min(chunk, d - rank * chunk)))
+    return tuple(rows)
+
+
+def run_distributed_estimate(
+    config: QLoRAConfig,
+    sharding: ShardingConfig,
+    steps: int = 2,
+    top: int = 3,
+    target: str = "cuda",
+    ranks: list[int] | None = None,
+) -> AuditReport:
+    """Every rank of ``config``'s step sharded by ``sharding`` (FSDP2), each on meta under the fake process
+    group; ranks with the same shard shapes run once. ``ranks``: only these (rank 0's report leads)."""
+    sharding.validate()
+    if sharding.sharding != "fsdp2":
+        raise UsageError(
+            f"estimate --sharding {sharding.sharding}: only fsdp2 runs on the meta device (FSDP1 allocates its "
+            "flat parameters on a real device); measure it with audit --world-size"
+        )
+    if target not in TARGETS:
+        raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    config.validate()
+    world = sharding.world_size
+    wanted = list(range(world)) if ranks is None else sorted(set(ranks))
+    if not wanted or wanted[0] < 0 or wanted[-1] >= world:
+        raise UsageError(f"ranks must be in 0..{world - 1}, got {ranks!r}")
+    shapes = [p.shape for p in build_meta(config, sharded=True).model.parameters()]
+    done: dict[tuple[int, ...], tuple[int, AuditReport, RankRow]] = {}
+    reports: list[AuditReport] = []
+    rows: list[RankRow] = []
+    for rank in wanted:
+        signature = shard_signature(shapes, rank, world)
+        if signature in done:
+            first, report, row = done[signature]
+            reports.append(report)
+            rows.append(dataclasses.replace(row, rank=rank, same_as=first))
+            continue
+        report, row = _one_rank(config, sharding, rank, steps, top, target)
+        done[signature] = (rank, report, row)
+        reports.append(report)
+        rows.append(row)
+    report = merged(reports, rows, sharding, f"fake process group, world size {world}, meta device")
+    return report
+
+
+def _one_rank(
+    config: QLoRAConfig, sharding: ShardingConfig, rank: int, steps: int, top: int, target: str
+) -> tuple[AuditReport, RankRow]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    q = build_meta(config, sharded=True)
+    expected = rank_expectation(q, config)
+    source = StorageTracker(None)  # meta storages and the host-side ones (Adam's step counters), as the audit
+    source.device = META
+    with fake_process_group(rank, sharding.world_size), meta_fsdp(), forced_decisions(target):
+        mesh = init_device_mesh(META, (sharding.world_size,))
+        report, row = measure_rank(
+            q, config, sharding, mesh, rank, steps, top, expected, META, source=source, meta_run=True
+        )
+    if target == "cuda":
+        extra = overheads(row.allocator_peak_bytes, checkpointing=config.gradient_checkpointing)
+        row = dataclasses.replace(row, total_bytes=row.allocator_peak_bytes + sum(o.bytes for o in extra))
+    return dataclasses.replace(report, device=META), row

@@ -1,0 +1,351 @@
+"""Per-rank memory of a sharded QLoRA step: real gloo ranks (``audit --world-size``) against the fake process
+group on meta (``estimate --world-size --target cpu``), byte for byte; the tracker's view of what FSDP does to
+storages; bad input; no rank outlives a failed run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from vramguard.audit.distributed import run_distributed_audit
+from vramguard.cli.app import main
+from vramguard.estimate.distributed import run_distributed_estimate, shard_signature
+from vramguard.measure.storage import storage_nbytes
+from vramguard.measure.tracker import StorageTracker
+from vramguard.workload.models import QLoRAConfig, build_qlora
+from vramguard.workload.sharding import ShardingConfig, rank_terms
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+CONFIG = QLoRAConfig()  # tiny-llama, batch 2 x seq 128
+STEPS = 2
+COMPARED = ("weights_bytes", "trainable_bytes", "lora_training_bytes", "saved_bytes", "step_peak_bytes")
+COMPARED += (
+    "allocator_peak_bytes",
+    "phases",
+    "terms",
+    "transient",
+    "gathered_weight_bytes",
+    "gathered_held_bytes",
+)
+
+
+# -- the tracker sees what FSDP does to storages ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_tracker_follows_in_place_storage_resizes(device: str) -> None:
+    """FSDP frees an unsharded parameter with ``storage.resize_(0)`` and allocates it again with
+    ``resize_(n)``: no dispatcher op, so only the resize watch tells the tracker."""
+    tracker = StorageTracker(device)
+    tracker.start()
+    try:
+        x = torch.empty(1000, device=device)
+        assert tracker.current() == 4000
+        x.untyped_storage().resize_(0)
+        assert tracker.current() == 0
+        x.untyped_storage().resize_(8000)
+        assert (tracker.current(), tracker.peak()) == (8000, 8000)
+    finally:
+        tracker.stop()
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # put back
+
+
+def test_a_dtensor_counts_its_local_shard() -> None:
+    """A DTensor's own (wrapper) storage has the global size; a rank holds its shard only."""
+    import torch.distributed as dist
+
+    from vramguard.estimate.distributed import fake_process_group
+    from vramguard.workload.sharding import cpu_mesh
+
+    with fake_process_group(0, 4):
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        t = distribute_tensor(torch.zeros(8, 4), cpu_mesh(4), [Shard(0)])
+        tracker = StorageTracker("cpu")
+        tracker.start()
+        try:
+            state = torch.zeros_like(t)  # what AdamW makes for a sharded parameter
+            state2 = torch.zeros_like(t)
+        finally:
+            tracker.stop()
+        assert t.untyped_storage().nbytes() == 8 * 4 * 4  # the wrapper: global
+        assert storage_nbytes(state) == storage_nbytes(state2) == 2 * 4 * 4  # the shard
+        assert tracker.peak() == 2 * 2 * 4 * 4  # two shards created inside the tracker, not two globals
+    assert not dist.is_initialized()
+
+
+def test_shard_signature_follows_torch_chunk() -> None:
+    shapes = [torch.Size([10, 3]), torch.Size([4])]
+    assert [shard_signature(shapes, r, 4) for r in range(4)] == [(3, 1), (3, 1), (3, 1), (1, 1)]
+
+
+# -- what a rank's forward keeps: activations, and all-gathered weights named apart ------------------------------
+
+
+def _one_device(config: QLoRAConfig):
+    """The recipe's model, unsharded, on one (meta) device with the CPU's kernel decisions: the model and the
+    ledger of its first forward."""
+    from vramguard.estimate.meta import META, build_meta, forced_decisions
+    from vramguard.measure.tracker import MemoryTracker
+    from vramguard.workload.training import make_optimizer, run_steps
+
+    q = build_meta(config, sharded=True)
+    source = StorageTracker(None)
+    source.device = META
+    with forced_decisions("cpu"), MemoryTracker(META, model=q.model, source=source) as tracker:
+        _, ledger = run_steps(q, 1, tracker, optimizer=make_optimizer(q), ledger_step=0)
+    return q.model, ledger
+
+
+def _saved(record) -> tuple:
+    return (record["module"], record["node"], tuple(record["shape"]), record["dtype"], record["bytes"])
+
+
+@pytest.fixture(scope="module")
+def fsdp2_estimate():
+    """Both ranks of the FSDP2 step on meta under the fake process group (one run: same shard shapes)."""
+    return run_distributed_estimate(CONFIG, ShardingConfig(2, "fsdp2"), steps=STEPS, target="cpu")
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _one_device(CONFIG)
+
+
+def test_a_rank_saves_what_one_device_saves_and_names_the_gathered_weights_apart(
+    fsdp2_estimate, one_device
+) -> None:
+    """Sharding moves weights, not activations: a rank's forward keeps what the unsharded model's forward keeps
+    for the same batch, record by record. The unsharded weights FSDP2 all-gathers and its backward uses (freed
+    after forward, gathered again; the root unit's stay gathered) are no saved activations: they are the
+    weights one device keeps resident for backward, byte for byte, named ``gathered-weight``."""
+    from vramguard.measure.decoder import decoder_layer
+
+    model, one = one_device
+    rank = fsdp2_estimate
+    row = rank.distributed.per_rank[0]
+    assert row.saved_bytes == rank.totals.saved_bytes == one.saved_bytes > 0
+    kept = sorted(_saved(r) for r in rank.records if r["kind"] != "gathered-weight")
+    assert kept == sorted(_saved(r.to_dict()) for r in one.records)
+    params = {name for name, _ in model.named_parameters()}
+    weights = [r for r in one.resident if r.owner in params]  # parameters one device saved for backward
+    assert row.gathered_weight_bytes == rank.totals.gathered_weight_bytes == sum(r.bytes for r in weights) > 0
+    root = sum(r.bytes for r in weights if decoder_layer(r.module) is None)  # FSDP2's root unit
+    assert row.gathered_held_bytes == root > 0
+
+
+# -- real ranks against the fake process group ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fsdp2_audit():
+    return run_distributed_audit(CONFIG, ShardingConfig(2, "fsdp2"), steps=STEPS)
+
+
+_RECORD_KEYS = (
+    "module",
+    "node",
+    "shape",
+    "dtype",
+    "bytes",
+    "source",
+    "kind",
+    "attribute",
+    "owner",
+    "also_saved_by",
+)
+
+
+def _records(report) -> list[tuple]:
+    """Rank 0's ledger records, without the device (cpu against meta)."""
+    return sorted(tuple((k, json.dumps(r[k])) for k in _RECORD_KEYS) for r in report.records)
+
+
+def _rows(report) -> list[dict]:
+    assert report.distributed is not None
+    return [{k: getattr(row, k) for k in COMPARED} for row in report.distributed.per_rank]
+
+
+def test_fsdp2_audit_equals_the_fake_process_group_estimate_per_rank(fsdp2_audit, fsdp2_estimate) -> None:
+    estimate = fsdp2_estimate
+    assert _rows(fsdp2_audit) == _rows(estimate)
+    assert _records(fsdp2_audit) == _records(estimate)  # rank 0's ledger, record by record
+    assert [s.retained_bytes for s in fsdp2_audit.steps] == [s.retained_bytes for s in estimate.steps]
+    assert fsdp2_audit.verdict.ok, fsdp2_audit.verdict.line
+
+
+def test_fsdp2_shards_the_weights_and_replicates_the_quant_state(fsdp2_audit) -> None:
+    """Against the unsharded recipe model built here (no figure written down): each rank holds half of the
+    packed 4-bit weights, half of the unquantized ones and half of LoRA, and all of the quant_state."""
+    whole = rank_terms(build_qlora(CONFIG, sharded=True).model)
+    assert whole.packed_4bit_bytes > 0 and whole.quant_state_bytes > 0
+    for row in fsdp2_audit.distributed.per_rank:
+        terms = row.terms
+        assert terms["packed_4bit_bytes"] == whole.packed_4bit_bytes // 2
+        assert terms["unquantized_bytes"] == whole.unquantized_bytes // 2
+        assert terms["trainable_bytes"] == whole.trainable_bytes // 2
+        assert terms["quant_state_bytes"] == whole.quant_state_bytes  # replicated
+        assert row.weights_bytes == sum(v for k, v in terms.items() if k != "trainable_bytes")
+
+
+def _fake_ranks(sharding: ShardingConfig, steps: int = STEPS) -> list:
+    """Each rank of ``sharding``'s step on the host's real tensors in this process, under torch's fake process
+    group (collectives move nothing; every buffer FSDP allocates is real): the rows, as the ranks write them."""
+    from vramguard.audit.distributed import measure_rank, rank_expectation
+    from vramguard.estimate.distributed import fake_process_group
+    from vramguard.workload.sharding import cpu_mesh
+
+    rows = []
+    for rank in range(sharding.world_size):
+        q = build_qlora(CONFIG, sharded=True)
+        expected = rank_expectation(q, CONFIG)
+        with fake_process_group(rank, sharding.world_size):
+            mesh = cpu_mesh(sharding.world_size)
+            _, row = measure_rank(q, CONFIG, sharding, mesh, rank, steps, 3, expected, "cpu")
+        rows.append(row)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def fsdp1_ranks():
+    return _fake_ranks(ShardingConfig(2, "fsdp1"))
+
+
+def test_fsdp1_shards_the_weights_and_keeps_what_one_device_saves(fsdp1_ranks, one_device) -> None:
+    """FSDP1's flat parameters split the packed weights (unevenly, same total) and replicate the quant_state;
+    each rank saves the activations of the unsharded model on one device and names the gathered units apart,
+    the root unit (not resharded after forward) held until backward."""
+    whole = rank_terms(build_qlora(CONFIG, sharded=True).model)
+    _, one = one_device
+    assert [r.rank for r in fsdp1_ranks] == [0, 1]
+    assert sum(r.terms["packed_4bit_bytes"] for r in fsdp1_ranks) == whole.packed_4bit_bytes
+    for r in fsdp1_ranks:
+        assert 0 < r.terms["packed_4bit_bytes"] < whole.packed_4bit_bytes
+        assert r.terms["quant_state_bytes"] == whole.quant_state_bytes
+        assert r.transient["units"] > 0 and r.transient["all_gathered_unit"] > 0
+        assert r.saved_bytes == one.saved_bytes
+        assert 0 < r.gathered_held_bytes < r.gathered_weight_bytes
+
+
+@pytest.mark.slow
+def test_fsdp1_audit_equals_the_fake_process_group_on_the_host(fsdp1_ranks) -> None:
+    """Real gloo FSDP1 ranks against the same ranks under the fake process group: byte for byte."""
+    report = run_distributed_audit(CONFIG, ShardingConfig(2, "fsdp1"), steps=STEPS)
+    real = [{k: getattr(row, k) for k in COMPARED} for row in report.distributed.per_rank]
+    assert real == [{k: getattr(row, k) for k in COMPARED} for row in fsdp1_ranks]
+    assert report.verdict.ok, report.verdict.line
+
+
+def test_the_json_document_has_the_distributed_section(fsdp2_audit, tmp_path: Path) -> None:
+    from vramguard.audit.report import AuditReport
+
+    doc = fsdp2_audit.to_dict()
+    d = doc["distributed"]
+    assert (d["world_size"], d["sharding"]) == (2, "fsdp2")
+    for key in (
+        "rank",
+        "weights_bytes",
+        "saved_bytes",
+        "allocator_peak_bytes",
+        "reserved_bytes",
+        "total_bytes",
+    ):
+        assert key in d["per_rank"][0]
+    assert AuditReport.from_dict(json.loads(json.dumps(doc))) == fsdp2_audit
+
+
+# -- bad input, failures ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["audit", "--world-size", "0", "--sharding", "fsdp2"], "must be positive"),
+        (["audit", "--world-size", "2"], "needs --sharding"),
+        (["audit", "--world-size", "2", "--sharding", "zero3"], "DeepSpeed"),
+        (["audit", "--world-size", "2", "--sharding", "fsdp3"], "invalid choice"),
+        (["audit", "--world-size", "2", "--sharding", "fsdp2", "--cpu-offload"], "not implemented"),
+        (["estimate", "--world-size", "2", "--sharding", "fsdp1"], "only fsdp2 runs on the meta device"),
+        (["estimate", "--world-size", "2", "--sharding", "fsdp2", "--fit", "1GiB"], "--fit"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+
+
+def _rank_pids(marker: str, role: str = "") -> list[int]:
+    """The processes of ``python -m vramguard.audit.distributed`` whose command line holds ``marker`` (and
+    ``role``: `` rank `` for the ranks, `` ranks `` for the launcher)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "vramguard.audit.distributed" in cmd and marker in cmd and role in cmd:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_a_killed_rank_leaves_no_process_and_one_line(tmp_path: Path) -> None:
+    """SIGKILL one rank mid-run: the launcher kills the group (the other rank would wait in a collective),
+    vramguard says so in one line (exit 3: nothing the user typed was wrong), and no rank is left."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(SRC)}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vramguard",
+            "audit",
+            "--world-size",
+            "2",
+            "--sharding",
+            "fsdp2",
+            "--steps",
+            "50",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(_rank_pids(str(tmp_path))) < 3 and time.monotonic() < deadline:  # the launcher and 2 ranks
+            time.sleep(0.2)
+        ranks = _rank_pids(str(tmp_path), " rank ")
+        assert ranks, "the ranks never started"
+        os.kill(ranks[-1], signal.SIGKILL)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "ranks exited" in lines[0], err
+    time.sleep(0.5)
+    assert _rank_pids(str(tmp_path)) == []
+
+
+def test_sharding_config_validates() -> None:
+    from vramguard.errors import UsageError
+
+    for bad in (ShardingConfig(0), ShardingConfig(2, "fsdp9"), ShardingConfig(2, "zero3")):
+        with pytest.raises(UsageError):
+            bad.validate()
+    assert dataclasses.asdict(ShardingConfig()) == ShardingConfig().to_dict()

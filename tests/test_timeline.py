@@ -409,3 +409,57 @@ def test_the_callbacks_snapshot_needs_the_storage_tracker(tmp_path: Path) -> Non
         VramGuardCallback(snapshot_path=tmp_path / "s.pickle", cpu_source="allocator")
     with pytest.raises(UsageError, match="is a directory"):
         VramGuardCallback(snapshot_path=tmp_path)
+
+
+def _phase(event: dict[str, Any]) -> tuple[str, str] | None:
+    """(step, phase) of an event from its phase-call frame, e.g. ("<step 1>", "forward")."""
+    for f in event["frames"]:
+        if f["filename"].startswith("<step "):
+            return f["filename"], f["name"]
+    return None
+
+
+def test_the_categories_hold_the_ledgers_bytes(audited: tuple[AuditReport, Path, AllocationLog]) -> None:
+    """Not only the category names: at the end of the first forward the storages labelled "saved
+    activations" that are alive add up to the ledger's saved bytes exactly, and at the end of the first
+    optimizer step the "optimizer state" alive is AdamW's two fp32 moments and step count of every LoRA
+    parameter."""
+    report, path, _ = audited
+    trace = pickle.loads(path.read_bytes())["device_traces"][0]
+    alive: dict[int, tuple[int, str]] = {}
+    first_end: dict[str, dict[str, int]] = {}  # phase -> the bytes per category at the end of its first call
+    calls: list[tuple[str, str]] = []
+    for e in trace:
+        if e["action"] == "alloc":
+            alive[e["addr"]] = (e["size"], e["category"])
+        elif e["action"] == "free_completed":
+            alive.pop(e["addr"], None)
+        else:
+            continue
+        phase = _phase(e)
+        if phase is None or e["action"] != "alloc":  # a free carries its allocation's frames, not its time's
+            continue
+        if phase not in calls:
+            calls.append(phase)
+        if sum(1 for c in calls if c[1] == phase[1]) == 1:  # still this phase's first call
+            sums: dict[str, int] = {}
+            for size, cat in alive.values():
+                sums[cat] = sums.get(cat, 0) + size
+            first_end[phase[1]] = sums
+    assert first_end["forward"].get("saved activations", 0) == report.totals.saved_bytes
+    lora = _lora_params()
+    moments = 2 * sum(p.numel() * 4 for p in lora) + 4 * len(lora)  # exp_avg, exp_avg_sq; a float32 step each
+    assert first_end["optimizer"].get("optimizer state", 0) == moments
+
+
+@pytest.mark.parametrize("command", ["audit", "estimate"])
+def test_the_timeline_of_a_sharded_run_is_refused_in_one_line(
+    command: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--snapshot``/``--html`` record one process's allocations: with ``--world-size`` they are refused
+    before anything runs, in one line."""
+    args = [command, "--model", "tiny-llama", "--world-size", "2", "--sharding", "fsdp2"]
+    assert main([*args, "--snapshot", str(tmp_path / "s.pickle")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--world-size" in err[0]
+    assert not (tmp_path / "s.pickle").exists()

@@ -188,22 +188,27 @@ def write_timeline_outputs(args: argparse.Namespace, report: Any, events: Any) -
     from vramguard.measure.events import dump_snapshot
 
     written = []
+    flag, path = "", None
     try:
         if args.snapshot is not None:
+            flag, path = "--snapshot", args.snapshot
             write_bytes_atomic(args.snapshot, dump_snapshot(events.snapshot()))
             written.append(f"memory snapshot written to {args.snapshot}")
         if args.html is not None:
             from vramguard.view.timeline import render_run_html
 
+            flag, path = "--html", args.html
             write_text_atomic(args.html, render_run_html(report))
             written.append(f"page written to {args.html}")
         if args.timeline_image is not None:
             from vramguard.view.timeline import timeline_image
 
+            flag, path = "--timeline-image", args.timeline_image
             timeline_image(report, args.timeline_image)
             written.append(f"timeline figure written to {args.timeline_image}")
     except OSError as exc:
-        raise UsageError(f"cannot write the timeline: {exc.strerror or exc}") from None
+        done = f" ({'; '.join(written)})" if written else ""
+        raise UsageError(f"cannot write {flag} {path}: {exc.strerror or exc}{done}") from None
     return written
 
 

@@ -202,7 +202,7 @@ def test_flags_override_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert document["config"]["batch"] == 2 and document["config"]["seq_len"] == 32
     assert document["config"]["target_modules"] == "q_proj,v_proj"
     assert document["config"]["mixed_precision"] == "bf16"
-    assert "overridden by flags: batch, mixed_precision, target_modules" in out.replace("\n", " ")
+    assert "overridden by flags: batch, mixed_precision, target_modules" in " ".join(out.split())
     assert any("mixed precision bf16" in n and "NOT PRICED" in n for n in document["verdict"]["notes"])
 
 

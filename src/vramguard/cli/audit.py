@@ -151,9 +151,9 @@ def _show(
         except OSError as exc:
             raise UsageError(f"cannot write --json {args.json}: {exc}") from None
         if not args.quiet:
-            console.print(f"report written to {args.json}", highlight=False)
+            console.print(f"report written to {args.json}", highlight=False, soft_wrap=True)
     if events is not None:
         for line in write_timeline_outputs(args, report, events):
             if not args.quiet:
-                console.print(line, highlight=False)
+                console.print(line, highlight=False, soft_wrap=True)
     return 0 if report.verdict.ok else 1

@@ -134,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
     if events is not None:
         for line in write_timeline_outputs(args, report, events):
             if not args.quiet:
-                console.print(line, highlight=False)
+                console.print(line, highlight=False, soft_wrap=True)
     return 0 if report.verdict.ok and fits else 1
 
 

@@ -74,21 +74,32 @@ def _payload(model: str, seq_len: int, batch: int, rank: int, run: dict[str, Any
 
 
 CASES = [
-    pytest.param("llama-1b-shape", 256, 1, 16, id="llama-1b-shape-s256-b1-r16"),
-    pytest.param("llama-3.1-8b", 2048, 1, 16, id="llama-3.1-8b-s2048-b1-r16", marks=pytest.mark.slow),
+    pytest.param("llama-1b-shape", 256, 1, 16, False, id="llama-1b-shape-s256-b1-r16"),
+    pytest.param("llama-3.1-8b", 2048, 1, 16, False, id="llama-3.1-8b-s2048-b1-r16", marks=pytest.mark.slow),
+    # issue 25: the 8B estimate with every allocation logged and written as a memory snapshot
+    pytest.param(
+        "llama-3.1-8b", 2048, 1, 16, True, id="llama-3.1-8b-s2048-b1-r16-snapshot", marks=pytest.mark.slow
+    ),
 ]
 
 
 @pytest.mark.benchmark
-@pytest.mark.parametrize("model,seq_len,batch,rank", CASES)
-def test_estimate_command_speed(benchmark, tmp_path: Path, model: str, seq_len: int, batch: int, rank: int):
+@pytest.mark.parametrize("model,seq_len,batch,rank,snapshot", CASES)
+def test_estimate_command_speed(
+    benchmark, tmp_path: Path, model: str, seq_len: int, batch: int, rank: int, snapshot: bool
+):
     args = ["--model", model, "--seq-len", str(seq_len), "--batch", str(batch), "--lora-rank", str(rank)]
+    if snapshot:
+        args += ["--snapshot", str(tmp_path / "s.pickle")]
     runs: list[dict[str, Any]] = []
     benchmark.pedantic(
         lambda: runs.append(run_estimate_command(args, tmp_path)), rounds=1, iterations=1, warmup_rounds=0
     )
     run = runs[0]
     payload = _payload(model, seq_len, batch, rank, run)
+    if snapshot:
+        payload["params"]["snapshot"] = True
+        assert (tmp_path / "s.pickle").stat().st_size > 0
     benchmark.extra_info["vramguard"] = payload
     metrics = payload["metrics"]
     # the child ran the whole estimate: its answer is there, and it used memory and time of its own

@@ -69,7 +69,7 @@ KEYS: list[tuple[str, dict[str, Any], str]] = [
     ("lora_alpha", {"lora_alpha": 64}, "no-byte"),
     ("lora_dropout", {"lora_dropout": 0.1}, "changes"),
     ("lora_target_modules", {"lora_target_modules": ["q_proj", "v_proj"]}, "changes"),
-    ("use_dora", {"use_dora": True}, "not-priced"),
+    ("use_dora", {"use_dora": True}, "changes"),
     ("use_rslora", {"use_rslora": True}, "no-byte"),
     ("attn_implementation", {"attn_implementation": "eager"}, "changes"),
     ("attn_implementation", {"attn_implementation": "flash_attention_2"}, "not-priced"),
@@ -288,6 +288,15 @@ CONFIGS = [
         },
         id="dropout-targets",
     ),
+    pytest.param(
+        {
+            "per_device_train_batch_size": 2,
+            "max_length": 64,
+            "lora_dropout": 0.1,
+            "use_dora": True,
+        },
+        id="dora-dropout",
+    ),
 ]
 
 
@@ -297,9 +306,11 @@ def test_estimate_on_cpu_kernels_equals_the_audit_of_the_same_file(
 ) -> None:
     path = _write(tmp_path, {**BASE, **change})
     estimate_json, audit_json = tmp_path / "estimate.json", tmp_path / "audit.json"
+    # DoRA with dropout keeps dequantized weights for backward: a weight-copies problem, exit 1, in both
+    expected = 1 if change.get("use_dora") and change.get("lora_dropout") else 0
     assert (
         main(["estimate", "--config", str(path), "--target", "cpu", "--quiet", "--json", str(estimate_json)])
-        == 0
+        == expected
     )
     code = main(
         [
@@ -315,7 +326,7 @@ def test_estimate_on_cpu_kernels_equals_the_audit_of_the_same_file(
             str(audit_json),
         ]
     )
-    assert code == 0, capsys.readouterr()
+    assert code == expected, capsys.readouterr()
     estimate, audit = json.loads(estimate_json.read_text()), json.loads(audit_json.read_text())
 
     def run_config(document: dict[str, Any]) -> dict[str, Any]:
@@ -325,7 +336,67 @@ def test_estimate_on_cpu_kernels_equals_the_audit_of_the_same_file(
     assert estimate["totals"] == audit["totals"] and estimate["totals"]["saved_bytes"] > 0
     assert estimate["layers"] == audit["layers"]
     assert estimate["phases"] == audit["phases"]
+
+    def records(document: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in r.items() if k != "device"} for r in document["records"]]
+
+    assert records(estimate) == records(audit)
+    assert estimate["verdict"]["problems"] == audit["verdict"]["problems"]
     for mine, theirs in zip(estimate["steps"], audit["steps"], strict=True):
         assert (
             mine["peak_bytes"] == theirs["peak_bytes"] and mine["retained_bytes"] == theirs["retained_bytes"]
         )
+
+
+def test_dora_runs_peft_dora_path_and_its_weight_copies_are_named(tmp_path: Path) -> None:
+    """``use_dora: true`` reaches PEFT (``LoraConfig(use_dora=True)``) on meta as on the CPU: a magnitude vector
+    per adapted layer, trained; with dropout, the dequantized base weights PEFT's DoRA forward keeps for
+    backward are the ledger's weight-copy records, each in a ``lora_magnitude_vector`` module, of its base
+    layer's (out, in) shape (or the transposed view a matmul saves), and the DoRA note says how many and
+    where."""
+    from vramguard.estimate.meta import build_meta
+    from vramguard.estimate.run import run_estimate
+
+    run = load_run_config(_write(tmp_path, {**BASE, "lora_dropout": 0.1, "use_dora": True}))
+    config = run.config()
+    assert config.use_dora is True
+    q = build_meta(config)
+    assert q.model.peft_config["default"].use_dora is True
+    adapted = {n: m for n, m in q.model.named_modules() if hasattr(m, "lora_magnitude_vector")}
+    assert adapted and all("default" in m.lora_magnitude_vector for m in adapted.values())
+    vectors = [p for n, p in q.model.named_parameters() if ".lora_magnitude_vector." in n]
+    assert len(vectors) == len(adapted) and all(p.requires_grad for p in vectors)
+
+    report = run_estimate(config, steps=1, target="cpu")
+    copies = [r for r in report.records if r["kind"] == "weight-copy"]
+    assert copies and report.totals.weight_copy_bytes == sum(r["bytes"] for r in copies)
+    for r in copies:
+        layer = r["module"].split(".lora_magnitude_vector.")[0]
+        assert layer in adapted, r["module"]
+        out_in = tuple(adapted[layer].get_base_layer().weight.quant_state.shape)
+        assert tuple(r["shape"]) in (out_in, out_in[::-1]), r  # W, or the W.t() a matmul saves
+    note = next(f for f in report.verdict.findings if f.kind == "dora")
+    assert (
+        f"{len(vectors)} magnitude vectors" in note.message and f"{len(copies)} dequantized" in note.message
+    )
+    assert not report.verdict.ok  # weight copies kept for backward: the audit's problem, said as such
+
+
+def test_use_dora_flag_overrides_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, {**BASE, "use_dora": True})
+    out_json = tmp_path / "out.json"
+    assert (
+        main(["estimate", "--config", str(path), "--no-use-dora", "--target", "cpu", "--json", str(out_json)])
+        == 0
+    )
+    document = json.loads(out_json.read_text())
+    assert document["config"]["use_dora"] is False
+    assert not any("DoRA" in n for n in document["verdict"]["notes"])
+    assert "overridden by flags: use_dora" in capsys.readouterr().out.replace("\n", " ")
+    assert (
+        main(["estimate", "--model", "tiny-llama", "--use-dora", "--target", "cpu", "--json", str(out_json)])
+        == 0
+    )
+    document = json.loads(out_json.read_text())
+    assert document["config"]["use_dora"] is True
+    assert any(n.startswith("DoRA (PEFT use_dora)") for n in document["verdict"]["notes"])

@@ -12,7 +12,9 @@ difference that no checkpoint is written and loaded:
   real device (``Params4bit.to`` skips meta, so it is called directly): packed nibbles, absmax and
   the double-quantization state get their real shapes and dtypes;
 * ``postprocess_model`` marks the model 4-bit, then PEFT's ``prepare_model_for_kbit_training`` and
-  ``get_peft_model`` run unchanged.
+  ``get_peft_model`` run unchanged (with DoRA, PEFT deep-copies each ``Linear4bit``, which bitsandbytes
+  cannot do for a meta weight: :func:`_deepcopy_on_meta`; its dequantization, ``bitsandbytes::dequantize_4bit``,
+  has bitsandbytes' own fake kernel, which meta runs).
 
 On meta every data-dependent branch (``.item()``, ``bool(tensor)``) raises. transformers 5.x takes
 one such branch per forward: ``masking_utils.find_packed_sequence_indices`` asks whether the
@@ -273,6 +275,34 @@ def _quantize_on_meta(model: torch.nn.Module) -> int:
     return count
 
 
+@contextlib.contextmanager
+def _deepcopy_on_meta() -> Iterator[None]:
+    """Within the block, ``copy.deepcopy`` of a meta ``Params4bit`` works, as it does on a real device.
+
+    PEFT's DoRA (``DoraLinearLayer.update_layer``) deep-copies the base ``Linear4bit`` before dequantizing its
+    weight for the weight norm. bitsandbytes' ``Params4bit.__deepcopy__`` makes the copy with
+    ``Params4bit.__new__(cls)``, whose placeholder ``torch.empty(0)`` is on the default device (the CPU), then
+    sets ``.data`` to the packed weight: torch refuses a meta tensor as the data of a CPU one ("incompatible
+    tensor type"). The original method runs unchanged with meta as the default device, so its placeholder is a
+    meta tensor; real-device parameters are copied as before."""
+    import bitsandbytes as bnb
+
+    cls = bnb.nn.Params4bit
+    original = cls.__dict__["__deepcopy__"]
+
+    def __deepcopy__(self: Any, memo: dict[int, Any]) -> Any:
+        if self.device.type != META:
+            return original(self, memo)
+        with torch.device(META):
+            return original(self, memo)
+
+    cls.__deepcopy__ = __deepcopy__  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.__deepcopy__ = original  # type: ignore[method-assign]
+
+
 def build_meta(
     config: QLoRAConfig,
     spec: ModelSpec | None = None,
@@ -326,7 +356,8 @@ def build_meta(
             for p in model.parameters():
                 p.requires_grad_(True)
         else:
-            model = get_peft_model(model, lora_config(config))
+            with _deepcopy_on_meta():  # DoRA copies the 4-bit base layer (see there)
+                model = get_peft_model(model, lora_config(config))
     model.train()
     model.config.use_cache = False
     loaded = getattr(model, "config", hf_config)  # from_pretrained set its experts implementation there

@@ -218,7 +218,9 @@ class QLoRAConfig:
     the architecture, what ``LoraConfig(target_modules=None)`` and TRL's default pick) or comma-separated
     module names. ``target_parameters``: PEFT's ``target_parameters``, comma-separated parameter names
     (e.g. a mixture of experts' ``mlp.experts.gate_up_proj``), empty for none. ``use_rslora``: PEFT's
-    rank-stabilised scaling (``alpha / sqrt(r)``). ``mixed_precision``: Trainer's ``bf16`` / ``fp16``
+    rank-stabilised scaling (``alpha / sqrt(r)``). ``use_dora``: PEFT's DoRA (``LoraConfig(use_dora=True)``: a
+    trained magnitude vector per adapted layer, and a forward that dequantizes the 4-bit weight to compute the
+    weight norm; with dropout it keeps that dequantized copy for backward). ``mixed_precision``: Trainer's ``bf16`` / ``fp16``
     autocast (``no``, ``bf16``, ``fp16``), recorded but not priced yet: both commands say so."""
 
     model: str = "tiny-llama"
@@ -237,6 +239,7 @@ class QLoRAConfig:
     target_modules: str = "all-linear"
     target_parameters: str = ""
     use_rslora: bool = False
+    use_dora: bool = False
     mixed_precision: str = "no"
     method: str = "qlora"
     optimizer: str = "adamw"
@@ -250,6 +253,8 @@ class QLoRAConfig:
                 raise UsageError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise UsageError(f"lora dropout must be in [0, 1), got {self.lora_dropout}")
+        if not isinstance(self.use_dora, bool):
+            raise UsageError(f"use-dora must be true or false, got {self.use_dora!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise UsageError(f"seed must be an integer, got {self.seed!r}")
         if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
@@ -416,7 +421,7 @@ def prepare_for_training(model: Any, config: QLoRAConfig, sharded: bool = False)
 
 def lora_config(config: QLoRAConfig) -> Any:
     """PEFT's ``LoraConfig`` for ``config``: rank, alpha, dropout, target modules and parameters, rsLoRA,
-    causal LM."""
+    DoRA, causal LM."""
     from peft import LoraConfig
 
     targets: str | list[str] | None = names_of(config.target_modules)  # [] with target_parameters alone
@@ -429,6 +434,7 @@ def lora_config(config: QLoRAConfig) -> Any:
         target_modules=targets,
         target_parameters=names_of(config.target_parameters) or None,
         use_rslora=config.use_rslora,
+        use_dora=config.use_dora,
         task_type="CAUSAL_LM",
     )
 

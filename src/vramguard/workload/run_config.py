@@ -13,7 +13,7 @@ output (:meth:`RunConfig.lines`), none silently:
 * **priced**: it maps onto a :class:`QLoRAConfig` field, which the run then takes;
 * **changes no byte**: it decides values, schedules, logging or files, not the memory of a step (the ones
   the run takes, ``lora_alpha``, ``use_rslora``, ``bnb_4bit_quant_type``, are passed to it all the same);
-* **not priced**: it changes memory in a way vramguard does not run yet (packing, Liger, DoRA, ...):
+* **not priced**: it changes memory in a way vramguard does not run yet (packing, Liger, ...):
   named with what the figures assume instead.
 
 One environment check of TrainingArguments is not the run's: it refuses ``bf16`` on a machine without a
@@ -107,6 +107,7 @@ PRICED_KEYS: tuple[str, ...] = (
     "lora_dropout",
     "lora_target_modules",
     "lora_target_parameters",
+    "use_dora",
     "attn_implementation",
     "dtype",
 )
@@ -385,10 +386,10 @@ def load_run_config(path: str | Path) -> RunConfig:
     )
     if model_args.lora_modules_to_save:
         not_priced("lora_modules_to_save", "the full copies of these modules PEFT trains are not run")
-    if boolean("use_dora", model_args):
-        not_priced(
-            "use_dora", "DoRA's magnitude vector and dequantized weight norm are not run: priced as LoRA"
-        )
+    if peft:
+        priced("use_dora", "use_dora", boolean("use_dora", model_args))
+    elif boolean("use_dora", model_args):
+        readings.append(KeyReading("use_dora", True, "no-byte", "no adapters without use_peft"))
 
     attn = model_args.attn_implementation
     if attn in (None, "sdpa", "eager"):

@@ -47,8 +47,9 @@ KEYS: list[tuple[str, dict[str, Any], str]] = [
     ("per_device_train_batch_size", {"per_device_train_batch_size": 2}, "changes"),
     ("gradient_accumulation_steps", {"gradient_accumulation_steps": 4}, "not-priced"),
     ("max_length", {"max_length": 48}, "changes"),
-    ("packing", {"packing": True}, "not-priced"),
-    ("padding_free", {"padding_free": True}, "not-priced"),
+    ("packing", {"packing": True}, "changes"),
+    ("packing", {"packing": True, "packing_strategy": "wrapped"}, "not-priced"),
+    ("padding_free", {"padding_free": True}, "changes"),
     ("gradient_checkpointing", {"gradient_checkpointing": True}, "changes"),
     (
         "gradient_checkpointing_kwargs",
@@ -207,7 +208,9 @@ def test_flags_override_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_quiet_still_names_what_is_not_priced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = _write(tmp_path, {**BASE, "packing": True, "use_liger_kernel": True})
+    path = _write(
+        tmp_path, {**BASE, "packing": True, "packing_strategy": "wrapped", "use_liger_kernel": True}
+    )
     assert main(["estimate", "--config", str(path), "--target", "cpu", "--quiet"]) == 0
     captured = capsys.readouterr()
     assert captured.out.count("\n") == 1 and captured.out.startswith("estimate:")
@@ -220,7 +223,7 @@ def test_quiet_still_names_what_is_not_priced(tmp_path: Path, capsys: pytest.Cap
         ({"lora_rnak": 3}, "lora_rnak"),
         ({"lora_r": "x"}, "lora_r must be an integer"),
         ({"optim": "nonsense"}, "nonsense is not a valid OptimizerNames"),
-        ({"packing": "yes"}, None),  # named below: TRL's parser takes it; a truthy string is not priced
+        ({"packing": "yes"}, "packing must be true or false"),  # TRL's parser takes it; vramguard does not
         ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be an integer >= 1"),
         ({"lora_target_modules": 3}, "lora_target_modules must be a list of names"),
         ({"dtype": "int3"}, "dtype must be"),
@@ -400,3 +403,74 @@ def test_use_dora_flag_overrides_the_file(tmp_path: Path, capsys: pytest.Capture
     document = json.loads(out_json.read_text())
     assert document["config"]["use_dora"] is True
     assert any(n.startswith("DoRA (PEFT use_dora)") for n in document["verdict"]["notes"])
+
+
+@pytest.mark.parametrize(
+    "change", [{"padding_free": True}, {"packing": True}], ids=["padding_free", "packing"]
+)
+def test_padding_free_batch_is_trls_and_the_meta_decision_follows_its_boundaries(
+    change: dict[str, Any], tmp_path: Path
+) -> None:
+    """A padding-free batch is TRL's collator's: one row of batch x max_length tokens whose position ids
+    restart per sequence. At batch 1, padding_free alone holds one sequence (transformers builds no mask) and
+    bfd packing two (the packed-sequence mask): the meta run's decision is what transformers decides on the
+    real position ids, and estimate equals audit in both, though the two differ."""
+    from vramguard.audit.run import run_audit
+    from vramguard.estimate.meta import build_meta
+    from vramguard.estimate.run import run_estimate
+
+    # max_length 64: at 32 the estimate's backward peak of plain rows is 96,128 B above the audit's already
+    config = load_run_config(
+        _write(tmp_path, {**BASE, "per_device_train_batch_size": 1, "max_length": 64, **change})
+    ).config()
+    assert config.padding_free and config.packing is ("packing" in change)
+    q = build_meta(config)
+    batch = q.batch(0)
+    assert batch["input_ids"].shape == batch["position_ids"].shape == (1, config.seq_len)
+    assert q.one_sequence_per_row is ("packing" not in change)
+
+    def answer(r: Any) -> tuple[Any, ...]:
+        return (
+            r.totals,
+            [(x.name, x.saved_bytes) for x in r.layers],
+            {k: v.peak_bytes for k, v in r.phases.items()},
+            [(x.peak_bytes, x.retained_bytes) for x in r.steps],
+        )
+
+    estimate = run_estimate(config, steps=2, target="cpu")
+    assert (
+        estimate.estimate is not None and estimate.estimate.forced_decisions["find_packed_sequence_indices"]
+    )
+    assert answer(estimate) == answer(run_audit(config, steps=2))
+
+
+def test_packed_rows_cost_the_mask_that_one_sequence_per_row_does_not(tmp_path: Path) -> None:
+    """Same tokens, same shapes: bfd packing at batch 1 (two sequences in the row) keeps the additive
+    packed-sequence mask for backward in every attention layer, padding_free alone (one sequence) keeps none;
+    nothing outside attention differs."""
+    from vramguard.estimate.run import run_estimate
+
+    runs = {}
+    for name, change in (("padding_free", {"padding_free": True}), ("packing", {"packing": True})):
+        config = load_run_config(_write(tmp_path, {**BASE, **change})).config()
+        runs[name] = run_estimate(config, steps=1, target="cpu")
+    n = BASE["max_length"]
+
+    def masks(r: Any) -> list[dict[str, Any]]:
+        return [x for x in r.records if x["shape"] == [1, 1, n, n] and "ScaledDotProduct" in x["node"]]
+
+    assert masks(runs["packing"]) and all(r["dtype"] == "float32" for r in masks(runs["packing"]))
+    assert len(masks(runs["packing"])) == len(runs["packing"].layers)
+    assert not masks(runs["padding_free"])
+
+    # everything else the two keep is the same; the attention op keeps more: the mask, and k/v repeated to the
+    # query heads (transformers' sdpa passes enable_gqa only without a mask)
+    def others(r: Any) -> list[tuple[Any, ...]]:
+        return sorted(
+            (x["module"], x["node"], x["shape"], x["bytes"])
+            for x in r.records
+            if "ScaledDotProduct" not in x["node"]
+        )
+
+    assert others(runs["packing"]) == others(runs["padding_free"])
+    assert runs["packing"].totals.saved_bytes > runs["padding_free"].totals.saved_bytes

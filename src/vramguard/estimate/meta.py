@@ -42,6 +42,7 @@ from vramguard.workload.models import (
     QLoRAModel,
     bnb_4bit_config,
     lora_config,
+    padding_free_batch,
     parse_dtype,
     prepare_for_training,
     resolve_attention,
@@ -72,9 +73,12 @@ TARGETS: tuple[str, ...] = ("cuda", "cpu")
 
 
 @contextlib.contextmanager
-def forced_decisions(target: str = "cpu") -> Iterator[dict[str, int]]:
-    """Within the block, ``find_packed_sequence_indices`` on meta position ids decides "one sequence
-    per row" (returns None), as it does for the synthetic batch on a real device; attention and
+def forced_decisions(target: str = "cpu", one_sequence_per_row: bool = True) -> Iterator[dict[str, int]]:
+    """Within the block, ``find_packed_sequence_indices`` on meta position ids decides as it does for the
+    batch on a real device: "one sequence per row" (returns None) for the synthetic rows, or, with
+    ``one_sequence_per_row`` False (a padding-free batch whose real position ids hold several sequences in a
+    row: :attr:`MetaQLoRAModel.one_sequence_per_row`), "packed" (returns the sequence indices, their shape
+    and dtype as on the device, so the packed-sequence mask is built); attention and
     dropout on meta take the kernels ``target`` would (:func:`_sdpa_as_on`; on CUDA dropout is
     ``native_dropout``, which keeps a bool mask, where the CPU multiplies by a mask in the input's
     dtype).
@@ -91,9 +95,9 @@ def forced_decisions(target: str = "cpu") -> Iterator[dict[str, int]]:
     def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
         if position_ids.device.type != META:
             return original(position_ids)
-        # the real ops run (same temporaries); only the `(mask[:, -1] == 0).all()` test is answered:
-        # yes, every row is one sequence, so no packed-sequence mask
-        with _AnswerScalars(True):
+        # the real ops run (same temporaries); only the `(mask[:, -1] == 0).all()` test is answered, with
+        # what the real position ids answer: every row one sequence (no packed-sequence mask), or not
+        with _AnswerScalars(one_sequence_per_row):
             result = original(position_ids)
         taken["find_packed_sequence_indices"] += 1
         return result
@@ -244,6 +248,12 @@ def _sdpa_as_on(
         )
     if choice != _FLASH:
         return original(query, key, value, *args, **kwargs)
+    if mask is not None and mask.dtype == torch.bool:
+        # as the composite does before the CPU flash kernel (convert_boolean_attn_mask): an additive mask in
+        # the query's dtype, which the kernel keeps for backward (a padding-free batch's packed-sequence mask)
+        mask = torch.where(
+            mask.logical_not(), -float("inf"), torch.scalar_tensor(0.0, dtype=query.dtype, device=mask.device)
+        )
     out, _logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout, causal, attn_mask=mask, scale=scale
     )
@@ -378,11 +388,37 @@ class MetaQLoRAModel(QLoRAModel):
     def batch(self, step: int = 0) -> dict[str, torch.Tensor]:
         """Step ``step``'s inputs: on meta, ``input_ids`` and ``labels`` as one uninitialised (batch, seq_len)
         long tensor, which costs no memory; on a real device, the synthetic tokens of
-        :meth:`QLoRAModel.batch`."""
+        :meth:`QLoRAModel.batch`. A padding-free batch is TRL's collator's on the host (its tensors' shapes
+        and dtypes, each an uninitialised meta tensor; its integers as they are)."""
         if self.config.device != META:
             return super().batch(step)
-        ids = torch.empty((self.config.batch, self.config.seq_len), dtype=torch.long, device=META)
+        shape = (self.config.batch, self.config.seq_len)
+        if self.config.padding_free:
+            made: dict[int, torch.Tensor] = {}  # one meta tensor per host tensor (cu_seq_lens_q is _k)
+            batch = padding_free_batch(torch.zeros(shape, dtype=torch.long), self.config.packing)
+            for k, v in batch.items():
+                if isinstance(v, torch.Tensor):
+                    batch[k] = made.setdefault(id(v), torch.empty(v.shape, dtype=v.dtype, device=META))
+            return batch
+        ids = torch.empty(shape, dtype=torch.long, device=META)
         return {"input_ids": ids, "labels": ids}
+
+    @property
+    def one_sequence_per_row(self) -> bool:
+        """Whether the batch's real position ids hold one sequence per row, as transformers' own
+        ``find_packed_sequence_indices`` decides on the host's position ids: always for the synthetic rows
+        (no position ids are passed), and for a padding-free batch what its boundaries say
+        (:func:`vramguard.workload.models.packed_lengths`). :func:`forced_decisions` answers the meta run's
+        test with it."""
+        if not self.config.padding_free:
+            return True
+        from transformers.masking_utils import find_packed_sequence_indices
+
+        shape = (self.config.batch, self.config.seq_len)
+        position_ids = padding_free_batch(torch.zeros(shape, dtype=torch.long), self.config.packing)[
+            "position_ids"
+        ]
+        return find_packed_sequence_indices(position_ids) is None
 
 
 def _with_device(config: QLoRAConfig, device: str) -> QLoRAConfig:

@@ -100,6 +100,8 @@ PRICED_KEYS: tuple[str, ...] = (
     "bf16",  # into mixed_precision, named by the commands (see mixed_precision_line)
     "fp16",
     "activation_offloading",
+    "packing",
+    "padding_free",
     "use_peft",
     "load_in_4bit",
     "use_bnb_nested_quant",
@@ -341,6 +343,36 @@ def load_run_config(path: str | Path) -> RunConfig:
 
     priced("activation_offloading", "offload_activations", boolean("activation_offloading", sft))
 
+    # packing and padding-free batches, by SFTTrainer's rule: bfd packing (TRL's default strategy) implies
+    # padding-free; the padding-free batch is TRL's collator's (vramguard.workload.models.padding_free_batch)
+    packing = boolean("packing", sft)
+    strategy = str(sft.packing_strategy)
+    padding_free = boolean("padding_free", sft) or (packing and strategy in ("bfd", "bfd_split"))
+    values["padding_free"] = padding_free
+    values["packing"] = packing and padding_free
+    if "padding_free" in data:
+        priced(
+            "padding_free",
+            "padding_free",
+            padding_free,
+            shown=data["padding_free"],
+        )
+    if packing and padding_free:
+        readings.append(
+            KeyReading(
+                "packing",
+                data["packing"],
+                "priced",
+                f"packing ({strategy}, padding-free: two sequences a row)",
+            )
+        )
+    elif packing:
+        not_priced(
+            "packing",
+            f"packing_strategy {strategy}: rows of max_length with an all-ones attention_mask, priced as plain "
+            "rows without the mask",
+        )
+
     # what is trained: TRL loads 4-bit with use_peft + load_in_4bit, LoRA on the dtype's base with use_peft
     # alone, and trains every parameter without use_peft
     peft = boolean("use_peft", model_args)
@@ -436,9 +468,6 @@ def load_run_config(path: str | Path) -> RunConfig:
 
 
 _UNPRICED_WHY: dict[str, str] = {
-    "packing": "rows are priced as one sequence of max_length each (the longest batch the config allows); "
-    "several sequences per row (position ids, the packed-sequence mask) are not run",
-    "padding_free": "rows are priced as one sequence of max_length each, without the flattened varlen batch",
     "use_liger_kernel": "Liger's fused linear cross-entropy (Triton, GPU) is not run: the fp32 logits "
     "4 x b x s x vocab stay in the figures",
     "gradient_accumulation_steps": "one micro-batch step is priced: the gradients held during the next "

@@ -49,6 +49,7 @@ KEYS: list[tuple[str, dict[str, Any], str]] = [
     ("max_length", {"max_length": 48}, "changes"),
     ("packing", {"packing": True}, "changes"),
     ("packing", {"packing": True, "packing_strategy": "wrapped"}, "not-priced"),
+    ("packing_strategy", {"packing": True, "packing_strategy": "bfd_split"}, "changes"),
     ("padding_free", {"padding_free": True}, "changes"),
     ("gradient_checkpointing", {"gradient_checkpointing": True}, "changes"),
     (

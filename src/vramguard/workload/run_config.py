@@ -13,7 +13,7 @@ output (:meth:`RunConfig.lines`), none silently:
 * **priced**: it maps onto a :class:`QLoRAConfig` field, which the run then takes;
 * **changes no byte**: it decides values, schedules, logging or files, not the memory of a step (the ones
   the run takes, ``lora_alpha``, ``use_rslora``, ``bnb_4bit_quant_type``, are passed to it all the same);
-* **not priced**: it changes memory in a way vramguard does not run yet (packing, Liger, ...):
+* **not priced**: it changes memory in a way vramguard does not run yet (Liger, wrapped packing, ...):
   named with what the figures assume instead.
 
 One environment check of TrainingArguments is not the run's: it refuses ``bf16`` on a machine without a
@@ -101,6 +101,7 @@ PRICED_KEYS: tuple[str, ...] = (
     "fp16",
     "activation_offloading",
     "packing",
+    "packing_strategy",
     "padding_free",
     "use_peft",
     "load_in_4bit",
@@ -372,6 +373,13 @@ def load_run_config(path: str | Path) -> RunConfig:
             f"packing_strategy {strategy}: rows of max_length with an all-ones attention_mask, priced as plain "
             "rows without the mask",
         )
+    if given("packing_strategy"):
+        if not packing:
+            readings.append(KeyReading("packing_strategy", strategy, "no-byte", "packing is off"))
+        elif padding_free:
+            readings.append(KeyReading("packing_strategy", strategy, "priced", "padding-free packing"))
+        else:
+            not_priced("packing_strategy", "wrapped packing is priced as plain rows (see packing)")
 
     # what is trained: TRL loads 4-bit with use_peft + load_in_4bit, LoRA on the dtype's base with use_peft
     # alone, and trains every parameter without use_peft

@@ -301,6 +301,10 @@ CONFIGS = [
         },
         id="dora-dropout",
     ),
+    pytest.param(
+        {"per_device_train_batch_size": 2, "max_length": 64, "packing": True, "attn_implementation": "eager"},
+        id="packing-eager",
+    ),
 ]
 
 

@@ -225,6 +225,8 @@ def test_quiet_still_names_what_is_not_priced(tmp_path: Path, capsys: pytest.Cap
         ({"lora_r": "x"}, "lora_r must be an integer"),
         ({"optim": "nonsense"}, "nonsense is not a valid OptimizerNames"),
         ({"packing": "yes"}, "packing must be true or false"),  # TRL's parser takes it; vramguard does not
+        ({"padding_free": 3}, "padding_free must be true or false"),
+        ({"use_dora": "yes"}, "use_dora must be true or false"),
         ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be an integer >= 1"),
         ({"lora_target_modules": 3}, "lora_target_modules must be a list of names"),
         ({"dtype": "int3"}, "dtype must be"),

@@ -47,8 +47,10 @@ KEYS: list[tuple[str, dict[str, Any], str]] = [
     ("per_device_train_batch_size", {"per_device_train_batch_size": 2}, "changes"),
     ("gradient_accumulation_steps", {"gradient_accumulation_steps": 4}, "not-priced"),
     ("max_length", {"max_length": 48}, "changes"),
-    ("packing", {"packing": True}, "not-priced"),
-    ("padding_free", {"padding_free": True}, "not-priced"),
+    ("packing", {"packing": True}, "changes"),
+    ("packing", {"packing": True, "packing_strategy": "wrapped"}, "not-priced"),
+    ("packing_strategy", {"packing": True, "packing_strategy": "bfd_split"}, "changes"),
+    ("padding_free", {"padding_free": True}, "changes"),
     ("gradient_checkpointing", {"gradient_checkpointing": True}, "changes"),
     (
         "gradient_checkpointing_kwargs",
@@ -69,7 +71,7 @@ KEYS: list[tuple[str, dict[str, Any], str]] = [
     ("lora_alpha", {"lora_alpha": 64}, "no-byte"),
     ("lora_dropout", {"lora_dropout": 0.1}, "changes"),
     ("lora_target_modules", {"lora_target_modules": ["q_proj", "v_proj"]}, "changes"),
-    ("use_dora", {"use_dora": True}, "not-priced"),
+    ("use_dora", {"use_dora": True}, "changes"),
     ("use_rslora", {"use_rslora": True}, "no-byte"),
     ("attn_implementation", {"attn_implementation": "eager"}, "changes"),
     ("attn_implementation", {"attn_implementation": "flash_attention_2"}, "not-priced"),
@@ -207,7 +209,9 @@ def test_flags_override_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_quiet_still_names_what_is_not_priced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = _write(tmp_path, {**BASE, "packing": True, "use_liger_kernel": True})
+    path = _write(
+        tmp_path, {**BASE, "packing": True, "packing_strategy": "wrapped", "use_liger_kernel": True}
+    )
     assert main(["estimate", "--config", str(path), "--target", "cpu", "--quiet"]) == 0
     captured = capsys.readouterr()
     assert captured.out.count("\n") == 1 and captured.out.startswith("estimate:")
@@ -220,7 +224,9 @@ def test_quiet_still_names_what_is_not_priced(tmp_path: Path, capsys: pytest.Cap
         ({"lora_rnak": 3}, "lora_rnak"),
         ({"lora_r": "x"}, "lora_r must be an integer"),
         ({"optim": "nonsense"}, "nonsense is not a valid OptimizerNames"),
-        ({"packing": "yes"}, None),  # named below: TRL's parser takes it; a truthy string is not priced
+        ({"packing": "yes"}, "packing must be true or false"),  # TRL's parser takes it; vramguard does not
+        ({"padding_free": 3}, "padding_free must be true or false"),
+        ({"use_dora": "yes"}, "use_dora must be true or false"),
         ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be an integer >= 1"),
         ({"lora_target_modules": 3}, "lora_target_modules must be a list of names"),
         ({"dtype": "int3"}, "dtype must be"),
@@ -288,6 +294,19 @@ CONFIGS = [
         },
         id="dropout-targets",
     ),
+    pytest.param(
+        {
+            "per_device_train_batch_size": 2,
+            "max_length": 64,
+            "lora_dropout": 0.1,
+            "use_dora": True,
+        },
+        id="dora-dropout",
+    ),
+    pytest.param(
+        {"per_device_train_batch_size": 2, "max_length": 64, "packing": True, "attn_implementation": "eager"},
+        id="packing-eager",
+    ),
 ]
 
 
@@ -297,9 +316,11 @@ def test_estimate_on_cpu_kernels_equals_the_audit_of_the_same_file(
 ) -> None:
     path = _write(tmp_path, {**BASE, **change})
     estimate_json, audit_json = tmp_path / "estimate.json", tmp_path / "audit.json"
+    # DoRA with dropout keeps dequantized weights for backward: a weight-copies problem, exit 1, in both
+    expected = 1 if change.get("use_dora") and change.get("lora_dropout") else 0
     assert (
         main(["estimate", "--config", str(path), "--target", "cpu", "--quiet", "--json", str(estimate_json)])
-        == 0
+        == expected
     )
     code = main(
         [
@@ -315,7 +336,7 @@ def test_estimate_on_cpu_kernels_equals_the_audit_of_the_same_file(
             str(audit_json),
         ]
     )
-    assert code == 0, capsys.readouterr()
+    assert code == expected, capsys.readouterr()
     estimate, audit = json.loads(estimate_json.read_text()), json.loads(audit_json.read_text())
 
     def run_config(document: dict[str, Any]) -> dict[str, Any]:
@@ -325,7 +346,138 @@ def test_estimate_on_cpu_kernels_equals_the_audit_of_the_same_file(
     assert estimate["totals"] == audit["totals"] and estimate["totals"]["saved_bytes"] > 0
     assert estimate["layers"] == audit["layers"]
     assert estimate["phases"] == audit["phases"]
+
+    def records(document: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in r.items() if k != "device"} for r in document["records"]]
+
+    assert records(estimate) == records(audit)
+    assert estimate["verdict"]["problems"] == audit["verdict"]["problems"]
     for mine, theirs in zip(estimate["steps"], audit["steps"], strict=True):
         assert (
             mine["peak_bytes"] == theirs["peak_bytes"] and mine["retained_bytes"] == theirs["retained_bytes"]
         )
+
+
+def test_dora_runs_peft_dora_path_and_its_weight_copies_are_named(tmp_path: Path) -> None:
+    """``use_dora: true`` reaches PEFT (``LoraConfig(use_dora=True)``) on meta as on the CPU: a magnitude vector
+    per adapted layer, trained; with dropout, the dequantized base weights PEFT's DoRA forward keeps for
+    backward are the ledger's weight-copy records, each in a ``lora_magnitude_vector`` module, of its base
+    layer's (out, in) shape (or the transposed view a matmul saves), and the DoRA note says how many and
+    where."""
+    from vramguard.estimate.meta import build_meta
+    from vramguard.estimate.run import run_estimate
+
+    run = load_run_config(_write(tmp_path, {**BASE, "lora_dropout": 0.1, "use_dora": True}))
+    config = run.config()
+    assert config.use_dora is True
+    q = build_meta(config)
+    assert q.model.peft_config["default"].use_dora is True
+    adapted = {n: m for n, m in q.model.named_modules() if hasattr(m, "lora_magnitude_vector")}
+    assert adapted and all("default" in m.lora_magnitude_vector for m in adapted.values())
+    vectors = [p for n, p in q.model.named_parameters() if ".lora_magnitude_vector." in n]
+    assert len(vectors) == len(adapted) and all(p.requires_grad for p in vectors)
+
+    report = run_estimate(config, steps=1, target="cpu")
+    copies = [r for r in report.records if r["kind"] == "weight-copy"]
+    assert copies and report.totals.weight_copy_bytes == sum(r["bytes"] for r in copies)
+    for r in copies:
+        layer = r["module"].split(".lora_magnitude_vector.")[0]
+        assert layer in adapted, r["module"]
+        out_in = tuple(adapted[layer].get_base_layer().weight.quant_state.shape)
+        assert tuple(r["shape"]) in (out_in, out_in[::-1]), r  # W, or the W.t() a matmul saves
+    note = next(f for f in report.verdict.findings if f.kind == "dora")
+    assert (
+        f"{len(vectors)} magnitude vectors" in note.message and f"{len(copies)} dequantized" in note.message
+    )
+    assert not report.verdict.ok  # weight copies kept for backward: the audit's problem, said as such
+
+
+def test_use_dora_flag_overrides_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, {**BASE, "use_dora": True})
+    out_json = tmp_path / "out.json"
+    assert (
+        main(["estimate", "--config", str(path), "--no-use-dora", "--target", "cpu", "--json", str(out_json)])
+        == 0
+    )
+    document = json.loads(out_json.read_text())
+    assert document["config"]["use_dora"] is False
+    assert not any("DoRA" in n for n in document["verdict"]["notes"])
+    assert "overridden by flags: use_dora" in capsys.readouterr().out.replace("\n", " ")
+    assert (
+        main(["estimate", "--model", "tiny-llama", "--use-dora", "--target", "cpu", "--json", str(out_json)])
+        == 0
+    )
+    document = json.loads(out_json.read_text())
+    assert document["config"]["use_dora"] is True
+    assert any(n.startswith("DoRA (PEFT use_dora)") for n in document["verdict"]["notes"])
+
+
+@pytest.mark.parametrize(
+    "change", [{"padding_free": True}, {"packing": True}], ids=["padding_free", "packing"]
+)
+def test_padding_free_batch_is_trls_and_the_meta_decision_follows_its_boundaries(
+    change: dict[str, Any], tmp_path: Path
+) -> None:
+    """A padding-free batch is TRL's collator's: one row of batch x max_length tokens whose position ids
+    restart per sequence. At batch 1, padding_free alone holds one sequence (transformers builds no mask) and
+    bfd packing two (the packed-sequence mask): the meta run's decision is what transformers decides on the
+    real position ids, and estimate equals audit in both, though the two differ."""
+    from vramguard.audit.run import run_audit
+    from vramguard.estimate.meta import build_meta
+    from vramguard.estimate.run import run_estimate
+
+    # max_length 64: at 32 the estimate's backward peak of plain rows is 96,128 B above the audit's already
+    config = load_run_config(
+        _write(tmp_path, {**BASE, "per_device_train_batch_size": 1, "max_length": 64, **change})
+    ).config()
+    assert config.padding_free and config.packing is ("packing" in change)
+    q = build_meta(config)
+    batch = q.batch(0)
+    assert batch["input_ids"].shape == batch["position_ids"].shape == (1, config.seq_len)
+    assert q.one_sequence_per_row is ("packing" not in change)
+
+    def answer(r: Any) -> tuple[Any, ...]:
+        return (
+            r.totals,
+            [(x.name, x.saved_bytes) for x in r.layers],
+            {k: v.peak_bytes for k, v in r.phases.items()},
+            [(x.peak_bytes, x.retained_bytes) for x in r.steps],
+        )
+
+    estimate = run_estimate(config, steps=2, target="cpu")
+    assert (
+        estimate.estimate is not None and estimate.estimate.forced_decisions["find_packed_sequence_indices"]
+    )
+    assert answer(estimate) == answer(run_audit(config, steps=2))
+
+
+def test_packed_rows_cost_the_mask_that_one_sequence_per_row_does_not(tmp_path: Path) -> None:
+    """Same tokens, same shapes: bfd packing at batch 1 (two sequences in the row) keeps the additive
+    packed-sequence mask for backward in every attention layer, padding_free alone (one sequence) keeps none;
+    nothing outside attention differs."""
+    from vramguard.estimate.run import run_estimate
+
+    runs = {}
+    for name, change in (("padding_free", {"padding_free": True}), ("packing", {"packing": True})):
+        config = load_run_config(_write(tmp_path, {**BASE, **change})).config()
+        runs[name] = run_estimate(config, steps=1, target="cpu")
+    n = BASE["max_length"]
+
+    def masks(r: Any) -> list[dict[str, Any]]:
+        return [x for x in r.records if x["shape"] == [1, 1, n, n] and "ScaledDotProduct" in x["node"]]
+
+    assert masks(runs["packing"]) and all(r["dtype"] == "float32" for r in masks(runs["packing"]))
+    assert len(masks(runs["packing"])) == len(runs["packing"].layers)
+    assert not masks(runs["padding_free"])
+
+    # everything else the two keep is the same; the attention op keeps more: the mask, and k/v repeated to the
+    # query heads (transformers' sdpa passes enable_gqa only without a mask)
+    def others(r: Any) -> list[tuple[Any, ...]]:
+        return sorted(
+            (x["module"], x["node"], x["shape"], x["bytes"])
+            for x in r.records
+            if "ScaledDotProduct" not in x["node"]
+        )
+
+    assert others(runs["packing"]) == others(runs["padding_free"])
+    assert runs["packing"].totals.saved_bytes > runs["padding_free"].totals.saved_bytes

@@ -89,6 +89,8 @@ def expectation_of(q: QLoRAModel, config: QLoRAConfig, target: str, analytic: bo
     try:
         if not analytic:
             raise NoAnalyticModel(f"no analytic model for --method {config.method}")
+        if config.use_dora:
+            raise NoAnalyticModel("no analytic model for DoRA (use_dora): measured only")
         if config.target_modules != "all-linear" or config.target_parameters:
             raise NoAnalyticModel(
                 "no analytic model for LoRA on target modules other than all-linear "
@@ -196,6 +198,7 @@ def assemble_report(
             findings_first=checks.notes(checks.BUILD, q.notes),
             findings=[
                 checks.fp32_activations(q.model, config.compute_dtype) if config.method == "qlora" else None,
+                checks.dora(ledger, q.model),
                 None if meta_run else checks.one_step(steps),
             ],
             offloaded=config.offload_activations,  # on the host by design: no deviation note

@@ -42,6 +42,7 @@ STEP_FLAGS: tuple[str, ...] = (
     "attn_implementation",
     "target_modules",
     "target_parameters",
+    "use_dora",
     "mixed_precision",
     "method",
     "optimizer",
@@ -92,6 +93,12 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
         metavar="NAMES",
         help="PEFT's target_parameters: comma-separated parameter names, e.g. the fused experts of a "
         "mixture of experts (mlp.experts.gate_up_proj,mlp.experts.down_proj); default: none",
+    )
+    p.add_argument(
+        "--use-dora",
+        action=argparse.BooleanOptionalAction,
+        help="PEFT's DoRA (LoraConfig(use_dora=True)): a magnitude vector per adapted layer, the 4-bit weight "
+        "dequantized each forward for the weight norm (kept for backward with --lora-dropout); default: off",
     )
     autocast = p.add_mutually_exclusive_group()
     for name in ("bf16", "fp16"):

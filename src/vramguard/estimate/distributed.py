@@ -152,7 +152,11 @@ def _one_rank(
     expected = rank_expectation(q, config)
     source = StorageTracker(None)  # meta storages and the host-side ones (Adam's step counters), as the audit
     source.device = META
-    with fake_process_group(rank, sharding.world_size), meta_fsdp(), forced_decisions(target):
+    with (
+        fake_process_group(rank, sharding.world_size),
+        meta_fsdp(),
+        forced_decisions(target, one_sequence_per_row=q.one_sequence_per_row),
+    ):
         mesh = init_device_mesh(META, (sharding.world_size,))
         report, row = measure_rank(
             q, config, sharding, mesh, rank, steps, top, expected, META, source=source, meta_run=True

@@ -12,7 +12,9 @@ difference that no checkpoint is written and loaded:
   real device (``Params4bit.to`` skips meta, so it is called directly): packed nibbles, absmax and
   the double-quantization state get their real shapes and dtypes;
 * ``postprocess_model`` marks the model 4-bit, then PEFT's ``prepare_model_for_kbit_training`` and
-  ``get_peft_model`` run unchanged.
+  ``get_peft_model`` run unchanged (with DoRA, PEFT deep-copies each ``Linear4bit``, which bitsandbytes
+  cannot do for a meta weight: :func:`_deepcopy_on_meta`; its dequantization, ``bitsandbytes::dequantize_4bit``,
+  has bitsandbytes' own fake kernel, which meta runs).
 
 On meta every data-dependent branch (``.item()``, ``bool(tensor)``) raises. transformers 5.x takes
 one such branch per forward: ``masking_utils.find_packed_sequence_indices`` asks whether the
@@ -40,6 +42,7 @@ from vramguard.workload.models import (
     QLoRAModel,
     bnb_4bit_config,
     lora_config,
+    padding_free_batch,
     parse_dtype,
     prepare_for_training,
     resolve_attention,
@@ -70,9 +73,12 @@ TARGETS: tuple[str, ...] = ("cuda", "cpu")
 
 
 @contextlib.contextmanager
-def forced_decisions(target: str = "cpu") -> Iterator[dict[str, int]]:
-    """Within the block, ``find_packed_sequence_indices`` on meta position ids decides "one sequence
-    per row" (returns None), as it does for the synthetic batch on a real device; attention and
+def forced_decisions(target: str = "cpu", one_sequence_per_row: bool = True) -> Iterator[dict[str, int]]:
+    """Within the block, ``find_packed_sequence_indices`` on meta position ids decides as it does for the
+    batch on a real device: "one sequence per row" (returns None) for the synthetic rows, or, with
+    ``one_sequence_per_row`` False (a padding-free batch whose real position ids hold several sequences in a
+    row: :attr:`MetaQLoRAModel.one_sequence_per_row`), "packed" (returns the sequence indices, their shape
+    and dtype as on the device, so the packed-sequence mask is built); attention and
     dropout on meta take the kernels ``target`` would (:func:`_sdpa_as_on`; on CUDA dropout is
     ``native_dropout``, which keeps a bool mask, where the CPU multiplies by a mask in the input's
     dtype).
@@ -89,9 +95,9 @@ def forced_decisions(target: str = "cpu") -> Iterator[dict[str, int]]:
     def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
         if position_ids.device.type != META:
             return original(position_ids)
-        # the real ops run (same temporaries); only the `(mask[:, -1] == 0).all()` test is answered:
-        # yes, every row is one sequence, so no packed-sequence mask
-        with _AnswerScalars(True):
+        # the real ops run (same temporaries); only the `(mask[:, -1] == 0).all()` test is answered, with
+        # what the real position ids answer: every row one sequence (no packed-sequence mask), or not
+        with _AnswerScalars(one_sequence_per_row):
             result = original(position_ids)
         taken["find_packed_sequence_indices"] += 1
         return result
@@ -242,6 +248,12 @@ def _sdpa_as_on(
         )
     if choice != _FLASH:
         return original(query, key, value, *args, **kwargs)
+    if mask is not None and mask.dtype == torch.bool:
+        # as the composite does before the CPU flash kernel (convert_boolean_attn_mask): an additive mask in
+        # the query's dtype, which the kernel keeps for backward (a padding-free batch's packed-sequence mask)
+        mask = torch.where(
+            mask.logical_not(), -float("inf"), torch.scalar_tensor(0.0, dtype=query.dtype, device=mask.device)
+        )
     out, _logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout, causal, attn_mask=mask, scale=scale
     )
@@ -271,6 +283,34 @@ def _quantize_on_meta(model: torch.nn.Module) -> int:
         bnb_functional.name2qmap.clear()
         bnb_functional.name2qmap.update(cached)
     return count
+
+
+@contextlib.contextmanager
+def _deepcopy_on_meta() -> Iterator[None]:
+    """Within the block, ``copy.deepcopy`` of a meta ``Params4bit`` works, as it does on a real device.
+
+    PEFT's DoRA (``DoraLinearLayer.update_layer``) deep-copies the base ``Linear4bit`` before dequantizing its
+    weight for the weight norm. bitsandbytes' ``Params4bit.__deepcopy__`` makes the copy with
+    ``Params4bit.__new__(cls)``, whose placeholder ``torch.empty(0)`` is on the default device (the CPU), then
+    sets ``.data`` to the packed weight: torch refuses a meta tensor as the data of a CPU one ("incompatible
+    tensor type"). The original method runs unchanged with meta as the default device, so its placeholder is a
+    meta tensor; real-device parameters are copied as before."""
+    import bitsandbytes as bnb
+
+    cls = bnb.nn.Params4bit
+    original = cls.__dict__["__deepcopy__"]
+
+    def __deepcopy__(self: Any, memo: dict[int, Any]) -> Any:
+        if self.device.type != META:
+            return original(self, memo)
+        with torch.device(META):
+            return original(self, memo)
+
+    cls.__deepcopy__ = __deepcopy__  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.__deepcopy__ = original  # type: ignore[method-assign]
 
 
 def build_meta(
@@ -326,7 +366,8 @@ def build_meta(
             for p in model.parameters():
                 p.requires_grad_(True)
         else:
-            model = get_peft_model(model, lora_config(config))
+            with _deepcopy_on_meta():  # DoRA copies the 4-bit base layer (see there)
+                model = get_peft_model(model, lora_config(config))
     model.train()
     model.config.use_cache = False
     loaded = getattr(model, "config", hf_config)  # from_pretrained set its experts implementation there
@@ -347,11 +388,37 @@ class MetaQLoRAModel(QLoRAModel):
     def batch(self, step: int = 0) -> dict[str, torch.Tensor]:
         """Step ``step``'s inputs: on meta, ``input_ids`` and ``labels`` as one uninitialised (batch, seq_len)
         long tensor, which costs no memory; on a real device, the synthetic tokens of
-        :meth:`QLoRAModel.batch`."""
+        :meth:`QLoRAModel.batch`. A padding-free batch is TRL's collator's on the host (its tensors' shapes
+        and dtypes, each an uninitialised meta tensor; its integers as they are)."""
         if self.config.device != META:
             return super().batch(step)
-        ids = torch.empty((self.config.batch, self.config.seq_len), dtype=torch.long, device=META)
+        shape = (self.config.batch, self.config.seq_len)
+        if self.config.padding_free:
+            made: dict[int, torch.Tensor] = {}  # one meta tensor per host tensor (cu_seq_lens_q is _k)
+            batch = padding_free_batch(torch.zeros(shape, dtype=torch.long), self.config.packing)
+            for k, v in batch.items():
+                if isinstance(v, torch.Tensor):
+                    batch[k] = made.setdefault(id(v), torch.empty(v.shape, dtype=v.dtype, device=META))
+            return batch
+        ids = torch.empty(shape, dtype=torch.long, device=META)
         return {"input_ids": ids, "labels": ids}
+
+    @property
+    def one_sequence_per_row(self) -> bool:
+        """Whether the batch's real position ids hold one sequence per row, as transformers' own
+        ``find_packed_sequence_indices`` decides on the host's position ids: always for the synthetic rows
+        (no position ids are passed), and for a padding-free batch what its boundaries say
+        (:func:`vramguard.workload.models.packed_lengths`). :func:`forced_decisions` answers the meta run's
+        test with it."""
+        if not self.config.padding_free:
+            return True
+        from transformers.masking_utils import find_packed_sequence_indices
+
+        shape = (self.config.batch, self.config.seq_len)
+        position_ids = padding_free_batch(torch.zeros(shape, dtype=torch.long), self.config.packing)[
+            "position_ids"
+        ]
+        return find_packed_sequence_indices(position_ids) is None
 
 
 def _with_device(config: QLoRAConfig, device: str) -> QLoRAConfig:

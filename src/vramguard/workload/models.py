@@ -218,7 +218,12 @@ class QLoRAConfig:
     the architecture, what ``LoraConfig(target_modules=None)`` and TRL's default pick) or comma-separated
     module names. ``target_parameters``: PEFT's ``target_parameters``, comma-separated parameter names
     (e.g. a mixture of experts' ``mlp.experts.gate_up_proj``), empty for none. ``use_rslora``: PEFT's
-    rank-stabilised scaling (``alpha / sqrt(r)``). ``mixed_precision``: Trainer's ``bf16`` / ``fp16``
+    rank-stabilised scaling (``alpha / sqrt(r)``). ``use_dora``: PEFT's DoRA (``LoraConfig(use_dora=True)``: a
+    trained magnitude vector per adapted layer, and a forward that dequantizes the 4-bit weight to compute the
+    weight norm; with dropout it keeps that dequantized copy for backward). ``padding_free``: TRL's
+    padding-free batch (:func:`padding_free_batch`): the rows flattened into one, with position ids that restart
+    per sequence; ``packing`` (with ``padding_free``: TRL's ``bfd`` packing): several sequences per row.
+    ``mixed_precision``: Trainer's ``bf16`` / ``fp16``
     autocast (``no``, ``bf16``, ``fp16``), recorded but not priced yet: both commands say so."""
 
     model: str = "tiny-llama"
@@ -237,6 +242,9 @@ class QLoRAConfig:
     target_modules: str = "all-linear"
     target_parameters: str = ""
     use_rslora: bool = False
+    use_dora: bool = False
+    padding_free: bool = False
+    packing: bool = False
     mixed_precision: str = "no"
     method: str = "qlora"
     optimizer: str = "adamw"
@@ -250,6 +258,13 @@ class QLoRAConfig:
                 raise UsageError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise UsageError(f"lora dropout must be in [0, 1), got {self.lora_dropout}")
+        for name in ("use_dora", "padding_free", "packing"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(
+                    f"{name.replace('_', '-')} must be true or false, got {getattr(self, name)!r}"
+                )
+        if self.packing and not self.padding_free:
+            raise UsageError("packing is priced padding-free only (TRL's bfd packing): set padding_free too")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise UsageError(f"seed must be an integer, got {self.seed!r}")
         if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
@@ -339,12 +354,41 @@ class QLoRAModel:
         ids = torch.randint(
             0, self.spec.fields["vocab_size"], (self.config.batch, self.config.seq_len), generator=g
         )
+        if self.config.padding_free:
+            return {
+                k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                for k, v in padding_free_batch(ids, self.config.packing).items()
+            }
         ids = ids.to(self.device)
         return {"input_ids": ids, "labels": ids}
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters the optimizer updates: the LoRA adapters."""
         return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def packed_lengths(seq_len: int, packing: bool) -> list[int]:
+    """The sequence lengths of one row of ``seq_len`` tokens, the boundaries a padding-free batch is priced with:
+    one sequence per row, or with ``packing`` two (``seq_len - seq_len // 2`` and ``seq_len // 2``). With sdpa
+    and eager attention only whether a row holds one sequence or several changes a byte (transformers builds
+    the packed-sequence mask, 1 x 1 x N x N, for several); the lengths themselves change none."""
+    return [seq_len - seq_len // 2, seq_len // 2] if packing and seq_len > 1 else [seq_len]
+
+
+def padding_free_batch(ids: torch.Tensor, packing: bool) -> dict[str, Any]:
+    """TRL's padding-free batch of the rows ``ids`` (batch x seq), made by TRL's own collator
+    (``DataCollatorForLanguageModeling(padding_free=True)``, what ``SFTTrainer`` uses with ``padding_free`` or
+    ``bfd`` packing): every row flattened into one of batch x seq tokens, ``position_ids`` restarting at each
+    sequence (:func:`packed_lengths`), no attention mask, the varlen boundaries (``cu_seq_lens_*``,
+    ``max_length_*``, ``seq_idx``) the model is passed too."""
+    try:
+        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+    except ImportError as exc:
+        raise UsageError(f"padding-free batches are TRL's (pip install 'vramguard[trl]'): {exc}") from None
+    examples = [
+        {"input_ids": row, "seq_lengths": packed_lengths(len(row), packing)} for row in ids.cpu().tolist()
+    ]
+    return dict(DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(examples))
 
 
 def causal_lm_class(hf_config: Any) -> Any:
@@ -416,7 +460,7 @@ def prepare_for_training(model: Any, config: QLoRAConfig, sharded: bool = False)
 
 def lora_config(config: QLoRAConfig) -> Any:
     """PEFT's ``LoraConfig`` for ``config``: rank, alpha, dropout, target modules and parameters, rsLoRA,
-    causal LM."""
+    DoRA, causal LM."""
     from peft import LoraConfig
 
     targets: str | list[str] | None = names_of(config.target_modules)  # [] with target_parameters alone
@@ -429,6 +473,7 @@ def lora_config(config: QLoRAConfig) -> Any:
         target_modules=targets,
         target_parameters=names_of(config.target_parameters) or None,
         use_rslora=config.use_rslora,
+        use_dora=config.use_dora,
         task_type="CAUSAL_LM",
     )
 

@@ -13,7 +13,7 @@ output (:meth:`RunConfig.lines`), none silently:
 * **priced**: it maps onto a :class:`QLoRAConfig` field, which the run then takes;
 * **changes no byte**: it decides values, schedules, logging or files, not the memory of a step (the ones
   the run takes, ``lora_alpha``, ``use_rslora``, ``bnb_4bit_quant_type``, are passed to it all the same);
-* **not priced**: it changes memory in a way vramguard does not run yet (packing, Liger, DoRA, ...):
+* **not priced**: it changes memory in a way vramguard does not run yet (Liger, wrapped packing, ...):
   named with what the figures assume instead.
 
 One environment check of TrainingArguments is not the run's: it refuses ``bf16`` on a machine without a
@@ -100,6 +100,9 @@ PRICED_KEYS: tuple[str, ...] = (
     "bf16",  # into mixed_precision, named by the commands (see mixed_precision_line)
     "fp16",
     "activation_offloading",
+    "packing",
+    "packing_strategy",
+    "padding_free",
     "use_peft",
     "load_in_4bit",
     "use_bnb_nested_quant",
@@ -107,6 +110,7 @@ PRICED_KEYS: tuple[str, ...] = (
     "lora_dropout",
     "lora_target_modules",
     "lora_target_parameters",
+    "use_dora",
     "attn_implementation",
     "dtype",
 )
@@ -340,6 +344,43 @@ def load_run_config(path: str | Path) -> RunConfig:
 
     priced("activation_offloading", "offload_activations", boolean("activation_offloading", sft))
 
+    # packing and padding-free batches, by SFTTrainer's rule: bfd packing (TRL's default strategy) implies
+    # padding-free; the padding-free batch is TRL's collator's (vramguard.workload.models.padding_free_batch)
+    packing = boolean("packing", sft)
+    strategy = str(sft.packing_strategy)
+    padding_free = boolean("padding_free", sft) or (packing and strategy in ("bfd", "bfd_split"))
+    values["padding_free"] = padding_free
+    values["packing"] = packing and padding_free
+    if "padding_free" in data:
+        priced(
+            "padding_free",
+            "padding_free",
+            padding_free,
+            shown=data["padding_free"],
+        )
+    if packing and padding_free:
+        readings.append(
+            KeyReading(
+                "packing",
+                data["packing"],
+                "priced",
+                f"packing ({strategy}, padding-free: two sequences a row)",
+            )
+        )
+    elif packing:
+        not_priced(
+            "packing",
+            f"packing_strategy {strategy}: rows of max_length with an all-ones attention_mask, priced as plain "
+            "rows without the mask",
+        )
+    if given("packing_strategy"):
+        if not packing:
+            readings.append(KeyReading("packing_strategy", strategy, "no-byte", "packing is off"))
+        elif padding_free:
+            readings.append(KeyReading("packing_strategy", strategy, "priced", "padding-free packing"))
+        else:
+            not_priced("packing_strategy", "wrapped packing is priced as plain rows (see packing)")
+
     # what is trained: TRL loads 4-bit with use_peft + load_in_4bit, LoRA on the dtype's base with use_peft
     # alone, and trains every parameter without use_peft
     peft = boolean("use_peft", model_args)
@@ -385,10 +426,10 @@ def load_run_config(path: str | Path) -> RunConfig:
     )
     if model_args.lora_modules_to_save:
         not_priced("lora_modules_to_save", "the full copies of these modules PEFT trains are not run")
-    if boolean("use_dora", model_args):
-        not_priced(
-            "use_dora", "DoRA's magnitude vector and dequantized weight norm are not run: priced as LoRA"
-        )
+    if peft:
+        priced("use_dora", "use_dora", boolean("use_dora", model_args))
+    elif boolean("use_dora", model_args):
+        readings.append(KeyReading("use_dora", True, "no-byte", "no adapters without use_peft"))
 
     attn = model_args.attn_implementation
     if attn in (None, "sdpa", "eager"):
@@ -435,9 +476,6 @@ def load_run_config(path: str | Path) -> RunConfig:
 
 
 _UNPRICED_WHY: dict[str, str] = {
-    "packing": "rows are priced as one sequence of max_length each (the longest batch the config allows); "
-    "several sequences per row (position ids, the packed-sequence mask) are not run",
-    "padding_free": "rows are priced as one sequence of max_length each, without the flattened varlen batch",
     "use_liger_kernel": "Liger's fused linear cross-entropy (Triton, GPU) is not run: the fp32 logits "
     "4 x b x s x vocab stay in the figures",
     "gradient_accumulation_steps": "one micro-batch step is priced: the gradients held during the next "

@@ -219,3 +219,22 @@ def test_nested_and_partial_block_cases_are_skipped_only_where_their_data_hits_t
     with pytest.raises(runner.Unsupported, match="code\\[0\\] = -1"):
         runner.check_supported(band[True])
     runner.check_supported(band[False])
+
+
+def test_the_defect_trigger_reads_the_layout_the_case_quantizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The [K, N] form quantizes the transposed weight, whose partial last block holds other elements: the
+    nightly profile drew W(4,146) bf16 bs=32 seed 0, whose [N, K] layout does not trigger the 16-bit
+    partial-block defect and whose [K, N] layout does."""
+    from vramguard.grad import reference, runner, strategies
+
+    real = capabilities.get
+    fake = {"defect:partial_block_16bit": capabilities.Probe("defect:partial_block_16bit", False, "16-bit")}
+    monkeypatch.setattr(runner, "_cap", lambda name: fake[name] if name in fake else real(name))
+    case = strategies.Linear4bitCase(
+        (1,), 146, 4, 32, torch.bfloat16, "nf4", False, False, "functional_kn", False, 0
+    )
+    w = runner._inputs(case)["weight"]
+    assert not reference.partial_block_rounding_hits(w, 32, "nf4")
+    assert reference.partial_block_rounding_hits(w.T.contiguous(), 32, "nf4")
+    with pytest.raises(runner.Unsupported, match="partial block"):
+        runner.check_supported(case)

@@ -142,12 +142,12 @@ def check_supported(case: Case) -> None:
         if (
             half_partial
             and not (c := _cap("defect:partial_block_16bit"))
-            and ref.partial_block_rounding_hits(_inputs(case)["weight"], case.blocksize, case.quant_type)
+            and ref.partial_block_rounding_hits(_quantized_tensor(case), case.blocksize, case.quant_type)
         ):
             raise Unsupported(f"{KNOWN_DEFECT_PARTIAL_BLOCK_16BIT}: {c.detail}")
         if cpu and case.compress_statistics and not (c := _cap("defect:dynamic_map_cpu")):
             lo, hi = ref.dynamic_most_negative_band()
-            _, _, position = ref.nested_statistics(_inputs(case)["weight"], case.blocksize)
+            _, _, position = ref.nested_statistics(_quantized_tensor(case), case.blocksize)
             if ((position > lo) & (position < hi)).any():
                 raise Unsupported(f"{KNOWN_DEFECT_DYNAMIC_MAP}: {c.detail}")
         call = getattr(case, "call", "module")
@@ -188,6 +188,13 @@ def check_supported(case: Case) -> None:
         k1 = case.in_features == 1 and 0 not in case.lead
         if cpu and lt and k1 and not (c := _cap("defect:int8_k1_cpu")):
             raise Unsupported(f"{KNOWN_DEFECT_INT8_K1}: {c.detail}")
+
+
+def _quantized_tensor(case: Linear4bitCase | LoraCase) -> torch.Tensor:
+    """The tensor a 4-bit case quantizes, in the layout it is quantized in: the [N, K] weight, or its
+    [K, N] transpose for the deprecated ``functional_kn`` form (its blocks hold other elements)."""
+    w = _inputs(case)["weight"]
+    return w.T.contiguous() if getattr(case, "call", "module") == "functional_kn" else w
 
 
 def supported_cases(cases: list[Case]) -> list[Case]:

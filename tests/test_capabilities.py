@@ -238,3 +238,21 @@ def test_the_defect_trigger_reads_the_layout_the_case_quantizes(monkeypatch: pyt
     assert reference.partial_block_rounding_hits(w.T.contiguous(), 32, "nf4")
     with pytest.raises(runner.Unsupported, match="partial block"):
         runner.check_supported(case)
+
+
+def test_a_one_byte_kn_weight_is_the_known_defect_with_an_empty_input_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The [K, N] form of a 2-element weight fails on an empty input as on any other ("0x1 and 2x1"; the
+    nightly profile drew it on 0.50.2): the case is the known defect's skip, not a failure."""
+    from vramguard.grad import runner, strategies
+
+    real = capabilities.get
+    fake = {"defect:one_byte_weight": capabilities.Probe("defect:one_byte_weight", False, "transposed")}
+    monkeypatch.setattr(runner, "_cap", lambda name: fake[name] if name in fake else real(name))
+    for lead in ((0,), (1,)):
+        case = strategies.Linear4bitCase(
+            lead, 1, 2, 32, torch.float16, "nf4", False, False, "functional_kn", False, 0
+        )
+        with pytest.raises(runner.Unsupported, match="2 elements packs to"):
+            runner.check_supported(case)

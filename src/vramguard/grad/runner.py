@@ -154,11 +154,12 @@ def check_supported(case: Case) -> None:
         if call != "module" and not (c := _cap(f"matmul_4bit:{call}")):
             raise Unsupported(f"call form {call} not taken by this bitsandbytes: {c.detail}")
         # a 2-element weight packs to [1, 1], read as transposed: MatMul4Bit.backward (x needs grad) and the
-        # deprecated [K, N] forward fail; the forward of the other forms is fine (and checked)
-        if numel == 2 and 0 not in case.lead:
+        # deprecated [K, N] forward fail (the latter with an empty input too: "0x1 and 2x1"); the forward of
+        # the other forms is fine (and checked)
+        if numel == 2:
             if call == "functional_kn" and not _cap("defect:one_byte_weight"):
                 raise Unsupported(KNOWN_DEFECT_4BIT_K1)
-            if case.input_requires_grad and not _cap("defect:one_byte_backward"):
+            if case.input_requires_grad and 0 not in case.lead and not _cap("defect:one_byte_backward"):
                 raise Unsupported(KNOWN_DEFECT_4BIT_K1)
         one_row = math.prod(case.lead) == 1 and not case.input_requires_grad
         if cpu and call == "functional_kn" and one_row and not (c := _cap("defect:kn_one_row")):

@@ -78,3 +78,25 @@ def test_int8_rows_of_fp16_subnormal_size_are_held_to_the_cast_not_to_a_relative
     reference.check_int8_rows(w, cb, scb, "8-bit weight")
     with pytest.raises(reference.StateMismatch, match="row 1 scale"):
         reference.check_int8_rows(w, cb, scb * torch.tensor([1.0, 1.01, 1.0]), "8-bit weight")
+
+
+def test_a_few_dominant_terms_set_the_floor_by_their_root_sum_square() -> None:
+    """The nightly profile's counterexample on 0.50.0 (8-bit, MatMul8bitFp in bf16, one output of 160
+    terms, a few of them dominant): rounding each dequantized weight to bf16 moved the output by 0.0058,
+    2.1 units of bf16 roundoff of |y| = 0.369. Its terms' root-sum-square (1.24) is the scale of that error;
+    the sum of |terms| over sqrt(K) (0.72) underestimated it. The case passes, and its floor is the former."""
+    import math
+
+    from vramguard.grad import runner, strategies
+
+    case = strategies.Linear8bitCase(
+        (1,), 160, 1, torch.bfloat16, 0.0, (), False, False, "module", True, False, 121
+    )
+    obs = runner.check(case)
+    _, magnitude, k = obs.expected["output"]
+    t = runner._inputs(case)
+    assert obs.floor["output"] > 1.5 * torch.linalg.vector_norm(magnitude).item() / math.sqrt(k)
+    assert obs.floor["output"] == pytest.approx(
+        torch.linalg.vector_norm(t["x"].double().reshape(-1) * t["weight"].double().reshape(-1)).item(),
+        rel=0.02,
+    )

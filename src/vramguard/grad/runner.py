@@ -337,7 +337,7 @@ def run_4bit(case: Linear4bitCase) -> Observed:
             _backward(y, t["grad_out"])
             grad_b = _g(b)
     obs = Observed(y.detach().cpu(), {"grad_input": _g(x), "grad_bias": grad_b})
-    obs.expected = _expected_linear(case, t, w64.cpu(), act_threshold=None)
+    obs.expected, obs.floor = _expected_linear(case, t, w64.cpu(), act_threshold=None)
     return obs
 
 
@@ -356,25 +356,34 @@ def _weight_4bit(case: Linear4bitCase | LoraCase, original: torch.Tensor, packed
 
 def _expected_linear(
     case: Case, t: dict[str, torch.Tensor], w64: torch.Tensor, act_threshold: float | None
-) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None, int]]:
-    """Reference output/gradients, plus the same computed on |operands| (for the cancellation floor)."""
+) -> tuple[dict[str, tuple[torch.Tensor | None, torch.Tensor | None, int]], dict[str, float]]:
+    """Reference output/gradients, plus the same computed on |operands| (the sum of |terms|), and each
+    quantity's root-sum-square of its terms (computed on squared operands: every quantity here is a sum of
+    products of one element of each operand, so squaring the operands squares each term). The latter is
+    the size a sum of random-sign terms typically has, and the scale of the error of rounding each term's
+    weight to the layer dtype (MatMul8bitFp's dequantized weight, a 4-bit weight decoded to its dtype):
+    the cancellation floor, which the sum of |terms| over sqrt(K) underestimates when a few terms dominate."""
 
-    def once(absolute: bool) -> dict[str, torch.Tensor | None]:
-        f = torch.abs if absolute else (lambda v: v)
+    def once(how: str) -> dict[str, torch.Tensor | None]:
+        f = {"value": lambda v: v, "abs": torch.abs, "square": lambda v: v * v}[how]
         x64 = f(t["x"].to(torch.float64)).requires_grad_(case.input_requires_grad)
         b64 = f(t["bias"].to(torch.float64)).requires_grad_(True) if case.bias else None
         act = x64
         if act_threshold is not None and x64.numel():
-            act = ref.int8_activation(x64, act_threshold)
-            act = act.abs() if absolute else act
+            act = ref.int8_activation(t["x"].to(torch.float64), act_threshold).detach()
+            act = f(act).requires_grad_(case.input_requires_grad)
+            x64 = act
         y64 = ref.linear(act, f(w64), b64)
         _ref_backward(y64, f(t["grad_out"].to(torch.float64)))
         return {"output": y64.detach(), "grad_input": _g(x64), "grad_bias": _g(b64)}
 
-    val, mag = once(False), once(True)
+    val, mag, sq = once("value"), once("abs"), once("square")
     rows = math.prod(case.lead)
     lengths = {"output": case.in_features, "grad_input": case.out_features, "grad_bias": rows}
-    return {k: (val[k], mag[k], lengths[k]) for k in val}
+    floors = {
+        k: torch.linalg.vector_norm(v.clamp(min=0).sqrt()).item() for k, v in sq.items() if v is not None
+    }
+    return {k: (val[k], mag[k], lengths[k]) for k in val}, floors
 
 
 # --- 8-bit -----------------------------------------------------------------------------------------
@@ -435,11 +444,12 @@ def run_8bit(case: Linear8bitCase) -> Observed:
     lt_path = runs_8bit_lt(case)
     grads = {"grad_input": _g(x), "grad_bias": _g(bias) if case.bias else None}
     obs = Observed(y.detach().cpu(), grads)
-    obs.expected = _expected_linear(case, t, w64, act_threshold=case.threshold if lt_path else None)
+    obs.expected, obs.floor = _expected_linear(
+        case, t, w64, act_threshold=case.threshold if lt_path else None
+    )
     if lt_path and case.threshold > 0 and t["x"].numel():
-        obs.floor["output"] = ref.int8_partial_magnitude(
-            t["x"], w64, case.threshold, t["bias"] if case.bias else None
-        )
+        partial = ref.int8_partial_magnitude(t["x"], w64, case.threshold, t["bias"] if case.bias else None)
+        obs.floor["output"] = max(obs.floor.get("output", 0.0), partial)
     if lt_path and case.dtype == torch.float32:
         obs.tol_dtype["output"] = torch.float16
     if case.has_fp16_weights and not lt_path:

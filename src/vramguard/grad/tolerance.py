@@ -24,7 +24,10 @@ Measured (200 examples per family on CPU; torch 2.13, bitsandbytes 0.50.2, peft 
 err/u(dtype) 1.06 (fp16 3-D bias grad), 0.75 (bf16 4-bit output), 1.56 (bf16 outputs with N=1, where
 base + bias/adapter partially cancel); fp32 err/(u32 sqrt K) <= 0.61. ``C_IO = 2.0``, ``C_ACC = 1.0``:
 bf16 tol 7.8e-3 + ~1e-6 stays below the 1e-2 that a 1 % scale error produces, in every dtype.
-The denominator has a cancellation floor ``||sum|terms| || / sqrt(K)`` (see gradcheck._floor).
+The denominator has a cancellation floor: the larger of ``||sum|terms| || / sqrt(K)`` and the terms'
+root-sum-square, the size a sum of random-sign terms typically has and the scale of rounding each term's
+weight to the layer dtype (see ``runner._expected_linear``; LLM.int8() outputs: the size of the partial
+results it rounds before adding them).
 
 Quantities that also depend on a *stochastic* step of the library (none today: the LLM.int8()
 activation quantization is reproduced exactly by the reference) would need their own entry here.

@@ -100,3 +100,22 @@ def test_a_few_dominant_terms_set_the_floor_by_their_root_sum_square() -> None:
         torch.linalg.vector_norm(t["x"].double().reshape(-1) * t["weight"].double().reshape(-1)).item(),
         rel=0.02,
     )
+
+
+def test_a_rank_one_lora_gradient_is_held_to_the_tail_of_one_dot_product() -> None:
+    """The nightly profile's counterexample on 0.48.0 (it fails the same way on 0.50.2): the LoRA A gradient
+    of one row is ``scaling * (B^T g) x^T``, so its error is that of r = 2 sums of 26 fp32 terms, with no
+    averaging over elements: 1.12 x u32 sqrt(K) after the input/output roundings, a tail of one sum's
+    rounding error, not a defect. It passes; the same gradient 1e-5 off still fails."""
+    from vramguard.grad import runner, strategies
+
+    case = strategies.LoraCase(
+        base="4bit", lead=(1,), in_features=32, out_features=26, dtype=torch.float32, rank=2, alpha=1,
+        dropout=0.0, quant_type="nf4", compress_statistics=False, blocksize=32, bias=False,
+        input_requires_grad=False, seed=26, use_rslora=True,
+    )  # fmt: skip
+    obs = runner.run(case)
+    runner.assert_matches_reference(case, obs)
+    obs.grads["grad_lora_A"] = obs.grads["grad_lora_A"] * (1 + 1e-5)
+    with pytest.raises(runner.GradMismatch, match="grad_lora_A"):
+        runner.assert_matches_reference(case, obs)

@@ -22,8 +22,14 @@ against
 
 Measured (200 examples per family on CPU; torch 2.13, bitsandbytes 0.50.2, peft 0.21.2): largest
 err/u(dtype) 1.06 (fp16 3-D bias grad), 0.75 (bf16 4-bit output), 1.56 (bf16 outputs with N=1, where
-base + bias/adapter partially cancel); fp32 err/(u32 sqrt K) <= 0.61. ``C_IO = 2.0``, ``C_ACC = 1.0``:
-bf16 tol 7.8e-3 + ~1e-6 stays below the 1e-2 that a 1 % scale error produces, in every dtype.
+base + bias/adapter partially cancel); fp32 err/(u32 sqrt K) <= 0.61. A quantity made of a few dot products
+gets no averaging over elements: PEFT's LoRA A gradient from one row is the outer product of ``r`` sums of N
+terms with x, so its norm-wise error is the error of those ``r`` sums. Over 1,500 random fp32 LoRA cases of
+1-4 rows (N <= 64) the largest (err - C_IO u)/(u32 sqrt K) was 0.89 for that gradient (p99 0.38), and the
+nightly profile found 1.12 (x(1,32) W(26,32) r=2 rsLoRA seed 26; the error of one 26-term sum, a tail of its
+roughly normal distribution, not a defect: it fails the same way on every release). ``C_IO = 2.0``,
+``C_ACC = 2.0`` (about 3.5 standard deviations of one such sum): bf16 tol 7.8e-3 + ~2e-6 stays below the
+1e-2 that a 1 % scale error produces, in every dtype; fp32 tol at K = 4096 is 7.7e-6.
 The denominator has a cancellation floor: the larger of ``||sum|terms| || / sqrt(K)`` and the terms'
 root-sum-square, the size a sum of random-sign terms typically has and the scale of rounding each term's
 weight to the layer dtype (see ``runner._expected_linear``; LLM.int8() outputs: the size of the partial
@@ -42,7 +48,7 @@ import torch
 #: multiple of the dtype's unit roundoff allowed (roundings of inputs/outputs; K-independent)
 C_IO: float = 2.0
 #: multiple of float32's unit roundoff times sqrt(K) allowed (float32 accumulation over K terms)
-C_ACC: float = 1.0
+C_ACC: float = 2.0
 
 UNIT_ROUNDOFF: dict[torch.dtype, float] = {
     torch.float16: 2.0**-11,

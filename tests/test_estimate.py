@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from vramguard.audit.report import AuditReport
 from vramguard.audit.run import run_audit
 from vramguard.cli import main
-from vramguard.workload.models import QLoRAConfig, presets
+from vramguard.workload.models import QLoRAConfig, build_qlora, parse_dtype, presets
 
 STEPS = 2
 
@@ -62,6 +63,9 @@ VARIANTS = [
     pytest.param({"model": "tiny-llama"}, id="llama"),
     pytest.param({"model": "tiny-llama", "gradient_checkpointing": True}, id="llama-checkpointing"),
     pytest.param({"model": "tiny-qwen2"}, id="qwen2"),
+    # the peak of this step is set in backward while MatMul4Bit's dequantized weight is alive: a meta
+    # weight quantized as float32 made that copy twice the real one's size (+96,128 B)
+    pytest.param({"model": "tiny-llama", "batch": 1, "seq_len": 32}, id="llama-b1-s32"),
     pytest.param({"model": "tiny-gemma2"}, id="gemma2-eager-sliding-window"),
     pytest.param({"model": "tiny-phi3"}, id="phi3-fused", marks=pytest.mark.slow),
     pytest.param({"model": "tiny-qwen3"}, id="qwen3", marks=pytest.mark.slow),
@@ -92,6 +96,29 @@ def test_meta_estimate_equals_the_cpu_audit_to_the_byte(variant: dict[str, Any])
     assert estimate.estimate.forced_decisions["find_packed_sequence_indices"] == STEPS * (
         2 if variant["model"] in ("tiny-gemma2", "tiny-gemma3") else 1  # a full and a sliding-window mask
     )
+
+
+def test_meta_weights_are_quantized_from_the_dtype_the_checkpoint_loads_in() -> None:
+    """Every 4-bit weight's quant state records the dtype it was quantized from, and every dequantization
+    (MatMul4Bit's backward, DoRA's weight norm) makes a weight of that dtype: on meta it must be the
+    loaded checkpoint's (the compute dtype), as in the real build, not torch's default float32."""
+    import bitsandbytes as bnb
+
+    from vramguard.estimate.meta import build_meta
+
+    for dtype in ("bf16", "fp16"):
+        config = QLoRAConfig(seq_len=32, batch=1, compute_dtype=dtype)
+
+        def dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+            return {
+                n: m.weight.quant_state.dtype
+                for n, m in model.named_modules()
+                if isinstance(m, bnb.nn.Linear4bit)
+            }
+
+        meta, real = dtypes(build_meta(config).model), dtypes(build_qlora(config).model)
+        assert meta and meta == real
+        assert set(meta.values()) == {parse_dtype(dtype)}
 
 
 def test_without_the_forced_mask_decision_meta_cannot_run() -> None:

@@ -260,8 +260,13 @@ def _sdpa_as_on(
     return out
 
 
-def _quantize_on_meta(model: torch.nn.Module) -> int:
-    """Quantize every ``Linear4bit`` weight on meta; returns how many.
+def _quantize_on_meta(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Quantize every ``Linear4bit`` weight on meta, as the checkpoint's weight in ``dtype`` (what
+    ``from_pretrained(dtype=...)`` hands the quantizer); returns how many.
+
+    The swapped-in ``Linear4bit`` holds a float32 meta weight (torch's default dtype); quantizing that
+    would record float32 in the quant state, and every dequantization (``MatMul4Bit``'s backward, DoRA's
+    weight norm) would then make a float32 weight where the real run makes one in ``dtype``.
 
     bitsandbytes caches the 8-bit code of double quantization (``functional.name2qmap``) on the
     device of its first use: created on meta, it would break every later real quantization in the
@@ -277,7 +282,9 @@ def _quantize_on_meta(model: torch.nn.Module) -> int:
             if isinstance(module, bnb.nn.Linear4bit) and not getattr(module.weight, "bnb_quantized", False):
                 w = module.weight
                 # as transformers' Bnb4bitQuantize: Params4bit(value, requires_grad=False, **old.__dict__)
-                module.weight = bnb.nn.Params4bit(w.data, requires_grad=False, **w.__dict__)._quantize(META)
+                module.weight = bnb.nn.Params4bit(
+                    w.data.to(dtype), requires_grad=False, **w.__dict__
+                )._quantize(META)
                 count += 1
     finally:
         bnb_functional.name2qmap.clear()
@@ -356,7 +363,7 @@ def build_meta(
                 bnb_4bit_config(config, sharded=sharded), pre_quantized=False
             )
             quantizer.preprocess_model(model, device_map={"": META}, dtype=compute_dtype)
-            _quantize_on_meta(model)
+            _quantize_on_meta(model, compute_dtype)
             quantizer.postprocess_model(model)
             model.hf_quantizer = quantizer
             model = prepare_for_training(model, config, sharded=sharded)

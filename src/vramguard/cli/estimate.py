@@ -163,7 +163,7 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
 def _distributed(
     config: QLoRAConfig, sharding: Any, size: int | None, args: argparse.Namespace, lines: list[str]
 ) -> int:
-    """``--world-size N --sharding fsdp2``: every rank on meta under the fake process group."""
+    """``--world-size N --sharding fsdp2|fsdp1``: every rank on meta under the fake process group."""
     from vramguard.estimate.distributed import run_distributed_estimate
     from vramguard.view.console import stdout_console
     from vramguard.view.report import render, verdict_only

@@ -1,4 +1,4 @@
-"""``vramguard estimate --world-size N --sharding fsdp2``: one rank of a sharded step, on the meta device.
+"""``vramguard estimate --world-size N --sharding fsdp2|fsdp1``: one rank of a sharded step, on the meta device.
 
 The real engine runs in this one process: torch's fake process group (``FakeStore``, the ``fake`` backend,
 world size N, this process playing rank r) answers every collective at once without moving data, and FSDP2's
@@ -12,7 +12,13 @@ FSDP2 never expected to *train* on meta; :func:`meta_fsdp` lets it, changing thr
 sharding: the check that refuses meta parameters at lazy init (``_validate_no_meta_params``) is skipped;
 the device of a ``meta`` mesh is ``meta`` (FSDP2 asks a device module for an index); and the device module
 of ``meta`` is the CPU's (``torch.cpu``: streams and events that do nothing, one device), where torch has
-none. FSDP1 builds its flat parameters on an accelerator or the CPU only and is not estimated here.
+none. FSDP1 (``FullyShardedDataParallel``, ``device_id=meta``) gets the same device module (its current
+device being ``meta``) and is not asked to materialise a module whose parameters are on meta (it would
+``to_empty`` and re-initialise them, which the real run, whose weights are loaded, never does); and its
+two storage-identity tests (``_same_storage``, and the catch-all reshard's "already resharded?") compare
+storages rather than ``data_ptr()``, which is 0 for every meta tensor (without that, every unit stays
+unsharded after backward on meta). Its flat parameters, their shards and its unsharded buffers are then
+made by its own code on meta.
 
 Ranks whose shards have the same shapes (all but a last, shorter one, typically) run once; their rows say
 which rank they copy (``same_as``).
@@ -33,6 +39,7 @@ from vramguard.audit.report import AuditReport, RankRow
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import META, TARGETS, build_meta, forced_decisions
 from vramguard.estimate.run import overheads
+from vramguard.measure.storage import local_tensor, storage_key
 from vramguard.measure.tracker import StorageTracker
 from vramguard.workload.models import QLoRAConfig
 from vramguard.workload.sharding import ShardingConfig
@@ -40,17 +47,46 @@ from vramguard.workload.sharding import ShardingConfig
 
 @contextlib.contextmanager
 def meta_fsdp() -> Iterator[None]:
-    """Within the block FSDP2 trains on a ``meta`` mesh (see the module's docstring for the three changes)."""
+    """Within the block FSDP2 and FSDP1 train on meta (see the module's docstring for what changes)."""
+    import torch.distributed.fsdp._common_utils as fsdp1_common
+    import torch.distributed.fsdp._flat_param as fsdp1_flat
     import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives
     import torch.distributed.fsdp._fully_shard._fsdp_init as fsdp_init
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
     import torch.distributed.fsdp._fully_shard._fsdp_state as fsdp_state
     import torch.distributed.fsdp._fully_shard._fully_shard as fully
+    import torch.distributed.fsdp._init_utils as fsdp1_init
+    import torch.distributed.fsdp._runtime_utils as fsdp1_runtime
     from torch.distributed import device_mesh
 
     original_handle = device_mesh._get_device_handle
     original_device = fully._get_device_from_mesh
     original_validate = param_group.FSDPParamGroup._validate_no_meta_params
+    handle_class = fsdp1_common._FSDPDeviceHandle
+    original_from_device = handle_class.__dict__["from_device"]
+    original_materialize = fsdp1_init._need_to_materialize_module
+    original_same_storage = fsdp1_flat._same_storage
+    original_catch_all = fsdp1_runtime._catch_all_reshard
+
+    def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+        if a.device.type == META and b.device.type == META:
+            return storage_key(local_tensor(a)) == storage_key(local_tensor(b))
+        return original_same_storage(a, b)
+
+    def catch_all_reshard(state: Any) -> None:
+        handle = state._handle
+        if handle is None or handle.flat_param.device.type != META:
+            return original_catch_all(state)
+        flat = handle.flat_param
+        if storage_key(flat) == storage_key(flat._local_shard) and not handle._skipped_use_sharded_views:
+            return None  # already resharded
+        fsdp1_runtime._reshard(state, handle, fsdp1_runtime._should_free_in_backward(state, handle))
+        return None
+
+    def fsdp1_handle(cls: Any, device: torch.device) -> Any:
+        if device.type == META:
+            return cls(device, backend=_MetaDeviceModule())
+        return original_from_device.__func__(cls, device)
 
     def handle(device_type: str = "cuda") -> Any:
         return torch.cpu if device_type == META else original_handle(device_type)
@@ -64,6 +100,10 @@ def meta_fsdp() -> Iterator[None]:
         m._get_device_handle = handle
     fully._get_device_from_mesh = device_of
     param_group.FSDPParamGroup._validate_no_meta_params = lambda self: None
+    handle_class.from_device = classmethod(fsdp1_handle)
+    fsdp1_init._need_to_materialize_module = lambda *args, **kwargs: (False, False)
+    fsdp1_flat._same_storage = same_storage
+    fsdp1_runtime._catch_all_reshard = catch_all_reshard
     try:
         yield
     finally:
@@ -71,6 +111,21 @@ def meta_fsdp() -> Iterator[None]:
             m._get_device_handle = value
         fully._get_device_from_mesh = original_device
         param_group.FSDPParamGroup._validate_no_meta_params = original_validate
+        handle_class.from_device = original_from_device
+        fsdp1_init._need_to_materialize_module = original_materialize
+        fsdp1_flat._same_storage = original_same_storage
+        fsdp1_runtime._catch_all_reshard = original_catch_all
+
+
+class _MetaDeviceModule:
+    """FSDP1's device module for ``meta``: the CPU's (streams and events that do nothing), whose current
+    device is ``meta``, so that FSDP1's compute device is where the parameters are."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    def current_device(self) -> str:
+        return META
 
 
 @contextlib.contextmanager
@@ -109,13 +164,13 @@ def run_distributed_estimate(
     target: str = "cuda",
     ranks: list[int] | None = None,
 ) -> AuditReport:
-    """Every rank of ``config``'s step sharded by ``sharding`` (FSDP2), each on meta under the fake process
-    group; ranks with the same shard shapes run once. ``ranks``: only these (rank 0's report leads)."""
+    """Every rank of ``config``'s step sharded by ``sharding`` (FSDP2 or FSDP1), each on meta under the fake
+    process group; ranks with the same shard shapes run once. ``ranks``: only these (rank 0's report leads)."""
     sharding.validate()
-    if sharding.sharding != "fsdp2":
+    if sharding.sharding not in ("fsdp2", "fsdp1"):
         raise UsageError(
-            f"estimate --sharding {sharding.sharding}: only fsdp2 runs on the meta device (FSDP1 allocates its "
-            "flat parameters on a real device); measure it with audit --world-size"
+            f"estimate --sharding {sharding.sharding}: only fsdp2 and fsdp1 run on the meta device; "
+            "measure it with audit --world-size"
         )
     if target not in TARGETS:
         raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
@@ -129,7 +184,8 @@ def run_distributed_estimate(
     reports: list[AuditReport] = []
     rows: list[RankRow] = []
     for rank in wanted:
-        signature = shard_signature(shapes, rank, world)
+        # FSDP1 splits each unit's flat parameter, not each parameter: every rank runs
+        signature = shard_signature(shapes, rank, world) if sharding.sharding == "fsdp2" else (rank,)
         if signature in done:
             first, report, row = done[signature]
             reports.append(report)

@@ -111,14 +111,17 @@ def apply_sharding(model: torch.nn.Module, sharding: ShardingConfig, mesh: Any) 
         auto_wrap_policy=fsdp_auto_wrap_policy(model),
         use_orig_params=False,
         cpu_offload=CPUOffload(offload_params=sharding.cpu_offload),
-        device_id=torch.device("cpu") if _on_cpu(model) else None,
+        device_id=_host_device(model),
         sync_module_states=False,
         limit_all_gathers=True,
     )
 
 
-def _on_cpu(model: torch.nn.Module) -> bool:
-    return next(model.parameters()).device.type == "cpu"
+def _host_device(model: torch.nn.Module) -> torch.device | None:
+    """FSDP1's ``device_id`` for a model on the host or on meta (the estimate's; see
+    :func:`vramguard.estimate.distributed.meta_fsdp`); ``None`` on an accelerator, where FSDP1 takes it."""
+    device = next(model.parameters()).device
+    return device if device.type in ("cpu", "meta") else None
 
 
 @dataclass

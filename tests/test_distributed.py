@@ -383,3 +383,33 @@ def test_sharding_config_validates() -> None:
         with pytest.raises(UsageError):
             bad.validate()
     assert dataclasses.asdict(ShardingConfig()) == ShardingConfig().to_dict()
+
+
+def test_a_7b_rank_at_4_holds_a_quarter_of_1_plus_the_replicated_quant_state(tmp_path: Path) -> None:
+    """Mistral-7B's widths (two of its 32 layers: the property is per layer), FSDP2 on meta under the fake
+    process group: at N = 4 a rank holds exactly a quarter of N = 1's packed 4-bit, unquantized and LoRA
+    bytes (every dim 0 divides by 4), and all of the quant_state, which no engine shards. Fails if
+    ``fully_shard`` is taken out or the quant_state is counted as sharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from vramguard.estimate.distributed import fake_process_group, meta_fsdp
+    from vramguard.estimate.meta import build_meta
+    from vramguard.workload.models import presets
+    from vramguard.workload.sharding import apply_sharding
+
+    data = json.loads(presets()["mistral-7b-v0.3"].read_text())
+    data["num_hidden_layers"] = 2
+    path = tmp_path / "mistral-7b-2-layers.json"
+    path.write_text(json.dumps(data))
+    config = QLoRAConfig(model=str(path), lora_rank=16)
+    terms = {}
+    for n in (1, 4):
+        q = build_meta(config, sharded=True)
+        with fake_process_group(0, n), meta_fsdp():
+            model = apply_sharding(q.model, ShardingConfig(n, "fsdp2"), init_device_mesh("meta", (n,)))
+            terms[n] = rank_terms(model)
+    one, four = terms[1], terms[4]
+    assert one.quant_state_bytes > 0 and four.quant_state_bytes == one.quant_state_bytes
+    assert four.buffer_bytes == one.buffer_bytes
+    for name in ("packed_4bit_bytes", "unquantized_bytes", "trainable_bytes"):
+        assert getattr(one, name) % 4 == 0 and getattr(four, name) == getattr(one, name) // 4, name

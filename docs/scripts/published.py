@@ -77,7 +77,7 @@ def render(figures: dict[str, Any], results: dict[str, Any]) -> str:
     for row in figures["rows"]:
         result = results.get(row["id"])
         links = " ".join(f"[{i + 1}]({u})" for i, u in enumerate(row["urls"]))
-        cells = [f"{row['source']} {links}", row["model"], row["gpu"], f"{row['settings']} ({row['assumed']})",
+        cells = [f"{row.get('short') or row['source']} {links}", row["model"], row["gpu"], f"{row['settings']} ({row['assumed']})",
                  published_text(row)]
         if result is None:
             cells += ["not run", "—", row.get("explain", "")]

@@ -104,7 +104,10 @@ def _change(n: int, base: int) -> str:
 
 
 def _what(r: dict[str, Any]) -> str:
-    parts = [f"{r['peak_phase']} peak; saved for backward {_g(r['saved_bytes'])}, weights {_g(r['weights_bytes'])}"]
+    parts = [
+        f"{r['peak_phase']} peak; saved for backward {_g(r['saved_bytes'])}, frozen weights {_g(r['weights_bytes'])}, "
+        f"trainable parameters {_g(r['trainable_bytes'])}"
+    ]
     if r["weight_copy_bytes"]:
         parts.append(f"of the saved, weight copies {_g(r['weight_copy_bytes'])}")
     return ", ".join(parts)

@@ -29,8 +29,13 @@ TOLERANCE = 0.10
 
 
 def run_row(row: dict[str, Any], fixtures: Path) -> dict[str, Any]:
+    """The row's estimate, and one more per flag set of its ``also`` (a sensitivity to what the source leaves
+    unknown, e.g. the longest batch: shown in the explanation, never as the comparison)."""
     config = (fixtures / row["config"]).resolve()
-    result = estimate(config.relative_to(Path.cwd()) if config.is_relative_to(Path.cwd()) else config, *row["flags"])
+    config = config.relative_to(Path.cwd()) if config.is_relative_to(Path.cwd()) else config
+    result = estimate(config, *row["flags"])
+    if row.get("also"):
+        result["also"] = [{"flags": flags, **estimate(config, *row["flags"], *flags)} for flags in row["also"]]
     return result
 
 
@@ -74,19 +79,26 @@ def render(figures: dict[str, Any], results: dict[str, Any]) -> str:
             "explanation"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     commands = []
+    tally = {"agree": 0, "disagree": 0, "pending": 0, "not run": 0}
     for row in figures["rows"]:
         result = results.get(row["id"])
         links = " ".join(f"[{i + 1}]({u})" for i, u in enumerate(row["urls"]))
         cells = [f"{row.get('short') or row['source']} {links}", row["model"], row["gpu"], f"{row['settings']} ({row['assumed']})",
                  published_text(row)]
         if result is None:
+            tally["not run"] += 1
             cells += ["not run", "—", row.get("explain", "")]
         else:
             blocking, accepted = pending_of(row, result)
             c = compare(row, result)
             why = row.get("explain", "")
+            for other in result.get("also", []):
+                o = compare(row, other)
+                why += (f" With {' '.join(other['flags'])}: {o['estimate_bytes'] / GIB:.2f} GiB "
+                        f"({o['difference'] * 100:+.1f} %).")
             if accepted:
                 why = f"{why} Not priced, accepted: {'; '.join(accepted)}".strip()
+            tally["pending" if blocking else "agree" if c["agrees"] else "disagree"] += 1
             if blocking:
                 cells += [
                     "pending",
@@ -100,7 +112,15 @@ def render(figures: dict[str, Any], results: dict[str, Any]) -> str:
                           why]
             commands.append(f"* `{row['id']}`: `{result['command']}`")
         lines.append("| " + " | ".join(str(x).replace("|", "\\|").replace("\n", " ") for x in cells) + " |")
-    return "\n".join(lines) + "\n\nThe command of each row (run from the repository root):\n\n" + "\n".join(commands)
+    summary = (
+        f"{len(figures['rows'])} published figures: {tally['agree']} agree, {tally['disagree']} disagree, "
+        f"{tally['pending']} pending (a setting not priced yet)"
+        + (f", {tally['not run']} not run" if tally["not run"] else "")
+        + f"; agreement is within ±{TOLERANCE * 100:g} % for a figure in bytes or a context, the right side of the GPU's "
+        "memory for OOM / No OOM.\n\n"
+    )
+    return (summary + "\n".join(lines) + "\n\nThe command of each row (run from the repository root):\n\n"
+            + "\n".join(commands))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,7 @@ def estimate(config: Path, *extra: str, target: str = "cuda") -> dict[str, Any]:
         "saved_bytes": report["totals"]["saved_bytes"],
         "weight_copy_bytes": report["totals"]["weight_copy_bytes"],
         "overheads": {o["name"]: o["bytes"] for o in est["overheads"]},
+        "fit": est.get("fit"),  # with --fit: the largest batch or sequence that fits, and its runs
         "verdict": report["verdict"]["line"],
         "problems": report["verdict"]["problems"],
         "not_priced": not_priced(said),

@@ -28,7 +28,7 @@ FIXTURES = ROOT / "fixtures" / "published"
 TOLERANCE = 0.10
 
 
-def run_row(row: dict[str, Any], fixtures: Path) -> dict[str, Any]:
+def run_row(row: dict[str, Any], fixtures: Path, fit_context: bool = False) -> dict[str, Any]:
     """The row's estimate, and one more per flag set of its ``also`` (a sensitivity to what the source leaves
     unknown, e.g. the longest batch: shown in the explanation, never as the comparison)."""
     config = (fixtures / row["config"]).resolve()
@@ -36,6 +36,9 @@ def run_row(row: dict[str, Any], fixtures: Path) -> dict[str, Any]:
     result = estimate(config, *row["flags"])
     if row.get("also"):
         result["also"] = [{"flags": flags, **estimate(config, *row["flags"], *flags)} for flags in row["also"]]
+    if fit_context and row["kind"] == "max_context":
+        fit = estimate(config, *row["flags"], "--fit", f"{row['gpu_gib']}GiB", "--fit-dim", "seq")["fit"]
+        result["fit_context"] = {"largest": fit["largest"], "run_count": fit["run_count"]}
     return result
 
 
@@ -92,6 +95,10 @@ def render(figures: dict[str, Any], results: dict[str, Any]) -> str:
             blocking, accepted = pending_of(row, result)
             c = compare(row, result)
             why = row.get("explain", "")
+            if "fit_context" in result:
+                largest = result["fit_context"]["largest"]
+                why += (f" vramguard's longest context in {row['gpu_gib']:g} GiB (--fit --fit-dim seq): {largest:,} "
+                        f"({(largest / row['value'] - 1) * 100:+.1f} % against the published).")
             for other in result.get("also", []):
                 o = compare(row, other)
                 why += (f" With {' '.join(other['flags'])}: {o['estimate_bytes'] / GIB:.2f} GiB "
@@ -99,6 +106,7 @@ def render(figures: dict[str, Any], results: dict[str, Any]) -> str:
             if accepted:
                 why = f"{why} Not priced, accepted: {'; '.join(accepted)}".strip()
             tally["pending" if blocking else "agree" if c["agrees"] else "disagree"] += 1
+            why = why.strip()
             if blocking:
                 cells += [
                     "pending",
@@ -130,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page", type=Path, default=ROOT / "docs" / "published.md", help="'-' prints the table")
     p.add_argument("--rows", help="comma-separated row ids to run (default: all)")
     p.add_argument("--render-only", action="store_true")
+    p.add_argument("--fit-context", action="store_true",
+                   help="for a max-context row, also search the longest context that fits (--fit --fit-dim seq: up "
+                        "to about 20 meta runs a row)")
     args = p.parse_args(argv)
     figures = json.loads(args.figures.read_text())
     results: dict[str, Any] = json.loads(args.results.read_text()) if args.results.exists() else {}
@@ -139,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             if row["id"] not in wanted:
                 continue
             tic = time.perf_counter()
-            results[row["id"]] = run_row(row, args.figures.parent)
+            results[row["id"]] = run_row(row, args.figures.parent, args.fit_context)
             print(f"{row['id']}: total {results[row['id']]['total_bytes'] / GIB:.2f} GiB "
                   f"({time.perf_counter() - tic:.0f} s)", file=sys.stderr, flush=True)
             args.results.parent.mkdir(parents=True, exist_ok=True)

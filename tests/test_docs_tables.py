@@ -37,8 +37,23 @@ def test_the_techniques_script_runs_on_a_tiny_preset(tmp_path: Path, monkeypatch
     page.write_text("head\n<!-- BEGIN techniques table -->\nold\n<!-- END techniques table -->\ntail\n")
     results = tmp_path / "r.json"
     rows = "0,8"  # the baseline and rsLoRA (which changes no byte)
-    assert techniques.main(["--model", "tiny-llama-hf", "--seq", "32", "--rows", rows, "--results", str(results),
-                            "--page", str(page)]) == 0
+    assert (
+        techniques.main(
+            [
+                "--model",
+                "tiny-llama-hf",
+                "--seq",
+                "32",
+                "--rows",
+                rows,
+                "--results",
+                str(results),
+                "--page",
+                str(page),
+            ]
+        )
+        == 0
+    )
     data = json.loads(results.read_text())
     assert [r["technique"] for r in data["rows"]] == ["baseline QLoRA", "+ rsLoRA"]
     base, rslora = (r["runs"]["32"] for r in data["rows"])
@@ -58,8 +73,10 @@ def test_the_techniques_script_runs_on_a_tiny_preset(tmp_path: Path, monkeypatch
 def test_each_page_holds_what_its_script_renders(name: str, page: str, marker: str, results: str) -> None:
     module = script(name)
     data = json.loads((ROOT / "docs" / results).read_text())
-    rendered = module.render(data) if name == "techniques" else module.render(
-        json.loads((FIXTURES / "figures.json").read_text()), data
+    rendered = (
+        module.render(data)
+        if name == "techniques"
+        else module.render(json.loads((FIXTURES / "figures.json").read_text()), data)
     )
     assert between(ROOT / "docs" / page, marker) == rendered.rstrip()
 
@@ -82,10 +99,17 @@ def test_a_full_size_row_re_run_gives_the_committed_bytes(monkeypatch: pytest.Mo
     monkeypatch.chdir(ROOT)
     published = script("published")
     committed = json.loads((ROOT / "docs" / "measurements" / "published" / "estimates.json").read_text())
-    row = next(r for r in json.loads((FIXTURES / "figures.json").read_text())["rows"] if r["id"].startswith("hf-4bit"))
+    row = next(
+        r
+        for r in json.loads((FIXTURES / "figures.json").read_text())["rows"]
+        if r["id"].startswith("hf-4bit")
+    )
     again = published.run_row(row, FIXTURES)
     assert again["total_bytes"] == committed[row["id"]]["total_bytes"]
     techniques = script("techniques")
     data = techniques.run("llama-3.1-8b", [2048], techniques.ROWS[:1])
     old = json.loads((ROOT / "docs" / "measurements" / "techniques" / "llama-3.1-8b.json").read_text())
-    assert data["rows"][0]["runs"]["2048"]["allocator_peak_bytes"] == old["rows"][0]["runs"]["2048"]["allocator_peak_bytes"]
+    assert (
+        data["rows"][0]["runs"]["2048"]["allocator_peak_bytes"]
+        == old["rows"][0]["runs"]["2048"]["allocator_peak_bytes"]
+    )

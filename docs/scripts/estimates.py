@@ -20,7 +20,9 @@ GIB = 2**30
 def not_priced(output: str) -> list[str]:
     """What the command said it does not price: its ``NOT PRICED`` lines (a config's keys, Trainer's autocast
     while the estimate does not run it), each without the ``config NAME:`` prefix."""
-    return [line.split("NOT PRICED: ", 1)[1].strip() for line in output.splitlines() if "NOT PRICED: " in line]
+    return [
+        line.split("NOT PRICED: ", 1)[1].strip() for line in output.splitlines() if "NOT PRICED: " in line
+    ]
 
 
 def estimate(config: Path, *extra: str, target: str = "cuda") -> dict[str, Any]:
@@ -30,11 +32,22 @@ def estimate(config: Path, *extra: str, target: str = "cuda") -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "estimate.json"
-        argv = ["estimate", "--config", str(config), "--target", target, "--json", str(out), "--quiet", *extra]
+        argv = [
+            "estimate",
+            "--config",
+            str(config),
+            "--target",
+            target,
+            "--json",
+            str(out),
+            "--quiet",
+            *extra,
+        ]
         sink = io.StringIO()
         with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
             code = main(argv)
-        if code not in (0, 1) or not out.exists():  # 1: a failed verdict (e.g. DoRA's weight copies), still priced
+        # 1: a failed verdict (e.g. DoRA's weight copies), still priced
+        if code not in (0, 1) or not out.exists():
             raise RuntimeError(f"vramguard {' '.join(argv)} exited {code}:\n{sink.getvalue()}")
         report = json.loads(out.read_text())
     said = sink.getvalue()

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from estimates import GIB, estimate, replace_between  # noqa: E402
+from estimates import GIB, estimate, replace_between
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "fixtures" / "published"
@@ -35,7 +35,9 @@ def run_row(row: dict[str, Any], fixtures: Path, fit_context: bool = False) -> d
     config = config.relative_to(Path.cwd()) if config.is_relative_to(Path.cwd()) else config
     result = estimate(config, *row["flags"])
     if row.get("also"):
-        result["also"] = [{"flags": flags, **estimate(config, *row["flags"], *flags)} for flags in row["also"]]
+        result["also"] = [
+            {"flags": flags, **estimate(config, *row["flags"], *flags)} for flags in row["also"]
+        ]
     if fit_context and row["kind"] == "max_context":
         fit = estimate(config, *row["flags"], "--fit", f"{row['gpu_gib']}GiB", "--fit-dim", "seq")["fit"]
         result["fit_context"] = {"largest": fit["largest"], "run_count": fit["run_count"]}
@@ -55,8 +57,12 @@ def compare(row: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
     if row["kind"] == "reserved":
         ours = total - result["overheads"].get("CUDA context + kernels", 0)
         diff = ours / row["value"] - 1
-        return {"estimate_bytes": ours, "difference": diff, "agrees": abs(diff) <= TOLERANCE,
-                "measure": "allocator peak + cuBLAS + fragmentation (total without the CUDA context)"}
+        return {
+            "estimate_bytes": ours,
+            "difference": diff,
+            "agrees": abs(diff) <= TOLERANCE,
+            "measure": "allocator peak + cuBLAS + fragmentation (total without the CUDA context)",
+        }
     diff = total / gpu - 1
     if row["kind"] == "max_context":
         agrees = abs(diff) <= TOLERANCE
@@ -78,16 +84,29 @@ def published_text(row: dict[str, Any]) -> str:
 
 
 def render(figures: dict[str, Any], results: dict[str, Any]) -> str:
-    head = ["source", "model", "GPU", "settings (assumed)", "published figure", "vramguard estimate", "difference",
-            "explanation"]
+    head = [
+        "source",
+        "model",
+        "GPU",
+        "settings (assumed)",
+        "published figure",
+        "vramguard estimate",
+        "difference",
+        "explanation",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     commands = []
     tally = {"agree": 0, "disagree": 0, "pending": 0, "not run": 0}
     for row in figures["rows"]:
         result = results.get(row["id"])
         links = " ".join(f"[{i + 1}]({u})" for i, u in enumerate(row["urls"]))
-        cells = [f"{row.get('short') or row['source']} {links}", row["model"], row["gpu"], f"{row['settings']} ({row['assumed']})",
-                 published_text(row)]
+        cells = [
+            f"{row.get('short') or row['source']} {links}",
+            row["model"],
+            row["gpu"],
+            f"{row['settings']} ({row['assumed']})",
+            published_text(row),
+        ]
         if result is None:
             tally["not run"] += 1
             cells += ["not run", "—", row.get("explain", "")]
@@ -97,12 +116,16 @@ def render(figures: dict[str, Any], results: dict[str, Any]) -> str:
             why = row.get("explain", "")
             if "fit_context" in result:
                 largest = result["fit_context"]["largest"]
-                why += (f" vramguard's longest context in {row['gpu_gib']:g} GiB (--fit --fit-dim seq): {largest:,} "
-                        f"({(largest / row['value'] - 1) * 100:+.1f} % against the published).")
+                why += (
+                    f" vramguard's longest context in {row['gpu_gib']:g} GiB (--fit --fit-dim seq): {largest:,} "
+                    f"({(largest / row['value'] - 1) * 100:+.1f} % against the published)."
+                )
             for other in result.get("also", []):
                 o = compare(row, other)
-                why += (f" With {' '.join(other['flags'])}: {o['estimate_bytes'] / GIB:.2f} GiB "
-                        f"({o['difference'] * 100:+.1f} %).")
+                why += (
+                    f" With {' '.join(other['flags'])}: {o['estimate_bytes'] / GIB:.2f} GiB "
+                    f"({o['difference'] * 100:+.1f} %)."
+                )
             if accepted:
                 why = f"{why} Not priced, accepted: {'; '.join(accepted)}".strip()
             tally["pending" if blocking else "agree" if c["agrees"] else "disagree"] += 1
@@ -111,13 +134,18 @@ def render(figures: dict[str, Any], results: dict[str, Any]) -> str:
                 cells += [
                     "pending",
                     "pending",
-                    f"pending autocast/FA2: the estimate says NOT PRICED: {'; '.join(blocking)}. "
-                    f"(Today's estimate without them: {c['estimate_bytes'] / GIB:.2f} GiB, not a comparison.) {why}",
+                    (
+                        f"pending autocast/FA2: the estimate says NOT PRICED: {'; '.join(blocking)}. "
+                        f"(Today's estimate without them: {c['estimate_bytes'] / GIB:.2f} GiB, not a comparison.) {why}"
+                    ),
                 ]
             else:
                 mark = "agrees" if c["agrees"] else "DISAGREES"
-                cells += [f"{c['estimate_bytes'] / GIB:.2f} GiB ({c['measure']})", f"{c['difference'] * 100:+.1f} % ({mark})",
-                          why]
+                cells += [
+                    f"{c['estimate_bytes'] / GIB:.2f} GiB ({c['measure']})",
+                    f"{c['difference'] * 100:+.1f} % ({mark})",
+                    why,
+                ]
             commands.append(f"* `{row['id']}`: `{result['command']}`")
         lines.append("| " + " | ".join(str(x).replace("|", "\\|").replace("\n", " ") for x in cells) + " |")
     summary = (
@@ -127,20 +155,29 @@ def render(figures: dict[str, Any], results: dict[str, Any]) -> str:
         + f"; agreement is within ±{TOLERANCE * 100:g} % for a figure in bytes or a context, the right side of the GPU's "
         "memory for OOM / No OOM.\n\n"
     )
-    return (summary + "\n".join(lines) + "\n\nThe command of each row (run from the repository root):\n\n"
-            + "\n".join(commands))
+    return (
+        summary
+        + "\n".join(lines)
+        + "\n\nThe command of each row (run from the repository root):\n\n"
+        + "\n".join(commands)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--figures", type=Path, default=FIXTURES / "figures.json")
-    p.add_argument("--results", type=Path, default=ROOT / "docs" / "measurements" / "published" / "estimates.json")
+    p.add_argument(
+        "--results", type=Path, default=ROOT / "docs" / "measurements" / "published" / "estimates.json"
+    )
     p.add_argument("--page", type=Path, default=ROOT / "docs" / "published.md", help="'-' prints the table")
     p.add_argument("--rows", help="comma-separated row ids to run (default: all)")
     p.add_argument("--render-only", action="store_true")
-    p.add_argument("--fit-context", action="store_true",
-                   help="for a max-context row, also search the longest context that fits (--fit --fit-dim seq: up "
-                        "to about 20 meta runs a row)")
+    p.add_argument(
+        "--fit-context",
+        action="store_true",
+        help="for a max-context row, also search the longest context that fits (--fit --fit-dim seq: up "
+        "to about 20 meta runs a row)",
+    )
     args = p.parse_args(argv)
     figures = json.loads(args.figures.read_text())
     results: dict[str, Any] = json.loads(args.results.read_text()) if args.results.exists() else {}
@@ -151,8 +188,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             tic = time.perf_counter()
             results[row["id"]] = run_row(row, args.figures.parent, args.fit_context)
-            print(f"{row['id']}: total {results[row['id']]['total_bytes'] / GIB:.2f} GiB "
-                  f"({time.perf_counter() - tic:.0f} s)", file=sys.stderr, flush=True)
+            print(
+                f"{row['id']}: total {results[row['id']]['total_bytes'] / GIB:.2f} GiB "
+                f"({time.perf_counter() - tic:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
             args.results.parent.mkdir(parents=True, exist_ok=True)
             args.results.write_text(json.dumps(results, indent=1) + "\n")
     table = render(figures, results)

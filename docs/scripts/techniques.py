@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from estimates import GIB, estimate, replace_between, write_yaml  # noqa: E402
+from estimates import GIB, estimate, replace_between, write_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,8 +83,12 @@ def run(model: str, seqs: list[int], rows: list[tuple[str, dict[str, Any]]]) -> 
                 tic = time.perf_counter()
                 cells[str(seq)] = estimate(write_yaml(Path(tmp) / f"row{i}-s{seq}.yaml", config))
                 cells[str(seq)]["config"] = {k: v for k, v in config.items() if k != "model_name_or_path"}
-                print(f"{label} @ {seq}: {cells[str(seq)]['allocator_peak_bytes'] / GIB:.2f} GiB "
-                      f"({time.perf_counter() - tic:.0f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"{label} @ {seq}: {cells[str(seq)]['allocator_peak_bytes'] / GIB:.2f} GiB "
+                    f"({time.perf_counter() - tic:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             results.append({"technique": label, "keys": keys, "runs": cells})
     return {"model": model, "seqs": seqs, "baseline": BASELINE, "target": "cuda", "rows": results}
 
@@ -105,8 +109,10 @@ def _change(n: int, base: int) -> str:
 
 def _what(r: dict[str, Any]) -> str:
     parts = [
-        f"{r['peak_phase']} peak; saved for backward {_g(r['saved_bytes'])}, frozen weights {_g(r['weights_bytes'])}, "
-        f"trainable parameters {_g(r['trainable_bytes'])}"
+        (
+            f"{r['peak_phase']} peak; saved for backward {_g(r['saved_bytes'])}, "
+            f"frozen weights {_g(r['weights_bytes'])}, trainable parameters {_g(r['trainable_bytes'])}"
+        )
     ]
     if r["weight_copy_bytes"]:
         parts.append(f"of the saved, weight copies {_g(r['weight_copy_bytes'])}")
@@ -132,9 +138,13 @@ def render(data: dict[str, Any]) -> str:
             else:
                 cells += [
                     f"{_g(r['allocator_peak_bytes'])} / {_g(r['total_bytes'])}",
-                    "—" if row is data["rows"][0] else _change(r["allocator_peak_bytes"], base[s]["allocator_peak_bytes"]),
+                    "—"
+                    if row is data["rows"][0]
+                    else _change(r["allocator_peak_bytes"], base[s]["allocator_peak_bytes"]),
                 ]
-        cells.append("pending: NOT PRICED: " + "; ".join(pending) if pending else _what(row["runs"][seqs[-1]]))
+        cells.append(
+            "pending: NOT PRICED: " + "; ".join(pending) if pending else _what(row["runs"][seqs[-1]])
+        )
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
 
@@ -144,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--rows", help="comma-separated row numbers (0 = baseline), default all")
-    p.add_argument("--results", type=Path, default=ROOT / "docs" / "measurements" / "techniques" / "llama-3.1-8b.json")
+    p.add_argument(
+        "--results", type=Path, default=ROOT / "docs" / "measurements" / "techniques" / "llama-3.1-8b.json"
+    )
     p.add_argument("--page", type=Path, default=ROOT / "docs" / "techniques.md", help="'-' prints the table")
     p.add_argument("--render-only", action="store_true", help="render --results again, run nothing")
     args = p.parse_args(argv)

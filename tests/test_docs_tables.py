@@ -1,0 +1,115 @@
+"""The generated tables of docs/techniques.md and docs/published.md: their scripts run (on a tiny preset, in
+seconds), each page holds exactly what its script renders from its results JSON (no hand-typed number), every
+published figure has its source and quote, and (``-m slow``) a full-size row re-run gives the committed bytes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "docs" / "scripts"
+FIXTURES = ROOT / "fixtures" / "published"
+
+
+def script(name: str) -> ModuleType:
+    """docs/scripts/NAME.py as a module (the scripts are not a package; they put their folder on sys.path)."""
+    spec = importlib.util.spec_from_file_location(f"docs_scripts_{name}", SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def between(page: Path, marker: str) -> str:
+    text = page.read_text()
+    return text.split(f"<!-- BEGIN {marker} -->\n", 1)[1].split(f"\n<!-- END {marker} -->", 1)[0]
+
+
+def test_the_techniques_script_runs_on_a_tiny_preset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    techniques = script("techniques")
+    page = tmp_path / "page.md"
+    page.write_text("head\n<!-- BEGIN techniques table -->\nold\n<!-- END techniques table -->\ntail\n")
+    results = tmp_path / "r.json"
+    rows = "0,8"  # the baseline and rsLoRA (which changes no byte)
+    assert (
+        techniques.main(
+            [
+                "--model",
+                "tiny-llama-hf",
+                "--seq",
+                "32",
+                "--rows",
+                rows,
+                "--results",
+                str(results),
+                "--page",
+                str(page),
+            ]
+        )
+        == 0
+    )
+    data = json.loads(results.read_text())
+    assert [r["technique"] for r in data["rows"]] == ["baseline QLoRA", "+ rsLoRA"]
+    base, rslora = (r["runs"]["32"] for r in data["rows"])
+    assert rslora["allocator_peak_bytes"] == base["allocator_peak_bytes"]  # use_rslora: a value, no byte
+    text = page.read_text()
+    assert text.startswith("head\n") and text.endswith("tail\n") and "old" not in text
+    assert "| + rsLoRA | `use_rslora: true` |" in text and "0 B (same bytes)" in text
+
+
+@pytest.mark.parametrize(
+    ("name", "page", "marker", "results"),
+    [
+        ("techniques", "techniques.md", "techniques table", "measurements/techniques/llama-3.1-8b.json"),
+        ("published", "published.md", "published table", "measurements/published/estimates.json"),
+    ],
+)
+def test_each_page_holds_what_its_script_renders(name: str, page: str, marker: str, results: str) -> None:
+    module = script(name)
+    data = json.loads((ROOT / "docs" / results).read_text())
+    rendered = (
+        module.render(data)
+        if name == "techniques"
+        else module.render(json.loads((FIXTURES / "figures.json").read_text()), data)
+    )
+    assert between(ROOT / "docs" / page, marker) == rendered.rstrip()
+
+
+def test_every_published_figure_has_its_source_and_a_config_that_parses() -> None:
+    from vramguard.workload.run_config import load_run_config
+
+    figures = json.loads((FIXTURES / "figures.json").read_text())
+    ids = [r["id"] for r in figures["rows"]]
+    assert len(ids) == len(set(ids))
+    for row in figures["rows"]:
+        assert row["urls"] and all(u.startswith("https://") for u in row["urls"]), row["id"]
+        assert row["quote"] and row["kind"] in figures["kinds"], row["id"]
+        assert load_run_config(FIXTURES / row["config"]).values["model"], row["id"]
+
+
+@pytest.mark.slow
+def test_a_full_size_row_re_run_gives_the_committed_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One published row (LLaMA-7B QLoRA on a T4) and the techniques baseline at 2048, run again."""
+    monkeypatch.chdir(ROOT)
+    published = script("published")
+    committed = json.loads((ROOT / "docs" / "measurements" / "published" / "estimates.json").read_text())
+    row = next(
+        r
+        for r in json.loads((FIXTURES / "figures.json").read_text())["rows"]
+        if r["id"].startswith("hf-4bit")
+    )
+    again = published.run_row(row, FIXTURES)
+    assert again["total_bytes"] == committed[row["id"]]["total_bytes"]
+    techniques = script("techniques")
+    data = techniques.run("llama-3.1-8b", [2048], techniques.ROWS[:1])
+    old = json.loads((ROOT / "docs" / "measurements" / "techniques" / "llama-3.1-8b.json").read_text())
+    assert (
+        data["rows"][0]["runs"]["2048"]["allocator_peak_bytes"]
+        == old["rows"][0]["runs"]["2048"]["allocator_peak_bytes"]
+    )

@@ -15,6 +15,8 @@ from vramguard.cli.options import (
     add_timeline_options,
     check_json_path,
     check_timeline_paths,
+    fsdp_settings,
+    lint_lines,
     positive_int,
     print_not_priced,
     qlora_config,
@@ -106,10 +108,11 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"--fit must be a positive size, got {args.fit!r}")
     events = AllocationLog() if wants_timeline(args) else None
     sharding = sharding_config(args)
+    settings = fsdp_settings(args, sharding)
     if sharding is not None:
         if events is not None:
             raise UsageError("--snapshot and --html record one process's allocations: leave out --world-size")
-        return _distributed(config, sharding, size, args, lines)
+        return _distributed(config, sharding, settings, size, args, lines)
     report = with_config_notes(
         run_estimate(config, steps=args.steps, top=args.top, target=args.target, events=events), lines
     )
@@ -161,7 +164,12 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
 
 
 def _distributed(
-    config: QLoRAConfig, sharding: Any, size: int | None, args: argparse.Namespace, lines: list[str]
+    config: QLoRAConfig,
+    sharding: Any,
+    settings: Any,
+    size: int | None,
+    args: argparse.Namespace,
+    lines: list[str],
 ) -> int:
     """``--world-size N --sharding fsdp2``: every rank on meta under the fake process group."""
     from vramguard.estimate.distributed import run_distributed_estimate
@@ -177,10 +185,11 @@ def _distributed(
     report = with_config_notes(
         run_distributed_estimate(config, sharding, steps=args.steps, top=args.top, target=args.target), lines
     )
+    report = lint_lines(report, config, sharding, settings)
     console = stdout_console()
     if args.quiet:
         verdict_only(report, console)
-        print_not_priced(lines)
+        print_not_priced(lines + [n for n in report.verdict.notes if n.startswith("lint: ")])
     else:
         render(report, console, "distributed-estimate")
     if args.json is not None:

@@ -4,8 +4,9 @@ per rank, one line each (``audit`` and ``estimate`` with ``--world-size`` / ``--
 The run vramguard measures is the FSDP + QLoRA recipe (:mod:`vramguard.workload.sharding`). The user's own
 run may differ from it in four settings (:class:`FsdpSettings`): the 4-bit weights' storage dtype
 (``bnb_4bit_quant_storage``), FSDP1's ``use_orig_params``, FSDP1's wrap policy, and PEFT's
-``prepare_model_for_kbit_training``; and Trainer's mixed precision (``--bf16``), which accelerate turns into
-an fp32 upcast of FSDP1's trainable flat parameters.
+``prepare_model_for_kbit_training``. (Trainer's mixed precision makes accelerate upcast FSDP1's trainable flat
+parameters that are not fp32: a LoRA unit is fp32 already, and a unit that mixes LoRA with the base weights
+fails FSDP1's dtype check first, so it costs nothing in the configurations linted here.)
 
 Nothing here is a formula of the configuration: the user's model is *built* (on the meta device, by the real
 ``BitsAndBytesConfig`` with the user's storage and the real ``prepare_model_for_kbit_training``,
@@ -248,18 +249,6 @@ def lint(config: QLoRAConfig, sharding: ShardingConfig, settings: FsdpSettings) 
                         bytes=sharded,
                     )
                 )
-        if config.mixed_precision != "no":
-            upcast = _fsdp1_mixed_precision_upcast(model, settings.wrap, world)
-            if upcast:
-                findings.append(
-                    Finding(
-                        LINT,
-                        f"lint: fsdp1 with {config.mixed_precision} mixed precision: accelerate upcasts every trainable "
-                        f"flat parameter that is not fp32 to fp32 (frozen weights in its unit included): "
-                        f"+{format_bytes(upcast)} per rank",
-                        bytes=upcast,
-                    )
-                )
         return findings
     if sharding.sharding != "fsdp2":
         return findings
@@ -303,18 +292,6 @@ def lint(config: QLoRAConfig, sharding: ShardingConfig, settings: FsdpSettings) 
             )
         )
     return findings
-
-
-def _fsdp1_mixed_precision_upcast(model: torch.nn.Module, wrap: str, world: int) -> int:
-    """Bytes per rank accelerate's FSDP1 prepare adds by upcasting each trainable flat parameter that is not
-    fp32 to fp32 (``Accelerator.prepare_model``, "FSDP upcast of low precision parameters")."""
-    extra = 0
-    for _, tensors in fsdp1_units(model, wrap):
-        if not any(p.requires_grad for p in tensors) or tensors[0].dtype == torch.float32:
-            continue
-        numel = math.ceil(sum(p.numel() for p in tensors) / world)
-        extra += numel * (4 - tensors[0].element_size())
-    return extra
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -275,7 +275,10 @@ def test_the_json_document_has_the_distributed_section(fsdp2_audit, tmp_path: Pa
         (["audit", "--world-size", "2", "--sharding", "fsdp3"], "invalid choice"),
         (["audit", "--world-size", "2", "--sharding", "fsdp2", "--cpu-offload"], "not implemented"),
         (["estimate", "--world-size", "2", "--sharding", "fsdp1"], "only fsdp2 runs on the meta device"),
-        (["estimate", "--world-size", "2", "--sharding", "fsdp2", "--fit", "1GiB"], "--fit"),
+        (
+            ["estimate", "--world-size", "2", "--sharding", "fsdp2", "--fit", "0"],
+            "--fit must be a positive size",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

@@ -254,7 +254,7 @@ def add_sharding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cpu-offload",
         action="store_true",
-        help="FSDP's CPU offload of the sharded parameters (not implemented yet: refused)",
+        help="FSDP's CPU offload of the sharded parameters (refused: needs CUDA ranks, see docs/distributed.md)",
     )
     lint = p.add_argument_group(
         "your FSDP settings (the run measures the FSDP + QLoRA recipe; each setting that differs is linted: "
@@ -282,6 +282,14 @@ def add_sharding_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+CPU_OFFLOAD_REFUSAL = (
+    "--cpu-offload needs CUDA ranks, which are not wired yet: FSDP's offload keeps the shards on the host and "
+    "copies them to the device per unit, but on the host the device is the host (real FSDP2 with "
+    "CPUOffloadPolicy gives byte-identical ranks) and on meta no copy is made"
+)
+"""Why ``--cpu-offload`` is refused (docs/distributed.md, "CPU offload")."""
+
+
 def sharding_config(args: argparse.Namespace) -> ShardingConfig | None:
     """The :class:`ShardingConfig` of the options :func:`add_sharding_options` added; None for one device.
     One line (UsageError) for a combination that cannot run."""
@@ -292,10 +300,7 @@ def sharding_config(args: argparse.Namespace) -> ShardingConfig | None:
     if args.sharding is None:
         raise UsageError("--world-size needs --sharding (fsdp2 or fsdp1)")
     if args.cpu_offload:
-        raise UsageError(
-            "--cpu-offload is not implemented yet: FSDP's offload moves the shards to the host, which a host-only "
-            "run cannot tell apart and a meta run cannot copy"
-        )
+        raise UsageError(CPU_OFFLOAD_REFUSAL)
     config = ShardingConfig(
         world_size=args.world_size if args.world_size is not None else 1, sharding=args.sharding
     )

@@ -54,6 +54,7 @@ def test_the_recipe_with_use_orig_params_or_mixed_precision_is_clean() -> None:
     bf16 = dataclasses.replace(CONFIG, mixed_precision="bf16")
     assert lint(bf16, ShardingConfig(2, "fsdp1"), FsdpSettings(use_orig_params=True)) == []
     assert lint(bf16, ShardingConfig(2, "fsdp2"), FsdpSettings(quant_storage="fp32")) == []
+    assert lint(FP32, ShardingConfig(2, "fsdp2"), FsdpSettings(prepare_kbit=True)) == []  # nothing to upcast
 
 
 # -- against the real engine -------------------------------------------------------------------------------------

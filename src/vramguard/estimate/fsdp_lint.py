@@ -264,16 +264,16 @@ def lint(config: QLoRAConfig, sharding: ShardingConfig, settings: FsdpSettings) 
         findings.append(
             Finding(
                 LINT,
-                f"lint: fsdp2 with bnb_4bit_quant_storage {_dtype_name(storage)}: accelerate leaves integer 4-bit weights "
-                f"out of fully_shard (ignored_params), so every rank holds all {format_bytes(whole)} of them: "
+                f"lint: fsdp2 with bnb_4bit_quant_storage {_dtype_name(storage)}: accelerate {_accelerate_version()} leaves "
+                f"integer 4-bit weights out of fully_shard (ignored_params), so every rank holds all {format_bytes(whole)} of them: "
                 f"+{format_bytes(left_out)} per rank at {world} ranks (torch's fully_shard alone crashed or trained "
                 f"with NaN on older releases, {UINT8_FSDP2_ISSUE}); set bnb_4bit_quant_storage to "
                 f"{_dtype_name(compute)}",
                 bytes=left_out,
             )
         )
-    if settings.prepare_kbit:
-        extra = fsdp2_rank_bytes(model, world) - base
+    extra = fsdp2_rank_bytes(model, world) - base
+    if settings.prepare_kbit and extra > 0:  # an fp32 model has nothing to upcast
         upcast = sum(
             p.numel() * p.element_size()
             for p in model.parameters()
@@ -292,6 +292,12 @@ def lint(config: QLoRAConfig, sharding: ShardingConfig, settings: FsdpSettings) 
             )
         )
     return findings
+
+
+def _accelerate_version() -> str:
+    import accelerate
+
+    return accelerate.__version__
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

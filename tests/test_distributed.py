@@ -307,9 +307,13 @@ def test_the_json_document_has_the_distributed_section(fsdp2_audit, tmp_path: Pa
         (["audit", "--world-size", "2"], "needs --sharding"),
         (["audit", "--world-size", "2", "--sharding", "zero3"], "DeepSpeed"),
         (["audit", "--world-size", "2", "--sharding", "fsdp3"], "invalid choice"),
-        (["audit", "--world-size", "2", "--sharding", "fsdp2", "--cpu-offload"], "not implemented"),
+        (["audit", "--world-size", "2", "--sharding", "fsdp2", "--cpu-offload"], "needs CUDA ranks"),
+        (["estimate", "--world-size", "2", "--sharding", "fsdp2", "--cpu-offload"], "needs CUDA ranks"),
         (["estimate", "--world-size", "2", "--sharding", "zero3"], "zero3"),
-        (["estimate", "--world-size", "2", "--sharding", "fsdp2", "--fit", "1GiB"], "--fit"),
+        (
+            ["estimate", "--world-size", "2", "--sharding", "fsdp2", "--fit", "0"],
+            "--fit must be a positive size",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -413,3 +417,13 @@ def test_a_7b_rank_at_4_holds_a_quarter_of_1_plus_the_replicated_quant_state(tmp
     assert four.buffer_bytes == one.buffer_bytes
     for name in ("packed_4bit_bytes", "unquantized_bytes", "trainable_bytes"):
         assert getattr(one, name) % 4 == 0 and getattr(four, name) == getattr(one, name) // 4, name
+
+
+@pytest.mark.slow
+def test_cpu_offload_on_the_host_moves_nothing() -> None:
+    """Why ``--cpu-offload`` is refused on the host: real FSDP2 with ``CPUOffloadPolicy`` on a CPU mesh gives rows
+    byte-identical to FSDP2 without it (the device is the host: the engine's copies to and from it are no-ops), so
+    a host run cannot show what offloading keeps off the device."""
+    plain = _fake_ranks(ShardingConfig(2, "fsdp2"))[0]
+    offloaded = _fake_ranks(ShardingConfig(2, "fsdp2", cpu_offload=True))[0]
+    assert dataclasses.asdict(offloaded) == dataclasses.asdict(plain)

@@ -88,13 +88,23 @@ def measure_rank(
         time.perf_counter() - t0,
         meta_run=meta_run,
     )
+    row = rank_row(report, model, ledger, rank, transient)
+    return report, row
+
+
+def rank_row(
+    report: AuditReport, model: torch.nn.Module, ledger: Any, rank: int, transient: dict[str, int]
+) -> RankRow:
+    """One rank's :class:`RankRow` from its report, its (sharded) model and its ledger: the terms of what it
+    holds (:func:`~vramguard.workload.sharding.rank_terms`), the highest phase peak, and the allocator peak =
+    weights + LoRA shard + that peak. Shared by the audit's ranks, the estimate's and ``VramGuardCallback``'s."""
     terms = rank_terms(model)
     weights = report.totals.model_resident_bytes
     phases = {name: report.phases[name].peak_bytes for name in PHASES if name in report.phases}
     peak_phase = max(phases, key=lambda n: phases[n])
     reserved = [p.reserved_peak_bytes for p in report.phases.values() if p.reserved_peak_bytes is not None]
     allocator = weights + terms.trainable_bytes + phases[peak_phase]
-    row = RankRow(
+    return RankRow(
         rank=rank,
         weights_bytes=weights,
         trainable_bytes=terms.trainable_bytes,
@@ -111,7 +121,6 @@ def measure_rank(
         terms=terms.to_dict(),
         transient=transient,
     )
-    return report, row
 
 
 def merged(

@@ -242,6 +242,8 @@ class DistributedSection:
     cpu_offload: bool
     engine: str
     per_rank: list[RankRow] = field(default_factory=list)
+    # ``estimate --fit`` with ``--sharding``: the search's answer (smallest world size, or largest batch/seq)
+    fit: dict[str, Any] | None = None
 
 
 @dataclass

@@ -21,6 +21,8 @@ from vramguard.cli.options import (
     add_timeline_options,
     check_json_path,
     check_timeline_paths,
+    fsdp_settings,
+    lint_lines,
     positive_int,
     print_not_priced,
     qlora_config,
@@ -83,6 +85,7 @@ def handle(args: argparse.Namespace) -> int:
     if args.offload_activations and args.trainer == "loop":
         raise UsageError("--offload-activations needs --trainer trainer or --trainer sft")
     sharding = sharding_config(args)
+    settings = fsdp_settings(args, sharding)
     device = "cpu" if sharding is not None and args.device == "auto" else resolve_device(args.device)
     config, lines = qlora_config(args, device=device, seed=args.seed)
     if config.method != "qlora":
@@ -114,7 +117,8 @@ def handle(args: argparse.Namespace) -> int:
         report = with_config_notes(
             run_distributed_audit(config, sharding, steps=args.steps, top=args.top), lines
         )
-        return _show(report, args, console, "distributed-audit", lines)
+        report = lint_lines(report, config, sharding, settings)
+        return _show(report, args, console, "distributed-audit", lines + _lint_of(report))
     progress = progress_bar(args.quiet)
     with progress:
         task = progress.add_task("audit", total=args.steps + 1)
@@ -133,6 +137,11 @@ def handle(args: argparse.Namespace) -> int:
                 )
     report = with_config_notes(report, lines)
     return _show(report, args, console, "audit", lines, events)
+
+
+def _lint_of(report: Any) -> list[str]:
+    """The lint's lines among ``report``'s notes (for ``--quiet``, which prints them on stderr)."""
+    return [n for n in report.verdict.notes if n.startswith("lint: ")]
 
 
 def _show(

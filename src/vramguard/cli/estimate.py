@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from vramguard.cli.options import (
     add_timeline_options,
     check_json_path,
     check_timeline_paths,
+    fsdp_settings,
+    lint_lines,
     positive_int,
     print_not_priced,
     qlora_config,
@@ -106,10 +109,11 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"--fit must be a positive size, got {args.fit!r}")
     events = AllocationLog() if wants_timeline(args) else None
     sharding = sharding_config(args)
+    settings = fsdp_settings(args, sharding)
     if sharding is not None:
         if events is not None:
             raise UsageError("--snapshot and --html record one process's allocations: leave out --world-size")
-        return _distributed(config, sharding, size, args, lines)
+        return _distributed(config, sharding, settings, size, args, lines)
     report = with_config_notes(
         run_estimate(config, steps=args.steps, top=args.top, target=args.target, events=events), lines
     )
@@ -161,31 +165,96 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
 
 
 def _distributed(
-    config: QLoRAConfig, sharding: Any, size: int | None, args: argparse.Namespace, lines: list[str]
+    config: QLoRAConfig,
+    sharding: Any,
+    settings: Any,
+    size: int | None,
+    args: argparse.Namespace,
+    lines: list[str],
 ) -> int:
     """``--world-size N --sharding fsdp2|fsdp1``: every rank on meta under the fake process group."""
     from vramguard.estimate.distributed import run_distributed_estimate
     from vramguard.view.console import stdout_console
     from vramguard.view.report import render, verdict_only
 
-    if size is not None:
-        raise UsageError("--fit with --world-size is not implemented yet")
     if config.method != "qlora" or config.optimizer != "adamw" or config.offload_activations:
         raise UsageError(
             "--world-size estimates the FSDP + QLoRA recipe: --method qlora, --optimizer adamw, no offloading"
         )
+    world_fit = None
+    if size is not None and args.world_size is None:  # --fit SIZE --sharding fsdp2: the smallest world size
+        world_fit = _smallest_world(config, sharding, size, args)
+        sharding = dataclasses.replace(sharding, world_size=world_fit.smallest or world_fit.runs[-1][0])
     report = with_config_notes(
         run_distributed_estimate(config, sharding, steps=args.steps, top=args.top, target=args.target), lines
     )
+    report = lint_lines(report, config, sharding, settings)
     console = stdout_console()
     if args.quiet:
         verdict_only(report, console)
-        print_not_priced(lines)
+        print_not_priced(lines + [n for n in report.verdict.notes if n.startswith("lint: ")])
     else:
         render(report, console, "distributed-estimate")
+    fits = True
+    if size is not None:
+        from vramguard.estimate.fit import rank_total
+        from vramguard.view.report import render_fit, render_world_fit
+
+        assert report.distributed is not None
+        if world_fit is not None:
+            report.distributed.fit = world_fit.to_dict()
+            fits = world_fit.smallest > 0
+            render_world_fit(report.distributed.fit, config.batch, config.seq_len, console)
+        else:
+            report.distributed.fit = _largest_at_world(config, sharding, size, args, rank_total(report))
+            fits = rank_total(report) <= size
+            render_fit(report.distributed.fit, args.fit_dim, config.batch, config.seq_len, console)
     if args.json is not None:
         try:
             write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
         except OSError as exc:
             raise UsageError(f"cannot write --json {args.json}: {exc}") from None
-    return 0 if report.verdict.ok else 1
+    return 0 if report.verdict.ok and fits else 1
+
+
+def _rank0(config: QLoRAConfig, sharding: Any, args: argparse.Namespace) -> AuditReport:
+    """Rank 0 alone of ``config``'s sharded step on meta: the rank that holds the most (``torch.chunk`` gives
+    it the first, never smaller, share of every parameter; the rest is the same on every rank)."""
+    from vramguard.estimate.distributed import run_distributed_estimate
+
+    return run_distributed_estimate(config, sharding, steps=args.steps, top=1, target=args.target, ranks=[0])
+
+
+def _smallest_world(config: QLoRAConfig, sharding: Any, size: int, args: argparse.Namespace) -> Any:
+    """``--fit SIZE --sharding fsdp2`` without ``--world-size``: the smallest world size whose ranks fit."""
+    from vramguard.estimate.fit import rank_total, smallest_world
+
+    def total_at(n: int) -> int:
+        return rank_total(_rank0(config, dataclasses.replace(sharding, world_size=n), args))
+
+    return smallest_world(size, total_at)
+
+
+def _largest_at_world(
+    config: QLoRAConfig, sharding: Any, size: int, args: argparse.Namespace, requested_total: int
+) -> dict[str, Any]:
+    """``--fit SIZE --world-size N``: the largest batch (or ``--fit-dim seq``) whose every rank fits at N."""
+    from vramguard.estimate.fit import FIT_LIMIT, rank_total, search
+    from vramguard.estimate.run import max_positions
+    from vramguard.workload.models import ModelSpec
+
+    limit = FIT_LIMIT
+    if args.fit_dim == "seq":
+        positions = max_positions(ModelSpec.load(config.model))
+        limit = min(limit, positions) if positions is not None else limit
+    requested = config.batch if args.fit_dim == "batch" else config.seq_len
+    result = search(
+        config,
+        size,
+        lambda c: _rank0(c, sharding, args),
+        dim=args.fit_dim,
+        limit=limit,
+        known={requested: requested_total},
+        total=rank_total,
+    )
+    return result.to_dict()

@@ -229,9 +229,9 @@ def with_config_notes(report: AuditReport, lines: list[str]) -> AuditReport:
 
 
 def print_not_priced(lines: list[str]) -> None:
-    """``--quiet``: the lines that name what is not priced still reach the user, on stderr."""
+    """``--quiet``: the lines that name what is not priced, and the lint's, still reach the user, on stderr."""
     for line in lines:
-        if "NOT PRICED" in line:
+        if "NOT PRICED" in line or line.startswith("lint: "):
             print(f"vramguard: {line}", file=sys.stderr)
 
 
@@ -254,8 +254,40 @@ def add_sharding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cpu-offload",
         action="store_true",
-        help="FSDP's CPU offload of the sharded parameters (not implemented yet: refused)",
+        help="FSDP's CPU offload of the sharded parameters (refused: needs CUDA ranks, see docs/distributed.md)",
     )
+    lint = p.add_argument_group(
+        "your FSDP settings (the run measures the FSDP + QLoRA recipe; each setting that differs is linted: "
+        "the error FSDP will raise or the bytes per rank it costs)"
+    )
+    lint.add_argument(
+        "--quant-storage",
+        choices=("bf16", "fp16", "fp32", "uint8"),
+        help="bnb_4bit_quant_storage of your run (default: the compute dtype, the recipe's; bitsandbytes' own "
+        "default is uint8)",
+    )
+    lint.add_argument(
+        "--use-orig-params", action="store_true", help="FSDP1's use_orig_params=True (the recipe: False)"
+    )
+    lint.add_argument(
+        "--fsdp-wrap",
+        choices=("peft", "layer"),
+        help="FSDP1's wrap policy: peft (PEFT's fsdp_auto_wrap_policy, what Trainer installs: the recipe) or "
+        "layer (TRANSFORMER_BASED_WRAP alone: LoRA inside each decoder layer's unit)",
+    )
+    lint.add_argument(
+        "--prepare-kbit-training",
+        action="store_true",
+        help="your run calls PEFT's prepare_model_for_kbit_training before sharding (the recipe does not)",
+    )
+
+
+CPU_OFFLOAD_REFUSAL = (
+    "--cpu-offload needs CUDA ranks, which are not wired yet: FSDP's offload keeps the shards on the host and "
+    "copies them to the device per unit, but on the host the device is the host (real FSDP2 with "
+    "CPUOffloadPolicy gives byte-identical ranks) and on meta no copy is made"
+)
+"""Why ``--cpu-offload`` is refused (docs/distributed.md, "CPU offload")."""
 
 
 def sharding_config(args: argparse.Namespace) -> ShardingConfig | None:
@@ -268,12 +300,45 @@ def sharding_config(args: argparse.Namespace) -> ShardingConfig | None:
     if args.sharding is None:
         raise UsageError("--world-size needs --sharding (fsdp2 or fsdp1)")
     if args.cpu_offload:
-        raise UsageError(
-            "--cpu-offload is not implemented yet: FSDP's offload moves the shards to the host, which a host-only "
-            "run cannot tell apart and a meta run cannot copy"
-        )
+        raise UsageError(CPU_OFFLOAD_REFUSAL)
     config = ShardingConfig(
         world_size=args.world_size if args.world_size is not None else 1, sharding=args.sharding
     )
     config.validate()
     return config
+
+
+def fsdp_settings(args: argparse.Namespace, sharding: ShardingConfig | None) -> Any:
+    """The user's FSDP settings the lint compares with the recipe
+    (:class:`vramguard.estimate.fsdp_lint.FsdpSettings`); one line (UsageError) when they are given without
+    ``--world-size`` or name FSDP1 settings for another engine."""
+    from vramguard.estimate.fsdp_lint import FsdpSettings
+
+    settings = FsdpSettings(
+        quant_storage=args.quant_storage or "",
+        use_orig_params=args.use_orig_params,
+        wrap=args.fsdp_wrap or "peft",
+        prepare_kbit=args.prepare_kbit_training,
+    )
+    if settings != FsdpSettings() and sharding is None:
+        raise UsageError(
+            "--quant-storage, --use-orig-params, --fsdp-wrap and --prepare-kbit-training lint a sharded run: "
+            "give --world-size and --sharding"
+        )
+    fsdp1_only = settings.use_orig_params or args.fsdp_wrap is not None
+    if sharding is not None and fsdp1_only and sharding.sharding != "fsdp1":
+        raise UsageError(
+            "--use-orig-params and --fsdp-wrap are FSDP1 settings: use them with --sharding fsdp1"
+        )
+    settings.validate()
+    return settings
+
+
+def lint_lines(
+    report: AuditReport, config: QLoRAConfig, sharding: ShardingConfig, settings: Any
+) -> AuditReport:
+    """``report`` with the lint of the user's settings among its notes (:func:`vramguard.estimate.fsdp_lint.
+    lint`); with ``--quiet`` the caller prints them on stderr (:func:`print_not_priced`)."""
+    from vramguard.estimate.fsdp_lint import lint, with_lint
+
+    return with_lint(report, lint(config, sharding, settings))

@@ -77,10 +77,13 @@ def search(
     dim: str = "batch",
     limit: int = FIT_LIMIT,
     known: dict[int, int] | None = None,
+    total: Callable[[AuditReport], int] = _total,
 ) -> Fit:
     """The largest value of ``dim`` (batch or seq) in [1, ``limit``] whose estimated total fits ``size``,
     in at most :func:`run_bound` runs (memory is taken to grow with the value). ``known``: totals
-    already estimated (the requested shape's), used as measured, not counted as runs."""
+    already estimated (the requested shape's), used as measured, not counted as runs. ``total``: the figure
+    of a report held against ``size`` (the device estimate's total; a sharded step's, its highest rank's:
+    :func:`rank_total`)."""
     if dim not in DIMS:
         raise ValueError(f"dim must be one of {DIMS}, got {dim!r}")
     if limit < 1:
@@ -91,18 +94,18 @@ def search(
 
     def fits(value: int) -> bool:
         try:
-            total: int | None = _total(estimate(dataclasses.replace(config, **{key: value})))
+            got: int | None = total(estimate(dataclasses.replace(config, **{key: value})))
         except TooLarge:
-            total = None
-        measured[value] = total
-        fit.runs.append((value, total))
-        return total is not None and total <= size
+            got = None
+        measured[value] = got
+        fit.runs.append((value, got))
+        return got is not None and got <= size
 
     lo, hi = 0, limit + 1  # the answer is in [lo, hi - 1]: lo fits (0: nothing needs to), hi does not
-    for value, total in (known or {}).items():
+    for value, known_total in (known or {}).items():
         if 1 <= value <= limit:
-            measured[value] = total
-            lo, hi = (max(lo, value), hi) if total <= size else (lo, min(hi, value))
+            measured[value] = known_total
+            lo, hi = (max(lo, value), hi) if known_total <= size else (lo, min(hi, value))
     while hi - lo > 1:
         left = fit.bound - fit.run_count  # >= 1 here: the clamp keeps hi - lo <= 2 ** left
         half = 1 << (left - 1)
@@ -204,3 +207,69 @@ def cheaper_changes(
     # cheapest: what fits, then the fewest flags changed (a single change before a combination)
     rows.sort(key=lambda r: (not r["fits"], r["change"].count("--"), r["total_bytes"]))
     return rows
+
+
+def rank_total(report: AuditReport) -> int:
+    """A sharded step's figure against a device's memory: the highest total of its ranks."""
+    assert report.distributed is not None
+    return max(row.total_bytes for row in report.distributed.per_rank)
+
+
+WORLD_LIMIT = 1024
+"""The largest world size ``--fit`` without ``--world-size`` searches."""
+
+
+@dataclass
+class WorldFit:
+    """The smallest world size whose every rank fits ``size_bytes`` (0: none up to ``limit``), and every run
+    it took as (world size, highest rank's total; None: beyond what torch can describe), in run order."""
+
+    size_bytes: int
+    smallest: int
+    limit: int
+    runs: list[tuple[int, int | None]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The answer as ``--json`` records it under ``distributed.fit``."""
+        return {
+            "size_bytes": self.size_bytes,
+            "smallest_world_size": self.smallest,
+            "limit": self.limit,
+            "runs": [list(r) for r in self.runs],
+            "run_count": len(self.runs),
+        }
+
+
+def smallest_world(size: int, total_at: Callable[[int], int], limit: int = WORLD_LIMIT) -> WorldFit:
+    """The smallest world size in [1, ``limit``] at which ``total_at(n)`` (the highest rank's total with ``n``
+    ranks) fits ``size``: doubling until one fits, then bisecting between the last that did not and it, at
+    most ``2 * ceil(log2(limit)) + 1`` runs. A rank's memory is taken not to grow with the world size (its
+    shards shrink; what every rank holds whole, the quant_state, the activations of its own batch, does not
+    change), so a world size that fits stays fitting above it."""
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    fit = WorldFit(size_bytes=size, smallest=0, limit=limit)
+
+    def fits(n: int) -> bool:
+        try:
+            got: int | None = total_at(n)
+        except TooLarge:
+            got = None
+        fit.runs.append((n, got))
+        return got is not None and got <= size
+
+    lo, n = 0, 1  # lo: the largest world size seen not to fit (0: none yet)
+    while not fits(n):
+        lo = n
+        if n >= limit:
+            return fit
+        n = min(2 * n, limit)
+    hi = n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    fit.smallest = hi
+    return fit

@@ -42,7 +42,7 @@ from transformers import TrainerCallback
 from vramguard.atomic import write_bytes_atomic, write_text_atomic
 from vramguard.audit import verdict as checks
 from vramguard.audit.assemble import Measured, assemble, layer_rows
-from vramguard.audit.report import AuditReport, Finding, StepRow
+from vramguard.audit.report import AuditReport, Finding, RankRow, StepRow
 from vramguard.errors import UsageError
 from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.events import (
@@ -341,6 +341,11 @@ class VramGuardCallback(TrainerCallback):
             return
         self._detach()
         self.report = self._assemble()
+        ranks = _rank_and_world()
+        if (
+            ranks is not None
+        ):  # every rank's report, and the merged one on rank 0 (a collective: all ranks call)
+            self.report = self._merge_ranks(*ranks)
         if self.report_path is not None and getattr(state, "is_world_process_zero", True):
             write_text_atomic(self.report_path, json.dumps(self.report.to_dict(), indent=2) + "\n")
         if (
@@ -354,6 +359,43 @@ class VramGuardCallback(TrainerCallback):
             from vramguard.view.report import render
 
             render(self.report, stdout_console(), "trainer")
+            if self.report.distributed is not None:
+                from vramguard.view.report import distributed_ranks, distributed_summary
+
+                render(self.report, stdout_console(), (distributed_ranks, distributed_summary))
+
+    def _merge_ranks(self, rank: int, world: int) -> AuditReport:
+        """In a distributed run (``torch.distributed`` initialised, more than one rank): write this rank's report
+        to ``report_path`` with ``.rankR`` before its suffix, gather every rank's report and row on rank 0 and
+        return, there, rank 0's report with a ``distributed`` section (every rank's row, the verdict failing when
+        any rank's does); the other ranks return their own report."""
+        import dataclasses
+
+        import torch.distributed as dist
+
+        from vramguard.audit.distributed import merged, rank_row
+        from vramguard.workload.sharding import ShardingConfig, transient_terms
+
+        assert self.report is not None and self._model is not None
+        if self.report_path is not None:
+            write_text_atomic(
+                rank_path(self.report_path, rank), json.dumps(self.report.to_dict(), indent=2) + "\n"
+            )
+        model = self._model
+        row = None
+        if self.report.phases:  # no step measured: nothing to merge, but the gather below is still joined
+            transient = transient_terms(model, _compute_dtype(model))
+            row = dataclasses.asdict(
+                rank_row(self.report, model, self.ledger or LedgerReport(), rank, transient)
+            )
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object((self.report.to_dict(), row), gathered, dst=0)
+        if rank != 0 or gathered is None or any(r is None for _, r in gathered):
+            return self.report
+        reports = [AuditReport.from_dict(doc) for doc, _ in gathered]
+        rows = [RankRow(**r) for _, r in gathered]
+        sharding = ShardingConfig(world_size=world, sharding=_engine_of(model))
+        return merged(reports, rows, sharding, f"{world} processes, torch.distributed {dist.get_backend()}")
 
     def _resume(self) -> None:
         if self._paused and self._tracker is not None and isinstance(self._tracker.source, StorageTracker):
@@ -763,3 +805,41 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (tuple, list)):
         return [t for v in obj for t in _tensors(v)]
     return []
+
+
+def rank_path(path: Path, rank: int) -> Path:
+    """Where rank ``rank`` of a distributed run writes its own report: ``report.json`` -> ``report.rank1.json``."""
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def _rank_and_world() -> tuple[int, int] | None:
+    """(rank, world size) when this process is one of several ranks of an initialised process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _engine_of(model: torch.nn.Module) -> str:
+    """What shards ``model`` across the ranks: ``fsdp2`` (``fully_shard``), ``fsdp1``
+    (``FullyShardedDataParallel``), else ``ddp`` (every rank holds all of it: the trainer hands callbacks the
+    model inside ``DistributedDataParallel``)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    modules = list(model.modules())
+    if any(isinstance(m, FSDPModule) for m in modules):
+        return "fsdp2"
+    if any(isinstance(m, FullyShardedDataParallel) for m in modules):
+        return "fsdp1"
+    return "ddp"
+
+
+def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The compute dtype of the model's 4-bit layers (what bitsandbytes dequantizes to), else its first
+    floating parameter's dtype."""
+    for m in model.modules():
+        dtype = getattr(m, "compute_dtype", None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

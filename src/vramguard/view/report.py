@@ -458,6 +458,19 @@ def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console:
         )
 
 
+def render_world_fit(fit: dict[str, Any], batch: int, seq_len: int, console: Any) -> None:
+    """``vramguard estimate --fit SIZE --sharding fsdp2`` without ``--world-size``: the smallest world size whose
+    every rank fits, and each world size run."""
+    size = fb(fit["size_bytes"])
+    if fit["smallest_world_size"]:
+        line = f"fit: the smallest world size whose every rank fits in {size} at batch {batch} x seq {seq_len} is "
+        line += str(fit["smallest_world_size"])
+    else:
+        line = f"fit: no world size up to {fit['limit']} fits every rank in {size} at batch {batch} x seq {seq_len}"
+    runs = ", ".join(f"{n}: {fb(t) if t is not None else 'beyond torch'}" for n, t in fit["runs"])
+    console.print(f"{line} (rank 0 of world sizes {runs})", highlight=False, soft_wrap=True)
+
+
 def verdict_only(report: AuditReport, console: Any) -> None:
     """``--quiet``: the verdict line alone, without colour markup."""
     console.print(report.verdict.line, highlight=False, soft_wrap=True)

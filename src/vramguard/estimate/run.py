@@ -185,7 +185,9 @@ def run_estimate(
     offload = OffloadActivations(q.model) if offload_activations else contextlib.nullcontext()
     try:
         with (
-            forced_decisions(target, one_sequence_per_row=q.one_sequence_per_row) as taken,
+            forced_decisions(
+                target, one_sequence_per_row=q.one_sequence_per_row, autocast=config.mixed_precision != "no"
+            ) as taken,
             MemoryTracker(device, model=q.model, source=source, events=events) as tracker,
             offload,
         ):

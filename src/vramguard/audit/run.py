@@ -89,6 +89,10 @@ def expectation_of(q: QLoRAModel, config: QLoRAConfig, target: str, analytic: bo
     try:
         if not analytic:
             raise NoAnalyticModel(f"no analytic model for --method {config.method}")
+        if config.mixed_precision != "no":
+            raise NoAnalyticModel(
+                f"no analytic model for Trainer's {config.mixed_precision} autocast: measured only"
+            )
         if config.use_dora:
             raise NoAnalyticModel("no analytic model for DoRA (use_dora): measured only")
         if config.target_modules != "all-linear" or config.target_parameters:

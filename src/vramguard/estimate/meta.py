@@ -175,6 +175,7 @@ def forced_decisions(
         taken["grouped_mm"] = grouped.answered
         if routing is not None:
             taken["autocast_routed"] = routing.routed
+            taken["autocast_unprobed"] = len(routing.unprobed)
 
 
 def _function_modes() -> list[Any]:

@@ -695,9 +695,6 @@ class SavedTensorLedger:
             name = names.get(seq)
             if name is None:
                 node = by_seq.get(seq)
-                # a node the estimate adds at a device boundary (vramguard.estimate.autocast) names the op behind it
-                while node is not None and getattr(getattr(node, "_forward_cls", None), "transparent", False):
-                    node = node.next_functions[0][0] if node.next_functions else None
                 name = names[seq] = node.name() if node is not None else "<unknown>"
             return name
 

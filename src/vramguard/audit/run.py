@@ -83,6 +83,16 @@ def check_fits(config: QLoRAConfig, spec: ModelSpec | None = None) -> Expectatio
     return plan
 
 
+def refuse_fp16_on_cpu(config: QLoRAConfig, device_type: str) -> None:
+    """fp16 autocast on the CPU is refused (:class:`UsageError`), as accelerate refuses it for Trainer
+    ("fp16 mixed precision requires a device in ...", with no GradScaler for the CPU)."""
+    if config.mixed_precision == "fp16" and device_type == "cpu":
+        raise UsageError(
+            "fp16 mixed precision runs on a GPU only (accelerate refuses it on the CPU, as Trainer would): "
+            "use --bf16, or estimate --target cuda"
+        )
+
+
 def expectation_of(q: QLoRAModel, config: QLoRAConfig, target: str, analytic: bool = True) -> Expectation:
     """The analytic expectation of ``q``'s step for ``config`` with ``target``'s kernels; the weights
     alone (with the reason) where the analytic model has no answer, or with ``analytic`` False."""
@@ -129,6 +139,7 @@ def run_audit(
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
     config.validate()
+    refuse_fp16_on_cpu(config, torch.device(config.device).type)
     if events is not None and torch.device(config.device).type != "cpu":
         raise UsageError(f"allocation events are recorded on cpu and meta, not {config.device}")
     check_fits(config)
@@ -206,6 +217,7 @@ def assemble_report(
                 None if meta_run else checks.one_step(steps),
             ],
             offloaded=config.offload_activations,  # on the host by design: no deviation note
+            autocast=config.mixed_precision,
             timeline=timeline(tracker.events) if tracker.events is not None else None,
         )
     )

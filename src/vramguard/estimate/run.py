@@ -16,7 +16,7 @@ import torch
 
 from vramguard.audit import verdict as checks
 from vramguard.audit.report import AuditReport, DeviceEstimate, Finding, Overhead
-from vramguard.audit.run import assemble_report, expectation_of
+from vramguard.audit.run import assemble_report, expectation_of, refuse_fp16_on_cpu
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import META, TARGETS, build_meta, forced_decisions
 from vramguard.estimate.offload import OffloadActivations
@@ -166,6 +166,7 @@ def run_estimate(
     given = {"method": method, "optimizer": optimizer, "offload_activations": offload_activations}
     config = dataclasses.replace(config, **{k: v for k, v in given.items() if v is not None})
     config.validate()
+    refuse_fp16_on_cpu(config, target)
     method, optimizer, offload_activations = config.method, config.optimizer, config.offload_activations
     spec = ModelSpec.load(config.model)
     too_long: _TooLong | None = None

@@ -190,7 +190,8 @@ cannot be had on meta or on a CPU, so the meta run runs ``AdamW8bit`` and
 :func:`vramguard.estimate.run.paged_state_bytes` names the bytes that would be paged."""
 
 MIXED_PRECISION: tuple[str, ...] = ("no", "bf16", "fp16")
-"""Trainer's autocast (``TrainingArguments.bf16`` / ``fp16``): recorded in :class:`QLoRAConfig`, not priced yet."""
+"""Trainer's autocast (``TrainingArguments.bf16`` / ``fp16``): the step's forward and loss run under it
+(:func:`vramguard.workload.training.forward_as_trainer`; on meta, :mod:`vramguard.estimate.autocast`)."""
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
@@ -224,7 +225,8 @@ class QLoRAConfig:
     padding-free batch (:func:`padding_free_batch`): the rows flattened into one, with position ids that restart
     per sequence; ``packing`` (with ``padding_free``: TRL's ``bfd`` packing): several sequences per row.
     ``mixed_precision``: Trainer's ``bf16`` / ``fp16``
-    autocast (``no``, ``bf16``, ``fp16``), recorded but not priced yet: both commands say so."""
+    autocast (``no``, ``bf16``, ``fp16``), run as accelerate runs it for Trainer (fp16 needs a GPU: accelerate
+    refuses it on the CPU, and so do the CPU audit and ``estimate --target cpu``)."""
 
     model: str = "tiny-llama"
     seq_len: int = 128

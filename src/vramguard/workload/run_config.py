@@ -97,7 +97,7 @@ PRICED_KEYS: tuple[str, ...] = (
     "gradient_checkpointing_kwargs",
     "activation_checkpointing_kwargs",
     "optim",
-    "bf16",  # into mixed_precision, named by the commands (see mixed_precision_line)
+    "bf16",  # into mixed_precision (Trainer's autocast), named by the commands
     "fp16",
     "activation_offloading",
     "packing",
@@ -339,8 +339,11 @@ def load_run_config(path: str | Path) -> RunConfig:
         not_priced("optim", "priced as torch AdamW (fp32 moments)")
     values.setdefault("optimizer", "adamw")
 
-    # Trainer's autocast (TRL's default: bf16): recorded, not priced yet; both commands say so in one line
+    # Trainer's autocast (TRL's default: bf16): priced; both commands say how in one line
     values["mixed_precision"] = "bf16" if sft.bf16 else "fp16" if sft.fp16 else "no"
+    for key in ("bf16", "fp16"):
+        if key in data:
+            readings.append(KeyReading(key, data[key], "priced", "mixed_precision"))
 
     priced("activation_offloading", "offload_activations", boolean("activation_offloading", sft))
 

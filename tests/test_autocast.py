@@ -1,0 +1,79 @@
+"""Trainer's bf16/fp16 autocast, priced: the audit runs the step as accelerate wraps it for Trainer, and the
+meta run takes the target device's own autocast policy (:mod:`vramguard.estimate.autocast`).
+
+With ``--target cpu`` the estimate must equal the CPU audit to the byte, as without autocast
+(tests/test_estimate.py); with ``--target cuda`` it takes CUDA's policy, under which the attention's q, k, v
+are cast to bf16 and a grouped-query model's sdpa runs the flash kernel instead of the math composite.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from tests.test_estimate import STEPS, _above_weights
+
+from vramguard.audit.run import run_audit
+from vramguard.cli import main
+from vramguard.workload.models import QLoRAConfig
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param({}, id="llama"),
+        pytest.param({"gradient_checkpointing": True}, id="llama-checkpointing"),
+    ],
+)
+def test_bf16_estimate_equals_the_bf16_cpu_audit_to_the_byte(variant: dict[str, Any]) -> None:
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(**{"seq_len": 64, "batch": 2, "mixed_precision": "bf16", **variant})
+    estimate = run_estimate(config, steps=STEPS, target="cpu")
+    audit = run_audit(config, steps=STEPS)
+    got, want = _above_weights(estimate), _above_weights(audit)
+    for key in want:
+        assert got[key] == want[key], key
+    assert estimate.estimate is not None and estimate.estimate.forced_decisions["autocast_routed"] > 0
+    # autocast changed the step: the saved bytes are not those of the same step without it
+    plain = run_estimate(QLoRAConfig(**{"seq_len": 64, "batch": 2, **variant}), steps=1, target="cpu")
+    assert plain.totals.saved_bytes != estimate.totals.saved_bytes
+
+
+def _attention(report: Any) -> set[tuple[str, str]]:
+    return {(r["node"], r["dtype"]) for r in report.records if r["module"].endswith("layers.1.self_attn")}
+
+
+def test_cuda_autocast_runs_gqa_attention_in_flash() -> None:
+    """tiny-llama (4 heads, 2 k/v heads): fp32 attention on CUDA is the math composite, which keeps the
+    b x a x s x s probabilities; under CUDA's bf16 autocast sdpa's inputs are bf16, so flash runs and keeps
+    no s x s tensor, q, k, v in bf16 and the logsumexp in fp32."""
+    from vramguard.estimate.run import run_estimate
+
+    b, a, s = 2, 4, 64
+    fp32 = run_estimate(QLoRAConfig(seq_len=s, batch=b), steps=1, target="cuda")
+    bf16 = run_estimate(QLoRAConfig(seq_len=s, batch=b, mixed_precision="bf16"), steps=1, target="cuda")
+    assert any(r["shape"] == [b, a, s, s] for r in fp32.records), "fp32 GQA attention on CUDA is math"
+    assert not any(r["shape"] == [b, a, s, s] for r in bf16.records), "the s x s probabilities were saved"
+    flash = "ScaledDotProductFlashAttentionForCpuBackward0"  # the meta run's stand-in for CUDA's flash kernel
+    assert _attention(bf16) >= {(flash, "bfloat16"), (flash, "float32")}
+    assert bf16.estimate is not None and fp32.estimate is not None
+    assert bf16.estimate.total_bytes < fp32.estimate.total_bytes
+
+
+def test_fp16_on_the_cpu_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """accelerate refuses fp16 mixed precision on the CPU; so do the audit and estimate --target cpu."""
+    for argv in (
+        ["audit", "--fp16", "--seq-len", "16"],
+        ["estimate", "--fp16", "--target", "cpu", "--seq-len", "16"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "fp16" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_names_the_autocast_as_priced(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--bf16", "--target", "cpu", "--seq-len", "16", "--batch", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "mixed precision bf16 (Trainer's autocast): priced" in out
+    assert "NOT PRICED" not in out

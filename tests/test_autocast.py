@@ -77,3 +77,16 @@ def test_cli_names_the_autocast_as_priced(capsys: pytest.CaptureFixture[str]) ->
     out = " ".join(capsys.readouterr().out.split())
     assert "mixed precision bf16 (Trainer's autocast): priced" in out
     assert "NOT PRICED" not in out
+
+
+def test_one_line_names_the_term_that_sets_the_peak_and_the_setting_that_removes_it() -> None:
+    """tiny-llama at seq 1024 on CUDA: the math attention's fp32 s x s probabilities (2 x 16 MiB) are most
+    of the step's peak, and the line names --bf16; under bf16 autocast flash keeps none, and no line."""
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=1024, batch=1)
+    fp32 = run_estimate(config, steps=1, target="cuda")
+    lines = [f.message for f in fp32.verdict.findings if f.kind == "peak-term"]
+    assert len(lines) == 1 and "s x s attention" in lines[0] and "--bf16" in lines[0], lines
+    bf16 = run_estimate(QLoRAConfig(seq_len=1024, batch=1, mixed_precision="bf16"), steps=1, target="cuda")
+    assert not [f for f in bf16.verdict.findings if f.kind == "peak-term"]

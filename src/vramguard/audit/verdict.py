@@ -42,6 +42,7 @@ META_RUN = "meta-run"
 PAGED_OPTIMIZER = "paged-optimizer"
 DORA = "dora"
 AUTOCAST_CASTS = "autocast-casts"
+PEAK_TERM = "peak-term"  # one term of the saved activations sets the step's peak
 CONFIG = "config"  # how a --config file (and the flags) were read: priced, no byte, not priced
 
 

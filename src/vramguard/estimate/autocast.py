@@ -80,8 +80,11 @@ class TargetAutocast(TorchFunctionMode):
 
     def __init__(self, target: str) -> None:
         super().__init__()
-        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+        self.fake_mode = FakeTensorMode(
+            allow_non_fake_inputs=False
+        )  # the probes' (their tensors die with them)
         self.target = target
         self.device = torch.device(target, 0) if target == "cuda" else torch.device(target)
         self._fake_class = FakeTensor
@@ -106,14 +109,12 @@ class TargetAutocast(TorchFunctionMode):
     def autocast_inputs(self, func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
         """``(args, kwargs)`` with every meta tensor cast as ``target``'s autocast kernel of ``func`` casts it
         before the op's own kernel runs (see the module docstring)."""
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         metas = [
             t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == META
         ]
         probe = _FirstKernel()
         with _disable_current_modes(), torch.no_grad():
-            mode = FakeTensorMode(allow_non_fake_inputs=False)
+            mode = self.fake_mode
             aliases = {id(t): self._fake_class(mode, t.detach(), self.device) for t in metas}
             for t in metas:
                 probe.inputs[id(aliases[id(t)])] = t

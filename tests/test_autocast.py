@@ -90,3 +90,39 @@ def test_one_line_names_the_term_that_sets_the_peak_and_the_setting_that_removes
     assert len(lines) == 1 and "s x s attention" in lines[0] and "--bf16" in lines[0], lines
     bf16 = run_estimate(QLoRAConfig(seq_len=1024, batch=1, mixed_precision="bf16"), steps=1, target="cuda")
     assert not [f for f in bf16.verdict.findings if f.kind == "peak-term"]
+
+
+def test_flash_attention_2_saves_no_s_x_s_tensor_by_flash_attns_rules() -> None:
+    """``--attn-implementation flash_attention_2`` (flash_attn is CUDA-only: priced on meta from its rules):
+    transformers' flash path casts the fp32 q, k, v to bf16 and flash-attn 2 saves them in b x s x h x d, its
+    padded output, the fp32 b x h x s logsumexp and a 2 x int64 rng state, and no s x s tensor; fp32 sdpa on
+    CUDA (math, for this GQA model) keeps the probabilities."""
+    from vramguard.estimate.run import run_estimate
+
+    b, a, kv, s, d = 2, 4, 2, 64, 32
+    flash = run_estimate(
+        QLoRAConfig(seq_len=s, batch=b, attn_implementation="flash_attention_2"), steps=1, target="cuda"
+    )
+    saved = {
+        (r["dtype"], tuple(r["shape"]))
+        for r in flash.records
+        if r["module"].endswith("layers.1.self_attn") and r["node"] == "FlashAttnFuncBackward"
+    }
+    assert saved == {
+        ("bfloat16", (b, s, a, d)),  # q and the output
+        ("bfloat16", (b, s, kv, d)),  # k and v, at their own heads
+        ("float32", (b, a, s)),  # softmax_lse
+        ("int64", (2,)),  # rng_state
+    }
+    assert not any(r["shape"][-2:] == [s, s] for r in flash.records)
+    assert any(f.kind == "build" and "flash-attn 2" in f.message for f in flash.verdict.findings)
+
+
+def test_flash_attention_2_elsewhere_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (
+        ["audit", "--attn-implementation", "flash_attention_2", "--seq-len", "16"],
+        ["estimate", "--attn-implementation", "flash_attention_2", "--target", "cpu", "--seq-len", "16"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "flash_attention_2" in err and err.count("\n") == 1 and "Traceback" not in err

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from vramguard.cli import main
+from vramguard.errors import UsageError
 from vramguard.workload.models import presets
 from vramguard.workload.run_config import load_run_config
 
@@ -74,7 +75,7 @@ KEYS: list[tuple[str, dict[str, Any], str]] = [
     ("use_dora", {"use_dora": True}, "changes"),
     ("use_rslora", {"use_rslora": True}, "no-byte"),
     ("attn_implementation", {"attn_implementation": "eager"}, "changes"),
-    ("attn_implementation", {"attn_implementation": "flash_attention_2"}, "not-priced"),
+    ("attn_implementation", {"attn_implementation": "flash_attention_2"}, "cuda-only"),
     ("dtype", {"dtype": "float32"}, "changes"),
 ]
 
@@ -120,6 +121,13 @@ def test_each_key_changes_the_answer_or_is_named(
     run = load_run_config(_write(tmp_path, {**BASE, **change}))
     config = run.config()
     lines = "\n".join(run.lines())
+    if (
+        expect == "cuda-only"
+    ):  # priced on --target cuda only (flash-attn is CUDA-only); the CPU answer refuses it
+        assert f"{key}=" in lines.split("\n")[0], "a priced key is listed as priced"
+        with pytest.raises(UsageError, match="CUDA only"):
+            _answer(config)
+        return
     answer = _answer(config)
     if expect == "changes":
         assert answer != base_answer, f"{key}: a changed value left every byte of the answer as it was"

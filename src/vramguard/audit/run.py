@@ -59,6 +59,7 @@ def check_fits(config: QLoRAConfig, spec: ModelSpec | None = None) -> Expectatio
     analytic memory must fit what the device has free; that model leaves out transient buffers, so it
     errs towards letting a run start.
     """
+    refuse_what_the_audit_cannot_run(config)
     spec = spec or ModelSpec.load(config.model)
     plan = planned_expectation(config, spec)
     fb = format_bytes
@@ -93,6 +94,17 @@ def refuse_fp16_on_cpu(config: QLoRAConfig, device_type: str) -> None:
         )
 
 
+def refuse_what_the_audit_cannot_run(config: QLoRAConfig) -> None:
+    """fp16 autocast on the CPU (:func:`refuse_fp16_on_cpu`) and flash_attention_2 (the flash_attn package
+    is CUDA-only and the audit does not load it) are one-line :class:`UsageError`\ s."""
+    refuse_fp16_on_cpu(config, torch.device(config.device).type)
+    if config.attn_implementation == "flash_attention_2":
+        raise UsageError(
+            "attn-implementation flash_attention_2 needs the flash_attn package and a CUDA GPU, which the audit "
+            "does not load: price it with vramguard estimate --target cuda"
+        )
+
+
 def expectation_of(q: QLoRAModel, config: QLoRAConfig, target: str, analytic: bool = True) -> Expectation:
     """The analytic expectation of ``q``'s step for ``config`` with ``target``'s kernels; the weights
     alone (with the reason) where the analytic model has no answer, or with ``analytic`` False."""
@@ -103,6 +115,8 @@ def expectation_of(q: QLoRAModel, config: QLoRAConfig, target: str, analytic: bo
             raise NoAnalyticModel(
                 f"no analytic model for Trainer's {config.mixed_precision} autocast: measured only"
             )
+        if q.attn_implementation == "flash_attention_2":
+            raise NoAnalyticModel("no analytic model for flash_attention_2: measured only")
         if config.use_dora:
             raise NoAnalyticModel("no analytic model for DoRA (use_dora): measured only")
         if config.target_modules != "all-linear" or config.target_parameters:
@@ -139,7 +153,7 @@ def run_audit(
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
     config.validate()
-    refuse_fp16_on_cpu(config, torch.device(config.device).type)
+    refuse_what_the_audit_cannot_run(config)
     if events is not None and torch.device(config.device).type != "cpu":
         raise UsageError(f"allocation events are recorded on cpu and meta, not {config.device}")
     check_fits(config)

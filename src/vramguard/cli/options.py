@@ -13,7 +13,7 @@ from typing import Any
 from vramguard.audit import verdict as checks
 from vramguard.audit.report import AuditReport
 from vramguard.errors import UsageError
-from vramguard.workload.models import QLoRAConfig
+from vramguard.workload.models import ATTN_IMPLEMENTATIONS, QLoRAConfig
 from vramguard.workload.sharding import SHARDINGS, ShardingConfig
 
 
@@ -77,10 +77,13 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, help="default: on")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, help="default: off")
     p.add_argument(
-        "--attn-implementation", choices=("sdpa", "eager"), help=f"default: {d.attn_implementation}"
+        "--attn-implementation",
+        choices=ATTN_IMPLEMENTATIONS,
+        help=f"default: {d.attn_implementation}; flash_attention_2: estimate --target cuda only, priced from "
+        "flash-attn 2's rules (the package is CUDA-only)",
     )
     p.add_argument(  # the flag's earlier name
-        "--attn", dest="attn_implementation", choices=("sdpa", "eager"), help=argparse.SUPPRESS
+        "--attn", dest="attn_implementation", choices=ATTN_IMPLEMENTATIONS, help=argparse.SUPPRESS
     )
     p.add_argument(
         "--target-modules",

@@ -437,6 +437,16 @@ def build_meta(
     from transformers.utils import logging as hf_logging
 
     hf_config, model_class, attn, notes = resolve_attention(config, spec)
+    built = attn
+    if (
+        attn == "flash_attention_2"
+    ):  # transformers refuses it without the package: built with sdpa, run with it
+        built = hf_config._attn_implementation = "sdpa"
+        notes.append(
+            "flash_attention_2: the flash_attn package is CUDA-only and not loaded; transformers' flash path runs "
+            "with flash-attn 2's kernel priced from its own rules (vramguard.estimate.flash): it saves q, k, v, "
+            "the output, an fp32 b x h x s logsumexp and no s x s tensor"
+        )
     compute_dtype = parse_dtype(config.compute_dtype)
     weights_dtype = torch.float32 if method == "full" else compute_dtype
     hf_logging.set_verbosity_error()
@@ -446,7 +456,7 @@ def build_meta(
         warnings.simplefilter("ignore")
         try:
             with torch.device(device):
-                model = model_class._from_config(hf_config, dtype=weights_dtype, attn_implementation=attn)
+                model = model_class._from_config(hf_config, dtype=weights_dtype, attn_implementation=built)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise UsageError(f"transformers cannot build {spec.name}: {_first_line(exc)}") from None
         if method == "qlora":

@@ -227,6 +227,17 @@ def run_estimate(
     source = StorageTracker(None)
     source.device = device
     offload = OffloadActivations(q.model) if offload_activations else contextlib.nullcontext()
+    flash: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if q.attn_implementation == "flash_attention_2":
+        if target != "cuda":
+            raise UsageError("flash_attention_2 runs on CUDA only: estimate it with --target cuda")
+        if config.padding_free:
+            raise UsageError(
+                "flash_attention_2 with a padding-free batch (flash-attn's varlen path) is not priced"
+            )
+        from vramguard.estimate.flash import flash_attention_2
+
+        flash = flash_attention_2(q.model, target)
     try:
         with (
             forced_decisions(
@@ -234,6 +245,7 @@ def run_estimate(
             ) as taken,
             MemoryTracker(device, model=q.model, source=source, events=events) as tracker,
             offload,
+            flash,
         ):
             results, ledger = run_steps(q, steps, tracker, optimizer=opt, ledger_step=0)
     except RuntimeError as exc:

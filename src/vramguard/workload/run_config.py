@@ -435,7 +435,7 @@ def load_run_config(path: str | Path) -> RunConfig:
         readings.append(KeyReading("use_dora", True, "no-byte", "no adapters without use_peft"))
 
     attn = model_args.attn_implementation
-    if attn in (None, "sdpa", "eager"):
+    if attn in (None, "sdpa", "eager", "flash_attention_2"):  # flash_attention_2: estimate --target cuda only
         if attn is not None:
             priced("attn_implementation", "attn_implementation", attn)
         values.setdefault("attn_implementation", "sdpa")  # what from_pretrained picks by default

@@ -116,6 +116,11 @@ def test_flash_attention_2_saves_no_s_x_s_tensor_by_flash_attns_rules() -> None:
     }
     assert not any(r["shape"][-2:] == [s, s] for r in flash.records)
     assert any(f.kind == "build" and "flash-attn 2" in f.message for f in flash.verdict.findings)
+    # batch 1: transformers reads the position ids for packed sequences (answered: one sequence per row)
+    one = run_estimate(
+        QLoRAConfig(seq_len=s, batch=1, attn_implementation="flash_attention_2"), steps=1, target="cuda"
+    )
+    assert one.totals.saved_bytes > 0
 
 
 def test_flash_attention_2_elsewhere_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:

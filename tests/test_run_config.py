@@ -486,3 +486,14 @@ def test_packed_rows_cost_the_mask_that_one_sequence_per_row_does_not(tmp_path: 
 
     assert others(runs["packing"]) == others(runs["padding_free"])
     assert runs["packing"].totals.saved_bytes > runs["padding_free"].totals.saved_bytes
+
+
+def test_full_fine_tuning_in_bf16_is_named_not_priced(tmp_path: Path) -> None:
+    """Without PEFT TRL trains every parameter in the loaded dtype, and AdamW keeps its moments in it: in
+    bf16 that is 8 B/param where the full-method estimate prices fp32's 16, so the line says so."""
+    run = load_run_config(_write(tmp_path, {**BASE, "use_peft": False, "dtype": "bfloat16"}))
+    assert run.config().method == "full"
+    not_priced = next(line for line in run.lines() if "NOT PRICED" in line)
+    assert "dtype=" in not_priced and "16 B/param" in not_priced
+    fp32 = load_run_config(_write(tmp_path, {**BASE, "use_peft": False, "dtype": "float32"}))
+    assert not any("NOT PRICED" in line and "dtype" in line for line in fp32.lines())

@@ -69,8 +69,8 @@ _NOT_ROUTED = frozenset(
         "detach_",
     }
 )
-"""Tensor methods that ask about a tensor or its autograd state, and never compute in a dtype: called on
-the meta tensor itself (a fake alias would answer with its device, or lose the autograd identity)."""
+"""Tensor methods that ask about a tensor or its autograd state and compute nothing: autocast has nothing to
+say about them, so no probe is run."""
 
 
 class TargetAutocast(TorchFunctionMode):
@@ -82,9 +82,8 @@ class TargetAutocast(TorchFunctionMode):
         super().__init__()
         from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-        self.fake_mode = FakeTensorMode(
-            allow_non_fake_inputs=False
-        )  # the probes' (their tensors die with them)
+        # the probes' mode (their fake tensors die with each probe)
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
         self.target = target
         self.device = torch.device(target, 0) if target == "cuda" else torch.device(target)
         self._fake_class = FakeTensor

@@ -5,7 +5,8 @@ refuses to build a model with ``flash_attention_2`` without it. The meta run bui
 sets its config to ``flash_attention_2``, so transformers' own flash path runs: its mask functions,
 ``flash_attention_forward`` (q, k, v transposed to ``b x s x h x d``) and ``_flash_attention_forward``
 (fp32 q, k, v cast to the target dtype: the autocast dtype, else the quantized model's dtype). Only the two
-things that need the package are answered here: the flash functions (:func:`flash_attn_func`, which follows
+things that need the package or a device are answered here: whether a batch-1 row holds packed sequences
+(read from the position ids' values: one sequence per row, as the real rows), the flash functions (:func:`flash_attn_func`, which follows
 ``flash_attn_interface.FlashAttnFunc`` and ``csrc/flash_attn/flash_api.cpp``'s ``mha_fwd`` / ``mha_bwd``) and
 the autocast query on a meta tensor's device.
 
@@ -141,12 +142,26 @@ def flash_attention_2(model: torch.nn.Module, target: str) -> Iterator[None]:
     previous = [(c, c._attn_implementation) for c in configs if getattr(c, "_attn_implementation", None)]
     for c, _ in previous:
         c._attn_implementation = FLASH_ATTENTION_2
+    original_packed = fa_utils._is_packed_sequence
+
+    def _is_packed_sequence(position_ids: Any, batch_size: int) -> Any:
+        if position_ids is None or position_ids.device.type != "meta":
+            return original_packed(position_ids, batch_size)
+        from vramguard.estimate.meta import _AnswerScalars
+
+        # batch 1 reads the position ids (a device sync per layer); the real run's rows hold one sequence each
+        # (padding-free batches are refused above): the ops run, their test is answered as the device answers it
+        with _AnswerScalars(False):
+            return bool(original_packed(position_ids, batch_size))
+
+    fa_utils._is_packed_sequence = _is_packed_sequence  # type: ignore[assignment]
     fa_utils.lazy_import_flash_attention = lazy_import_flash_attention  # type: ignore[assignment]
     fa.get_target_dtype = get_target_dtype  # type: ignore[assignment]
     try:
         yield
     finally:
         fa_utils.lazy_import_flash_attention = original_import  # type: ignore[assignment]
+        fa_utils._is_packed_sequence = original_packed  # type: ignore[assignment]
         fa.get_target_dtype = original_target  # type: ignore[assignment]
         for c, attn in previous:
             c._attn_implementation = attn

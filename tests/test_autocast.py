@@ -131,3 +131,30 @@ def test_flash_attention_2_elsewhere_is_refused_in_one_line(capsys: pytest.Captu
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert "flash_attention_2" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_audits_bf16_step_is_the_real_trainers(tmp_path: Any) -> None:
+    """The real ``Trainer`` with ``bf16=True`` on the CPU (accelerate wraps the model's forward in autocast
+    and casts the outputs to fp32) keeps, layer by layer, what ``run_audit(mixed_precision="bf16")`` keeps,
+    and peaks as high in the forward and the optimizer step; the lm_head's bf16 copy is a note there too."""
+    import dataclasses
+
+    from tests.test_integrations import CONFIG, _trainer
+
+    from vramguard.integrations.transformers import VramGuardCallback
+    from vramguard.workload.models import build_qlora
+
+    config = dataclasses.replace(CONFIG, mixed_precision="bf16")
+    audit = run_audit(config, steps=2)
+    cb = VramGuardCallback(table=False)
+    _trainer(build_qlora(config), cb, tmp_path, bf16=True).train()
+    report = cb.report
+    assert report is not None and report.verdict.ok, report.verdict.line
+    assert [(r.name, r.saved_bytes) for r in report.layers] == [(r.name, r.saved_bytes) for r in audit.layers]
+    assert report.totals.saved_bytes == audit.totals.saved_bytes
+    assert report.totals.outside_layers_bytes == audit.totals.outside_layers_bytes
+    for name in ("forward", "optimizer"):
+        assert report.phases[name].peak_above_start == audit.phases[name].peak_above_start, name
+    plain = run_audit(CONFIG, steps=1)
+    assert plain.totals.saved_bytes != audit.totals.saved_bytes  # autocast changed what is saved
+    assert any(f.kind == "autocast-casts" for f in report.verdict.findings)

@@ -169,7 +169,10 @@ def test_default_config_is_valid() -> None:
         ({"lora_dropout": -0.1}, r"lora dropout must be in \[0, 1\)"),
         ({"compute_dtype": "int8"}, r"unknown dtype 'int8' \(choose from bf16, fp16, fp32\)"),
         ({"quant_type": "int4"}, r"quant type must be nf4 or fp4, got 'int4'"),
-        ({"attn_implementation": "flash"}, r"attention implementation must be sdpa or eager, got 'flash'"),
+        (
+            {"attn_implementation": "flash"},
+            r"attention implementation must be one of sdpa, eager, flash_attention_2, got 'flash'",
+        ),
         ({"device": "notadevice"}, r"not a device: 'notadevice'"),
         ({"device": "meta"}, r"device must be cpu or cuda, got 'meta'"),
         (

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from vramguard.cli import main
+from vramguard.errors import UsageError
 from vramguard.workload.models import presets
 from vramguard.workload.run_config import load_run_config
 
@@ -60,7 +61,7 @@ KEYS: list[tuple[str, dict[str, Any], str]] = [
     ("optim", {"optim": "adamw_8bit"}, "changes"),
     ("optim", {"optim": "paged_adamw_8bit"}, "changes"),
     ("optim", {"optim": "adafactor"}, "not-priced"),
-    ("bf16", {"bf16": True}, "mixed-precision"),
+    ("bf16", {"bf16": True}, "changes"),
     ("use_liger_kernel", {"use_liger_kernel": True}, "not-priced"),
     ("activation_offloading", {"activation_offloading": True}, "changes"),
     ("use_peft", {"use_peft": False}, "changes"),
@@ -74,7 +75,7 @@ KEYS: list[tuple[str, dict[str, Any], str]] = [
     ("use_dora", {"use_dora": True}, "changes"),
     ("use_rslora", {"use_rslora": True}, "no-byte"),
     ("attn_implementation", {"attn_implementation": "eager"}, "changes"),
-    ("attn_implementation", {"attn_implementation": "flash_attention_2"}, "not-priced"),
+    ("attn_implementation", {"attn_implementation": "flash_attention_2"}, "cuda-only"),
     ("dtype", {"dtype": "float32"}, "changes"),
 ]
 
@@ -120,8 +121,13 @@ def test_each_key_changes_the_answer_or_is_named(
     run = load_run_config(_write(tmp_path, {**BASE, **change}))
     config = run.config()
     lines = "\n".join(run.lines())
-    if config.mixed_precision != "no":
-        lines += "\n" + "mixed precision " + config.mixed_precision
+    if (
+        expect == "cuda-only"
+    ):  # priced on --target cuda only (flash-attn is CUDA-only); the CPU answer refuses it
+        assert f"{key}=" in lines.split("\n")[0], "a priced key is listed as priced"
+        with pytest.raises(UsageError, match="CUDA only"):
+            _answer(config)
+        return
     answer = _answer(config)
     if expect == "changes":
         assert answer != base_answer, f"{key}: a changed value left every byte of the answer as it was"
@@ -130,8 +136,6 @@ def test_each_key_changes_the_answer_or_is_named(
         no_byte = next(line for line in run.lines() if "changes no byte" in line)
         assert key in no_byte
         assert answer == base_answer, f"{key} is said to change no byte, but the answer moved"
-    elif expect == "mixed-precision":
-        assert "mixed precision bf16" in lines
     else:
         not_priced = next(line for line in run.lines() if "NOT PRICED" in line)
         assert f"{key}=" in not_priced, not_priced
@@ -205,7 +209,8 @@ def test_flags_override_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert document["config"]["target_modules"] == "q_proj,v_proj"
     assert document["config"]["mixed_precision"] == "bf16"
     assert "overridden by flags: batch, mixed_precision, target_modules" in " ".join(out.split())
-    assert any("mixed precision bf16" in n and "NOT PRICED" in n for n in document["verdict"]["notes"])
+    assert any("mixed precision bf16" in n and "priced" in n for n in document["verdict"]["notes"])
+    assert not any("NOT PRICED" in n and "mixed precision" in n for n in document["verdict"]["notes"])
 
 
 def test_quiet_still_names_what_is_not_priced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -481,3 +486,14 @@ def test_packed_rows_cost_the_mask_that_one_sequence_per_row_does_not(tmp_path: 
 
     assert others(runs["packing"]) == others(runs["padding_free"])
     assert runs["packing"].totals.saved_bytes > runs["padding_free"].totals.saved_bytes
+
+
+def test_full_fine_tuning_in_bf16_is_named_not_priced(tmp_path: Path) -> None:
+    """Without PEFT TRL trains every parameter in the loaded dtype, and AdamW keeps its moments in it: in
+    bf16 that is 8 B/param where the full-method estimate prices fp32's 16, so the line says so."""
+    run = load_run_config(_write(tmp_path, {**BASE, "use_peft": False, "dtype": "bfloat16"}))
+    assert run.config().method == "full"
+    not_priced = next(line for line in run.lines() if "NOT PRICED" in line)
+    assert "dtype=" in not_priced and "16 B/param" in not_priced
+    fp32 = load_run_config(_write(tmp_path, {**BASE, "use_peft": False, "dtype": "float32"}))
+    assert not any("NOT PRICED" in line and "dtype" in line for line in fp32.lines())

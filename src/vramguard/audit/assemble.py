@@ -159,6 +159,19 @@ class Measured:
     ok_detail: str | None = None
     offloaded: bool = False
     timeline: Timeline | None = None
+    autocast: str = "no"  # Trainer's mixed precision (QLoRAConfig.mixed_precision)
+
+
+def autocast_cast_modules(model: torch.nn.Module) -> frozenset[str]:
+    """Modules with an unquantized 2-D weight (no bitsandbytes ``quant_state``): under autocast, a copy of
+    their weight saved for backward is autocast's cast, not a dequantization."""
+    return frozenset(
+        name
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "weight", None), torch.Tensor)
+        and module.weight.dim() == 2
+        and getattr(module.weight, "quant_state", None) is None
+    )
 
 
 def assemble(m: Measured) -> AuditReport:
@@ -168,9 +181,11 @@ def assemble(m: Measured) -> AuditReport:
     comparison = compare_with_expectation(
         m.expected, totals, m.ledger, lora_training_bytes(m.trainable, m.optimizer)
     )
+    cast = autocast_cast_modules(m.model) if m.autocast != "no" else frozenset()
     judged = [
         *m.findings_first,
-        checks.weight_copies(m.ledger),
+        checks.weight_copies(m.ledger, cast),
+        checks.autocast_casts(m.ledger, cast, m.autocast),
         checks.leak(m.steps, m.leak_tolerance),
         checks.activation_comparison(comparison, offloaded=m.offloaded),
         *m.findings,

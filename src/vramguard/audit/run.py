@@ -59,6 +59,7 @@ def check_fits(config: QLoRAConfig, spec: ModelSpec | None = None) -> Expectatio
     analytic memory must fit what the device has free; that model leaves out transient buffers, so it
     errs towards letting a run start.
     """
+    refuse_what_the_audit_cannot_run(config)
     spec = spec or ModelSpec.load(config.model)
     plan = planned_expectation(config, spec)
     fb = format_bytes
@@ -83,12 +84,39 @@ def check_fits(config: QLoRAConfig, spec: ModelSpec | None = None) -> Expectatio
     return plan
 
 
+def refuse_fp16_on_cpu(config: QLoRAConfig, device_type: str) -> None:
+    """fp16 autocast on the CPU is refused (:class:`UsageError`), as accelerate refuses it for Trainer
+    ("fp16 mixed precision requires a device in ...", with no GradScaler for the CPU)."""
+    if config.mixed_precision == "fp16" and device_type == "cpu":
+        raise UsageError(
+            "fp16 mixed precision runs on a GPU only (accelerate refuses it on the CPU, as Trainer would): "
+            "use --bf16, or estimate --target cuda"
+        )
+
+
+def refuse_what_the_audit_cannot_run(config: QLoRAConfig) -> None:
+    """fp16 autocast on the CPU (:func:`refuse_fp16_on_cpu`) and flash_attention_2 (the flash_attn package
+    is CUDA-only and the audit does not load it) are one-line :class:`UsageError`\ s."""
+    refuse_fp16_on_cpu(config, torch.device(config.device).type)
+    if config.attn_implementation == "flash_attention_2":
+        raise UsageError(
+            "attn-implementation flash_attention_2 needs the flash_attn package and a CUDA GPU, which the audit "
+            "does not load: price it with vramguard estimate --target cuda"
+        )
+
+
 def expectation_of(q: QLoRAModel, config: QLoRAConfig, target: str, analytic: bool = True) -> Expectation:
     """The analytic expectation of ``q``'s step for ``config`` with ``target``'s kernels; the weights
     alone (with the reason) where the analytic model has no answer, or with ``analytic`` False."""
     try:
         if not analytic:
             raise NoAnalyticModel(f"no analytic model for --method {config.method}")
+        if config.mixed_precision != "no":
+            raise NoAnalyticModel(
+                f"no analytic model for Trainer's {config.mixed_precision} autocast: measured only"
+            )
+        if q.attn_implementation == "flash_attention_2":
+            raise NoAnalyticModel("no analytic model for flash_attention_2: measured only")
         if config.use_dora:
             raise NoAnalyticModel("no analytic model for DoRA (use_dora): measured only")
         if config.target_modules != "all-linear" or config.target_parameters:
@@ -125,6 +153,7 @@ def run_audit(
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
     config.validate()
+    refuse_what_the_audit_cannot_run(config)
     if events is not None and torch.device(config.device).type != "cpu":
         raise UsageError(f"allocation events are recorded on cpu and meta, not {config.device}")
     check_fits(config)
@@ -202,6 +231,7 @@ def assemble_report(
                 None if meta_run else checks.one_step(steps),
             ],
             offloaded=config.offload_activations,  # on the host by design: no deviation note
+            autocast=config.mixed_precision,
             timeline=timeline(tracker.events) if tracker.events is not None else None,
         )
     )

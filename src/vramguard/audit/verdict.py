@@ -41,6 +41,8 @@ BACKWARD_PEAK = "backward-peak"
 META_RUN = "meta-run"
 PAGED_OPTIMIZER = "paged-optimizer"
 DORA = "dora"
+AUTOCAST_CASTS = "autocast-casts"
+PEAK_TERM = "peak-term"  # one term of the saved activations sets the step's peak
 CONFIG = "config"  # how a --config file (and the flags) were read: priced, no byte, not priced
 
 
@@ -57,17 +59,34 @@ def leak_bytes(retained: Sequence[int]) -> int:
     return max(retained) - retained[0]
 
 
-def weight_copies(ledger: LedgerReport) -> Finding | None:
-    """The problem of dequantized weights kept for backward, or ``None`` when there are none."""
-    if not ledger.weight_copy_bytes:
+def weight_copies(ledger: LedgerReport, cast_by_autocast: frozenset[str] = frozenset()) -> Finding | None:
+    """The problem of dequantized weights kept for backward, or ``None`` when there are none. Copies saved in
+    ``cast_by_autocast`` (modules whose weight is not quantized, under Trainer's autocast: autocast's cast of
+    the weight, not a dequantization) are :func:`autocast_casts`' note instead."""
+    copies = [r for r in ledger.records if r.kind == "weight-copy" and r.module not in cast_by_autocast]
+    if not copies:
         return None
-    worst = next(r for r in ledger.records if r.kind == "weight-copy")
+    total = sum(r.bytes for r in copies)
     return Finding(
         WEIGHT_COPIES,
-        f"{format_bytes(ledger.weight_copy_bytes)} of weight copies saved for backward "
-        f"(largest: {worst.describe()})",
-        ledger.weight_copy_bytes,
+        f"{format_bytes(total)} of weight copies saved for backward (largest: {copies[0].describe()})",
+        total,
         problem=True,
+    )
+
+
+def autocast_casts(ledger: LedgerReport, cast_by_autocast: frozenset[str], autocast: str) -> Finding | None:
+    """The note on autocast's low-precision copies of unquantized weights (the fp32 ``lm_head`` that
+    ``prepare_model_for_kbit_training`` leaves) that the step saves for backward: cast again every forward."""
+    copies = [r for r in ledger.records if r.kind == "weight-copy" and r.module in cast_by_autocast]
+    if not copies:
+        return None
+    total = sum(r.bytes for r in copies)
+    return Finding(
+        AUTOCAST_CASTS,
+        f"{autocast} autocast copies of unquantized weights saved for backward: {format_bytes(total)} "
+        f"(largest: {copies[0].describe()}); autocast casts each such fp32 weight every forward",
+        total,
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from vramguard.audit import verdict as checks
 from vramguard.audit.report import AuditReport
 from vramguard.errors import UsageError
-from vramguard.workload.models import QLoRAConfig
+from vramguard.workload.models import ATTN_IMPLEMENTATIONS, QLoRAConfig
 from vramguard.workload.sharding import SHARDINGS, ShardingConfig
 
 
@@ -77,10 +77,13 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, help="default: on")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, help="default: off")
     p.add_argument(
-        "--attn-implementation", choices=("sdpa", "eager"), help=f"default: {d.attn_implementation}"
+        "--attn-implementation",
+        choices=ATTN_IMPLEMENTATIONS,
+        help=f"default: {d.attn_implementation}; flash_attention_2: estimate --target cuda only, priced from "
+        "flash-attn 2's rules (the package is CUDA-only)",
     )
     p.add_argument(  # the flag's earlier name
-        "--attn", dest="attn_implementation", choices=("sdpa", "eager"), help=argparse.SUPPRESS
+        "--attn", dest="attn_implementation", choices=ATTN_IMPLEMENTATIONS, help=argparse.SUPPRESS
     )
     p.add_argument(
         "--target-modules",
@@ -107,7 +110,8 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
             dest="mixed_precision",
             action="store_const",
             const=name,
-            help=f"Trainer's {name} autocast (TrainingArguments.{name}): recorded and named, not priced yet",
+            help=f"Trainer's {name} autocast (TrainingArguments.{name}): the forward and loss under "
+            f"torch.autocast({name}), as accelerate runs them",
         )
 
 
@@ -117,7 +121,7 @@ def qlora_config(args: argparse.Namespace, **fixed: object) -> tuple[QLoRAConfig
     ``--config``'s file first (:func:`vramguard.workload.run_config.load_run_config`), then every flag of
     :data:`STEP_FLAGS` the user gave, then ``fixed`` (what the command decides: device, seed). The lines
     name what the file priced, what changes no byte, what flags overrode and what is not priced; and, from
-    file or flag, the autocast that is not priced yet."""
+    file or flag, how Trainer's autocast is priced."""
     flags = {name: getattr(args, name) for name in STEP_FLAGS if getattr(args, name, None) is not None}
     lines: list[str] = []
     path = getattr(args, "config", None)
@@ -132,8 +136,10 @@ def qlora_config(args: argparse.Namespace, **fixed: object) -> tuple[QLoRAConfig
         config.validate()
     if config.mixed_precision != "no":
         lines.append(
-            f"mixed precision {config.mixed_precision} (Trainer's autocast): NOT PRICED: the step is priced "
-            "without autocast, as vramguard runs it"
+            f"mixed precision {config.mixed_precision} (Trainer's autocast): priced: the forward and the loss run "
+            f"under torch.autocast({config.mixed_precision}) and the outputs are cast back to fp32, as accelerate "
+            "wraps the model for Trainer; on meta with the target device's own autocast policy"
+            + ("; fp16's GradScaler (a few scalars) is not run" if config.mixed_precision == "fp16" else "")
         )
     return config, lines
 

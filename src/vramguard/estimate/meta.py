@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from vramguard.errors import UsageError
+from vramguard.estimate.autocast import autocast_off
 from vramguard.model.layers import sdpa_kernel
 from vramguard.workload.models import (
     METHODS,
@@ -73,7 +74,9 @@ TARGETS: tuple[str, ...] = ("cuda", "cpu")
 
 
 @contextlib.contextmanager
-def forced_decisions(target: str = "cpu", one_sequence_per_row: bool = True) -> Iterator[dict[str, int]]:
+def forced_decisions(
+    target: str = "cpu", one_sequence_per_row: bool = True, autocast: bool = False
+) -> Iterator[dict[str, int]]:
     """Within the block, ``find_packed_sequence_indices`` on meta position ids decides as it does for the
     batch on a real device: "one sequence per row" (returns None) for the synthetic rows, or, with
     ``one_sequence_per_row`` False (a padding-free batch whose real position ids hold several sequences in a
@@ -82,6 +85,12 @@ def forced_decisions(target: str = "cpu", one_sequence_per_row: bool = True) -> 
     dropout on meta take the kernels ``target`` would (:func:`_sdpa_as_on`; on CUDA dropout is
     ``native_dropout``, which keeps a bool mask, where the CPU multiplies by a mask in the input's
     dtype).
+
+    ``torch.autocast`` (and ``torch.amp.autocast``) on a meta device type is ``target``'s autocast; with
+    ``autocast`` (Trainer's mixed precision), the block runs under :class:`~vramguard.estimate.autocast.
+    TargetAutocast`, which applies ``target``'s real autocast policy to the meta step, and a checkpointed
+    block's device is ``target`` (so its recomputation restores ``target``'s autocast state, as a real
+    device's run does).
 
     Yields a counter of the decisions taken, so a caller can check the branch was reached.
     """
@@ -112,7 +121,18 @@ def forced_decisions(target: str = "cpu", one_sequence_per_row: bool = True) -> 
         if query.device.type != META:
             return original_sdpa(query, key, value, *args, **kwargs)
         taken["scaled_dot_product_attention"] += 1
+        routing = routed.get("mode")
+        if routing is not None and torch.is_autocast_enabled(target):
+            # autocast casts the inputs as the target's sdpa kernel would get them, then the kernel runs
+            # with autocast off (the autocast kernel's redispatch), so its choice sees the cast dtypes
+            (query, key, value, *args), kwargs = routing.autocast_inputs(
+                original_sdpa, (query, key, value, *args), kwargs
+            )
+            with autocast_off(target):
+                return _sdpa_as_on(target, original_sdpa, query, key, value, *args, **kwargs)
         return _sdpa_as_on(target, original_sdpa, query, key, value, *args, **kwargs)
+
+    routed: dict[str, Any] = {}
 
     original_dropout = functional.dropout
 
@@ -127,8 +147,22 @@ def forced_decisions(target: str = "cpu", one_sequence_per_row: bool = True) -> 
     functional.scaled_dot_product_attention = scaled_dot_product_attention
     functional.dropout = dropout
     original_autocast = torch.autocast
-    torch.autocast = _MetaAutocast  # type: ignore[misc]
+    meta_autocast = _meta_autocast(target if autocast else "cpu")
+    torch.autocast = torch.amp.autocast = meta_autocast  # type: ignore[misc]
+    from torch.utils import checkpoint
+
+    original_infer = checkpoint._infer_device_type
+    if autocast:
+
+        def _infer_device_type(*args: Any) -> str:
+            found = original_infer(*args)
+            return target if found == META else found
+
+        checkpoint._infer_device_type = _infer_device_type  # type: ignore[assignment]
     grouped = _GroupedMmAnyDtype()
+    routing = _routing(target) if autocast else None
+    meta_autocast.routing = routing  # type: ignore[attr-defined]
+    routed["mode"] = routing
     try:
         with grouped:
             yield taken
@@ -136,8 +170,72 @@ def forced_decisions(target: str = "cpu", one_sequence_per_row: bool = True) -> 
         masking_utils.find_packed_sequence_indices = original
         functional.scaled_dot_product_attention = original_sdpa
         functional.dropout = original_dropout
-        torch.autocast = original_autocast  # type: ignore[misc]
+        torch.autocast = torch.amp.autocast = original_autocast  # type: ignore[misc]
+        checkpoint._infer_device_type = original_infer
         taken["grouped_mm"] = grouped.answered
+        if routing is not None:
+            taken["autocast_routed"] = routing.routed
+            taken["autocast_unprobed"] = len(routing.unprobed)
+
+
+def _function_modes() -> list[Any]:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return list(_get_current_function_mode_stack())
+
+
+def _routing(target: str) -> Any:
+    from vramguard.estimate.autocast import TargetAutocast
+
+    return TargetAutocast(target)
+
+
+def _meta_autocast(target: str) -> type:
+    """``torch.autocast`` for the block of :func:`forced_decisions`: device type ``meta`` is ``target``'s,
+    and CUDA's autocast state is set (TLS) where torch's own class disables itself for want of a GPU. With a
+    ``routing`` mode (:class:`~vramguard.estimate.autocast.TargetAutocast`), an enabled region turns it on,
+    and the outermost region's exit clears its cast cache, as autocast's own."""
+
+    class _TargetDeviceAutocast(_MetaAutocast):
+        routing: Any = None  # the TargetAutocast mode of the block (Trainer's mixed precision), or None
+        depth = 0
+
+        def __init__(
+            self, device_type: str, dtype: Any = None, enabled: bool = True, cache_enabled: Any = None
+        ) -> None:
+            device = target if device_type == META else device_type
+            if device == "cuda" and not torch.cuda.is_available():
+                super().__init__("cpu", enabled=enabled, cache_enabled=cache_enabled)
+                self.device = "cuda"
+                self.fast_dtype = dtype if dtype is not None else torch.get_autocast_dtype("cuda")
+            else:
+                super().__init__(device, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            self.pushed = False
+
+        def __enter__(self) -> Any:
+            out = super().__enter__()
+            cls = type(self)
+            cls.depth += 1
+            routing = cls.routing
+            # the routing mode is on over every region where the target's autocast is (Trainer's forward,
+            # a checkpointed block's recomputation in backward, which restores the forward's state)
+            if routing is not None and self._enabled and routing not in _function_modes():
+                routing.__enter__()
+                self.pushed = True
+            return out
+
+        def __exit__(self, *exc: object) -> Any:
+            cls = type(self)
+            if self.pushed:
+                cls.routing.__exit__(None, None, None)
+                self.pushed = False
+            out = super().__exit__(*exc)
+            cls.depth -= 1
+            if cls.depth == 0 and cls.routing is not None:
+                cls.routing.region_exited()  # autocast drops its cast cache here
+            return out
+
+    return _TargetDeviceAutocast
 
 
 class _MetaAutocast(torch.amp.autocast_mode.autocast):
@@ -146,7 +244,7 @@ class _MetaAutocast(torch.amp.autocast_mode.autocast):
     Only the device type is changed; what the block enables or disables is the caller's."""
 
     def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
-        super().__init__("cpu" if device_type == META else device_type, *args, **kwargs)
+        super().__init__("cpu" if device_type == META else device_type, *args, **kwargs)  # type: ignore[arg-type]
 
 
 class _GroupedMmAnyDtype(TorchDispatchMode):
@@ -346,6 +444,16 @@ def build_meta(
     from transformers.utils import logging as hf_logging
 
     hf_config, model_class, attn, notes = resolve_attention(config, spec)
+    built = attn
+    if (
+        attn == "flash_attention_2"
+    ):  # transformers refuses it without the package: built with sdpa, run with it
+        built = hf_config._attn_implementation = "sdpa"
+        notes.append(
+            "flash_attention_2: the flash_attn package is CUDA-only and not loaded; transformers' flash path runs "
+            "with flash-attn 2's kernel priced from its own rules (vramguard.estimate.flash): it saves q, k, v, "
+            "the output, an fp32 b x h x s logsumexp and no s x s tensor"
+        )
     compute_dtype = parse_dtype(config.compute_dtype)
     weights_dtype = torch.float32 if method == "full" else compute_dtype
     hf_logging.set_verbosity_error()
@@ -355,7 +463,7 @@ def build_meta(
         warnings.simplefilter("ignore")
         try:
             with torch.device(device):
-                model = model_class._from_config(hf_config, dtype=weights_dtype, attn_implementation=attn)
+                model = model_class._from_config(hf_config, dtype=weights_dtype, attn_implementation=built)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise UsageError(f"transformers cannot build {spec.name}: {_first_line(exc)}") from None
         if method == "qlora":

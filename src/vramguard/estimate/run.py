@@ -16,7 +16,7 @@ import torch
 
 from vramguard.audit import verdict as checks
 from vramguard.audit.report import AuditReport, DeviceEstimate, Finding, Overhead
-from vramguard.audit.run import assemble_report, expectation_of
+from vramguard.audit.run import assemble_report, expectation_of, refuse_fp16_on_cpu
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import META, TARGETS, build_meta, forced_decisions
 from vramguard.estimate.offload import OffloadActivations
@@ -133,6 +133,49 @@ def paged_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     return total, count
 
 
+PEAK_TERM_SHARE = 0.25
+"""A term of the saved activations "sets the peak" when it is at least this share of the step's peak."""
+
+
+def peak_term(
+    report: AuditReport, config: QLoRAConfig, vocab: int, target: str, step_peak: int, phase: str
+) -> Finding | None:
+    """One line when one term of what the step saves sets its peak: the ``s x s`` attention tensors (the
+    probabilities of eager or math attention, a mask, soft-capping's tanh) or the logits (``x vocab``), with
+    the setting that removes it; None when neither is :data:`PEAK_TERM_SHARE` of the step's peak."""
+    tokens = config.seq_len * (config.batch if config.padding_free else 1)
+    square = sum(
+        r["bytes"]
+        for r in report.records
+        if len(r["shape"]) >= 2 and r["shape"][-1] == r["shape"][-2] == tokens and r["kind"] == "activation"
+    )
+    logits = sum(
+        r["bytes"]
+        for r in report.records
+        if len(r["shape"]) >= 2 and r["shape"][-1] == vocab and r["kind"] == "activation"
+    )
+    if max(square, logits) < PEAK_TERM_SHARE * step_peak:
+        return None
+    share = f"{max(square, logits) / step_peak:.0%} of the {phase} peak"
+    if square >= logits:
+        if report.architecture.get("attn_implementation") == "eager":
+            remedy = (
+                "--gradient-checkpointing (this model runs eager attention, which keeps them in every layer)"
+            )
+        elif target == "cuda" and config.mixed_precision == "no":
+            remedy = "--bf16 (under autocast sdpa's inputs are bf16 and CUDA runs flash attention, which keeps none)"
+        else:
+            remedy = "--gradient-checkpointing"
+        what = f"the s x s attention tensors ({format_bytes(square)}, {share})"
+    else:
+        remedy = (
+            "a fused linear cross-entropy (Liger's use_liger_kernel: not priced here, it needs Triton and a GPU); "
+            "otherwise a smaller --batch or --seq-len"
+        )
+        what = f"the logits x vocab {vocab:,} ({format_bytes(logits)}, {share})"
+    return Finding(checks.PEAK_TERM, f"peak: {what} set it; removed by {remedy}", max(square, logits))
+
+
 def run_estimate(
     config: QLoRAConfig,
     steps: int = 2,
@@ -166,6 +209,7 @@ def run_estimate(
     given = {"method": method, "optimizer": optimizer, "offload_activations": offload_activations}
     config = dataclasses.replace(config, **{k: v for k, v in given.items() if v is not None})
     config.validate()
+    refuse_fp16_on_cpu(config, target)
     method, optimizer, offload_activations = config.method, config.optimizer, config.offload_activations
     spec = ModelSpec.load(config.model)
     too_long: _TooLong | None = None
@@ -183,11 +227,25 @@ def run_estimate(
     source = StorageTracker(None)
     source.device = device
     offload = OffloadActivations(q.model) if offload_activations else contextlib.nullcontext()
+    flash: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if q.attn_implementation == "flash_attention_2":
+        if target != "cuda":
+            raise UsageError("flash_attention_2 runs on CUDA only: estimate it with --target cuda")
+        if config.padding_free:
+            raise UsageError(
+                "flash_attention_2 with a padding-free batch (flash-attn's varlen path) is not priced"
+            )
+        from vramguard.estimate.flash import flash_attention_2
+
+        flash = flash_attention_2(q.model, target)
     try:
         with (
-            forced_decisions(target, one_sequence_per_row=q.one_sequence_per_row) as taken,
+            forced_decisions(
+                target, one_sequence_per_row=q.one_sequence_per_row, autocast=config.mixed_precision != "no"
+            ) as taken,
             MemoryTracker(device, model=q.model, source=source, events=events) as tracker,
             offload,
+            flash,
         ):
             results, ledger = run_steps(q, steps, tracker, optimizer=opt, ledger_step=0)
     except RuntimeError as exc:
@@ -285,5 +343,8 @@ def run_estimate(
                 offload.host_peak_bytes,
             )
         )
+    term = peak_term(report, config, int(q.spec.fields["vocab_size"]), target, step_peak, phase)
+    if term is not None:
+        notes.append(term)
     verdict = checks.verdict([*report.verdict.findings, *notes], len(report.steps), headline=line)
     return dataclasses.replace(report, verdict=verdict, estimate=estimate, device=device)

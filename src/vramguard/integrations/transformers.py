@@ -220,6 +220,12 @@ class VramGuardCallback(TrainerCallback):
             "batch": args.per_device_train_batch_size,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "gradient_checkpointing": bool(args.gradient_checkpointing),
+            # Trainer's autocast: its bf16 copies of unquantized weights saved for backward are a note, not a problem
+            "mixed_precision": "bf16"
+            if getattr(args, "bf16", False)
+            else "fp16"
+            if getattr(args, "fp16", False)
+            else "no",
             "max_steps": state.max_steps,
             "ledger_step": self.ledger_step,
             "measure_every": self.measure_every,
@@ -663,6 +669,7 @@ class VramGuardCallback(TrainerCallback):
                 ],
                 findings=self._findings(steps),
                 ok_detail=f" ({self._trainer_name})",
+                autocast=str(self._config.get("mixed_precision", "no")),
                 timeline=timeline(self._events) if self._events is not None else None,
             )
         )

@@ -189,8 +189,13 @@ least :data:`vramguard.estimate.run.PAGED_MIN_NUMEL` elements live in CUDA unifi
 cannot be had on meta or on a CPU, so the meta run runs ``AdamW8bit`` and
 :func:`vramguard.estimate.run.paged_state_bytes` names the bytes that would be paged."""
 
+ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager", "flash_attention_2")
+"""transformers' attention implementations vramguard runs; ``flash_attention_2`` on meta only (the estimate,
+:mod:`vramguard.estimate.flash`: the flash_attn package is CUDA-only)."""
+
 MIXED_PRECISION: tuple[str, ...] = ("no", "bf16", "fp16")
-"""Trainer's autocast (``TrainingArguments.bf16`` / ``fp16``): recorded in :class:`QLoRAConfig`, not priced yet."""
+"""Trainer's autocast (``TrainingArguments.bf16`` / ``fp16``): the step's forward and loss run under it
+(:func:`vramguard.workload.training.forward_as_trainer`; on meta, :mod:`vramguard.estimate.autocast`)."""
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
@@ -224,7 +229,8 @@ class QLoRAConfig:
     padding-free batch (:func:`padding_free_batch`): the rows flattened into one, with position ids that restart
     per sequence; ``packing`` (with ``padding_free``: TRL's ``bfd`` packing): several sequences per row.
     ``mixed_precision``: Trainer's ``bf16`` / ``fp16``
-    autocast (``no``, ``bf16``, ``fp16``), recorded but not priced yet: both commands say so."""
+    autocast (``no``, ``bf16``, ``fp16``), run as accelerate runs it for Trainer (fp16 needs a GPU: accelerate
+    refuses it on the CPU, and so do the CPU audit and ``estimate --target cpu``)."""
 
     model: str = "tiny-llama"
     seq_len: int = 128
@@ -276,9 +282,10 @@ class QLoRAConfig:
             raise UsageError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.optimizer not in OPTIMIZERS:
             raise UsageError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if self.attn_implementation not in ("sdpa", "eager"):
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise UsageError(
-                f"attention implementation must be sdpa or eager, got {self.attn_implementation!r}"
+                f"attention implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, "
+                f"got {self.attn_implementation!r}"
             )
         if self.mixed_precision not in MIXED_PRECISION:
             raise UsageError(
@@ -411,6 +418,8 @@ def resolve_attention(config: QLoRAConfig, spec: ModelSpec) -> tuple[Any, Any, s
     model_class = causal_lm_class(hf_config)
     attn = config.attn_implementation
     notes: list[str] = []
+    if attn == "flash_attention_2" and not getattr(model_class, "_supports_flash_attn", False):
+        raise UsageError(f"{model_class.__name__} has no flash_attention_2 in transformers")
     if attn == "sdpa" and not getattr(model_class, "_supports_sdpa", False):
         attn = "eager"
         notes.append(

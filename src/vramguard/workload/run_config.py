@@ -97,7 +97,7 @@ PRICED_KEYS: tuple[str, ...] = (
     "gradient_checkpointing_kwargs",
     "activation_checkpointing_kwargs",
     "optim",
-    "bf16",  # into mixed_precision, named by the commands (see mixed_precision_line)
+    "bf16",  # into mixed_precision (Trainer's autocast), named by the commands
     "fp16",
     "activation_offloading",
     "packing",
@@ -339,8 +339,11 @@ def load_run_config(path: str | Path) -> RunConfig:
         not_priced("optim", "priced as torch AdamW (fp32 moments)")
     values.setdefault("optimizer", "adamw")
 
-    # Trainer's autocast (TRL's default: bf16): recorded, not priced yet; both commands say so in one line
+    # Trainer's autocast (TRL's default: bf16): priced; both commands say how in one line
     values["mixed_precision"] = "bf16" if sft.bf16 else "fp16" if sft.fp16 else "no"
+    for key in ("bf16", "fp16"):
+        if key in data:
+            readings.append(KeyReading(key, data[key], "priced", "mixed_precision"))
 
     priced("activation_offloading", "offload_activations", boolean("activation_offloading", sft))
 
@@ -432,7 +435,7 @@ def load_run_config(path: str | Path) -> RunConfig:
         readings.append(KeyReading("use_dora", True, "no-byte", "no adapters without use_peft"))
 
     attn = model_args.attn_implementation
-    if attn in (None, "sdpa", "eager"):
+    if attn in (None, "sdpa", "eager", "flash_attention_2"):  # flash_attention_2: estimate --target cuda only
         if attn is not None:
             priced("attn_implementation", "attn_implementation", attn)
         values.setdefault("attn_implementation", "sdpa")  # what from_pretrained picks by default
@@ -449,7 +452,15 @@ def load_run_config(path: str | Path) -> RunConfig:
         "fp16": "fp16",
         "fp32": "fp32",
     }
-    if dtype in names:
+    if dtype in names and method == "full" and names[dtype] != "fp32" and "dtype" in data:
+        # TRL loads the model in this dtype and AdamW keeps its moments in the parameters' dtype: 8 B/param
+        values["compute_dtype"] = names[dtype]
+        not_priced(
+            "dtype",
+            "full fine-tuning is priced in fp32 (weights, gradients and AdamW moments: 16 B/param); loaded in "
+            f"{dtype} they take 8 B/param",
+        )
+    elif dtype in names:
         priced("dtype", "compute_dtype", names[dtype], shown=dtype)
     elif dtype == "auto":
         not_priced("dtype", "'auto' takes the checkpoint's dtype: priced as bfloat16")

@@ -51,6 +51,30 @@ def make_optimizer(q: QLoRAModel, lr: float = 1e-4, name: str = "adamw") -> torc
     raise UsageError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
 
 
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""``QLoRAConfig.mixed_precision`` -> the dtype Trainer's autocast runs in."""
+
+
+def forward_as_trainer(q: QLoRAModel, batch: dict[str, Any]) -> Any:
+    """``q.model(**batch)`` as ``Trainer`` runs it with ``bf16`` / ``fp16`` (``q.config.mixed_precision``).
+
+    Trainer leaves autocast to accelerate (``autocast_smart_context_manager`` is a null context), whose
+    ``Accelerator.prepare_model`` replaces the model's ``forward`` by ``convert_outputs_to_fp32(autocast(
+    forward))``: ``torch.autocast(device_type, dtype)`` with the default cache around the whole forward, the
+    loss included (the labels go in with the batch), then every fp16/bf16 tensor of the output (the logits)
+    converted to fp32 by ``.float()``, outside autocast; ``loss.backward()`` and the optimizer step run
+    outside it. The device type is the model's; on meta, the estimate's :func:`vramguard.estimate.meta.forced_decisions`
+    takes ``torch.autocast`` to its target's. Without mixed precision: ``q.model(**batch)`` unchanged."""
+    dtype = AUTOCAST_DTYPES.get(q.config.mixed_precision)
+    if dtype is None:
+        return q.model(**batch)
+    from accelerate.utils.operations import convert_to_fp32
+
+    with torch.autocast(device_type=q.device.type, dtype=dtype):
+        out = q.model(**batch)
+    return convert_to_fp32(out)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -80,13 +104,13 @@ def train_step(
     with tracker.phase("forward") as calls["forward"]:
         if ledger is not None:
             with ledger:
-                out = q.model(**batch)
+                out = forward_as_trainer(q, batch)
                 loss = loss_fn(out) if loss_fn else out.loss
                 ledger.add_roots(loss)
             if events is not None:
                 events.label_saved(ledger.report.records)
         else:
-            out = q.model(**batch)
+            out = forward_as_trainer(q, batch)
             loss = loss_fn(out) if loss_fn else out.loss
         _sync(device)
     after_forward = tracker.current()

@@ -1,0 +1,210 @@
+"""Trainer's autocast on the meta device, by the target device's own autocast policy.
+
+Autocast is a dispatch key that only tensors of an autocast device carry, and its kernels cast only
+tensors whose device is that device: a meta tensor gets no autocast, whatever the TLS says. A
+``FakeTensor`` (torch's, ``torch._subclasses.fake_tensor``) is a meta tensor that reports another device,
+with that device's dispatch keys: CUDA's (or the CPU's) real autocast kernels cast it, on a machine
+without a GPU. :class:`TargetAutocast` asks them: every torch function of the meta step that takes a
+floating-point meta tensor while the target's autocast is on (``torch.set_autocast_enabled(target)``,
+which :func:`vramguard.estimate.meta.forced_decisions` sets for ``torch.autocast``) first runs on fake
+aliases of its arguments, with no tracker and no autograd, until its first op that is not one of
+autocast's casts; the casts seen are then made on the meta tensors (``.to(dtype)``, each with its autograd
+node, as ``cached_cast`` makes them) and the function runs on meta with autocast off, as the autocast
+kernel redispatches. No op list is written here: which ops run in which dtype, and so what is saved in
+which dtype, is the target's autocast's own answer.
+
+Autocast's cast cache is kept as ``cached_cast`` keeps it: the cast of an fp32 leaf that requires grad (a
+LoRA weight) to the autocast dtype is made once and held until the outermost autocast region exits.
+Autograd does not run on the fake aliases (on a CPU-only build it cannot record a CUDA tensor at all).
+Not replayed: a cast autocast would make inside a composite op that has no autocast kernel of its own, on
+one of its intermediates (the probe stops at the op's first kernel); the CPU estimate equals the CPU audit
+to the byte on the models tested, which it would not if such a cast were missed there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
+
+META = "meta"
+
+_NOT_ROUTED = frozenset(
+    {
+        "__get__",
+        "__set__",
+        "__setitem__",
+        "__repr__",
+        "__format__",
+        "__bool__",
+        "__len__",
+        "__hash__",
+        "__reduce_ex__",
+        "__deepcopy__",
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "stride",
+        "storage_offset",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "is_contiguous",
+        "data_ptr",
+        "untyped_storage",
+        "item",
+        "tolist",
+        "backward",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "retain_grad",
+        "requires_grad_",
+        "detach",
+        "detach_",
+    }
+)
+"""Tensor methods that ask about a tensor or its autograd state and compute nothing: autocast has nothing to
+say about them, so no probe is run."""
+
+
+class TargetAutocast(TorchFunctionMode):
+    """While ``target``'s autocast is enabled, each torch function on floating-point meta tensors gets the
+    casts ``target``'s own autocast kernel makes (asked of it on fake aliases, :meth:`autocast_inputs`), then
+    runs on meta with autocast off, as the autocast kernel redispatches; ``routed`` counts them."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+        # the probes' mode (their fake tensors die with each probe)
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        self.target = target
+        self.device = torch.device(target, 0) if target == "cuda" else torch.device(target)
+        self._fake_class = FakeTensor
+        self.kept: dict[int, torch.Tensor] = {}  # autocast's cast cache: id(parameter) -> its cast
+        self.routed = 0
+        self.unprobed: set[str] = set()  # functions the fake device could not run up to their first kernel
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if (
+            not torch.is_autocast_enabled(self.target)
+            or getattr(func, "__name__", "") in _NOT_ROUTED
+            or not _floating_meta((args, kwargs))
+            or _inplace(func)
+        ):
+            return func(*args, **kwargs)
+        self.routed += 1
+        args, kwargs = self.autocast_inputs(func, args, kwargs)
+        with autocast_off(self.target):
+            return func(*args, **kwargs)
+
+    def autocast_inputs(self, func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """``(args, kwargs)`` with every meta tensor cast as ``target``'s autocast kernel of ``func`` casts it
+        before the op's own kernel runs (see the module docstring)."""
+        metas = [
+            t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == META
+        ]
+        probe = _FirstKernel()
+        with _disable_current_modes(), torch.no_grad():
+            mode = self.fake_mode
+            aliases = {id(t): self._fake_class(mode, t.detach(), self.device) for t in metas}
+            for t in metas:
+                probe.inputs[id(aliases[id(t)])] = t
+            fargs, fkwargs = tree_map(
+                lambda t: aliases.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs)
+            )
+            try:
+                with mode, probe:
+                    func(*fargs, **fkwargs)
+            except _Stop:
+                pass
+            except (RuntimeError, NotImplementedError, TypeError, ValueError):
+                # the fake device cannot run this function before its first kernel (indexing asks CUDA for
+                # a device guard a CPU-only torch lacks): no autocast cast was seen before it
+                self.unprobed.add(getattr(func, "__name__", str(func)))
+        if not probe.casts:
+            return args, kwargs
+        casts: dict[int, list[torch.Tensor]] = {}
+        with autocast_off(self.target):
+            for src, dtype in probe.casts:
+                casts.setdefault(id(src), []).append(self._cast(src, dtype))
+        return tree_map(
+            lambda t: casts[id(t)].pop(0) if isinstance(t, torch.Tensor) and casts.get(id(t)) else t,
+            (args, kwargs),
+        )
+
+    def _cast(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``src.to(dtype)`` as autocast's ``cached_cast`` makes it: from its cache for a leaf fp32 tensor
+        that requires grad, cast to the autocast dtype with the cache on."""
+        cacheable = (
+            dtype == torch.get_autocast_dtype(self.target)
+            and src.dtype == torch.float32
+            and src.requires_grad
+            and src.is_leaf
+            and not src._is_view()
+            and torch.is_autocast_cache_enabled()
+        )
+        if not cacheable:
+            return src.to(dtype)
+        kept = self.kept.get(id(src))
+        if kept is None:
+            kept = self.kept[id(src)] = src.to(dtype)
+        return kept
+
+    def region_exited(self) -> None:
+        """The outermost autocast region exited: autocast drops its cast cache, so does this."""
+        self.kept.clear()
+
+
+class _Stop(Exception):
+    pass
+
+
+class _FirstKernel(TorchDispatchMode):
+    """Records autocast's casts of the probe's inputs and stops at the first op that is not one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.casts: list[tuple[torch.Tensor, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default:
+            src = self.inputs.get(id(args[0]))
+            if src is not None and kwargs.get("dtype") is not None:
+                self.casts.append((src, kwargs["dtype"]))
+            return func(*args, **kwargs)
+        if func.namespace == "prim":  # prim.device: asked of a tensor, no op
+            return func(*args, **kwargs)
+        raise _Stop
+
+
+@contextlib.contextmanager
+def autocast_off(device: str) -> Iterator[None]:
+    """``device``'s autocast disabled over the block (as an autocast kernel runs its op), then restored."""
+    enabled = torch.is_autocast_enabled(device)
+    torch.set_autocast_enabled(device, False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled(device, enabled)
+
+
+def _floating_meta(tree: Any) -> bool:
+    return any(
+        isinstance(t, torch.Tensor) and t.device.type == META and t.is_floating_point()
+        for t in tree_leaves(tree)
+    )
+
+
+def _inplace(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")

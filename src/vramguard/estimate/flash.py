@@ -1,0 +1,167 @@
+"""``attn_implementation="flash_attention_2"`` on the meta device, priced by flash-attn 2's own rules.
+
+The ``flash_attn`` package is CUDA-only (no CPU build exists), so it is not installed here and transformers
+refuses to build a model with ``flash_attention_2`` without it. The meta run builds the model with sdpa, then
+sets its config to ``flash_attention_2``, so transformers' own flash path runs: its mask functions,
+``flash_attention_forward`` (q, k, v transposed to ``b x s x h x d``) and ``_flash_attention_forward``
+(fp32 q, k, v cast to the target dtype: the autocast dtype, else the quantized model's dtype). Only the two
+things that need the package or a device are answered here: whether a batch-1 row holds packed sequences
+(read from the position ids' values: one sequence per row, as the real rows), the flash functions (:func:`flash_attn_func`, which follows
+``flash_attn_interface.FlashAttnFunc`` and ``csrc/flash_attn/flash_api.cpp``'s ``mha_fwd`` / ``mha_bwd``) and
+the autocast query on a meta tensor's device.
+
+What ``FlashAttnFunc`` saves for backward: q, k, v (the head dim padded to a multiple of 8), the padded output
+(``b x s x h x d``, q's dtype), ``softmax_lse`` (fp32, ``b x h x s``) and ``rng_state`` (2 int64): no
+``s x s`` tensor. Its backward allocates dq, dk, dv (like q, k, v), ``softmax_d`` (fp32, ``b x h x
+round128(s)``), ``dq_accum`` (fp32, ``b x round128(s) x h x round32(d)``) and, with fewer k/v heads,
+``dk_expanded`` and ``dv_expanded`` (``b x s x h x d``) summed into dk and dv. Not run: the varlen path
+(padding-free batches, padding masks) and split-kv's accumulators (decoding-sized queries only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from vramguard.errors import UsageError
+
+FLASH_ATTENTION_2 = "flash_attention_2"
+
+
+def _round(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+class FlashAttnFunc(torch.autograd.Function):
+    """flash-attn 2's ``FlashAttnFunc`` on meta: the tensors it allocates and saves, by its rules."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        b, s, h, d = q.shape
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise UsageError(f"flash_attention_2 takes fp16/bf16 only; the attention here is {q.dtype}")
+        if d % 8:
+            pad = [0, 8 - d % 8]
+            q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        out_padded = torch.empty(b, s, h, q.shape[-1], dtype=q.dtype, device=q.device)
+        softmax_lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+        rng_state = torch.empty(2, dtype=torch.int64, device=q.device)
+        ctx.save_for_backward(q, k, v, out_padded, softmax_lse, rng_state)
+        ctx.head_dim = d
+        return out_padded[..., :d]
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        q, k, v, _out, _lse, _rng = ctx.saved_tensors
+        b, s, h, d = q.shape
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        softmax_d = torch.empty(b, h, _round(s, 128), dtype=torch.float32, device=q.device)
+        dq_accum = torch.empty(
+            b, _round(s, 128), h, _round(d, 32) if d <= 192 else 256, dtype=torch.float32, device=q.device
+        )
+        if k.shape[2] != h:  # grouped k/v heads: expanded gradients, summed per group
+            dk_expanded = torch.empty(b, k.shape[1], h, d, dtype=q.dtype, device=q.device)
+            dv_expanded = torch.empty(b, v.shape[1], h, v.shape[-1], dtype=q.dtype, device=q.device)
+            del dk_expanded, dv_expanded
+        del softmax_d, dq_accum
+        og = ctx.head_dim
+        return dq[..., :og], dk[..., :og], dv[..., :og]
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> torch.Tensor:
+    """flash-attn 2's ``flash_attn_func`` (its signature, which transformers reads), priced on meta."""
+    if dropout_p:
+        raise UsageError("flash_attention_2 with attention dropout is not priced")
+    return FlashAttnFunc.apply(q, k, v)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Any = None,
+) -> torch.Tensor:
+    """flash-attn 2's varlen entry point: its signature only (transformers reads it); not priced."""
+    raise UsageError("flash_attention_2's varlen path (padding-free batches, padding masks) is not priced")
+
+
+@contextlib.contextmanager
+def flash_attention_2(model: torch.nn.Module, target: str) -> Iterator[None]:
+    """Within the block ``model`` runs transformers' ``flash_attention_2`` path, with :func:`flash_attn_func`
+    for the package's kernel and ``target``'s autocast for a meta query's device."""
+    from transformers import modeling_flash_attention_utils as fa_utils
+    from transformers.integrations import flash_attention as fa
+
+    original_import = fa_utils.lazy_import_flash_attention
+    original_target = fa.get_target_dtype
+
+    def lazy_import_flash_attention(implementation: Any, *args: Any, **kwargs: Any) -> Any:
+        if implementation != FLASH_ATTENTION_2:
+            return original_import(implementation, *args, **kwargs)
+        process = fa_utils._lazy_define_process_function(flash_attn_varlen_func)
+        return (flash_attn_func, flash_attn_varlen_func, None, None, None), (process, dict)
+
+    def get_target_dtype(query: torch.Tensor, module: torch.nn.Module) -> Any:
+        if query.device.type != "meta" or query.dtype != torch.float32:
+            return original_target(query, module)
+        if torch.is_autocast_enabled(target):
+            return torch.get_autocast_dtype(target)
+        if hasattr(module.config, "_is_quantized"):
+            return module.config.dtype
+        return next(m for m in module.modules() if isinstance(m, torch.nn.Linear)).weight.dtype
+
+    configs = [c for c in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()]
+    previous = [(c, c._attn_implementation) for c in configs if getattr(c, "_attn_implementation", None)]
+    for c, _ in previous:
+        c._attn_implementation = FLASH_ATTENTION_2
+    original_packed = fa_utils._is_packed_sequence
+
+    def _is_packed_sequence(position_ids: Any, batch_size: int) -> Any:
+        if position_ids is None or position_ids.device.type != "meta":
+            return original_packed(position_ids, batch_size)
+        from vramguard.estimate.meta import _AnswerScalars
+
+        # batch 1 reads the position ids (a device sync per layer); the real run's rows hold one sequence each
+        # (padding-free batches are refused above): the ops run, their test is answered as the device answers it
+        with _AnswerScalars(False):
+            return bool(original_packed(position_ids, batch_size))
+
+    fa_utils._is_packed_sequence = _is_packed_sequence  # type: ignore[assignment]
+    fa_utils.lazy_import_flash_attention = lazy_import_flash_attention  # type: ignore[assignment]
+    fa.get_target_dtype = get_target_dtype  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fa_utils.lazy_import_flash_attention = original_import  # type: ignore[assignment]
+        fa_utils._is_packed_sequence = original_packed  # type: ignore[assignment]
+        fa.get_target_dtype = original_target  # type: ignore[assignment]
+        for c, attn in previous:
+            c._attn_implementation = attn

@@ -1,0 +1,160 @@
+"""Trainer's bf16/fp16 autocast, priced: the audit runs the step as accelerate wraps it for Trainer, and the
+meta run takes the target device's own autocast policy (:mod:`vramguard.estimate.autocast`).
+
+With ``--target cpu`` the estimate must equal the CPU audit to the byte, as without autocast
+(tests/test_estimate.py); with ``--target cuda`` it takes CUDA's policy, under which the attention's q, k, v
+are cast to bf16 and a grouped-query model's sdpa runs the flash kernel instead of the math composite.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from tests.test_estimate import STEPS, _above_weights
+
+from vramguard.audit.run import run_audit
+from vramguard.cli import main
+from vramguard.workload.models import QLoRAConfig
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param({}, id="llama"),
+        pytest.param({"gradient_checkpointing": True}, id="llama-checkpointing"),
+    ],
+)
+def test_bf16_estimate_equals_the_bf16_cpu_audit_to_the_byte(variant: dict[str, Any]) -> None:
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(**{"seq_len": 64, "batch": 2, "mixed_precision": "bf16", **variant})
+    estimate = run_estimate(config, steps=STEPS, target="cpu")
+    audit = run_audit(config, steps=STEPS)
+    got, want = _above_weights(estimate), _above_weights(audit)
+    for key in want:
+        assert got[key] == want[key], key
+    assert estimate.estimate is not None and estimate.estimate.forced_decisions["autocast_routed"] > 0
+    # autocast changed the step: the saved bytes are not those of the same step without it
+    plain = run_estimate(QLoRAConfig(**{"seq_len": 64, "batch": 2, **variant}), steps=1, target="cpu")
+    assert plain.totals.saved_bytes != estimate.totals.saved_bytes
+
+
+def _attention(report: Any) -> set[tuple[str, str]]:
+    return {(r["node"], r["dtype"]) for r in report.records if r["module"].endswith("layers.1.self_attn")}
+
+
+def test_cuda_autocast_runs_gqa_attention_in_flash() -> None:
+    """tiny-llama (4 heads, 2 k/v heads): fp32 attention on CUDA is the math composite, which keeps the
+    b x a x s x s probabilities; under CUDA's bf16 autocast sdpa's inputs are bf16, so flash runs and keeps
+    no s x s tensor, q, k, v in bf16 and the logsumexp in fp32."""
+    from vramguard.estimate.run import run_estimate
+
+    b, a, s = 2, 4, 64
+    fp32 = run_estimate(QLoRAConfig(seq_len=s, batch=b), steps=1, target="cuda")
+    bf16 = run_estimate(QLoRAConfig(seq_len=s, batch=b, mixed_precision="bf16"), steps=1, target="cuda")
+    assert any(r["shape"] == [b, a, s, s] for r in fp32.records), "fp32 GQA attention on CUDA is math"
+    assert not any(r["shape"] == [b, a, s, s] for r in bf16.records), "the s x s probabilities were saved"
+    flash = "ScaledDotProductFlashAttentionForCpuBackward0"  # the meta run's stand-in for CUDA's flash kernel
+    assert _attention(bf16) >= {(flash, "bfloat16"), (flash, "float32")}
+    assert bf16.estimate is not None and fp32.estimate is not None
+    assert bf16.estimate.total_bytes < fp32.estimate.total_bytes
+
+
+def test_fp16_on_the_cpu_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """accelerate refuses fp16 mixed precision on the CPU; so do the audit and estimate --target cpu."""
+    for argv in (
+        ["audit", "--fp16", "--seq-len", "16"],
+        ["estimate", "--fp16", "--target", "cpu", "--seq-len", "16"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "fp16" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_names_the_autocast_as_priced(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--bf16", "--target", "cpu", "--seq-len", "16", "--batch", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "mixed precision bf16 (Trainer's autocast): priced" in out
+    assert "NOT PRICED" not in out
+
+
+def test_one_line_names_the_term_that_sets_the_peak_and_the_setting_that_removes_it() -> None:
+    """tiny-llama at seq 1024 on CUDA: the math attention's fp32 s x s probabilities (2 x 16 MiB) are most
+    of the step's peak, and the line names --bf16; under bf16 autocast flash keeps none, and no line."""
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=1024, batch=1)
+    fp32 = run_estimate(config, steps=1, target="cuda")
+    lines = [f.message for f in fp32.verdict.findings if f.kind == "peak-term"]
+    assert len(lines) == 1 and "s x s attention" in lines[0] and "--bf16" in lines[0], lines
+    bf16 = run_estimate(QLoRAConfig(seq_len=1024, batch=1, mixed_precision="bf16"), steps=1, target="cuda")
+    assert not [f for f in bf16.verdict.findings if f.kind == "peak-term"]
+
+
+def test_flash_attention_2_saves_no_s_x_s_tensor_by_flash_attns_rules() -> None:
+    """``--attn-implementation flash_attention_2`` (flash_attn is CUDA-only: priced on meta from its rules):
+    transformers' flash path casts the fp32 q, k, v to bf16 and flash-attn 2 saves them in b x s x h x d, its
+    padded output, the fp32 b x h x s logsumexp and a 2 x int64 rng state, and no s x s tensor; fp32 sdpa on
+    CUDA (math, for this GQA model) keeps the probabilities."""
+    from vramguard.estimate.run import run_estimate
+
+    b, a, kv, s, d = 2, 4, 2, 64, 32
+    flash = run_estimate(
+        QLoRAConfig(seq_len=s, batch=b, attn_implementation="flash_attention_2"), steps=1, target="cuda"
+    )
+    saved = {
+        (r["dtype"], tuple(r["shape"]))
+        for r in flash.records
+        if r["module"].endswith("layers.1.self_attn") and r["node"] == "FlashAttnFuncBackward"
+    }
+    assert saved == {
+        ("bfloat16", (b, s, a, d)),  # q and the output
+        ("bfloat16", (b, s, kv, d)),  # k and v, at their own heads
+        ("float32", (b, a, s)),  # softmax_lse
+        ("int64", (2,)),  # rng_state
+    }
+    assert not any(r["shape"][-2:] == [s, s] for r in flash.records)
+    assert any(f.kind == "build" and "flash-attn 2" in f.message for f in flash.verdict.findings)
+    # batch 1: transformers reads the position ids for packed sequences (answered: one sequence per row)
+    one = run_estimate(
+        QLoRAConfig(seq_len=s, batch=1, attn_implementation="flash_attention_2"), steps=1, target="cuda"
+    )
+    assert one.totals.saved_bytes > 0
+
+
+def test_flash_attention_2_elsewhere_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (
+        ["audit", "--attn-implementation", "flash_attention_2", "--seq-len", "16"],
+        ["estimate", "--attn-implementation", "flash_attention_2", "--target", "cpu", "--seq-len", "16"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "flash_attention_2" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_audits_bf16_step_is_the_real_trainers(tmp_path: Any) -> None:
+    """The real ``Trainer`` with ``bf16=True`` on the CPU (accelerate wraps the model's forward in autocast
+    and casts the outputs to fp32) keeps, layer by layer, what ``run_audit(mixed_precision="bf16")`` keeps,
+    and peaks as high in the forward and the optimizer step; the lm_head's bf16 copy is a note there too."""
+    import dataclasses
+
+    from tests.test_integrations import CONFIG, _trainer
+
+    from vramguard.integrations.transformers import VramGuardCallback
+    from vramguard.workload.models import build_qlora
+
+    config = dataclasses.replace(CONFIG, mixed_precision="bf16")
+    audit = run_audit(config, steps=2)
+    cb = VramGuardCallback(table=False)
+    _trainer(build_qlora(config), cb, tmp_path, bf16=True).train()
+    report = cb.report
+    assert report is not None and report.verdict.ok, report.verdict.line
+    assert [(r.name, r.saved_bytes) for r in report.layers] == [(r.name, r.saved_bytes) for r in audit.layers]
+    assert report.totals.saved_bytes == audit.totals.saved_bytes
+    assert report.totals.outside_layers_bytes == audit.totals.outside_layers_bytes
+    for name in ("forward", "optimizer"):
+        assert report.phases[name].peak_above_start == audit.phases[name].peak_above_start, name
+    plain = run_audit(CONFIG, steps=1)
+    assert plain.totals.saved_bytes != audit.totals.saved_bytes  # autocast changed what is saved
+    assert any(f.kind == "autocast-casts" for f in report.verdict.findings)

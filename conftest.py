@@ -57,3 +57,42 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         from vramguard.grad.capabilities import processor
 
         xml.add_global_property("processor", processor())
+
+
+# -- the capability probes, once per run -------------------------------------------------------------------
+# vramguard.grad.capabilities probes the installed bitsandbytes in a child process, once per process: on
+# xdist every worker that needs a probe paid for it (a child importing torch, bitsandbytes and transformers:
+# ~8 CPU s, ~12 s on 2 busy cores). Now the first worker that needs them runs them (the same child, on this
+# machine, in this run) and the others read its result from the run's shared temporary folder.
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On an xdist worker, :func:`vramguard.grad.capabilities.probe_all` is shared by the run's workers."""
+    if getattr(config, "workerinput", None) is not None:
+        _share_probes_between_workers(config)
+
+
+def _share_probes_between_workers(config: pytest.Config) -> None:
+    import dataclasses
+    import functools
+    import json
+
+    from filelock import FileLock
+
+    from vramguard.atomic import write_text_atomic
+    from vramguard.grad import capabilities
+
+    own = capabilities.probe_all
+
+    @functools.cache
+    def probe_all() -> dict[str, capabilities.Probe]:
+        # <basetemp>/popen-gwN is this worker's; its parent is the run's, shared by all its workers
+        shared = config._tmp_path_factory.getbasetemp().parent / "vramguard-capabilities.json"  # type: ignore[attr-defined]
+        with FileLock(str(shared) + ".lock"):
+            if shared.exists():
+                return {name: capabilities.Probe(**p) for name, p in json.loads(shared.read_text()).items()}
+            results = own()
+            write_text_atomic(shared, json.dumps({n: dataclasses.asdict(p) for n, p in results.items()}))
+            return results
+
+    capabilities.probe_all = probe_all

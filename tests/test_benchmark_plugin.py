@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
 from pathlib import Path
 
 # The pytester fixture restores sys.modules when a test ends: a heavy module imported for the first
@@ -15,7 +14,7 @@ from pathlib import Path
 import bitsandbytes  # noqa: F401
 import hypothesis  # noqa: F401
 import pytest
-import torch  # noqa: F401
+import torch
 
 from vramguard.history.store import ResultStore
 from vramguard.pytest.benchmark import pin_gpu, visible_gpus
@@ -40,11 +39,8 @@ def test_step(benchmark, size):
 def bench(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     pytester.makepyfile(test_bench=BENCH)
     monkeypatch.setenv("FAKE_PEAK", "1000000")
-    # the inner run is a session of its own. Under pytest -n it runs in a subprocess (an in-process
-    # session inside an xdist worker shares the worker's plugins and state), without the worker's
-    # variables (pytest-benchmark would think it is a worker and disable itself)
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        monkeypatch.setattr(pytester, "runpytest", pytester.runpytest_subprocess)
+    # the inner run is a session of its own, in this process, without the worker's variables
+    # (pytest-benchmark would think it is a worker and disable itself)
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
         monkeypatch.delenv(name, raising=False)
     return pytester
@@ -55,8 +51,6 @@ def test_machine_info_carries_versions(bench: pytest.Pytester) -> None:
     result = bench.runpytest("-p", "no:cacheprovider", f"--benchmark-json={out}")
     result.assert_outcomes(passed=2)
     info = json.loads(out.read_text())["machine_info"]["vramguard"]
-    import torch  # already imported; importing a new heavy module here would be undone by pytester
-
     assert info["packages"]["bitsandbytes"] == importlib.metadata.version("bitsandbytes")
     assert info["packages"]["torch"] == torch.__version__
     assert {"transformers", "peft", "trl"} <= set(info["packages"])

@@ -60,15 +60,27 @@ def _trainer(q, callback, tmp_path, steps: int = STEPS, **overrides):
     return trainer
 
 
-def test_trainer_callback_equals_audit(tmp_path):
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """One plain Trainer run (CONFIG, STEPS steps, storage tracker, ``report_path`` set), done once per
+    worker: the callback equals the audit's numbers, and the offloading and allocator tests compare their
+    runs with it. Training leaves torch's backward entry as it found it."""
+    tmp = tmp_path_factory.mktemp("plain-trainer")
+    original = torch.autograd._engine_run_backward
+    cb = VramGuardCallback(report_path=tmp / "cb.json", table=False)
+    _trainer(build_qlora(CONFIG), cb, tmp).train()
+    assert torch.autograd._engine_run_backward is original
+    assert torch._C._len_torch_dispatch_stack() == 0
+    return cb
+
+
+def test_trainer_callback_equals_audit(plain_run):
     """Same model (same seed), same batches, same optimizer: the callback's numbers are the audit's."""
     audit = run_audit(CONFIG, steps=STEPS)
-    q = build_qlora(CONFIG)
-    cb = VramGuardCallback(report_path=tmp_path / "cb.json", table=False)
-    _trainer(q, cb, tmp_path).train()
+    cb = plain_run
     report = cb.report
     assert report is not None and report.verdict.ok, report.verdict.line
-    assert json.loads((tmp_path / "cb.json").read_text())["totals"] == json.loads(
+    assert json.loads(cb.report_path.read_text())["totals"] == json.loads(
         json.dumps(report.to_dict()["totals"])
     )
     # what one forward leaves for backward, layer by layer and in total
@@ -94,6 +106,73 @@ def test_trainer_callback_equals_audit(tmp_path):
     where, stats = cb.backward_peak()  # the fp32 log-softmax's backward (its 4*b*s*V gradient)
     assert where == "base_model.model LogSoftmaxBackward0", where
     assert stats.peak_above_start == 4 * CONFIG.batch * CONFIG.seq_len * 512
+
+
+def test_offloading_goes_on_during_the_ledger_step(tmp_path, plain_run):
+    """Activation offloading (``save_on_cpu`` around ``train()``): the ledger's saved-tensor hooks used to
+    replace the offloading hooks on the ledger step (only the innermost pair runs), so the callback
+    changed what it measured there. Now every tensor saved on the ledger step still goes through the
+    offloading pack hook, and on CPU (where ``save_on_cpu`` keeps the tensor where it is) the ledger step's
+    retained bytes, phase peaks and ledger equal a run without offloading (``plain_run``)."""
+    plain = plain_run
+
+    packs = [0]
+    offload = torch.autograd.graph.save_on_cpu()
+    outer_pack = offload.pack_hook
+
+    def counting_pack(t):
+        packs[0] += 1
+        return outer_pack(t)
+
+    offload.pack_hook = counting_pack
+    from transformers import TrainerCallback
+
+    per_step: list[int] = []
+
+    class Count(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            per_step.append(-packs[0])
+
+        def on_step_end(self, args, state, control, **kw):
+            per_step[-1] += packs[0]
+
+    cb = VramGuardCallback(table=False)
+    trainer = _trainer(build_qlora(CONFIG), cb, tmp_path)
+    trainer.add_callback(Count())
+    with offload:
+        trainer.train()
+    assert cb.report is not None and plain.report is not None
+    # the ledger step (1) offloads as many saved tensors as a step without the ledger (2)
+    assert per_step[0] == per_step[1] > 0, per_step
+    # the ledger step (step 1) retains and peaks as without offloading (later steps: 4 B more retained
+    # under save_on_cpu after the last step, with or without this change; not explained yet)
+    assert cb.report.steps[0].retained_bytes == plain.report.steps[0].retained_bytes
+    assert cb.steps[0].above == plain.steps[0].above and cb.steps[0].peaks == plain.steps[0].peaks
+    assert cb.report.totals.saved_bytes == plain.report.totals.saved_bytes
+    assert cb.report.layers == plain.report.layers
+
+
+def test_allocator_source_measures_what_the_storage_tracker_does(tmp_path, plain_run):
+    """``cpu_source="allocator"`` (the CPU allocator's events, counted in C++): the same phase peaks as the
+    storage tracker to a few scalars Python hands to ops, the same retained bytes, and torch's backward entry
+    and profiler as they were once training ends (the storage tracker's run: ``plain_run``)."""
+    original = torch.autograd._engine_run_backward
+    storage = plain_run
+    allocator = VramGuardCallback(table=False, cpu_source="allocator")
+    _trainer(build_qlora(CONFIG), allocator, tmp_path).train()
+    assert allocator.report is not None and allocator.report.verdict.ok, allocator.report.verdict.line
+    assert allocator.report.config["cpu_source"] == "allocator"
+    assert [s.step for s in allocator.steps] == [s.step for s in storage.steps] == [1, 2]
+    for a, s in zip(allocator.steps, storage.steps, strict=True):
+        assert a.retained == s.retained, a.step
+        assert set(a.peaks) == set(s.peaks) == {"forward", "backward", "optimizer"}
+        for phase in a.peaks:
+            assert 0 <= a.peaks[phase] - s.peaks[phase] <= 256, (a.step, phase, a.peaks, s.peaks)
+            assert abs(a.above[phase] - s.above[phase]) <= 256, (a.step, phase, a.above, s.above)
+        assert s.above["backward"] > 100_000  # backward was measured, not folded into another phase
+    assert torch.autograd._engine_run_backward is original
+    assert torch.autograd.graph._engine_run_backward is original
+    assert not torch._C._autograd._profiler_enabled()
 
 
 def _tokenizer():
@@ -326,19 +405,47 @@ def test_a_train_that_raised_leaves_no_tracker_behind(tmp_path):
     assert torch._C._len_torch_dispatch_stack() == 0  # no storage tracker left on the mode stack
 
 
-@pytest.mark.parametrize("trainer, name", [("trainer", "Trainer"), ("sft", "SFTTrainer")])
-def test_audit_through_the_real_trainer(tmp_path, capsys, trainer, name):
-    """``vramguard audit --trainer``: the audit's model and batches through the trainer with its own defaults."""
+@pytest.fixture(scope="module")
+def trainer_audit(tmp_path_factory):
+    """``vramguard audit --trainer KIND --steps 2 --device cpu --json F --quiet [extra...]`` run through
+    ``main``, each distinct command once per worker: ``(exit code, the JSON document, stdout)``."""
+    import contextlib
+    import io
+
     from vramguard.cli import main
 
-    out = tmp_path / "audit.json"
-    assert (
-        main(
-            ["audit", "--trainer", trainer, "--steps", "2", "--device", "cpu", "--json", str(out), "--quiet"]
-        )
-        == 0
-    )
-    doc = AuditReport.from_dict(json.loads(out.read_text()))
+    done: dict[tuple[str, ...], tuple[int, AuditReport, str]] = {}
+
+    def run(kind: str, *extra: str) -> tuple[int, AuditReport, str]:
+        key = (kind, *extra)
+        if key not in done:
+            out = tmp_path_factory.mktemp("trainer-audit") / "audit.json"
+            argv = [
+                "audit",
+                "--trainer",
+                kind,
+                "--steps",
+                "2",
+                "--device",
+                "cpu",
+                "--json",
+                str(out),
+                "--quiet",
+            ]
+            stdout = io.StringIO()
+            with contextlib.redirect_stdout(stdout):
+                code = main(argv + list(extra))
+            done[key] = (code, AuditReport.from_dict(json.loads(out.read_text())), stdout.getvalue())
+        return done[key]
+
+    return run
+
+
+@pytest.mark.parametrize("trainer, name", [("trainer", "Trainer"), ("sft", "SFTTrainer")])
+def test_audit_through_the_real_trainer(trainer_audit, trainer, name):
+    """``vramguard audit --trainer``: the audit's model and batches through the trainer with its own defaults."""
+    code, doc, stdout = trainer_audit(trainer)
+    assert code == 0
     assert doc.config["trainer"] == name and doc.config["seq_len"] == CONFIG.seq_len
     assert [s.step for s in doc.steps] == [1, 2] and len(doc.layers) == 2
     assert doc.budget.no_analytic_model  # the analytic activation model is not claimed for a trainer run
@@ -347,7 +454,22 @@ def test_audit_through_the_real_trainer(tmp_path, capsys, trainer, name):
     per_param = 16 if trainer == "trainer" else 8
     counters = 4 * 2 * 7 * 2  # one fp32 step counter per LoRA A/B matrix, 7 projections, 2 layers
     assert doc.budget.measured_lora_training_bytes == per_param * doc.budget.lora_params + counters
-    assert capsys.readouterr().out.strip() == doc.verdict.line
+    assert stdout.strip() == doc.verdict.line
+
+
+def test_audit_through_the_trainer_with_offloading(trainer_audit):
+    """``vramguard audit --trainer trainer --offload-activations``: the host copies are in the JSON, and the
+    steps retain what they retain without offloading (the plain run is test_audit_through_the_real_trainer's)."""
+    (code, plain, _), (offload_code, offloaded, _) = (
+        trainer_audit("trainer"),
+        trainer_audit("trainer", "--offload-activations"),
+    )
+    assert code == offload_code == 0
+    assert all(s.host_peak_bytes is None for s in plain.steps)
+    assert all(
+        s.host_peak_bytes and s.host_peak_bytes > 0 and s.host_retained_bytes == 0 for s in offloaded.steps
+    )
+    assert [s.retained_bytes for s in offloaded.steps] == [s.retained_bytes for s in plain.steps]
 
 
 def test_measure_every_reports_only_the_steps_it_measured(tmp_path):
@@ -374,51 +496,6 @@ def test_measure_every_reports_only_the_steps_it_measured(tmp_path):
     logged = {h["step"] for h in trainer.state.log_history if "vramguard/retained_bytes" in h}
     assert logged == {1, 3}
     assert torch.utils._python_dispatch._get_current_dispatch_mode() is None  # nothing left on the mode stack
-
-
-def test_offloading_goes_on_during_the_ledger_step(tmp_path):
-    """Activation offloading (``save_on_cpu`` around ``train()``): the ledger's saved-tensor hooks used to
-    replace the offloading hooks on the ledger step (only the innermost pair runs), so the callback
-    changed what it measured there. Now every tensor saved on the ledger step still goes through the
-    offloading pack hook, and on CPU (where ``save_on_cpu`` keeps the tensor where it is) the ledger step's
-    retained bytes, phase peaks and ledger equal a run without offloading."""
-    plain = VramGuardCallback(table=False)
-    _trainer(build_qlora(CONFIG), plain, tmp_path).train()
-
-    packs = [0]
-    offload = torch.autograd.graph.save_on_cpu()
-    outer_pack = offload.pack_hook
-
-    def counting_pack(t):
-        packs[0] += 1
-        return outer_pack(t)
-
-    offload.pack_hook = counting_pack
-    from transformers import TrainerCallback
-
-    per_step: list[int] = []
-
-    class Count(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            per_step.append(-packs[0])
-
-        def on_step_end(self, args, state, control, **kw):
-            per_step[-1] += packs[0]
-
-    cb = VramGuardCallback(table=False)
-    trainer = _trainer(build_qlora(CONFIG), cb, tmp_path)
-    trainer.add_callback(Count())
-    with offload:
-        trainer.train()
-    assert cb.report is not None and plain.report is not None
-    # the ledger step (1) offloads as many saved tensors as a step without the ledger (2)
-    assert per_step[0] == per_step[1] > 0, per_step
-    # the ledger step (step 1) retains and peaks as without offloading (later steps: 4 B more retained
-    # under save_on_cpu after the last step, with or without this change; not explained yet)
-    assert cb.report.steps[0].retained_bytes == plain.report.steps[0].retained_bytes
-    assert cb.steps[0].above == plain.steps[0].above and cb.steps[0].peaks == plain.steps[0].peaks
-    assert cb.report.totals.saved_bytes == plain.report.totals.saved_bytes
-    assert cb.report.layers == plain.report.layers
 
 
 OFFLOAD_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -617,61 +694,6 @@ def test_audit_offload_activations_bad_combinations(capsys, args, message):
     assert main(["audit", "--device", "cpu", "--steps", "2", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
-
-
-def test_audit_through_the_trainer_with_offloading(tmp_path):
-    """``vramguard audit --trainer trainer --offload-activations``: the host copies are in the JSON, and the
-    steps retain what they retain without offloading."""
-    from vramguard.cli import main
-
-    docs = {}
-    for offload in (False, True):
-        out = tmp_path / f"audit-{offload}.json"
-        extra = ["--offload-activations"] if offload else []
-        argv = [
-            "audit",
-            "--trainer",
-            "trainer",
-            "--steps",
-            "2",
-            "--device",
-            "cpu",
-            "--json",
-            str(out),
-            "--quiet",
-        ]
-        assert main(argv + extra) == 0
-        docs[offload] = AuditReport.from_dict(json.loads(out.read_text()))
-    plain, offloaded = docs[False], docs[True]
-    assert all(s.host_peak_bytes is None for s in plain.steps)
-    assert all(
-        s.host_peak_bytes and s.host_peak_bytes > 0 and s.host_retained_bytes == 0 for s in offloaded.steps
-    )
-    assert [s.retained_bytes for s in offloaded.steps] == [s.retained_bytes for s in plain.steps]
-
-
-def test_allocator_source_measures_what_the_storage_tracker_does(tmp_path):
-    """``cpu_source="allocator"`` (the CPU allocator's events, counted in C++): the same phase peaks as the
-    storage tracker to a few scalars Python hands to ops, the same retained bytes, and torch's backward entry
-    and profiler as they were once training ends."""
-    original = torch.autograd._engine_run_backward
-    storage = VramGuardCallback(table=False)
-    _trainer(build_qlora(CONFIG), storage, tmp_path).train()
-    allocator = VramGuardCallback(table=False, cpu_source="allocator")
-    _trainer(build_qlora(CONFIG), allocator, tmp_path).train()
-    assert allocator.report is not None and allocator.report.verdict.ok, allocator.report.verdict.line
-    assert allocator.report.config["cpu_source"] == "allocator"
-    assert [s.step for s in allocator.steps] == [s.step for s in storage.steps] == [1, 2]
-    for a, s in zip(allocator.steps, storage.steps, strict=True):
-        assert a.retained == s.retained, a.step
-        assert set(a.peaks) == set(s.peaks) == {"forward", "backward", "optimizer"}
-        for phase in a.peaks:
-            assert 0 <= a.peaks[phase] - s.peaks[phase] <= 256, (a.step, phase, a.peaks, s.peaks)
-            assert abs(a.above[phase] - s.above[phase]) <= 256, (a.step, phase, a.above, s.above)
-        assert s.above["backward"] > 100_000  # backward was measured, not folded into another phase
-    assert torch.autograd._engine_run_backward is original
-    assert torch.autograd.graph._engine_run_backward is original
-    assert not torch._C._autograd._profiler_enabled()
 
 
 def test_allocator_source_beside_a_running_profiler_fails_before_the_first_step():

@@ -18,6 +18,7 @@ from typing import Any
 
 from vramguard.audit.report import AuditReport, RankRow
 from vramguard.audit.run import assemble_report
+from vramguard.measure.storage import frozen_resident_bytes
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.model.analytic import Expectation
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
@@ -59,10 +60,12 @@ def measure_zero3_rank(
     """``deepspeed.initialize`` ``q``'s model with ``ds`` (ZeRO-3) and the client AdamW, then ``steps`` steps
     through the engine under the audit's tracker and ledger; this rank's report and :class:`RankRow`.
 
-    ``weights_bytes`` is the frozen resident bytes (partitions of the frozen weights, persistent whole ones,
-    the replicated quant_state and buffers); ``trainable_bytes`` the LoRA partitions; the allocator peak adds
-    what ZeRO-3 keeps for training from ``initialize`` on (fp32 master, gradient partitions, reduce bucket,
-    persistent LoRA tensors) to them and the highest phase peak."""
+    ``weights_bytes`` is the frozen resident bytes after the steps (partitions of the frozen weights, the
+    persistent whole ones, the replicated quant_state and buffers); ``trainable_bytes`` the LoRA partitions.
+    The allocator peak is what was resident when the step tracker started (the frozen bytes then, and what
+    ZeRO-3 keeps for training from ``initialize`` on: LoRA partitions, fp32 master, gradient partitions, reduce
+    bucket; ``terms["weights_at_start_bytes"]``, ``terms["training_resident_bytes"]``) plus the highest phase
+    peak. Persistent parameters are first gathered in the first forward and then kept: inside the peaks."""
     t0 = time.perf_counter()
     optimizer = make_optimizer(q)
     watch = StorageTracker(device)
@@ -73,6 +76,7 @@ def measure_zero3_rank(
         watch.stop()
     init_bytes = watch.current()
     before = zero3_terms(q.model, zero_optimizer)
+    weights_at_start = frozen_resident_bytes(q.model)
     with MemoryTracker(device, model=q.model) as tracker:
         results, ledger = run_steps(q, steps, tracker, optimizer=zero_optimizer, ledger_step=0, engine=engine)
     assert ledger is not None
@@ -84,20 +88,18 @@ def measure_zero3_rank(
     weights = report.totals.model_resident_bytes
     phases = {name: report.phases[name].peak_bytes for name in PHASES if name in report.phases}
     peak_phase = max(phases, key=lambda n: phases[n])
-    trainable_persistent = sum(
-        p.data.numel() * p.element_size()
-        for p in q.model.parameters()
-        if p.requires_grad and getattr(p, "ds_persist", False)
-    )
     kept_for_training = (
         before["trainable_bytes"]
-        + trainable_persistent
+        + before["persistent_trainable_bytes"]
         + before["fp32_master_bytes"]
         + before["grad_partition_bytes"]
         + before["reduce_bucket_bytes"]
     )
     terms["training_resident_bytes"] = kept_for_training
-    allocator = weights + kept_for_training + phases[peak_phase]
+    terms["weights_at_start_bytes"] = weights_at_start
+    # what was resident when the tracker started, plus its highest phase peak above that: the persistent whole
+    # tensors ZeRO-3 gathers in the first forward and keeps are inside the peaks, not in the start
+    allocator = weights_at_start + kept_for_training + phases[peak_phase]
     row = RankRow(
         rank=rank,
         weights_bytes=weights,

@@ -42,6 +42,17 @@ EXTRA = "distributed"
 """The extra that installs DeepSpeed (``pip install -c constraints.txt -e ".[distributed]"``)."""
 
 
+def _deepspeed() -> Any:
+    """The ``deepspeed`` module; where it is not installed, the one-line refusal (:func:`missing`)."""
+    try:
+        import deepspeed
+    except ImportError as exc:
+        from vramguard.errors import UsageError
+
+        raise UsageError(missing() or f"DeepSpeed does not import: {exc}") from None
+    return deepspeed
+
+
 def missing() -> str | None:
     """Why ``--sharding zero3`` cannot run here (one line), or None when DeepSpeed is installed. Looks for
     the package without importing it (importing DeepSpeed probes the accelerators)."""
@@ -112,8 +123,7 @@ def initialize(
 ) -> tuple[Any, Any]:
     """``deepspeed.initialize`` of ``model`` with the client ``optimizer``: the engine and its ZeRO-3
     optimizer. The default process group must exist (gloo); DeepSpeed joins it."""
-    import deepspeed
-
+    deepspeed = _deepspeed()
     deepspeed.init_distributed(dist_backend="gloo")
     engine, zero_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
     return engine, zero_optimizer
@@ -142,13 +152,13 @@ def zero3_terms(model: torch.nn.Module, zero_optimizer: Any) -> dict[str, int]:
     ZeRO-3 optimizer (see the module's docstring). The keys of
     :class:`vramguard.workload.sharding.RankTerms` (partitions: packed 4-bit, unquantized, trainable;
     replicated: quant_state, buffers) and ZeRO-3's own: ``persistent_bytes`` (whole parameters kept beside
-    their partition), ``fp32_master_bytes``, ``grad_partition_bytes``, ``reduce_bucket_bytes``,
+    their partition; ``persistent_trainable_bytes`` of them LoRA's), ``fp32_master_bytes``, ``grad_partition_bytes``, ``reduce_bucket_bytes``,
     ``optimizer_state_bytes`` (0 before the first step), ``persistent_params``, ``partitioned_params``."""
     import bitsandbytes as bnb
 
     from vramguard.measure.storage import storage_key, storage_nbytes, tensors_in
 
-    packed = unquantized = trainable = persistent = buffers = 0
+    packed = unquantized = trainable = persistent = persistent_trainable = buffers = 0
     n_persistent = n_partitioned = 0
     quantized: list[torch.nn.Module] = []
     for module in model.modules():
@@ -162,6 +172,7 @@ def zero3_terms(model: torch.nn.Module, zero_optimizer: Any) -> dict[str, int]:
             if getattr(p, "ds_persist", False):
                 n_persistent += 1
                 persistent += _nbytes(p.data)
+                persistent_trainable += _nbytes(p.data) if p.requires_grad else 0
             else:
                 n_partitioned += 1
             if p.requires_grad:
@@ -195,6 +206,7 @@ def zero3_terms(model: torch.nn.Module, zero_optimizer: Any) -> dict[str, int]:
         "quant_state_bytes": quant_state,
         "buffer_bytes": buffers,
         "persistent_bytes": persistent,
+        "persistent_trainable_bytes": persistent_trainable,
         "fp32_master_bytes": sum(
             _nbytes(t) for t in _optimizer_attr(zero_optimizer, "fp32_partitioned_groups_flat") or ()
         ),

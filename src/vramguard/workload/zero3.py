@@ -141,9 +141,7 @@ def _nbytes(t: Any) -> int:
 
 
 def _optimizer_attr(zero_optimizer: Any, name: str) -> Any:
-    """A ZeRO-3 optimizer attribute, its name mangled when private (``__ipg_bucket_flat_buffer``)."""
-    if name.startswith("__"):
-        name = f"_{type(zero_optimizer).__name__}{name}"
+    """A ZeRO-3 optimizer attribute (None where this DeepSpeed release has none)."""
     return getattr(zero_optimizer, name, None)
 
 
@@ -211,7 +209,10 @@ def zero3_terms(model: torch.nn.Module, zero_optimizer: Any) -> dict[str, int]:
             _nbytes(t) for t in _optimizer_attr(zero_optimizer, "fp32_partitioned_groups_flat") or ()
         ),
         "grad_partition_bytes": _nbytes(_optimizer_attr(zero_optimizer, "grad_partitions_flat_buffer")),
-        "reduce_bucket_bytes": _nbytes(_optimizer_attr(zero_optimizer, "__ipg_bucket_flat_buffer")),
+        "reduce_bucket_bytes": sum(
+            _nbytes(getattr(bucket, "buffer", None))
+            for bucket in (getattr(zero_optimizer, "ipg_buckets", None) or {}).values()
+        ),
         "optimizer_state_bytes": state,
         "persistent_params": n_persistent,
         "partitioned_params": n_partitioned,

@@ -368,10 +368,11 @@ def distributed_ranks(report: AuditReport, console: Any) -> None:
             if "training_resident_bytes" in terms
             else f"LoRA shard {fb(row.trainable_bytes)}"
         )
+        weights = terms.get("weights_at_start_bytes", row.weights_bytes)  # ZeRO-3: when the tracker started
         t.add_row(
             "allocator peak",
             fb(row.allocator_peak_bytes),
-            f"weights {fb(row.weights_bytes)} + {kept} + {row.peak_phase} peak",
+            f"weights {fb(weights)} + {kept} + {row.peak_phase} peak",
         )
         if row.reserved_bytes is not None:
             t.add_row("reserved peak", fb(row.reserved_bytes), "caching allocator")

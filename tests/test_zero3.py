@@ -135,6 +135,54 @@ def test_the_ranks_agree_and_the_json_section_names_the_engine(zero3_audit) -> N
     assert AuditReport.from_dict(json.loads(json.dumps(doc))) == zero3_audit
 
 
+_FAKE_RANK0 = """
+import dataclasses, json, sys
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from vramguard.audit.distributed import rank_expectation
+from vramguard.audit.zero3 import build_zero3_rank, measure_zero3_rank
+from vramguard.workload.models import QLoRAConfig
+config = QLoRAConfig()
+q, ds = build_zero3_rank(config, 0, 2)
+expected = rank_expectation(q, config)
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+try:
+    _, row = measure_zero3_rank(q, config, ds, 0, int(sys.argv[2]), 3, expected, "cpu")
+finally:
+    dist.destroy_process_group()
+with open(sys.argv[1], "w") as fh:
+    json.dump(dataclasses.asdict(row), fh)
+"""
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_rank_0_under_the_fake_process_group_equals_the_real_rank_0(zero3_audit, tmp_path: Path) -> None:
+    """DeepSpeed accepts torch's fake process group (collectives answered at once, nothing moved): rank 0 of the
+    same step in one process, on the host's real tensors, equals the real gloo rank 0 in every field. (Rank 1
+    cannot be played so: DeepSpeed checks a list gathered from the ranks, and the fake group's all-gather leaves
+    it unfilled: "Detected a disagreement on list length between rank0 and rank1". It runs in a process of its
+    own: DeepSpeed keeps its groups in module globals.)"""
+    import dataclasses
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "row.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(
+        [sys.executable, "-c", _FAKE_RANK0, str(out), str(STEPS)],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    fake = json.loads(out.read_text())
+    assert fake == dataclasses.asdict(zero3_audit.distributed.per_rank[0])
+
+
 def test_without_deepspeed_zero3_is_one_line_naming_the_extra(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

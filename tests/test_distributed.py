@@ -378,10 +378,8 @@ def test_a_killed_rank_leaves_no_process_and_one_line(tmp_path: Path) -> None:
 def test_sharding_config_validates() -> None:
     from vramguard.errors import UsageError
 
-    for bad in (
-        ShardingConfig(0),
-        ShardingConfig(2, "fsdp9"),
-    ):  # zero3 without DeepSpeed: tests/test_zero3.py
+    # zero3 without DeepSpeed: tests/test_zero3.py
+    for bad in (ShardingConfig(0), ShardingConfig(2, "fsdp9")):
         with pytest.raises(UsageError):
             bad.validate()
     assert dataclasses.asdict(ShardingConfig()) == ShardingConfig().to_dict()

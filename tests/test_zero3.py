@@ -221,3 +221,12 @@ def test_the_estimate_refuses_zero3_in_one_line() -> None:
     with pytest.raises(UsageError, match="not run on the meta device") as info:
         run_distributed_estimate(CONFIG, ShardingConfig(2, "zero3"))
     assert "\n" not in str(info.value)
+
+
+@needs_deepspeed
+def test_fp16_is_refused_in_one_line_before_any_rank_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    """DeepSpeed's CPU accelerator refuses fp16 at initialize ("Type fp16 is not supported on your device."):
+    said before anything is launched, one line, exit 2."""
+    assert main(["audit", "--world-size", "2", "--sharding", "zero3", "--compute-dtype", "fp16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "fp16" in err[0] and "bf16 or fp32" in err[0], err

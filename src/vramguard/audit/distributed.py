@@ -186,6 +186,10 @@ def run_distributed_audit(
     config.validate()
     if torch.device(config.device).type != "cpu":
         raise UsageError("--world-size runs its ranks on the host (gloo): use --device cpu")
+    if sharding.sharding == "zero3":
+        from vramguard.workload.zero3 import check_config
+
+        check_config(config)
     check_fits(config)
     _check_host_fits(config, sharding.world_size)
     with tempfile.TemporaryDirectory(prefix="vramguard-ranks-") as tmp:

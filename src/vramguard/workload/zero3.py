@@ -64,6 +64,19 @@ def missing() -> str | None:
     return None
 
 
+def check_config(config: Any) -> None:
+    """UsageError (one line) for a step DeepSpeed cannot run on the host: fp16, which its CPU accelerator
+    refuses at ``initialize`` ("Type fp16 is not supported on your device.", DeepSpeed 0.19.8)."""
+    from vramguard.errors import UsageError
+    from vramguard.workload.models import parse_dtype
+
+    if parse_dtype(config.compute_dtype) == torch.float16:
+        raise UsageError(
+            "--sharding zero3 --compute-dtype fp16: DeepSpeed's CPU accelerator refuses fp16 (\"Type fp16 is not "
+            'supported on your device."); use bf16 or fp32'
+        )
+
+
 def ds_config(config: Any, hidden_size: int) -> dict[str, Any]:
     """The DeepSpeed configuration of ``config``'s step: ZeRO stage 3, this rank's micro-batch, the compute
     dtype's mixed precision (bf16 or fp16; fp32 neither), the client's torch AdamW (DeepSpeed's own CPU Adam

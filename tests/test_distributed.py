@@ -305,7 +305,6 @@ def test_the_json_document_has_the_distributed_section(fsdp2_audit, tmp_path: Pa
     [
         (["audit", "--world-size", "0", "--sharding", "fsdp2"], "must be positive"),
         (["audit", "--world-size", "2"], "needs --sharding"),
-        (["audit", "--world-size", "2", "--sharding", "zero3"], "DeepSpeed"),
         (["audit", "--world-size", "2", "--sharding", "fsdp3"], "invalid choice"),
         (["audit", "--world-size", "2", "--sharding", "fsdp2", "--cpu-offload"], "needs CUDA ranks"),
         (["estimate", "--world-size", "2", "--sharding", "fsdp2", "--cpu-offload"], "needs CUDA ranks"),
@@ -383,7 +382,8 @@ def test_a_killed_rank_leaves_no_process_and_one_line(tmp_path: Path) -> None:
 def test_sharding_config_validates() -> None:
     from vramguard.errors import UsageError
 
-    for bad in (ShardingConfig(0), ShardingConfig(2, "fsdp9"), ShardingConfig(2, "zero3")):
+    # zero3 without DeepSpeed: tests/test_zero3.py
+    for bad in (ShardingConfig(0), ShardingConfig(2, "fsdp9")):
         with pytest.raises(UsageError):
             bad.validate()
     assert dataclasses.asdict(ShardingConfig()) == ShardingConfig().to_dict()

@@ -38,7 +38,13 @@ from vramguard.model.analytic import Expectation
 
 def lora_training_bytes(trainable: Iterable[torch.nn.Parameter], optimizer: Any) -> int:
     """LoRA weights + their gradients (same size, alive between backward and step) + optimizer state.
-    ``optimizer`` may be a wrapper holding the real one as ``.optimizer`` (accelerate's, in a Trainer)."""
+    ``optimizer`` may be a wrapper holding the real one as ``.optimizer`` (accelerate's, in a Trainer), or
+    DeepSpeed's ZeRO-3 optimizer (:func:`vramguard.workload.zero3.lora_training_bytes`: partitions, fp32 master,
+    gradient partitions)."""
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        from vramguard.workload import zero3
+
+        return zero3.lora_training_bytes(trainable, optimizer)
     weights = sum(local_tensor(p).numel() * p.element_size() for p in trainable)  # a DTensor: its shard
     inner = getattr(optimizer, "optimizer", optimizer)
     state = sum(

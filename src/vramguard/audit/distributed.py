@@ -195,6 +195,10 @@ def run_distributed_audit(
     config.validate()
     if torch.device(config.device).type != "cpu":
         raise UsageError("--world-size runs its ranks on the host (gloo): use --device cpu")
+    if sharding.sharding == "zero3":
+        from vramguard.workload.zero3 import check_config
+
+        check_config(config)
     check_fits(config)
     _check_host_fits(config, sharding.world_size)
     with tempfile.TemporaryDirectory(prefix="vramguard-ranks-") as tmp:
@@ -224,7 +228,17 @@ def run_distributed_audit(
             RankRow(**json.loads((Path(tmp) / f"rank{r}.row.json").read_text()))
             for r in range(sharding.world_size)
         ]
-    return merged(reports, rows, sharding, f"{sharding.world_size} processes, torch.distributed gloo")
+    return merged(reports, rows, sharding, _engine_line(sharding))
+
+
+def _engine_line(sharding: ShardingConfig) -> str:
+    """What ran, for the report: the processes and the backend (and DeepSpeed's version for ZeRO-3)."""
+    line = f"{sharding.world_size} processes, torch.distributed gloo"
+    if sharding.sharding == "zero3":
+        from vramguard.workload.zero3 import version
+
+        line = f"DeepSpeed {version()} ZeRO-3 engine, {line}"
+    return line
 
 
 def _check_host_fits(config: QLoRAConfig, world_size: int) -> None:
@@ -289,15 +303,24 @@ def _run_one_rank(spec_path: str, rank: int) -> int:
     folder = Path(spec["folder"])
     world = sharding.world_size
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    q = build_qlora(config, sharded=True)
+    if sharding.sharding == "zero3":
+        from vramguard.audit.zero3 import build_zero3_rank
+
+        q, ds = build_zero3_rank(config, rank, world)
+    else:
+        q = build_qlora(config, sharded=True)
     expected = rank_expectation(q, config)
     store = dist.FileStore(str(folder / "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
     try:
-        mesh = cpu_mesh(world)
-        report, row = measure_rank(
-            q, config, sharding, mesh, rank, int(spec["steps"]), int(spec["top"]), expected, config.device
-        )
+        steps, top = int(spec["steps"]), int(spec["top"])
+        if sharding.sharding == "zero3":
+            from vramguard.audit.zero3 import measure_zero3_rank
+
+            report, row = measure_zero3_rank(q, config, ds, rank, steps, top, expected, config.device)
+        else:
+            mesh = cpu_mesh(world)
+            report, row = measure_rank(q, config, sharding, mesh, rank, steps, top, expected, config.device)
         write_text_atomic(folder / f"rank{rank}.json", json.dumps(report.to_dict()))
         write_text_atomic(folder / f"rank{rank}.row.json", json.dumps(dataclasses.asdict(row)))
         dist.barrier()  # gloo's teardown aborts now and then when a peer is already gone

@@ -211,7 +211,9 @@ class RankRow:
     named overheads (none on CPU). ``terms``: :class:`vramguard.workload.sharding.RankTerms` (sharded and
     replicated resident bytes) and ``transient``: the named transient buffers the step peak contains
     (:func:`vramguard.workload.sharding.transient_terms`). ``same_as``: an estimate ran this rank's shard
-    shapes once, as rank ``same_as``."""
+    shapes once, as rank ``same_as``. Under DeepSpeed ZeRO-3 ``terms`` also has the engine's own
+    (:func:`vramguard.workload.zero3.zero3_terms`) and the allocator peak is what was resident when the tracker
+    started plus the step peak (:func:`vramguard.audit.zero3.measure_zero3_rank`)."""
 
     rank: int
     weights_bytes: int
@@ -234,7 +236,7 @@ class RankRow:
 @dataclass
 class DistributedSection:
     """The per-rank view of a sharded step: ``world_size`` ranks sharded by ``sharding`` (``fsdp2``,
-    ``fsdp1``), ``engine`` saying what ran (real processes and backend, or the fake process group on meta),
+    ``fsdp1``, ``zero3``), ``engine`` saying what ran (real processes and backend, or the fake process group on meta),
     and one :class:`RankRow` per rank."""
 
     world_size: int

@@ -39,8 +39,14 @@ EXIT_INTERNAL_ERROR = 3
 # Log lines of the libraries that say nothing about the user's run: (logger, message prefix).
 # bitsandbytes (0.50.2 at least) warns at import, on a CPU with AVX-512 BF16, that the optional
 # ``kernels`` package is absent; it then uses its own fused CPU kernel, which is what is measured.
+# DeepSpeed (where the distributed extra is installed) is imported by transformers and accelerate whenever it is
+# there, and its accelerator detection then warns, on stdout, that a machine without a GPU runs on the CPU.
 LIBRARY_NOISE: tuple[tuple[str, str], ...] = (
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community"),
+    (
+        "DeepSpeed",
+        "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.",
+    ),
 )
 
 

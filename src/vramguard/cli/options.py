@@ -255,7 +255,7 @@ def add_sharding_options(p: argparse.ArgumentParser) -> None:
         choices=SHARDINGS,
         default=None,
         help="fsdp2 (fully_shard per decoder layer), fsdp1 (FSDP with PEFT's wrap policy, use_orig_params=False), "
-        "zero3 (DeepSpeed: not installed, refused)",
+        "zero3 (DeepSpeed's own ZeRO-3 engine, audit only; needs the distributed extra)",
     )
     p.add_argument(
         "--cpu-offload",

@@ -166,6 +166,11 @@ def run_distributed_estimate(
 ) -> AuditReport:
     """Every rank of ``config``'s step sharded by ``sharding`` (FSDP2 or FSDP1), each on meta under the fake
     process group; ranks with the same shard shapes run once. ``ranks``: only these (rank 0's report leads)."""
+    if sharding.sharding == "zero3":
+        raise UsageError(
+            "estimate --sharding zero3: DeepSpeed's engine is not run on the meta device (see docs/distributed.md); "
+            "measure it with audit --world-size N --sharding zero3"
+        )
     sharding.validate()
     if sharding.sharding not in ("fsdp2", "fsdp1"):
         raise UsageError(

@@ -369,6 +369,8 @@ class SavedTensorLedger:
         self._roots: list[weakref.ref[torch.Tensor]] = []
         self.add_roots(*roots)
         self._packs: list[weakref.ref[SavedSlot]] = []
+        self._zero3: dict[tuple[StorageKey, int], int] = {}
+        """Saved DeepSpeed ZeRO-3 parameters, gathered when saved: (storage, life) -> their whole bytes."""
         # the running modules; a module's forward spans the autograd nodes created between its entry and exit
         self._modules = ModuleStack({}, self._enter_module, self._exit_module)
         self._intervals: list[tuple[int, int, int, str]] = []  # (start, end, depth, module)
@@ -419,6 +421,7 @@ class SavedTensorLedger:
         self._handles = [root] if root is not None else []
         self._aborted = True
         self._packs.clear()
+        self._zero3.clear()
         self._inputs.clear()
         self._lives.clear()
         self._roots.clear()
@@ -504,6 +507,7 @@ class SavedTensorLedger:
                     self._resident = resident_storages(self.model, first_names=self._resident)
             self.report = self._build_report()
         self._packs.clear()
+        self._zero3.clear()
         self._inputs.clear()
         self._lives.clear()
         self._residents = None
@@ -560,6 +564,12 @@ class SavedTensorLedger:
             self._lives[key] = (weakref.ref(storage), life)
         stack = self._modules.stack
         module = stack[-1] if stack else OUTSIDE
+        if (
+            self._outer is None
+            and type(tensor) is not torch.Tensor
+            and getattr(tensor, "ds_id", None) is not None
+        ):
+            return self._pack_zero3(tensor, key, life, storage.nbytes(), module)
         if self._outer is None:
             slot = SavedSlot(tensor.detach(), None, key, life, storage.nbytes(), module, self._now())
         else:
@@ -567,6 +577,18 @@ class SavedTensorLedger:
             slot = SavedSlot(
                 None, self._outer[0](tensor), key, life, storage.nbytes(), module, self._now(), meta
             )
+        self._packs.append(weakref.ref(slot))
+        return slot
+
+    def _pack_zero3(self, param: Any, key: StorageKey, life: int, nbytes: int, module: str) -> SavedSlot:
+        """A DeepSpeed ZeRO-3 parameter saved for backward (its ``LinearFunctionForZeroStage3`` saves the weight):
+        kept as the parameter itself, as autograd keeps it, not a detached alias of the storage gathered now,
+        which would hold that all-gather alive past the engine's release; DeepSpeed gathers the parameter
+        again before backward uses it. Recorded as a ``gathered-weight`` at its whole size; a persistent
+        parameter (never released) is resident."""
+        if not getattr(param, "ds_persist", False):
+            self._zero3[(key, life)] = int(param.ds_numel) * param.element_size()
+        slot = SavedSlot(param, None, key, life, nbytes, module, self._now())
         self._packs.append(weakref.ref(slot))
         return slot
 
@@ -713,7 +735,15 @@ class SavedTensorLedger:
             seen = lives.get(key)
             storage = seen[0]() if seen is not None and seen[1] == life else None
             alive = storage is not None
-            if alive and key in gathered:
+            zero3 = self._zero3.get((key, life))
+            if zero3 is not None:
+                # a ZeRO-3 parameter gathered when saved: released after its module's forward (held past the
+                # forward only where its storage is still alive and full)
+                kind = "gathered-weight"
+                nbytes = zero3
+                if alive and storage.nbytes():
+                    report.gathered_held_bytes += nbytes
+            elif alive and key in gathered:
                 # an all-gather buffer: at its gathered size (a hook saw it full, a ctx walk after the
                 # engine freed it sees 0 B); held past the forward only where the engine did not free it
                 kind = "gathered-weight"

@@ -278,6 +278,10 @@ def frozen_resident_bytes(model: torch.nn.Module) -> int:
     """Bytes of the resident storages that training does not update: frozen (quantized) weights with
     their quantization state, and buffers. Trainable parameters are left out."""
     trainable = {storage_key(p) for p in model.parameters() if p.requires_grad}
+    for p in model.parameters():  # DeepSpeed ZeRO-3 keeps a parameter's partition as ``ds_tensor``
+        partition = getattr(p, "ds_tensor", None)
+        if p.requires_grad and isinstance(partition, torch.Tensor):
+            trainable.add(storage_key(partition))
     sizes: dict[StorageKey, int] = {}
     for _, tensor in _resident_tensors(model):
         key = storage_key(tensor)

@@ -294,8 +294,13 @@ def distributed_header(report: AuditReport, console: Any) -> None:
     d = report.distributed
     assert d is not None
     offload = ", parameters offloaded to the host" if d.cpu_offload else ""
+    recipe = (
+        "ZeRO-3 + QLoRA (model loaded whole, partitioned by deepspeed.initialize)"
+        if d.sharding == "zero3"
+        else ("FSDP + QLoRA recipe")
+    )
     console.print(
-        f"[bold]{d.sharding}[/] over {d.world_size} ranks{offload} ({d.engine}); FSDP + QLoRA recipe: packed "
+        f"[bold]{d.sharding}[/] over {d.world_size} ranks{offload} ({d.engine}); {recipe}: packed "
         "4-bit weights stored in the compute dtype, no fp32 upcast; every rank measured with the ledger and tracker",
         highlight=False,
     )
@@ -326,6 +331,8 @@ def distributed_ranks(report: AuditReport, console: Any) -> None:
             "replicated: neither parameter nor buffer, no engine shards it",
         )
         t.add_row("buffers", fb(terms.get("buffer_bytes", 0)), "replicated")
+        if "fp32_master_bytes" in terms:
+            _zero3_rows(t, terms, row.transient)
         t.add_row("saved activations (ledger)", fb(row.saved_bytes), "per rank: its own batch")
         x = row.transient
         t.add_row(
@@ -355,10 +362,17 @@ def distributed_ranks(report: AuditReport, console: Any) -> None:
         )
         for name, peak in row.phases.items():
             t.add_row(f"{name} peak (tracker)", fb(peak), "above the resident weights")
+        kept = (
+            f"ZeRO-3 training state {fb(terms['training_resident_bytes'])} (LoRA partitions and persistent "
+            "tensors, fp32 master, gradient partitions, reduce bucket)"
+            if "training_resident_bytes" in terms
+            else f"LoRA shard {fb(row.trainable_bytes)}"
+        )
+        weights = terms.get("weights_at_start_bytes", row.weights_bytes)  # ZeRO-3: when the tracker started
         t.add_row(
             "allocator peak",
             fb(row.allocator_peak_bytes),
-            f"weights {fb(row.weights_bytes)} + LoRA shard {fb(row.trainable_bytes)} + {row.peak_phase} peak",
+            f"weights {fb(weights)} + {kept} + {row.peak_phase} peak",
         )
         if row.reserved_bytes is not None:
             t.add_row("reserved peak", fb(row.reserved_bytes), "caching allocator")
@@ -367,6 +381,30 @@ def distributed_ranks(report: AuditReport, console: Any) -> None:
                 "total with overheads", fb(row.total_bytes), "CUDA context, cuBLAS, fragmentation (H100)"
             )
         console.print(t)
+
+
+def _zero3_rows(t: Any, terms: dict[str, int], transient: dict[str, int]) -> None:
+    """What DeepSpeed's ZeRO-3 engine keeps besides the partitions (:func:`vramguard.workload.zero3.zero3_terms`)."""
+    t.add_row(
+        f"whole parameters kept beside their partition ({terms.get('persistent_params', 0)} persistent)",
+        fb(terms.get("persistent_bytes", 0)),
+        "replicated: below stage3_param_persistence_threshold, never released",
+    )
+    t.add_row("  LoRA partitions (compute dtype)", fb(terms.get("trainable_bytes", 0)), "partitioned")
+    t.add_row("  fp32 master of the LoRA partitions", fb(terms.get("fp32_master_bytes", 0)), "partitioned")
+    t.add_row("  gradient partitions (one buffer)", fb(terms.get("grad_partition_bytes", 0)), "partitioned")
+    t.add_row(
+        "  AdamW state (on the fp32 partitions)", fb(terms.get("optimizer_state_bytes", 0)), "partitioned"
+    )
+    t.add_row("reduce bucket", fb(terms.get("reduce_bucket_bytes", 0)), "allocated at initialize")
+    t.add_row(
+        "allocated by deepspeed.initialize (tracker)",
+        fb(terms.get("engine_init_bytes", 0)),
+        "net: partitions, fp32 master, buffers",
+    )
+    t.add_row(
+        "  prefetch bucket (at most)", fb(transient.get("prefetch_bucket", 0)), "transient, in the step peak"
+    )
 
 
 def distributed_summary(report: AuditReport, console: Any) -> None:

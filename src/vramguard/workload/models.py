@@ -430,6 +430,16 @@ def resolve_attention(config: QLoRAConfig, spec: ModelSpec) -> tuple[Any, Any, s
     return hf_config, model_class, attn, notes
 
 
+def _placement(config: QLoRAConfig) -> dict[str, Any]:
+    """``from_pretrained``'s device placement: ``device_map`` on ``config.device``, or none while a DeepSpeed
+    ZeRO-3 configuration is alive (transformers' ``HfDeepSpeedConfig``): transformers refuses a device map
+    then ("DeepSpeed Zero-3 is not compatible with passing a `device_map`"), and the model loads on the host,
+    as a ZeRO-3 user's does, for the engine to partition."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return {} if is_deepspeed_zero3_enabled() else {"device_map": {"": config.device}}
+
+
 def bnb_4bit_config(config: QLoRAConfig, sharded: bool = False) -> Any:
     """The ``BitsAndBytesConfig`` a user passes to ``from_pretrained`` for ``config``'s 4-bit base; with
     ``sharded``, the FSDP + QLoRA recipe's: packed weights stored in the compute dtype
@@ -619,7 +629,7 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: boo
         model = model_class.from_pretrained(
             tmp,
             quantization_config=quant,
-            device_map={"": config.device},
+            **_placement(config),
             dtype=compute_dtype,
             attn_implementation=attn,
         )

@@ -33,13 +33,8 @@ from vramguard.errors import UsageError
 from vramguard.measure.storage import local_tensor, storage_key, storage_nbytes, tensors_in
 
 SHARDINGS: tuple[str, ...] = ("fsdp2", "fsdp1", "zero3")
-"""The engines ``--sharding`` names. ``zero3`` is DeepSpeed's, which is not installed here: refused with
-the reason (:func:`ShardingConfig.validate`)."""
-
-ZERO3_REFUSAL = (
-    "--sharding zero3 needs DeepSpeed's own engine, and DeepSpeed is not a dependency of vramguard; it "
-    "is not simulated (see docs/distributed.md)"
-)
+"""The engines ``--sharding`` names. ``zero3`` is DeepSpeed's own engine (:mod:`vramguard.workload.zero3`),
+an optional dependency: refused with the reason where it is not installed (:func:`ShardingConfig.validate`)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +53,11 @@ class ShardingConfig:
         if self.sharding not in SHARDINGS:
             raise UsageError(f"sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
         if self.sharding == "zero3":
-            raise UsageError(ZERO3_REFUSAL)
+            from vramguard.workload.zero3 import missing
+
+            why = missing()
+            if why is not None:
+                raise UsageError(why)
 
     def to_dict(self) -> dict[str, Any]:
         """The configuration as the JSON document's ``distributed`` section records it."""
@@ -94,6 +93,8 @@ def apply_sharding(model: torch.nn.Module, sharding: ShardingConfig, mesh: Any) 
     """Shard ``model`` with the real engine ``sharding`` names over ``mesh`` (the default process group's
     ranks); returns the module to train (FSDP1 wraps it, FSDP2 changes it in place)."""
     sharding.validate()
+    if sharding.sharding == "zero3":
+        raise ValueError("ZeRO-3 shards inside deepspeed.initialize: vramguard.workload.zero3.initialize")
     if sharding.sharding == "fsdp2":
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 

@@ -55,8 +55,9 @@ AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch
 """``QLoRAConfig.mixed_precision`` -> the dtype Trainer's autocast runs in."""
 
 
-def forward_as_trainer(q: QLoRAModel, batch: dict[str, Any]) -> Any:
-    """``q.model(**batch)`` as ``Trainer`` runs it with ``bf16`` / ``fp16`` (``q.config.mixed_precision``).
+def forward_as_trainer(q: QLoRAModel, batch: dict[str, Any], forward: Any = None) -> Any:
+    """``forward(**batch)`` (default ``q.model``; a DeepSpeed engine under ZeRO-3) as ``Trainer`` runs it with
+    ``bf16`` / ``fp16`` (``q.config.mixed_precision``).
 
     Trainer leaves autocast to accelerate (``autocast_smart_context_manager`` is a null context), whose
     ``Accelerator.prepare_model`` replaces the model's ``forward`` by ``convert_outputs_to_fp32(autocast(
@@ -65,13 +66,14 @@ def forward_as_trainer(q: QLoRAModel, batch: dict[str, Any]) -> Any:
     converted to fp32 by ``.float()``, outside autocast; ``loss.backward()`` and the optimizer step run
     outside it. The device type is the model's; on meta, the estimate's :func:`vramguard.estimate.meta.forced_decisions`
     takes ``torch.autocast`` to its target's. Without mixed precision: ``q.model(**batch)`` unchanged."""
+    forward = q.model if forward is None else forward
     dtype = AUTOCAST_DTYPES.get(q.config.mixed_precision)
     if dtype is None:
-        return q.model(**batch)
+        return forward(**batch)
     from accelerate.utils.operations import convert_to_fp32
 
     with torch.autocast(device_type=q.device.type, dtype=dtype):
-        out = q.model(**batch)
+        out = forward(**batch)
     return convert_to_fp32(out)
 
 
@@ -87,13 +89,18 @@ def train_step(
     step: int,
     ledger: SavedTensorLedger | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    engine: Any = None,
 ) -> StepResult:
     """Run one step inside ``tracker``; with ``ledger``, the forward pass is also itemised. When the tracker
     records events (:attr:`MemoryTracker.events`), every step's forward runs under a ledger whose saved
     storages, like the gradients and the optimizer's state, label their allocations.
 
-    ``loss_fn`` maps the model output to the loss (default: the model's own ``loss``).
+    ``loss_fn`` maps the model output to the loss (default: the model's own ``loss``). ``engine``: a DeepSpeed
+    engine wrapping ``q.model``: the step runs through it as DeepSpeed's users run it (``engine(**batch)``,
+    ``engine.backward(loss)``, ``engine.step()``, which also zeroes the gradients); ``optimizer`` is its
+    optimizer.
     """
+    forward = engine if engine is not None else q.model
     batch = q.batch(step)
     device = q.device
     start = tracker.current()
@@ -104,27 +111,34 @@ def train_step(
     with tracker.phase("forward") as calls["forward"]:
         if ledger is not None:
             with ledger:
-                out = forward_as_trainer(q, batch)
+                out = forward_as_trainer(q, batch, forward)
                 loss = loss_fn(out) if loss_fn else out.loss
                 ledger.add_roots(loss)
             if events is not None:
                 events.label_saved(ledger.report.records)
         else:
-            out = forward_as_trainer(q, batch)
+            out = forward_as_trainer(q, batch, forward)
             loss = loss_fn(out) if loss_fn else out.loss
         _sync(device)
     after_forward = tracker.current()
     del out
     with tracker.phase("backward") as calls["backward"]:
-        loss.backward()
+        if engine is not None:
+            engine.backward(loss)
+        else:
+            loss.backward()
         _sync(device)
     if events is not None:
         events.label_tensors((p.grad for p in q.trainable_parameters() if p.grad is not None), GRADIENTS)
     with tracker.phase("optimizer") as calls["optimizer"]:
-        optimizer.step()
+        if engine is not None:
+            engine.step()
+        else:
+            optimizer.step()
         if events is not None:
             events.label_tensors(optimizer_state(optimizer), OPTIMIZER)
-        optimizer.zero_grad(set_to_none=True)
+        if engine is None:
+            optimizer.zero_grad(set_to_none=True)
         _sync(device)
     value = None if loss.is_meta else float(loss.detach().float().item())  # meta: shapes, no values
     del loss
@@ -146,14 +160,16 @@ def run_steps(
     optimizer: torch.optim.Optimizer | None = None,
     ledger_step: int | None = 0,
     on_step: Callable[[StepResult], None] | None = None,
+    engine: Any = None,
 ) -> tuple[list[StepResult], LedgerReport | None]:
-    """``steps`` training steps; the ledger itemises the forward of step ``ledger_step``."""
+    """``steps`` training steps; the ledger itemises the forward of step ``ledger_step``; ``engine``: a
+    DeepSpeed engine to run them through (:func:`train_step`)."""
     optimizer = optimizer or make_optimizer(q)
     results: list[StepResult] = []
     report: LedgerReport | None = None
     for step in range(steps):
         ledger = SavedTensorLedger(q.model) if step == ledger_step else None
-        results.append(train_step(q, optimizer, tracker, step, ledger=ledger))
+        results.append(train_step(q, optimizer, tracker, step, ledger=ledger, engine=engine))
         if ledger is not None:
             report = ledger.report
         if on_step is not None:

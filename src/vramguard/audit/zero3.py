@@ -1,0 +1,120 @@
+"""One rank of ``vramguard audit --world-size N --sharding zero3``: DeepSpeed's own ZeRO-3 engine, measured.
+
+The rank (:func:`vramguard.audit.distributed._run_one_rank`) builds the recipe's model while a ZeRO-3
+configuration is alive for transformers (:func:`vramguard.workload.zero3.hf_deepspeed`), joins the gloo
+process group, and :func:`measure_zero3_rank` lets ``deepspeed.initialize`` partition it and runs
+vramguard's loop *through the engine* (``engine(**batch)``, ``engine.backward``, ``engine.step``) under the
+same ledger and tracker as every other audit. What ``initialize`` allocates is tracked too
+(``terms["engine_init_bytes"]``): the partitions, the fp32 master, the gradient buffer and the reduce bucket it
+leaves behind, which the step's tracker (started after it) counts as its baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+from vramguard.audit.report import AuditReport, RankRow
+from vramguard.audit.run import assemble_report
+from vramguard.measure.storage import frozen_resident_bytes
+from vramguard.measure.tracker import MemoryTracker, StorageTracker
+from vramguard.model.analytic import Expectation
+from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
+from vramguard.workload.training import PHASES, make_optimizer, run_steps
+from vramguard.workload.zero3 import (
+    ds_config,
+    hf_deepspeed,
+    initialize,
+    rank_environment,
+    zero3_terms,
+    zero3_transient,
+)
+
+
+def build_zero3_rank(config: QLoRAConfig, rank: int, world_size: int) -> tuple[QLoRAModel, dict[str, Any]]:
+    """This rank's environment for DeepSpeed (:func:`~vramguard.workload.zero3.rank_environment`, set before
+    DeepSpeed is imported), and the recipe's model built while transformers sees the ZeRO-3 configuration;
+    the model and that configuration."""
+    os.environ.update(rank_environment(rank, world_size))
+    from vramguard.workload.models import ModelSpec
+
+    hidden = int(ModelSpec.load(config.model).fields["hidden_size"])
+    ds = ds_config(config, hidden)
+    with hf_deepspeed(ds):
+        q = build_qlora(config, sharded=True)
+    return q, ds
+
+
+def measure_zero3_rank(
+    q: QLoRAModel,
+    config: QLoRAConfig,
+    ds: dict[str, Any],
+    rank: int,
+    steps: int,
+    top: int,
+    expected: Expectation,
+    device: str,
+) -> tuple[AuditReport, RankRow]:
+    """``deepspeed.initialize`` ``q``'s model with ``ds`` (ZeRO-3) and the client AdamW, then ``steps`` steps
+    through the engine under the audit's tracker and ledger; this rank's report and :class:`RankRow`.
+
+    ``weights_bytes`` is the frozen resident bytes after the steps (partitions of the frozen weights, the
+    persistent whole ones, the replicated quant_state and buffers); ``trainable_bytes`` the LoRA partitions.
+    The allocator peak is what was resident when the step tracker started (the frozen bytes then, and what
+    ZeRO-3 keeps for training from ``initialize`` on: LoRA partitions, fp32 master, gradient partitions, reduce
+    bucket; ``terms["weights_at_start_bytes"]``, ``terms["training_resident_bytes"]``) plus the highest phase
+    peak. Persistent parameters are first gathered in the first forward and then kept: inside the peaks."""
+    t0 = time.perf_counter()
+    optimizer = make_optimizer(q)
+    watch = StorageTracker(device)
+    watch.start()
+    try:
+        engine, zero_optimizer = initialize(q.model, optimizer, ds)
+    finally:
+        watch.stop()
+    init_bytes = watch.current()
+    before = zero3_terms(q.model, zero_optimizer)
+    weights_at_start = frozen_resident_bytes(q.model)
+    with MemoryTracker(device, model=q.model) as tracker:
+        results, ledger = run_steps(q, steps, tracker, optimizer=zero_optimizer, ledger_step=0, engine=engine)
+    assert ledger is not None
+    report = assemble_report(
+        q, config, expected, tracker, results, ledger, zero_optimizer, top, time.perf_counter() - t0
+    )
+    terms = zero3_terms(q.model, zero_optimizer)
+    terms["engine_init_bytes"] = init_bytes
+    weights = report.totals.model_resident_bytes
+    phases = {name: report.phases[name].peak_bytes for name in PHASES if name in report.phases}
+    peak_phase = max(phases, key=lambda n: phases[n])
+    kept_for_training = (
+        before["trainable_bytes"]
+        + before["persistent_trainable_bytes"]
+        + before["fp32_master_bytes"]
+        + before["grad_partition_bytes"]
+        + before["reduce_bucket_bytes"]
+    )
+    terms["training_resident_bytes"] = kept_for_training
+    terms["weights_at_start_bytes"] = weights_at_start
+    # what was resident when the tracker started, plus its highest phase peak above that: the persistent whole
+    # tensors ZeRO-3 gathers in the first forward and keeps are inside the peaks, not in the start
+    allocator = weights_at_start + kept_for_training + phases[peak_phase]
+    row = RankRow(
+        rank=rank,
+        weights_bytes=weights,
+        trainable_bytes=terms["trainable_bytes"],
+        lora_training_bytes=report.budget.measured_lora_training_bytes,
+        saved_bytes=report.totals.saved_bytes,
+        gathered_weight_bytes=ledger.gathered_bytes,
+        gathered_held_bytes=ledger.gathered_held_bytes,
+        step_peak_bytes=phases[peak_phase],
+        peak_phase=peak_phase,
+        allocator_peak_bytes=allocator,
+        reserved_bytes=None,
+        total_bytes=allocator,
+        phases=phases,
+        terms=terms,
+        transient=zero3_transient(q.model, ds, parse_dtype(config.compute_dtype)),
+    )
+    return dataclasses.replace(report), row

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from tests.test_estimate import STEPS, _above_weights
+from test_estimate import STEPS, _above_weights
 
 from vramguard.audit.run import run_audit
 from vramguard.cli import main
@@ -139,7 +139,7 @@ def test_the_audits_bf16_step_is_the_real_trainers(tmp_path: Any) -> None:
     and peaks as high in the forward and the optimizer step; the lm_head's bf16 copy is a note there too."""
     import dataclasses
 
-    from tests.test_integrations import CONFIG, _trainer
+    from test_integrations import CONFIG, _trainer
 
     from vramguard.integrations.transformers import VramGuardCallback
     from vramguard.workload.models import build_qlora

@@ -253,24 +253,6 @@ def test_fsdp1_shards_the_weights_and_keeps_what_one_device_saves(fsdp1_audit, o
         assert 0 < r.gathered_held_bytes < r.gathered_weight_bytes
 
 
-def _fake_ranks(sharding: ShardingConfig, steps: int = STEPS) -> list:
-    """Each rank of ``sharding``'s step on the host's real tensors in this process, under torch's fake process
-    group (collectives move nothing; every buffer FSDP allocates is real): the rows, as the ranks write them."""
-    from vramguard.audit.distributed import measure_rank, rank_expectation
-    from vramguard.estimate.distributed import fake_process_group
-    from vramguard.workload.sharding import cpu_mesh
-
-    rows = []
-    for rank in range(sharding.world_size):
-        q = build_qlora(CONFIG, sharded=True)
-        expected = rank_expectation(q, CONFIG)
-        with fake_process_group(rank, sharding.world_size):
-            mesh = cpu_mesh(sharding.world_size)
-            _, row = measure_rank(q, CONFIG, sharding, mesh, rank, steps, 3, expected, "cpu")
-        rows.append(row)
-    return rows
-
-
 @pytest.mark.slow
 def test_fsdp1_fake_process_group_on_the_host_equals_the_meta_estimate(fsdp1_estimate) -> None:
     """The same FSDP1 ranks on the host's real tensors under the fake process group: byte for byte (redundant
@@ -427,3 +409,31 @@ def test_cpu_offload_on_the_host_moves_nothing() -> None:
     plain = _fake_ranks(ShardingConfig(2, "fsdp2"))[0]
     offloaded = _fake_ranks(ShardingConfig(2, "fsdp2", cpu_offload=True))[0]
     assert dataclasses.asdict(offloaded) == dataclasses.asdict(plain)
+
+
+def test_a_rank_is_estimated_with_the_autocast_and_attention_the_config_names() -> None:
+    """The distributed estimate runs each rank under the same meta-step contexts as the one-device estimate:
+    Trainer's bf16 autocast (the target's own policy) and flash_attention_2 (flash-attn 2's rules) change what
+    rank 0 saves. Both were once ignored here while the notes said they were priced."""
+    base = dataclasses.replace(CONFIG, seq_len=64)
+
+    def saved(**change: object) -> int:
+        config = dataclasses.replace(base, **change)
+        report = run_distributed_estimate(
+            config, ShardingConfig(2, "fsdp2"), steps=1, target="cuda", ranks=[0]
+        )
+        return report.distributed.per_rank[0].saved_bytes
+
+    plain = saved()
+    assert saved(mixed_precision="bf16") != plain
+    assert saved(attn_implementation="flash_attention_2") != plain
+
+
+@pytest.mark.slow
+def test_bf16_fsdp2_audit_equals_the_estimate_per_rank() -> None:
+    """Real gloo ranks under Trainer's bf16 autocast (CPU) against the meta estimate with the CPU's policy."""
+    config = dataclasses.replace(CONFIG, mixed_precision="bf16")
+    audit = run_distributed_audit(config, ShardingConfig(2, "fsdp2"), steps=STEPS)
+    estimate = run_distributed_estimate(config, ShardingConfig(2, "fsdp2"), steps=STEPS, target="cpu")
+    assert _rows(audit) == _rows(estimate)
+    assert _records(audit) == _records(estimate)

@@ -2,7 +2,8 @@
 
 Each row is ``vramguard estimate --world-size N --sharding fsdp2`` (rank 0, the largest shard; target cuda,
 so the CUDA context and allocator allowances are in the total) on the meta device under torch's fake
-process group. Writes each run's JSON under ``OUT`` (gzipped: the records repeat per layer) and prints the Markdown table. Re-run with::
+process group. Writes each run's JSON under ``OUT`` (gzipped: the records repeat per layer) and prints the Markdown table
+(docs/distributed.md holds it). Re-run with::
 
     python docs/scripts/per_rank.py docs/measurements/2026-11-24-per-rank
 """
@@ -15,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from vramguard.atomic import write_bytes_atomic, write_text_atomic
+from vramguard.atomic import write_bytes_atomic
 from vramguard.estimate.distributed import run_distributed_estimate
 from vramguard.units import format_bytes
 from vramguard.workload.models import QLoRAConfig
@@ -53,7 +54,6 @@ def main(out: Path) -> None:
                 f"{format_bytes(row.allocator_peak_bytes)} | {format_bytes(row.total_bytes)} | {wall:.0f} s |"
             )
             print(lines[-1], flush=True)
-    write_text_atomic(out / "table.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -37,8 +37,8 @@ import torch
 from vramguard.audit.distributed import measure_rank, merged, rank_expectation
 from vramguard.audit.report import AuditReport, RankRow
 from vramguard.errors import UsageError
-from vramguard.estimate.meta import META, TARGETS, build_meta, forced_decisions
-from vramguard.estimate.run import overheads
+from vramguard.estimate.meta import META, TARGETS, build_meta
+from vramguard.estimate.run import meta_step_contexts, overheads
 from vramguard.measure.storage import local_tensor, storage_key
 from vramguard.measure.tracker import StorageTracker
 from vramguard.workload.models import QLoRAConfig
@@ -213,11 +213,8 @@ def _one_rank(
     expected = rank_expectation(q, config)
     source = StorageTracker(None)  # meta storages and the host-side ones (Adam's step counters), as the audit
     source.device = META
-    with (
-        fake_process_group(rank, sharding.world_size),
-        meta_fsdp(),
-        forced_decisions(target, one_sequence_per_row=q.one_sequence_per_row),
-    ):
+    decisions, flash = meta_step_contexts(q, config, target)  # autocast, attention kernels: as on one device
+    with fake_process_group(rank, sharding.world_size), meta_fsdp(), decisions, flash:
         mesh = init_device_mesh(META, (sharding.world_size,))
         report, row = measure_rank(
             q, config, sharding, mesh, rank, steps, top, expected, META, source=source, meta_run=True

@@ -40,6 +40,8 @@ class FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """``_flash_attn_forward``'s allocations: the head dim padded to a multiple of 8, the padded output,
+        an fp32 ``b x h x s`` logsumexp and the rng state, all saved for backward; no ``s x s`` tensor."""
         b, s, h, d = q.shape
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise UsageError(f"flash_attention_2 takes fp16/bf16 only; the attention here is {q.dtype}")
@@ -56,6 +58,8 @@ class FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        """``_flash_attn_backward``'s allocations: dq, dk, dv, ``softmax_d`` and the fp32 ``dq_accum`` (rows
+        rounded to 128), and for grouped k/v heads the per-query-head dk/dv it sums per group."""
         q, k, v, _out, _lse, _rng = ctx.saved_tensors
         b, s, h, d = q.shape
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

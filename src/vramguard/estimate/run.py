@@ -176,6 +176,30 @@ def peak_term(
     return Finding(checks.PEAK_TERM, f"peak: {what} set it; removed by {remedy}", max(square, logits))
 
 
+def meta_step_contexts(
+    q: QLoRAModel, config: QLoRAConfig, target: str
+) -> tuple[contextlib.AbstractContextManager[dict[str, int]], contextlib.AbstractContextManager[None]]:
+    """What a meta step of ``q`` runs under, on one device or as one rank of a sharded step: the forced
+    decisions for ``target`` (its attention kernels, its autocast policy when ``config`` has mixed
+    precision) and, for ``flash_attention_2``, flash-attn 2's kernel priced from its rules. Refused in one
+    line where flash_attention_2 is not priced (off CUDA, padding-free batches)."""
+    flash: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if q.attn_implementation == "flash_attention_2":
+        if target != "cuda":
+            raise UsageError("flash_attention_2 runs on CUDA only: estimate it with --target cuda")
+        if config.padding_free:
+            raise UsageError(
+                "flash_attention_2 with a padding-free batch (flash-attn's varlen path) is not priced"
+            )
+        from vramguard.estimate.flash import flash_attention_2
+
+        flash = flash_attention_2(q.model, target)
+    decisions = forced_decisions(
+        target, one_sequence_per_row=q.one_sequence_per_row, autocast=config.mixed_precision != "no"
+    )
+    return decisions, flash
+
+
 def run_estimate(
     config: QLoRAConfig,
     steps: int = 2,
@@ -227,22 +251,10 @@ def run_estimate(
     source = StorageTracker(None)
     source.device = device
     offload = OffloadActivations(q.model) if offload_activations else contextlib.nullcontext()
-    flash: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    if q.attn_implementation == "flash_attention_2":
-        if target != "cuda":
-            raise UsageError("flash_attention_2 runs on CUDA only: estimate it with --target cuda")
-        if config.padding_free:
-            raise UsageError(
-                "flash_attention_2 with a padding-free batch (flash-attn's varlen path) is not priced"
-            )
-        from vramguard.estimate.flash import flash_attention_2
-
-        flash = flash_attention_2(q.model, target)
+    decisions, flash = meta_step_contexts(q, config, target)
     try:
         with (
-            forced_decisions(
-                target, one_sequence_per_row=q.one_sequence_per_row, autocast=config.mixed_precision != "no"
-            ) as taken,
+            decisions as taken,
             MemoryTracker(device, model=q.model, source=source, events=events) as tracker,
             offload,
             flash,

@@ -33,11 +33,15 @@ PROBE_TIMEOUT_S = 180.0
 
 @dataclass(frozen=True)
 class Probe:
-    """One probe's verdict: ``ok`` (the capability is there / the behaviour is correct) and what was seen."""
+    """One probe's verdict: ``ok`` (the capability is there / the behaviour is correct) and what was seen.
+    ``timed_out``: no verdict at all (the probe did not finish in time, twice): :func:`get` raises
+    :class:`ProbeUndecided` for it, so what depends on it fails instead of being skipped as a lacking
+    capability (a slow, loaded machine is no property of the library)."""
 
     name: str
     ok: bool
     detail: str = ""
+    timed_out: bool = False
 
     def __bool__(self) -> bool:
         return self.ok
@@ -508,12 +512,19 @@ def _describe_exit(code: int) -> str:
     return f"exited {code}"
 
 
+class ProbeUndecided(RuntimeError):
+    """A probe gave no verdict (it timed out twice): the cases that depend on it cannot be decided here."""
+
+
 def run_probes(
     names: list[str], timeout: float = PROBE_TIMEOUT_S, module: str = "vramguard.grad.capabilities"
 ) -> dict[str, Probe]:
     """Run ``names`` in child processes (``python -m module NAME...``); a probe that crashes its child is
-    a failed probe naming the signal, and the remaining probes run in a fresh child."""
+    a failed probe naming the signal, and the remaining probes run in a fresh child. A probe still running
+    when a child's ``timeout`` runs out is tried once more, first in a fresh child; a second timeout is no
+    verdict (``Probe.timed_out``), never a lacking capability."""
     results: dict[str, Probe] = {}
+    retried: set[str] = set()
     left = list(names)
     env = dict(os.environ)  # the same PYTHONPATH (a bisect overlay stays first), plus vramguard itself
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -541,8 +552,20 @@ def run_probes(
         if not left:
             break
         culprit = running or left[0]
-        why = f"timed out after {timeout:g} s" if code is None else _describe_exit(code)
-        results[culprit] = Probe(culprit, False, f"the probe crashed its process ({why})")
+        if code is None and culprit not in retried:  # out of time, not crashed: once more, first in line
+            retried.add(culprit)
+            left.remove(culprit)
+            left.insert(0, culprit)
+            continue
+        if code is None:
+            why = (
+                f"did not finish within {timeout:g} s, twice: no verdict on this machine (is it overloaded?)"
+            )
+            results[culprit] = Probe(culprit, False, f"the probe {why}", timed_out=True)
+        else:
+            results[culprit] = Probe(
+                culprit, False, f"the probe crashed its process ({_describe_exit(code)})"
+            )
         left.remove(culprit)
     return results
 
@@ -554,10 +577,14 @@ def probe_all() -> dict[str, Probe]:
 
 
 def get(name: str) -> Probe:
-    """The outcome of the probe ``name`` on this installation (each run once per process, in a child process)."""
+    """The outcome of the probe ``name`` on this installation (each run once per process, in a child process);
+    :class:`ProbeUndecided` when it gave none."""
     if name == "forward_calls_linear_4bit":
         return forward_calls_linear_4bit()
-    return probe_all()[name]
+    probe = probe_all()[name]
+    if probe.timed_out:
+        raise ProbeUndecided(f"probe {name}: {probe.detail}")
+    return probe
 
 
 @functools.cache

@@ -113,3 +113,11 @@ def test_a_full_size_row_re_run_gives_the_committed_bytes(monkeypatch: pytest.Mo
         data["rows"][0]["runs"]["2048"]["allocator_peak_bytes"]
         == old["rows"][0]["runs"]["2048"]["allocator_peak_bytes"]
     )
+
+
+def test_the_per_rank_table_is_what_its_runs_render() -> None:
+    """docs/distributed.md's per-rank table (7B/8B/70B x N = 1, 2, 4, 8) is exactly what
+    docs/scripts/per_rank.py renders from the committed runs: no hand-typed byte."""
+    per_rank = script("per_rank")
+    runs = ROOT / "docs" / "measurements" / "2026-11-24-per-rank"
+    assert between(ROOT / "docs" / "distributed.md", "per-rank table") == per_rank.render(runs)

@@ -2,10 +2,12 @@
 
 Each row is ``vramguard estimate --world-size N --sharding fsdp2`` (rank 0, the largest shard; target cuda,
 so the CUDA context and allocator allowances are in the total) on the meta device under torch's fake
-process group. Writes each run's JSON under ``OUT`` (gzipped: the records repeat per layer) and prints the Markdown table
-(docs/distributed.md holds it). Re-run with::
+process group. ``main`` runs them and writes each run's JSON under ``OUT`` (gzipped: the records repeat per
+layer); :func:`render` makes the Markdown table from those files alone, which is what docs/distributed.md
+holds between its ``per-rank table`` markers (``tests/test_docs_tables.py`` checks it). Re-run with::
 
-    python docs/scripts/per_rank.py docs/measurements/2026-11-24-per-rank
+    python docs/scripts/per_rank.py docs/measurements/2026-11-24-per-rank    # the runs, then the table
+    python docs/scripts/per_rank.py docs/measurements/2026-11-24-per-rank --render-only
 """
 
 from __future__ import annotations
@@ -13,49 +15,74 @@ from __future__ import annotations
 import gzip
 import json
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
-from vramguard.atomic import write_bytes_atomic
-from vramguard.estimate.distributed import run_distributed_estimate
 from vramguard.units import format_bytes
-from vramguard.workload.models import QLoRAConfig
-from vramguard.workload.sharding import ShardingConfig
 
 MODELS = {"7B": "mistral-7b-v0.3", "8B": "llama-3.1-8b", "70B": "llama-3.1-70b"}
 WORLD_SIZES = (1, 2, 4, 8)
 SETTINGS = {"seq_len": 2048, "batch": 1, "lora_rank": 16, "gradient_checkpointing": True}
+HEAD = (
+    "| shape | N | packed 4-bit (shard) | unquantized (shard) | quant_state (replicated) | "
+    "LoRA + grads + AdamW | saved | step peak | allocator peak | total (H100) |"
+)
 
 
-def main(out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    head = (
-        "| shape | N | packed 4-bit (shard) | unquantized (shard) | quant_state (replicated) | "
-        "LoRA + grads + AdamW | saved | step peak | allocator peak | total (H100) | wall |"
-    )
-    lines = [head, "|" + "---|" * 11]
+def path_of(out: Path, model: str, n: int) -> Path:
+    return out / f"{model}-fsdp2-n{n}.json.gz"
+
+
+def row_line(label: str, model: str, n: int, doc: dict[str, Any]) -> str:
+    """One table row from one run's ``--json`` document (its ``distributed`` section's rank 0)."""
+    row = doc["distributed"]["per_rank"][0]
+    t = row["terms"]
+    cells = [
+        f"{label} (`{model}`)",
+        str(n),
+        format_bytes(t["packed_4bit_bytes"]),
+        format_bytes(t["unquantized_bytes"]),
+        format_bytes(t["quant_state_bytes"]),
+        format_bytes(row["lora_training_bytes"]),
+        format_bytes(row["saved_bytes"]),
+        f"{format_bytes(row['step_peak_bytes'])} ({row['peak_phase']})",
+        format_bytes(row["allocator_peak_bytes"]),
+        format_bytes(row["total_bytes"]),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def render(out: Path) -> str:
+    """The Markdown table from the runs' files under ``out``."""
+    lines = [HEAD, "|" + "---|" * 10]
     for label, model in MODELS.items():
         for n in WORLD_SIZES:
-            t0 = time.perf_counter()
+            doc = json.loads(gzip.decompress(path_of(out, model, n).read_bytes()))
+            lines.append(row_line(label, model, n, doc))
+    return "\n".join(lines)
+
+
+def run(out: Path) -> None:
+    """Every row's estimate, each written to its file as it finishes."""
+    from vramguard.atomic import write_bytes_atomic
+    from vramguard.estimate.distributed import run_distributed_estimate
+    from vramguard.workload.models import QLoRAConfig
+    from vramguard.workload.sharding import ShardingConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    for label, model in MODELS.items():
+        for n in WORLD_SIZES:
             report = run_distributed_estimate(
                 QLoRAConfig(model=model, **SETTINGS), ShardingConfig(n, "fsdp2"), target="cuda", ranks=[0]
             )
-            wall = time.perf_counter() - t0
             doc = report.to_dict()
             text = json.dumps(doc, separators=(",", ":")).encode()
-            write_bytes_atomic(out / f"{model}-fsdp2-n{n}.json.gz", gzip.compress(text, mtime=0))
-            row = report.distributed.per_rank[0]
-            t = row.terms
-            lines.append(
-                f"| {label} (`{model}`) | {n} | {format_bytes(t['packed_4bit_bytes'])} | "
-                f"{format_bytes(t['unquantized_bytes'])} | {format_bytes(t['quant_state_bytes'])} | "
-                f"{format_bytes(row.lora_training_bytes)} | {format_bytes(row.saved_bytes)} | "
-                f"{format_bytes(row.step_peak_bytes)} ({row.peak_phase}) | "
-                f"{format_bytes(row.allocator_peak_bytes)} | {format_bytes(row.total_bytes)} | {wall:.0f} s |"
-            )
-            print(lines[-1], flush=True)
-    print("\n".join(lines))
+            write_bytes_atomic(path_of(out, model, n), gzip.compress(text, mtime=0))
+            print(row_line(label, model, n, doc), flush=True)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    target = Path(sys.argv[1])
+    if "--render-only" not in sys.argv[2:]:
+        run(target)
+    print(render(target))

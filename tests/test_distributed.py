@@ -437,3 +437,36 @@ def test_bf16_fsdp2_audit_equals_the_estimate_per_rank() -> None:
     estimate = run_distributed_estimate(config, ShardingConfig(2, "fsdp2"), steps=STEPS, target="cpu")
     assert _rows(audit) == _rows(estimate)
     assert _records(audit) == _records(estimate)
+
+
+def test_meta_fsdp_puts_torch_back_even_after_an_error() -> None:
+    """The FSDP2 and FSDP1 shims of the meta estimate are torch's own functions again after the block, also when
+    the block raised: a later real run in the same process must meet unpatched FSDP."""
+    import torch.distributed.fsdp._common_utils as fsdp1_common
+    import torch.distributed.fsdp._flat_param as fsdp1_flat
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+    import torch.distributed.fsdp._fully_shard._fully_shard as fully
+    import torch.distributed.fsdp._init_utils as fsdp1_init
+    import torch.distributed.fsdp._runtime_utils as fsdp1_runtime
+    from torch.distributed import device_mesh
+
+    from vramguard.estimate.distributed import meta_fsdp
+
+    def state() -> list[object]:
+        return [
+            device_mesh._get_device_handle,
+            fully._get_device_from_mesh,
+            param_group.FSDPParamGroup._validate_no_meta_params,
+            fsdp1_common._FSDPDeviceHandle.__dict__["from_device"],
+            fsdp1_init._need_to_materialize_module,
+            fsdp1_flat._same_storage,
+            fsdp1_runtime._catch_all_reshard,
+        ]
+
+    before = state()
+    with meta_fsdp():
+        assert state() != before
+    assert state() == before
+    with pytest.raises(RuntimeError, match="inside"), meta_fsdp():
+        raise RuntimeError("inside")
+    assert state() == before

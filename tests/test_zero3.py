@@ -186,6 +186,26 @@ def test_rank_0_under_the_fake_process_group_equals_the_real_rank_0(zero3_audit,
     assert fake == dataclasses.asdict(zero3_audit.distributed.per_rank[0])
 
 
+@needs_deepspeed
+def test_what_initialize_leaves_does_not_depend_on_when_python_collects(
+    zero3_audit, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under gloo, ``deepspeed.initialize`` leaves a reference cycle holding a 2,048 B tensor; whether Python's
+    collector had run when the count was read decided whether it counted (1 rank in 10 runs: 408,193 B instead of
+    406,145 B, and the ranks disagreed). The audit collects it inside the count. Here the ranks run with the
+    collector switched off (a ``sitecustomize`` on their path), so only the audit's own collection can free the
+    cycle: both ranks still report what the default run reported."""
+    from vramguard.audit.distributed import run_distributed_audit
+
+    (tmp_path / "sitecustomize.py").write_text("import gc\ngc.disable()\n")
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    )
+    no_gc = run_distributed_audit(CONFIG, ShardingConfig(2, "zero3"), steps=1)
+    want = zero3_audit.distributed.per_rank[0].terms["engine_init_bytes"]
+    assert [row.terms["engine_init_bytes"] for row in no_gc.distributed.per_rank] == [want, want]
+
+
 def test_without_deepspeed_zero3_is_one_line_naming_the_extra(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

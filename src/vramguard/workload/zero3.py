@@ -158,6 +158,23 @@ def _optimizer_attr(zero_optimizer: Any, name: str) -> Any:
     return getattr(zero_optimizer, name, None)
 
 
+def _inner_state_bytes(zero_optimizer: Any) -> int:
+    """Bytes of the client optimizer's state that the ZeRO-3 optimizer wraps (AdamW's moments on the fp32
+    master partitions and its step counters; 0 before the first step)."""
+    inner = getattr(zero_optimizer, "optimizer", None)
+    return sum(
+        _nbytes(t)
+        for s in getattr(inner, "state", {}).values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def _master_bytes(zero_optimizer: Any) -> int:
+    """Bytes of the fp32 master partitions of the trainable parameters."""
+    return sum(_nbytes(t) for t in _optimizer_attr(zero_optimizer, "fp32_partitioned_groups_flat") or ())
+
+
 def zero3_terms(model: torch.nn.Module, zero_optimizer: Any) -> dict[str, int]:
     """This rank's resident bytes under ZeRO-3, by term, read off the partitioned ``model`` and the engine's
     ZeRO-3 optimizer (see the module's docstring). The keys of
@@ -203,13 +220,7 @@ def zero3_terms(model: torch.nn.Module, zero_optimizer: Any) -> dict[str, int]:
                 if storage_key(t) not in seen:
                     seen.add(storage_key(t))
                     quant_state += storage_nbytes(t)
-    inner = getattr(zero_optimizer, "optimizer", None)
-    state = sum(
-        _nbytes(t)
-        for s in getattr(inner, "state", {}).values()
-        for t in s.values()
-        if isinstance(t, torch.Tensor)
-    )
+    state = _inner_state_bytes(zero_optimizer)
     return {
         "packed_4bit_bytes": packed,
         "unquantized_bytes": unquantized,
@@ -218,9 +229,7 @@ def zero3_terms(model: torch.nn.Module, zero_optimizer: Any) -> dict[str, int]:
         "buffer_bytes": buffers,
         "persistent_bytes": persistent,
         "persistent_trainable_bytes": persistent_trainable,
-        "fp32_master_bytes": sum(
-            _nbytes(t) for t in _optimizer_attr(zero_optimizer, "fp32_partitioned_groups_flat") or ()
-        ),
+        "fp32_master_bytes": _master_bytes(zero_optimizer),
         "grad_partition_bytes": _nbytes(_optimizer_attr(zero_optimizer, "grad_partitions_flat_buffer")),
         "reduce_bucket_bytes": sum(
             _nbytes(getattr(bucket, "buffer", None))
@@ -267,14 +276,8 @@ def lora_training_bytes(trainable: Any, zero_optimizer: Any) -> int:
     own = sum(
         _nbytes(p.ds_tensor) + (_nbytes(p.data) if getattr(p, "ds_persist", False) else 0) for p in params
     )
-    inner = getattr(zero_optimizer, "optimizer", None)
-    state = sum(
-        _nbytes(t)
-        for s in getattr(inner, "state", {}).values()
-        for t in s.values()
-        if isinstance(t, torch.Tensor)
-    )
-    master = sum(_nbytes(t) for t in _optimizer_attr(zero_optimizer, "fp32_partitioned_groups_flat") or ())
+    state = _inner_state_bytes(zero_optimizer)
+    master = _master_bytes(zero_optimizer)
     grads = _nbytes(_optimizer_attr(zero_optimizer, "grad_partitions_flat_buffer"))
     return own + grads + master + state
 

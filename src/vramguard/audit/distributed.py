@@ -99,15 +99,38 @@ def rank_row(
     holds (:func:`~vramguard.workload.sharding.rank_terms`), the highest phase peak, and the allocator peak =
     weights + LoRA shard + that peak. Shared by the audit's ranks, the estimate's and ``VramGuardCallback``'s."""
     terms = rank_terms(model)
-    weights = report.totals.model_resident_bytes
+    return row_of(
+        report,
+        ledger,
+        rank,
+        transient,
+        terms=terms.to_dict(),
+        trainable_bytes=terms.trainable_bytes,
+        resident_at_start=report.totals.model_resident_bytes + terms.trainable_bytes,
+    )
+
+
+def row_of(
+    report: AuditReport,
+    ledger: Any,
+    rank: int,
+    transient: dict[str, int],
+    *,
+    terms: dict[str, int],
+    trainable_bytes: int,
+    resident_at_start: int,
+) -> RankRow:
+    """A :class:`RankRow` from a rank's report and ledger, what the engine says the rank holds (``terms``, its
+    ``trainable_bytes``) and what was resident when the step's tracker started: the allocator peak is that plus
+    the highest phase peak. FSDP's rows (:func:`rank_row`) and ZeRO-3's are both made here."""
     phases = {name: report.phases[name].peak_bytes for name in PHASES if name in report.phases}
     peak_phase = max(phases, key=lambda n: phases[n])
     reserved = [p.reserved_peak_bytes for p in report.phases.values() if p.reserved_peak_bytes is not None]
-    allocator = weights + terms.trainable_bytes + phases[peak_phase]
+    allocator = resident_at_start + phases[peak_phase]
     return RankRow(
         rank=rank,
-        weights_bytes=weights,
-        trainable_bytes=terms.trainable_bytes,
+        weights_bytes=report.totals.model_resident_bytes,
+        trainable_bytes=trainable_bytes,
         lora_training_bytes=report.budget.measured_lora_training_bytes,
         saved_bytes=report.totals.saved_bytes,
         gathered_weight_bytes=ledger.gathered_bytes,
@@ -118,7 +141,7 @@ def rank_row(
         reserved_bytes=max(reserved) if reserved else None,
         total_bytes=allocator,
         phases=phases,
-        terms=terms.to_dict(),
+        terms=terms,
         transient=transient,
     )
 

@@ -96,7 +96,7 @@ def refuse_fp16_on_cpu(config: QLoRAConfig, device_type: str) -> None:
 
 def refuse_what_the_audit_cannot_run(config: QLoRAConfig) -> None:
     """fp16 autocast on the CPU (:func:`refuse_fp16_on_cpu`) and flash_attention_2 (the flash_attn package
-    is CUDA-only and the audit does not load it) are one-line :class:`UsageError`\ s."""
+    is CUDA-only and the audit does not load it) are refused with a one-line :class:`UsageError`."""
     refuse_fp16_on_cpu(config, torch.device(config.device).type)
     if config.attn_implementation == "flash_attention_2":
         raise UsageError(

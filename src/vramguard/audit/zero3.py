@@ -17,13 +17,14 @@ import os
 import time
 from typing import Any
 
+from vramguard.audit.distributed import row_of
 from vramguard.audit.report import AuditReport, RankRow
 from vramguard.audit.run import assemble_report
 from vramguard.measure.storage import frozen_resident_bytes
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.model.analytic import Expectation
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
-from vramguard.workload.training import PHASES, make_optimizer, run_steps
+from vramguard.workload.training import make_optimizer, run_steps
 from vramguard.workload.zero3 import (
     ds_config,
     hf_deepspeed,
@@ -90,9 +91,6 @@ def measure_zero3_rank(
     )
     terms = zero3_terms(q.model, zero_optimizer)
     terms["engine_init_bytes"] = init_bytes
-    weights = report.totals.model_resident_bytes
-    phases = {name: report.phases[name].peak_bytes for name in PHASES if name in report.phases}
-    peak_phase = max(phases, key=lambda n: phases[n])
     kept_for_training = (
         before["trainable_bytes"]
         + before["persistent_trainable_bytes"]
@@ -104,22 +102,13 @@ def measure_zero3_rank(
     terms["weights_at_start_bytes"] = weights_at_start
     # what was resident when the tracker started, plus its highest phase peak above that: the persistent whole
     # tensors ZeRO-3 gathers in the first forward and keeps are inside the peaks, not in the start
-    allocator = weights_at_start + kept_for_training + phases[peak_phase]
-    row = RankRow(
-        rank=rank,
-        weights_bytes=weights,
-        trainable_bytes=terms["trainable_bytes"],
-        lora_training_bytes=report.budget.measured_lora_training_bytes,
-        saved_bytes=report.totals.saved_bytes,
-        gathered_weight_bytes=ledger.gathered_bytes,
-        gathered_held_bytes=ledger.gathered_held_bytes,
-        step_peak_bytes=phases[peak_phase],
-        peak_phase=peak_phase,
-        allocator_peak_bytes=allocator,
-        reserved_bytes=None,
-        total_bytes=allocator,
-        phases=phases,
+    row = row_of(
+        report,
+        ledger,
+        rank,
+        zero3_transient(q.model, ds, parse_dtype(config.compute_dtype)),
         terms=terms,
-        transient=zero3_transient(q.model, ds, parse_dtype(config.compute_dtype)),
+        trainable_bytes=terms["trainable_bytes"],
+        resident_at_start=weights_at_start + kept_for_training,
     )
     return dataclasses.replace(report), row

@@ -260,14 +260,18 @@ def test_a_meta_build_leaves_real_quantization_working() -> None:
     assert packed.device.type == "cpu" and state.state2 is not None
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("method", ["lora", "full", "full-bf16"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
 def test_lora_and_full_on_meta_equal_the_same_run_on_cpu(method: str, checkpointing: bool) -> None:
-    """``--method lora`` (bf16 base) and ``full`` (fp32, every parameter trained): the meta run
-    equals the same build and step on real CPU tensors, to the byte."""
+    """``--method lora`` (bf16 base) and ``full`` (every parameter trained, in fp32 or, ``--full-dtype bf16``,
+    in bf16 as TRL trains a model loaded in bf16): the meta run equals the same build and step on real CPU
+    tensors, to the byte."""
     from vramguard.estimate.run import run_estimate
 
+    method, _, dtype = method.partition("-")
     config = QLoRAConfig(seq_len=64, batch=2, gradient_checkpointing=checkpointing)
+    if dtype:
+        config = dataclasses.replace(config, method=method, full_dtype=dtype)
     meta = run_estimate(config, steps=STEPS, method=method, target="cpu")
     cpu = run_estimate(config, steps=STEPS, method=method, device="cpu")
     assert (meta.device, cpu.device) == ("meta", "cpu")
@@ -275,13 +279,29 @@ def test_lora_and_full_on_meta_equal_the_same_run_on_cpu(method: str, checkpoint
     for key in want:
         assert got[key] == want[key], key
     assert meta.estimate == dataclasses.replace(cpu.estimate, forced_decisions=meta.estimate.forced_decisions)
-    if method == "full":  # the textbook's 16 bytes per parameter, exactly, plus Adam's fp32 step counters
+    if (
+        method == "full"
+    ):  # the textbook's 16 (fp32) or 8 (bf16) bytes per parameter, plus Adam's fp32 step counters
         from vramguard.estimate.meta import build_meta
 
         tensors = list(build_meta(config, method="full").model.parameters())
         n = sum(t.numel() for t in tensors)
         assert meta.budget.lora_params == n
-        assert meta.budget.measured_lora_training_bytes == 16 * n + 4 * len(tensors)
+        per_param = 8 if dtype == "bf16" else 16
+        assert meta.budget.measured_lora_training_bytes == per_param * n + 4 * len(tensors)
+        assert {t.dtype for t in tensors} == {torch.bfloat16 if dtype else torch.float32}
+
+
+def test_full_dtype_belongs_to_the_full_method() -> None:
+    """``--full-dtype`` names the dtype full fine-tuning trains in; with LoRA or QLoRA it would be ignored, so
+    it is refused in one line."""
+    from vramguard.errors import UsageError
+
+    with pytest.raises(UsageError, match="full-dtype bf16 is the dtype of --method full"):
+        QLoRAConfig(full_dtype="bf16").validate()
+    QLoRAConfig(method="full", full_dtype="bf16").validate()
+    with pytest.raises(UsageError):
+        QLoRAConfig(method="full", full_dtype="int8").validate()
 
 
 class _Fake:

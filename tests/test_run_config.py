@@ -488,12 +488,19 @@ def test_packed_rows_cost_the_mask_that_one_sequence_per_row_does_not(tmp_path: 
     assert runs["packing"].totals.saved_bytes > runs["padding_free"].totals.saved_bytes
 
 
-def test_full_fine_tuning_in_bf16_is_named_not_priced(tmp_path: Path) -> None:
-    """Without PEFT TRL trains every parameter in the loaded dtype, and AdamW keeps its moments in it: in
-    bf16 that is 8 B/param where the full-method estimate prices fp32's 16, so the line says so."""
-    run = load_run_config(_write(tmp_path, {**BASE, "use_peft": False, "dtype": "bfloat16"}))
-    assert run.config().method == "full"
-    not_priced = next(line for line in run.lines() if "NOT PRICED" in line)
-    assert "dtype=" in not_priced and "16 B/param" in not_priced
+def test_full_fine_tuning_trains_in_the_loaded_dtype(tmp_path: Path) -> None:
+    """Without PEFT TRL trains every parameter in the loaded dtype, and AdamW keeps its moments in it: ``dtype``
+    is priced as the full method's dtype (8 B/param in bf16, 16 in fp32), and the meta step's training bytes
+    follow it."""
+    from vramguard.estimate.run import run_estimate
+
+    bf16 = load_run_config(_write(tmp_path, {**BASE, "use_peft": False, "dtype": "bfloat16"}))
     fp32 = load_run_config(_write(tmp_path, {**BASE, "use_peft": False, "dtype": "float32"}))
-    assert not any("NOT PRICED" in line and "dtype" in line for line in fp32.lines())
+    assert (bf16.config().method, bf16.config().full_dtype) == ("full", "bf16")
+    assert fp32.config().full_dtype == "fp32"
+    for run in (bf16, fp32):
+        assert not any("NOT PRICED" in line and "dtype" in line for line in run.lines())
+    small, large = (run_estimate(r.config(), steps=1, target="cpu") for r in (bf16, fp32))
+    n = small.budget.lora_params
+    assert large.budget.lora_params == n > 0
+    assert large.budget.measured_lora_training_bytes - small.budget.measured_lora_training_bytes == 8 * n

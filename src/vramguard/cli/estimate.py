@@ -49,8 +49,14 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--method",
         choices=METHODS,
-        help="qlora: 4-bit base + LoRA; lora: LoRA on a base in --dtype; full: all parameters, fp32 + "
-        "AdamW (default: qlora)",
+        help="qlora: 4-bit base + LoRA; lora: LoRA on a base in --dtype; full: all parameters in "
+        "--full-dtype + AdamW (default: qlora)",
+    )
+    p.add_argument(
+        "--full-dtype",
+        choices=("fp32", "bf16", "fp16"),
+        help="--method full: the dtype the parameters are loaded and trained in; AdamW keeps its moments in it "
+        "(fp32: 16 B per parameter, bf16/fp16: 8 B) (default: fp32)",
     )
     p.add_argument(
         "--optimizer",

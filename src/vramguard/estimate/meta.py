@@ -455,7 +455,7 @@ def build_meta(
             "the output, an fp32 b x h x s logsumexp and no s x s tensor"
         )
     compute_dtype = parse_dtype(config.compute_dtype)
-    weights_dtype = torch.float32 if method == "full" else compute_dtype
+    weights_dtype = parse_dtype(config.full_dtype) if method == "full" else compute_dtype
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     checkpointing = {"use_reentrant": False} if config.gradient_checkpointing else None

@@ -205,7 +205,7 @@ def names_of(value: str) -> list[str]:
     return [n.strip() for n in value.split(",") if n.strip()] if isinstance(value, str) else []
 
 
-STEP_OPTIONS: tuple[str, ...] = ("method", "optimizer", "offload_activations")
+STEP_OPTIONS: tuple[str, ...] = ("method", "optimizer", "offload_activations", "full_dtype")
 """The fields of :class:`QLoRAConfig` that schema 1 of the JSON document stores under ``config.extra``."""
 
 
@@ -216,8 +216,11 @@ class QLoRAConfig:
 
     A new parameter is a field with its default, a check in :meth:`validate` and, where a command takes it,
     an option in :mod:`vramguard.cli.options`; the JSON document records every field (:meth:`to_dict`).
-    ``method``, ``optimizer`` and ``offload_activations`` are the meta-run estimate's (the audit's loop
-    always runs qlora with torch AdamW, nothing offloaded).
+    ``method``, ``optimizer``, ``offload_activations`` and ``full_dtype`` are the meta-run estimate's (the
+    audit's loop always runs qlora with torch AdamW, nothing offloaded). ``full_dtype``: the dtype ``--method
+    full`` loads and trains every parameter in (TRL's ``dtype``): ``fp32`` (weights, gradients and AdamW's
+    two moments, 16 B per parameter) or ``bf16``/``fp16`` (torch's AdamW keeps its moments in the
+    parameters' dtype: 8 B per parameter).
 
     ``target_modules``: PEFT's ``target_modules``: ``all-linear``, ``peft-default`` (PEFT's own choice for
     the architecture, what ``LoraConfig(target_modules=None)`` and TRL's default pick) or comma-separated
@@ -255,6 +258,7 @@ class QLoRAConfig:
     method: str = "qlora"
     optimizer: str = "adamw"
     offload_activations: bool = False
+    full_dtype: str = "fp32"
 
     def validate(self) -> None:
         """Raise UsageError (one line) on a value that cannot run: sizes not positive, dropout outside [0, 1),
@@ -276,6 +280,11 @@ class QLoRAConfig:
         if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise UsageError(f"seed must be in [-2**63, 2**64 - 1] (torch's seed range), got {self.seed}")
         parse_dtype(self.compute_dtype)
+        parse_dtype(self.full_dtype)
+        if self.full_dtype != "fp32" and self.method != "full":
+            raise UsageError(
+                f"full-dtype {self.full_dtype} is the dtype of --method full, not of {self.method}"
+            )
         if self.quant_type not in ("nf4", "fp4"):
             raise UsageError(f"quant type must be nf4 or fp4, got {self.quant_type!r}")
         if self.method not in METHODS:
@@ -313,13 +322,15 @@ class QLoRAConfig:
 
     def to_dict(self, step_options: bool = False) -> dict[str, Any]:
         """The configuration as the JSON document records it (schema 1): every field, with the
-        :data:`STEP_OPTIONS` under ``extra``: ``method`` and ``optimizer`` (and ``offload_activations`` when
-        set) with ``step_options`` (the estimate's meta run, which chose them), none otherwise (the audit's
+        :data:`STEP_OPTIONS` under ``extra``: ``method`` and ``optimizer`` (and ``offload_activations`` and
+        ``full_dtype`` when not their defaults) with ``step_options`` (the estimate's meta run, which chose them), none otherwise (the audit's
         loop: ``extra`` is empty)."""
         d = asdict(self)
         options = {name: d.pop(name) for name in STEP_OPTIONS}
         if not options["offload_activations"]:
             del options["offload_activations"]
+        if options["full_dtype"] == "fp32":  # the default: documents written before the field read the same
+            del options["full_dtype"]
         d["extra"] = options if step_options else {}
         return d
 

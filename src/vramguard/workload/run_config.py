@@ -452,14 +452,10 @@ def load_run_config(path: str | Path) -> RunConfig:
         "fp16": "fp16",
         "fp32": "fp32",
     }
-    if dtype in names and method == "full" and names[dtype] != "fp32" and "dtype" in data:
-        # TRL loads the model in this dtype and AdamW keeps its moments in the parameters' dtype: 8 B/param
+    if dtype in names and method == "full" and "dtype" in data:
+        # TRL loads the model in this dtype and AdamW keeps its moments in the parameters' dtype
+        priced("dtype", "full_dtype", names[dtype], shown=dtype)
         values["compute_dtype"] = names[dtype]
-        not_priced(
-            "dtype",
-            "full fine-tuning is priced in fp32 (weights, gradients and AdamW moments: 16 B/param); loaded in "
-            f"{dtype} they take 8 B/param",
-        )
     elif dtype in names:
         priced("dtype", "compute_dtype", names[dtype], shown=dtype)
     elif dtype == "auto":

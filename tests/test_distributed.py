@@ -470,3 +470,19 @@ def test_meta_fsdp_puts_torch_back_even_after_an_error() -> None:
     with pytest.raises(RuntimeError, match="inside"), meta_fsdp():
         raise RuntimeError("inside")
     assert state() == before
+
+
+def test_the_fsdp1_meta_estimate_shows_no_torch_warning_about_the_meta_device_id() -> None:
+    """FSDP1 warns that ``device_id`` meta has no index: an artefact of the meta run (a user's rank names its
+    GPU), hidden inside ``meta_fsdp`` alone; on stderr it gave ``--quiet`` two warning lines per rank."""
+    import warnings
+
+    config = QLoRAConfig(seq_len=16, batch=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_distributed_estimate(config, ShardingConfig(2, "fsdp1"), steps=1, target="cpu")
+    assert not [w for w in caught if "device_id" in str(w.message)], [str(w.message) for w in caught]
+    with warnings.catch_warnings(record=True) as caught:  # the filter is gone after the block
+        warnings.simplefilter("always")
+        warnings.warn("FSDP got the argument `device_id` meta on rank 0", UserWarning, stacklevel=1)
+    assert len(caught) == 1

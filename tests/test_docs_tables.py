@@ -115,6 +115,16 @@ def test_a_full_size_row_re_run_gives_the_committed_bytes(monkeypatch: pytest.Mo
     )
 
 
+def test_the_fsdp_published_table_is_what_its_run_renders() -> None:
+    """docs/distributed.md's published-vs-estimated table: each estimated cell and difference is what
+    docs/scripts/fsdp_published.py reads from the committed run, not typed."""
+    published = script("fsdp_published")
+    runs = ROOT / "docs" / "measurements" / "2026-11-24-fsdp-published"
+    table = published.render(runs)
+    assert between(ROOT / "docs" / "distributed.md", "fsdp published table") == table
+    assert "34.47 GiB total" in table and "+4.0 % if decimal" in table
+
+
 def test_the_per_rank_table_is_what_its_runs_render() -> None:
     """docs/distributed.md's per-rank table (7B/8B/70B x N = 1, 2, 4, 8) is exactly what
     docs/scripts/per_rank.py renders from the committed runs: no hand-typed byte."""

@@ -188,13 +188,14 @@ def test_rank_0_under_the_fake_process_group_equals_the_real_rank_0(zero3_audit,
 
 @needs_deepspeed
 def test_what_initialize_leaves_does_not_depend_on_when_python_collects(
-    zero3_audit, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Under gloo, ``deepspeed.initialize`` leaves a reference cycle holding a 2,048 B tensor; whether Python's
-    collector had run when the count was read decided whether it counted (1 rank in 10 runs: 408,193 B instead of
-    406,145 B, and the ranks disagreed). The audit collects it inside the count. Here the ranks run with the
-    collector switched off (a ``sitecustomize`` on their path), so only the audit's own collection can free the
-    cycle: both ranks still report what the default run reported."""
+    """Rank 0 sometimes still held one more 2,048 B tensor when the count after ``deepspeed.initialize`` was read
+    (408,193 B instead of 406,145 B, and the ranks disagreed; cause not identified). The audit reads the count
+    after gloo's barrier and a collection of the cycles ``initialize`` leaves. Here the ranks run with Python's
+    collector switched off (a ``sitecustomize`` on their path): each rank's count is still what its terms say
+    ``initialize`` allocated (a few bytes of flags over), and the ranks agree. The race is not reproducible on
+    demand, so this test can catch it only when it happens."""
     from vramguard.audit.distributed import run_distributed_audit
 
     (tmp_path / "sitecustomize.py").write_text("import gc\ngc.disable()\n")
@@ -202,8 +203,14 @@ def test_what_initialize_leaves_does_not_depend_on_when_python_collects(
         "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     )
     no_gc = run_distributed_audit(CONFIG, ShardingConfig(2, "zero3"), steps=1)
-    want = zero3_audit.distributed.per_rank[0].terms["engine_init_bytes"]
-    assert [row.terms["engine_init_bytes"] for row in no_gc.distributed.per_rank] == [want, want]
+    counts = []
+    for row in no_gc.distributed.per_rank:
+        t = row.terms
+        allocated = t["packed_4bit_bytes"] + t["unquantized_bytes"] + t["trainable_bytes"]
+        allocated += t["fp32_master_bytes"] + t["grad_partition_bytes"] + t["reduce_bucket_bytes"]
+        assert allocated <= t["engine_init_bytes"] <= allocated + 16, (t["engine_init_bytes"], allocated)
+        counts.append(t["engine_init_bytes"])
+    assert counts[0] == counts[1], counts
 
 
 def test_without_deepspeed_zero3_is_one_line_naming_the_extra(

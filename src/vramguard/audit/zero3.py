@@ -17,6 +17,8 @@ import os
 import time
 from typing import Any
 
+import torch
+
 from vramguard.audit.distributed import row_of
 from vramguard.audit.report import AuditReport, RankRow
 from vramguard.audit.run import assemble_report
@@ -74,9 +76,12 @@ def measure_zero3_rank(
     watch.start()
     try:
         engine, zero_optimizer = initialize(q.model, optimizer, ds)
-        # initialize leaves a reference cycle holding one 2,048 B tensor; whether Python's collector has
-        # freed it when the count is read depended on its thresholds (1 rank in 10 runs kept it, 408,193 B
-        # instead of 406,145 B, and the ranks disagreed). Collected here, inside the count: deterministic
+        # Rank 0 sometimes still held one more 2,048 B tensor when the count was read (408,193 B instead of
+        # 406,145 B, in about 1 of 10 runs under load; the ranks then disagreed). Its cause is not identified
+        # (not Python's collector: runs with it off read both values); the likeliest is a gloo worker thread
+        # that still holds a finished all-gather's tensors. The count is read at a quieter point: after
+        # gloo's barrier (which waits for every collective in flight on this rank) and a collection
+        torch.distributed.barrier()
         gc.collect()
     finally:
         watch.stop()

@@ -17,8 +17,8 @@ logits). Four things are answered here, nothing else is changed:
   overwritten by its gradient, and ``loss_1d``; ``element_mul_kernel``: in place), so a skipped launch changes
   no allocation (checked by reading liger-kernel 0.8.5; not validated on a GPU here);
 * ``target_mask.sum().item()`` in ``fused_linear_cross_entropy_forward`` (the non-ignored token count, a
-  device sync on a GPU) is answered with the batch's count, made by Liger's own label shift on the batch's
-  real labels (:func:`non_ignored`): it decides no size, the kernel divides by it;
+  device sync on a GPU) is answered with the batch's count: ``LigerForCausalLMLoss``'s label shift, repeated
+  on the batch's real labels (:func:`non_ignored`); it decides no size, the kernel divides by it;
 * ``torch.equal(grad_output, 1.0)`` in its backward is answered True (the loss is the step's last op:
   ``loss.backward()`` gives it 1.0, so the in-place rescale is skipped, as on the device);
 * ``_can_use_mm_out`` (CUDA reuses one ``chunk x vocab`` logits buffer across chunks, ``torch.mm(out=)``)
@@ -217,9 +217,8 @@ def liger_kernel(
     (host), whose non-ignored count answers the fused cross-entropy's ``.item()``. Yields what was run:
     ``version``, ``kernels`` (launches skipped, by kernel), ``answered`` (the questions answered, by kind),
     ``item_answers`` (the values given to ``.item()``), ``mm_out`` (``_can_use_mm_out``'s answers) and
-    ``logits_chunks`` (the shape and dtype of the logits
-    chunk each cross-entropy launch was given: Liger's own chunk size), the last two filled in when the
-    block exits."""
+    ``logits_chunks`` (the shape and dtype of the logits chunk each cross-entropy launch was given: Liger's own
+    chunk size); ``kernels`` and ``logits_chunks`` are filled in when the block exits."""
     check(target)
     flce = _imported("liger_kernel.ops.fused_linear_cross_entropy")
     from transformers.integrations.liger import apply_liger_kernel

@@ -58,6 +58,7 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("+ activation offloading", {"activation_offloading": True}),
     ("+ bf16 autocast", {"bf16": True}),
     ("+ flash_attention_2", {"attn_implementation": "flash_attention_2"}),
+    ("+ Liger kernels", {"use_liger_kernel": True}),
     (
         "+ checkpointing + nested quant + paged 8-bit AdamW",
         {"gradient_checkpointing": True, "use_bnb_nested_quant": True, "optim": "paged_adamw_8bit"},

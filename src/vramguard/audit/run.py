@@ -119,6 +119,8 @@ def expectation_of(q: QLoRAModel, config: QLoRAConfig, target: str, analytic: bo
             raise NoAnalyticModel("no analytic model for flash_attention_2: measured only")
         if config.use_dora:
             raise NoAnalyticModel("no analytic model for DoRA (use_dora): measured only")
+        if config.use_liger_kernel:
+            raise NoAnalyticModel("no analytic model for Liger's kernels (use_liger_kernel): measured only")
         if config.target_modules != "all-linear" or config.target_parameters:
             raise NoAnalyticModel(
                 "no analytic model for LoRA on target modules other than all-linear "

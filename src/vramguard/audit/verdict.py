@@ -42,6 +42,7 @@ META_RUN = "meta-run"
 PAGED_OPTIMIZER = "paged-optimizer"
 DORA = "dora"
 AUTOCAST_CASTS = "autocast-casts"
+LIGER = "liger"  # use_liger_kernel: priced on meta from liger-kernel's own code, its kernels not run
 PEAK_TERM = "peak-term"  # one term of the saved activations sets the step's peak
 CONFIG = "config"  # how a --config file (and the flags) were read: priced, no byte, not priced
 

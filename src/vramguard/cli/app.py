@@ -41,12 +41,16 @@ EXIT_INTERNAL_ERROR = 3
 # ``kernels`` package is absent; it then uses its own fused CPU kernel, which is what is measured.
 # DeepSpeed (where the distributed extra is installed) is imported by transformers and accelerate whenever it is
 # there, and its accelerator detection then warns, on stdout, that a machine without a GPU runs on the CPU.
+# liger-kernel's dispatcher (where the liger extra is installed) imports every implementation it knows of an op at its
+# first use and warns for each whose package is absent (CuTe DSL, Ascend's); it then takes its Triton one, which is
+# what the estimate prices.
 LIBRARY_NOISE: tuple[tuple[str, str], ...] = (
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community"),
     (
         "DeepSpeed",
         "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.",
     ),
+    ("liger_kernel.backends.registry", "Backend impl '"),
 )
 
 

@@ -99,6 +99,12 @@ def handle(args: argparse.Namespace) -> int:
             "offload (TRL's offloading runs with --trainer sft on an accelerator); measured without it"
         )
         config = dataclasses.replace(config, offload_activations=False)
+    if config.use_liger_kernel:
+        lines.append(
+            f"config {args.config.name}: NOT PRICED: use_liger_kernel=true: Liger's Triton kernels need a GPU and "
+            "the audit runs here without them (the fp32 logits stay in); vramguard estimate prices it on meta"
+        )
+        config = dataclasses.replace(config, use_liger_kernel=False)
     events = AllocationLog() if wants_timeline(args) else None
     if events is not None and (args.trainer != "loop" or not config.device.startswith("cpu")):
         raise UsageError(

@@ -73,6 +73,14 @@ def register(subparsers: Any) -> None:
         "emulated on meta: the device holds only the copies backward takes back",
     )
     p.add_argument(
+        "--use-liger-kernel",
+        action="store_const",
+        const=True,
+        help="Trainer's use_liger_kernel: Liger's kernels applied as Trainer applies them, its fused linear "
+        "cross-entropy among them, priced on meta from liger-kernel's own code (its Triton kernels are not run; "
+        '--target cuda; needs the liger extra: pip install "vramguard[liger]")',
+    )
+    p.add_argument(
         "--fit",
         metavar="SIZE",
         help="device memory, e.g. 24GiB: find the largest batch (or --fit-dim "
@@ -187,6 +195,8 @@ def _distributed(
         raise UsageError(
             "--world-size estimates the FSDP + QLoRA recipe: --method qlora, --optimizer adamw, no offloading"
         )
+    if config.use_liger_kernel:
+        raise UsageError("use_liger_kernel is priced on one device: leave out --world-size")
     world_fit = None
     if size is not None and args.world_size is None:  # --fit SIZE --sharding fsdp2: the smallest world size
         world_fit = _smallest_world(config, sharding, size, args)

@@ -48,6 +48,7 @@ STEP_FLAGS: tuple[str, ...] = (
     "optimizer",
     "offload_activations",
     "full_dtype",
+    "use_liger_kernel",
 )
 """The :class:`QLoRAConfig` fields a flag may set (each flag's destination is the field's name). A flag
 not given is ``None`` in the parsed arguments, so a ``--config`` file decides it; without a file, the

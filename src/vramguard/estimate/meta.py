@@ -518,6 +518,15 @@ class MetaQLoRAModel(QLoRAModel):
         ids = torch.empty(shape, dtype=torch.long, device=META)
         return {"input_ids": ids, "labels": ids}
 
+    def host_labels(self) -> torch.Tensor:
+        """The labels of the real batch, on the host (their values, which a meta batch lacks): the synthetic rows'
+        are token ids (none ignored), a padding-free batch's are TRL's collator's (the first token of each
+        sequence ignored). Liger's fused cross-entropy asks their non-ignored count (``.item()``)."""
+        shape = (self.config.batch, self.config.seq_len)
+        if self.config.padding_free:
+            return padding_free_batch(torch.zeros(shape, dtype=torch.long), self.config.packing)["labels"]
+        return torch.zeros(shape, dtype=torch.long)
+
     @property
     def one_sequence_per_row(self) -> bool:
         """Whether the batch's real position ids hold one sequence per row, as transformers' own

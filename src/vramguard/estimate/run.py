@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ from vramguard.audit import verdict as checks
 from vramguard.audit.report import AuditReport, DeviceEstimate, Finding, Overhead
 from vramguard.audit.run import assemble_report, expectation_of, refuse_fp16_on_cpu
 from vramguard.errors import UsageError
-from vramguard.estimate.meta import META, TARGETS, build_meta, forced_decisions
+from vramguard.estimate.meta import META, TARGETS, MetaQLoRAModel, build_meta, forced_decisions
 from vramguard.estimate.offload import OffloadActivations
 from vramguard.measure.events import AllocationLog
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
@@ -169,8 +170,8 @@ def peak_term(
         what = f"the s x s attention tensors ({format_bytes(square)}, {share})"
     else:
         remedy = (
-            "a fused linear cross-entropy (Liger's use_liger_kernel: not priced here, it needs Triton and a GPU); "
-            "otherwise a smaller --batch or --seq-len"
+            "a fused linear cross-entropy (Liger's: --use-liger-kernel or use_liger_kernel, priced on meta with "
+            'the liger extra, pip install "vramguard[liger]"); otherwise a smaller --batch or --seq-len'
         )
         what = f"the logits x vocab {vocab:,} ({format_bytes(logits)}, {share})"
     return Finding(checks.PEAK_TERM, f"peak: {what} set it; removed by {remedy}", max(square, logits))
@@ -234,6 +235,10 @@ def run_estimate(
     config = dataclasses.replace(config, **{k: v for k, v in given.items() if v is not None})
     config.validate()
     refuse_fp16_on_cpu(config, target)
+    if config.use_liger_kernel:
+        from vramguard.estimate.liger import check
+
+        check(target, device)  # before anything is built: the extra, the target, the device
     method, optimizer, offload_activations = config.method, config.optimizer, config.offload_activations
     spec = ModelSpec.load(config.model)
     too_long: _TooLong | None = None
@@ -252,9 +257,16 @@ def run_estimate(
     source.device = device
     offload = OffloadActivations(q.model) if offload_activations else contextlib.nullcontext()
     decisions, flash = meta_step_contexts(q, config, target)
+    liger: contextlib.AbstractContextManager[dict[str, Any]] = contextlib.nullcontext({})
+    if config.use_liger_kernel:
+        from vramguard.estimate.liger import liger_kernel
+
+        assert isinstance(q, MetaQLoRAModel)
+        liger = liger_kernel(q.model, target, q.host_labels())
     try:
         with (
             decisions as taken,
+            liger as ran,
             MemoryTracker(device, model=q.model, source=source, events=events) as tracker,
             offload,
             flash,
@@ -355,6 +367,10 @@ def run_estimate(
                 offload.host_peak_bytes,
             )
         )
+    if config.use_liger_kernel:
+        from vramguard.estimate.liger import liger_line
+
+        notes.append(Finding(checks.LIGER, liger_line(ran)))
     term = peak_term(report, config, int(q.spec.fields["vocab_size"]), target, step_peak, phase)
     if term is not None:
         notes.append(term)

@@ -205,7 +205,13 @@ def names_of(value: str) -> list[str]:
     return [n.strip() for n in value.split(",") if n.strip()] if isinstance(value, str) else []
 
 
-STEP_OPTIONS: tuple[str, ...] = ("method", "optimizer", "offload_activations", "full_dtype")
+STEP_OPTIONS: tuple[str, ...] = (
+    "method",
+    "optimizer",
+    "offload_activations",
+    "full_dtype",
+    "use_liger_kernel",
+)
 """The fields of :class:`QLoRAConfig` that schema 1 of the JSON document stores under ``config.extra``."""
 
 
@@ -233,7 +239,9 @@ class QLoRAConfig:
     per sequence; ``packing`` (with ``padding_free``: TRL's ``bfd`` packing): several sequences per row.
     ``mixed_precision``: Trainer's ``bf16`` / ``fp16``
     autocast (``no``, ``bf16``, ``fp16``), run as accelerate runs it for Trainer (fp16 needs a GPU: accelerate
-    refuses it on the CPU, and so do the CPU audit and ``estimate --target cpu``)."""
+    refuses it on the CPU, and so do the CPU audit and ``estimate --target cpu``). ``use_liger_kernel``: Trainer's
+    ``use_liger_kernel`` (Liger's kernels, its fused linear cross-entropy among them), the estimate's on meta
+    (:mod:`vramguard.estimate.liger`); the audit runs without it (Triton needs a GPU)."""
 
     model: str = "tiny-llama"
     seq_len: int = 128
@@ -259,6 +267,7 @@ class QLoRAConfig:
     optimizer: str = "adamw"
     offload_activations: bool = False
     full_dtype: str = "fp32"
+    use_liger_kernel: bool = False
 
     def validate(self) -> None:
         """Raise UsageError (one line) on a value that cannot run: sizes not positive, dropout outside [0, 1),
@@ -268,7 +277,7 @@ class QLoRAConfig:
                 raise UsageError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise UsageError(f"lora dropout must be in [0, 1), got {self.lora_dropout}")
-        for name in ("use_dora", "padding_free", "packing"):
+        for name in ("use_dora", "padding_free", "packing", "use_liger_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(
                     f"{name.replace('_', '-')} must be true or false, got {getattr(self, name)!r}"
@@ -323,12 +332,13 @@ class QLoRAConfig:
     def to_dict(self, step_options: bool = False) -> dict[str, Any]:
         """The configuration as the JSON document records it (schema 1): every field, with the
         :data:`STEP_OPTIONS` under ``extra``: ``method`` and ``optimizer`` (and ``offload_activations`` and
-        ``full_dtype`` when not their defaults) with ``step_options`` (the estimate's meta run, which chose them), none otherwise (the audit's
-        loop: ``extra`` is empty)."""
+        ``full_dtype`` and ``use_liger_kernel`` when not their defaults) with ``step_options`` (the estimate's meta
+        run, which chose them), none otherwise (the audit's loop: ``extra`` is empty)."""
         d = asdict(self)
         options = {name: d.pop(name) for name in STEP_OPTIONS}
-        if not options["offload_activations"]:
-            del options["offload_activations"]
+        for name in ("offload_activations", "use_liger_kernel"):
+            if not options[name]:
+                del options[name]
         if options["full_dtype"] == "fp32":  # the default: documents written before the field read the same
             del options["full_dtype"]
         d["extra"] = options if step_options else {}

@@ -13,7 +13,7 @@ output (:meth:`RunConfig.lines`), none silently:
 * **priced**: it maps onto a :class:`QLoRAConfig` field, which the run then takes;
 * **changes no byte**: it decides values, schedules, logging or files, not the memory of a step (the ones
   the run takes, ``lora_alpha``, ``use_rslora``, ``bnb_4bit_quant_type``, are passed to it all the same);
-* **not priced**: it changes memory in a way vramguard does not run yet (Liger, wrapped packing, ...):
+* **not priced**: it changes memory in a way vramguard does not run yet (wrapped packing, ...):
   named with what the figures assume instead.
 
 One environment check of TrainingArguments is not the run's: it refuses ``bf16`` on a machine without a
@@ -113,6 +113,7 @@ PRICED_KEYS: tuple[str, ...] = (
     "use_dora",
     "attn_implementation",
     "dtype",
+    "use_liger_kernel",
 )
 """Keys read into :class:`QLoRAConfig` fields (a value outside what the field takes is named, not priced)."""
 
@@ -346,6 +347,9 @@ def load_run_config(path: str | Path) -> RunConfig:
             readings.append(KeyReading(key, data[key], "priced", "mixed_precision"))
 
     priced("activation_offloading", "offload_activations", boolean("activation_offloading", sft))
+    # Liger, as transformers' Trainer applies it (the estimate on meta, vramguard.estimate.liger; the audit
+    # names it not priced: its Triton kernels need a GPU)
+    priced("use_liger_kernel", "use_liger_kernel", boolean("use_liger_kernel", sft))
 
     # packing and padding-free batches, by SFTTrainer's rule: bfd packing (TRL's default strategy) implies
     # padding-free; the padding-free batch is TRL's collator's (vramguard.workload.models.padding_free_batch)
@@ -483,8 +487,8 @@ def load_run_config(path: str | Path) -> RunConfig:
 
 
 _UNPRICED_WHY: dict[str, str] = {
-    "use_liger_kernel": "Liger's fused linear cross-entropy (Triton, GPU) is not run: the fp32 logits "
-    "4 x b x s x vocab stay in the figures",
+    "liger_kernel_config": "Liger's defaults for the architecture are priced (use_liger_kernel), not these "
+    "keywords",
     "gradient_accumulation_steps": "one micro-batch step is priced: the gradients held during the next "
     "micro-batch's forward (4 B per trainable parameter) are not added",
     "torch_compile": "torch.compile is not run: eager autograd is priced",

@@ -260,3 +260,36 @@ def test_fp16_is_refused_in_one_line_before_any_rank_starts(capsys: pytest.Captu
     assert main(["audit", "--world-size", "2", "--sharding", "zero3", "--compute-dtype", "fp16"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "fp16" in err[0] and "bf16 or fp32" in err[0], err
+
+
+@needs_deepspeed
+def test_the_docs_table_of_what_deepspeed_keeps_is_this_run(zero3_audit) -> None:
+    """docs/distributed.md's ZeRO-3 table ("What DeepSpeed keeps per rank") is typed in the page: each byte figure
+    it gives for a term is rank 0's of this run, so the page cannot drift from the code unnoticed."""
+    row = zero3_audit.distributed.per_rank[0]
+    t = row.terms
+    measured = {
+        "packed 4-bit weights": t["packed_4bit_bytes"],
+        "unquantized weights": t["unquantized_bytes"],
+        "quant_state": t["quant_state_bytes"],
+        "buffers": t["buffer_bytes"],
+        "whole parameters kept beside their partition": t["persistent_bytes"],
+        "LoRA partitions": t["trainable_bytes"],
+        "fp32 master of the LoRA partitions": t["fp32_master_bytes"],
+        "gradient partitions": t["grad_partition_bytes"],
+        "AdamW state": t["optimizer_state_bytes"],
+        "reduce bucket": t["reduce_bucket_bytes"],
+        "allocated by `deepspeed.initialize`": t["engine_init_bytes"],
+        "saved activations": row.saved_bytes,
+        "all-gathered weights backward uses": row.gathered_weight_bytes,
+        "allocator peak": row.allocator_peak_bytes,
+    }
+    page = (ROOT / "docs" / "distributed.md").read_text()
+    table = page.split("**What DeepSpeed keeps per rank**", 1)[1].split("\n\n", 2)[1]
+    typed = {}
+    for line in table.splitlines()[2:]:
+        term, figure = (c.strip() for c in line.strip("|").split("|")[:2])
+        typed[term] = figure
+    for term, value in measured.items():
+        [figure] = [f for name, f in typed.items() if name.startswith(term)]
+        assert figure == f"{value:,}", (term, figure, value)

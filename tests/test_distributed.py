@@ -486,3 +486,34 @@ def test_the_fsdp1_meta_estimate_shows_no_torch_warning_about_the_meta_device_id
         warnings.simplefilter("always")
         warnings.warn("FSDP got the argument `device_id` meta on rank 0", UserWarning, stacklevel=1)
     assert len(caught) == 1
+
+
+def test_the_docs_checked_table_is_this_run(fsdp2_audit) -> None:
+    """docs/distributed.md's "Checked" table is typed in the page: each figure of rank 0's column is this run's
+    (real gloo FSDP2 ranks, tiny-llama, batch 2 x seq 128), so the page cannot drift from the code unnoticed."""
+    row = fsdp2_audit.distributed.per_rank[0]
+    t = row.terms
+    phases = " / ".join(f"{row.phases[p]:,}" for p in ("forward", "backward", "optimizer")) + " B"
+    measured = {
+        "weights": f"{row.weights_bytes:,} B",
+        "of which packed 4-bit": " / ".join(
+            f"{t[k]:,}"
+            for k in ("packed_4bit_bytes", "unquantized_bytes", "quant_state_bytes", "buffer_bytes")
+        )
+        + " B",
+        "LoRA shard + grads + AdamW": f"{row.lora_training_bytes:,} B",
+        "saved activations": f"{row.saved_bytes:,} B",
+        "all-gathered weights backward uses": f"{row.gathered_weight_bytes:,} B",
+        "of which gathered from forward to backward": f"{row.gathered_held_bytes:,} B",
+        "forward / backward / optimizer peak": phases,
+        "allocator peak": f"{row.allocator_peak_bytes:,} B",
+    }
+    page = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
+    table = page.split("## Checked\n", 1)[1].split("\n\n", 2)[1]
+    typed = {}
+    for line in table.splitlines()[2:]:
+        term, figure = (c.strip() for c in line.strip("|").split("|")[:2])
+        typed[term] = figure
+    for term, value in measured.items():
+        [figure] = [f for name, f in typed.items() if name.startswith(term)]
+        assert figure == value, (term, figure, value)

@@ -38,6 +38,16 @@ ROWS: list[dict[str, Any]] = [
         "not_estimated": "not estimated: `--cpu-offload` is refused until CUDA ranks measure it (see below)",
     },
     {
+        "source": '[PEFT docs, "Use PEFT QLoRA and DeepSpeed with ZeRO3"](https://github.com/huggingface/peft/blob/'
+        "09802c1b43fff9b087be42e149d70e5350ff407a/docs/source/accelerate/deepspeed.md#memory-usage)",
+        "model": "Llama-2-70B, 2 GPUs, DeepSpeed ZeRO-3 (`zero3_init_flag: true`, no offload)",
+        "settings": "as the FSDP1 row: seq 2048 (packed rows), batch 2, gradient checkpointing (`use_reentrant`), "
+        "`flash_attention_2`, `bf16`, LoRA r 8 / alpha 16 / dropout 0.1 all-linear, nested quant, quant storage bf16",
+        "published": '"36.6 GB" per GPU',
+        "not_estimated": "not estimated: ZeRO-3 is not run on the meta device (refused), and a real 70B ZeRO-3 run "
+        "needs about 35 GiB of host memory per rank (this machine has 24 GiB for both)",
+    },
+    {
         "source": "[philschmid, fsdp-qlora-distributed-llama3](https://gist.github.com/bigsnarfdude/47684d7afc4941c118ad8c0a2d764ca5) "
         "(a copy of the notebook's notes)",
         "model": "Llama-3-70B, 4 x 24 GB, FSDP + CPU offload",

@@ -125,6 +125,13 @@ def test_the_fsdp_published_table_is_what_its_run_renders() -> None:
     assert "34.47 GiB total" in table and "+4.0 % if decimal" in table
 
 
+def test_the_70b_terms_table_is_what_its_run_renders() -> None:
+    """docs/distributed.md's "A 70B shape at N = 2" table is rendered from the per-rank table's committed run."""
+    per_rank = script("per_rank")
+    runs = ROOT / "docs" / "measurements" / "2026-11-24-per-rank"
+    assert between(ROOT / "docs" / "distributed.md", "70b terms table") == per_rank.terms_table(runs)
+
+
 def test_the_per_rank_table_is_what_its_runs_render() -> None:
     """docs/distributed.md's per-rank table (7B/8B/70B x N = 1, 2, 4, 8) is exactly what
     docs/scripts/per_rank.py renders from the committed runs: no hand-typed byte."""

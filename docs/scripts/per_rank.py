@@ -62,6 +62,31 @@ def render(out: Path) -> str:
     return "\n".join(lines)
 
 
+def terms_table(out: Path, model: str = MODELS["70B"], n: int = 2) -> str:
+    """One run's rank 0, term by term (docs/distributed.md's "A 70B shape at N = 2"), from its file alone."""
+    doc = json.loads(gzip.decompress(path_of(out, model, n).read_bytes()))
+    row = doc["distributed"]["per_rank"][0]
+    t = row["terms"]
+    rows = [
+        ("packed 4-bit weights (shard)", t["packed_4bit_bytes"]),
+        ("unquantized weights (shard)", t["unquantized_bytes"]),
+        ("quant_state (replicated)", t["quant_state_bytes"]),
+        ("LoRA shard + grads + AdamW", row["lora_training_bytes"]),
+        ("saved activations (ledger: layer inputs under checkpointing, logits)", row["saved_bytes"]),
+        (
+            "all-gathered weights backward uses (ledger, not saved; of them held from forward to backward: "
+            f"{format_bytes(row['gathered_held_bytes'])})",
+            row["gathered_weight_bytes"],
+        ),
+        (f"{row['peak_phase']} peak (tracker)", row["step_peak_bytes"]),
+        ("allocator peak", row["allocator_peak_bytes"]),
+        ("total with the H100 overheads (CUDA context, cuBLAS, fragmentation allowance)", row["total_bytes"]),
+    ]
+    lines = ["| term | bytes |", "|---|---:|"]
+    lines += [f"| {name} | {format_bytes(value)} |" for name, value in rows]
+    return "\n".join(lines)
+
+
 def run(out: Path) -> None:
     """Every row's estimate, each written to its file as it finishes."""
     from vramguard.atomic import write_bytes_atomic
@@ -86,3 +111,5 @@ if __name__ == "__main__":
     if "--render-only" not in sys.argv[2:]:
         run(target)
     print(render(target))
+    print()
+    print(terms_table(target))

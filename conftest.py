@@ -66,15 +66,38 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # machine, in this run) and the others read its result from the run's shared temporary folder.
 
 
+# The workers need the probes while collecting tests_grad, after importing what comes before it: the first
+# one ran the child while the other waited on the lock, a core idle for the child's ~8 s. So the controller of
+# a run that collects tests_grad starts the same probes (in the same way, into the same file, under the same
+# lock) as it configures, while the workers start and collect; a worker that finds the lock taken waits for it.
+
+SHARED_PROBES = "vramguard-capabilities.json"
+
+
+@pytest.hookimpl(trylast=True)  # after the tmpdir plugin's: the basetemp is known
 def pytest_configure(config: pytest.Config) -> None:
-    """On an xdist worker, :func:`vramguard.grad.capabilities.probe_all` is shared by the run's workers."""
+    """On an xdist worker, :func:`vramguard.grad.capabilities.probe_all` is shared by the run's workers; the
+    controller of a spread run that collects tests_grad starts them at once."""
     if getattr(config, "workerinput", None) is not None:
         _share_probes_between_workers(config)
+    elif getattr(config.option, "numprocesses", None) and _collects_tests_grad(config):
+        _probe_while_the_workers_start(config)
 
 
-def _share_probes_between_workers(config: pytest.Config) -> None:
+def _collects_tests_grad(config: pytest.Config) -> bool:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent
+    for arg in config.args:
+        path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
+        if path == root or root / "tests_grad" in (path, *path.parents):
+            return True
+    return False
+
+
+def _read_or_run_probes(shared, run):  # type: ignore[no-untyped-def]
+    """The probes' results from ``shared``, or ``run()``'s written there; under the file's lock."""
     import dataclasses
-    import functools
     import json
 
     from filelock import FileLock
@@ -82,17 +105,42 @@ def _share_probes_between_workers(config: pytest.Config) -> None:
     from vramguard.atomic import write_text_atomic
     from vramguard.grad import capabilities
 
+    with FileLock(str(shared) + ".lock"):
+        if shared.exists():
+            return {name: capabilities.Probe(**p) for name, p in json.loads(shared.read_text()).items()}
+        results = run()
+        write_text_atomic(shared, json.dumps({n: dataclasses.asdict(p) for n, p in results.items()}))
+        return results
+
+
+def _probe_while_the_workers_start(config: pytest.Config) -> None:
+    import threading
+
+    from vramguard.grad import capabilities
+
+    # the workers' basetemps are <this basetemp>/popen-gwN
+    shared = config._tmp_path_factory.getbasetemp() / SHARED_PROBES  # type: ignore[attr-defined]
+    thread = threading.Thread(
+        target=_read_or_run_probes,
+        args=(shared, capabilities.probe_all),
+        name="vramguard-probes",
+        daemon=True,
+    )
+    thread.start()
+    config.add_cleanup(thread.join)
+
+
+def _share_probes_between_workers(config: pytest.Config) -> None:
+    import functools
+
+    from vramguard.grad import capabilities
+
     own = capabilities.probe_all
 
     @functools.cache
     def probe_all() -> dict[str, capabilities.Probe]:
         # <basetemp>/popen-gwN is this worker's; its parent is the run's, shared by all its workers
-        shared = config._tmp_path_factory.getbasetemp().parent / "vramguard-capabilities.json"  # type: ignore[attr-defined]
-        with FileLock(str(shared) + ".lock"):
-            if shared.exists():
-                return {name: capabilities.Probe(**p) for name, p in json.loads(shared.read_text()).items()}
-            results = own()
-            write_text_atomic(shared, json.dumps({n: dataclasses.asdict(p) for n, p in results.items()}))
-            return results
+        shared = config._tmp_path_factory.getbasetemp().parent / SHARED_PROBES  # type: ignore[attr-defined]
+        return _read_or_run_probes(shared, own)
 
     capabilities.probe_all = probe_all

@@ -19,7 +19,7 @@ PROBES = {
     "crash": lambda: os.kill(os.getpid(), signal.SIGSEGV),
     "raises": lambda: 1 / 0,
     "after": lambda: (False, "seen after the crash"),
-    "slow": lambda: (time.sleep(30), (True, "too late"))[1],
+    "slow": lambda: (time.sleep(600), (True, "too late"))[1],
 }
 capabilities._child(sys.argv[1:], PROBES)
 """
@@ -46,7 +46,9 @@ def test_a_probe_out_of_time_is_no_verdict_and_what_needs_it_fails(
     0.49.2 matrix were skipped as "lacks blocksize_remainder_cpu".)"""
     (tmp_path / "fakeprobes.py").write_text(FAKE)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    got = capabilities.run_probes(["fine", "slow", "after"], timeout=8, module="fakeprobes")
+    # 3 s, waited twice: "fine" and the child's start (stdlib and vramguard.grad.capabilities: ~0.1 s) fit
+    # many times over; "slow" never does (it sleeps 600 s)
+    got = capabilities.run_probes(["fine", "slow", "after"], timeout=3, module="fakeprobes")
     assert got["fine"].ok and not got["after"] and got["after"].detail == "seen after the crash"
     assert got["slow"].timed_out and not got["slow"] and "twice" in got["slow"].detail
     monkeypatch.setattr(capabilities, "probe_all", lambda: got)

@@ -12,8 +12,8 @@ from vramguard.cli import app as cli
 def _crashing_subcommand(monkeypatch: pytest.MonkeyPatch) -> None:
     real = cli.build_parser
 
-    def build() -> argparse.ArgumentParser:
-        parser = real()
+    def build(command: str | None = None) -> argparse.ArgumentParser:
+        parser = real(command)
         parser.set_defaults(func=lambda args: 1 / 0)
         return parser
 
@@ -39,3 +39,40 @@ def test_vramguard_debug_shows_the_traceback(
     assert cli.main([]) == cli.EXIT_INTERNAL_ERROR
     err = capsys.readouterr().err
     assert "Traceback" in err and "ZeroDivisionError" in err
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("module", cli.SUBCOMMAND_MODULES)
+def test_a_subcommand_parsed_alone_is_the_same_parser(module: str) -> None:
+    """``vramguard NAME ...`` registers NAME's module alone: the same options, defaults and help as when every
+    subcommand is registered; an unknown name registers them all (argparse's message lists every choice)."""
+    name = module.rsplit(".", 1)[1]
+    alone, every = _subcommands(cli.build_parser(name)), _subcommands(cli.build_parser())
+    assert list(alone) == [name] and name in every
+    assert alone[name].format_help() == every[name].format_help()
+    defaults = [
+        {(a.dest, repr(a.default), a.required) for a in p._actions} for p in (alone[name], every[name])
+    ]
+    assert defaults[0] == defaults[1]
+    assert list(_subcommands(cli.build_parser("nope"))) == list(every)
+
+
+def test_sweep_and_bisect_parse_without_torch() -> None:
+    """A usage error of ``vramguard sweep`` or ``bisect`` comes before torch is imported (it costs seconds)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from vramguard.cli import main\n"
+        "codes = [main(['sweep', '--nope']), main(['bisect', '--nope']), main(['report', '--nope'])]\n"
+        "print(codes, 'torch' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert proc.stdout.split("\n")[0] == "[2, 2, 2] False", proc.stdout + proc.stderr
+    assert proc.stderr.count("vramguard: error:") == 3 and "Traceback" not in proc.stderr

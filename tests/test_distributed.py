@@ -306,8 +306,9 @@ def test_bad_input_is_one_line_and_exit_2(
 
 
 def _rank_pids(marker: str, role: str = "") -> list[int]:
-    """The processes of ``python -m vramguard.audit.distributed`` whose command line holds ``marker`` (and
-    ``role``: `` rank `` for the ranks, `` ranks `` for the launcher)."""
+    """The processes of ``python -m vramguard.audit.distributed`` (the ranks) and ``python -m
+    vramguard.audit.launch`` (their launcher) whose command line holds ``marker`` (and ``role``: `` rank `` for
+    the ranks, `` ranks `` for the launcher)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -316,7 +317,8 @@ def _rank_pids(marker: str, role: str = "") -> list[int]:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if "vramguard.audit.distributed" in cmd and marker in cmd and role in cmd:
+        ours = "vramguard.audit.distributed" in cmd or "vramguard.audit.launch" in cmd
+        if ours and marker in cmd and role in cmd:
             pids.append(int(entry.name))
     return pids
 
@@ -359,6 +361,15 @@ def test_a_killed_rank_leaves_no_process_and_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and "ranks exited" in lines[0], err
     time.sleep(0.5)
     assert _rank_pids(str(tmp_path)) == []
+
+
+def test_the_launcher_imports_no_torch() -> None:
+    """The launcher only starts and watches the ranks: the model stack's imports are the ranks' alone."""
+    code = "import sys, vramguard.audit.launch; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
 def test_sharding_config_validates() -> None:

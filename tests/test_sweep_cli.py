@@ -254,3 +254,20 @@ def test_no_traceback_from_the_console_script(wheelhouse, tmp_path) -> None:
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "empty range" in proc.stderr
+
+
+def test_the_device_of_a_cpu_only_torch_is_known_without_importing_it() -> None:
+    """What a sweep's run records as its device: the probe of every release asks it, so a ``+cpu`` build of
+    torch is answered from its metadata, and the answer is torch's own."""
+    import torch
+
+    code = (
+        "import sys; from vramguard.bisect.sweep import environment_for; "
+        "print(environment_for('vg-dummy', '1.0')['device'], 'torch' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    device, imported = proc.stdout.split()
+    assert device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert imported == str(not torch.__version__.endswith("+cpu"))

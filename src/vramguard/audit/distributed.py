@@ -8,7 +8,8 @@ the single-device audit (:func:`measure_rank`, shared with the estimate's fake p
 writes its report (the audit's document) atomically; the parent reads them and puts rank 0's report with
 a ``distributed`` section (:class:`~vramguard.audit.report.DistributedSection`) in front of the user.
 
-The ranks are started by one launcher process (``... ranks SPEC``) under
+The ranks are started by one launcher process (``python -m vramguard.audit.launch ranks SPEC``: standard library
+only) under
 :func:`vramguard.bisect.procgroup.run_in_group`: they share its process group, which is killed whole when
 vramguard ends (SIGKILL included), when the run times out, or when one rank fails (the launcher kills the
 group rather than leave the others waiting in a collective).
@@ -20,8 +21,6 @@ import dataclasses
 import datetime
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -237,7 +236,7 @@ def run_distributed_audit(
                 }
             )
         )
-        cmd = [sys.executable, "-m", "vramguard.audit.distributed", "ranks", str(spec)]
+        cmd = [sys.executable, "-m", "vramguard.audit.launch", "ranks", str(spec)]
         code, tail = run_with_tail(cmd, _child_env(), timeout)
         if code != 0:
             why = "timed out" if code is None else f"exited with {code}"
@@ -292,29 +291,6 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _launch_ranks(spec_path: str) -> int:
-    """The launcher: start every rank, wait; when one fails, say which and kill the whole process group
-    (the ranks and this launcher), so none is left waiting in a collective."""
-    spec = json.loads(Path(spec_path).read_text())
-    world = int(spec["sharding"]["world_size"])
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "vramguard.audit.distributed", "rank", spec_path, str(r)])
-        for r in range(world)
-    ]
-    pending = set(range(world))
-    while pending:
-        for r in sorted(pending):
-            code = procs[r].poll()
-            if code is None:
-                continue
-            pending.discard(r)
-            if code != 0:
-                print(f"[vramguard] rank {r} exited with {code}", file=sys.stderr, flush=True)
-                os.killpg(0, signal.SIGKILL)
-        time.sleep(0.05)
-    return 0
-
-
 def _run_one_rank(spec_path: str, rank: int) -> int:
     """One rank: build (before joining: transformers writes the random checkpoint only outside a process
     group's non-zero ranks), join through the file store, shard, measure, write the report and row."""
@@ -355,7 +331,9 @@ def _run_one_rank(spec_path: str, rank: int) -> int:
 def main(argv: list[str]) -> int:
     """``ranks SPEC`` (the launcher) or ``rank SPEC R`` (one rank); anything else exits 2."""
     if len(argv) == 2 and argv[0] == "ranks":
-        return _launch_ranks(argv[1])
+        from vramguard.audit.launch import launch_ranks
+
+        return launch_ranks(argv[1])
     if len(argv) == 3 and argv[0] == "rank":
         return _run_one_rank(argv[1], int(argv[2]))
     print("usage: python -m vramguard.audit.distributed ranks SPEC | rank SPEC RANK", file=sys.stderr)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -112,7 +113,11 @@ def _package_key(package: str, packages: dict[str, Any]) -> str:
 
 def _device() -> str:
     """``cuda`` or ``cpu``, as the benchmark plugin records it (torch is imported only if already loaded
-    or importable; no torch means the command cannot use CUDA either)."""
+    or importable; no torch means the command cannot use CUDA either). A CPU-only build of torch (a ``+cpu``
+    local version in its metadata) has no CUDA on any machine: that is answered without importing torch,
+    which would cost every command of a sweep that records its runs ~2 CPU seconds."""
+    if "torch" not in sys.modules and (package_version("torch") or "").endswith("+cpu"):
+        return "cpu"
     try:
         import torch
     except ImportError:

@@ -99,9 +99,12 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``vramguard`` argument parser with every subcommand's module registered (bad options raise
-    UsageError)."""
+    UsageError); with ``command``, the name of a subcommand, that subcommand's module alone: the modules of
+    ``audit``, ``estimate`` and ``compare`` import torch, seconds before ``sweep``, ``bisect`` or ``report``
+    could even parse. Any other ``command`` (a typo, an option) registers them all, as argparse's message
+    names every choice."""
     parser = _Parser(
         prog="vramguard",
         description="Where the memory of quantized fine-tuning goes: audit a QLoRA step, compare "
@@ -109,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"vramguard {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name in SUBCOMMAND_MODULES:
+    chosen = [name for name in SUBCOMMAND_MODULES if name.rsplit(".", 1)[1] == command]
+    for name in chosen or SUBCOMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
     return parser
 
@@ -128,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None, parsed: list[argparse.Namespace]) -> int:
     try:
-        parser = build_parser()
+        argv = list(sys.argv[1:] if argv is None else argv)
+        parser = build_parser(argv[0] if argv else None)
         args = parser.parse_args(argv)
         parsed.append(args)
         if not getattr(args, "func", None):

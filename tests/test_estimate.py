@@ -636,3 +636,38 @@ def test_seq_beyond_a_hugging_face_configs_positions_is_refused(capsys: pytest.C
     assert code == 2
     err = capsys.readouterr().err
     assert "beyond llama-3.1-8b's 131,072 positions" in err and err.count("\n") == 1
+
+
+def test_what_the_data_decides_is_bounded_for_packed_rows() -> None:
+    """Packed rows: the figure is the high (several sequences a row: transformers builds the packed-sequence
+    mask, and sdpa takes another kernel); the low is the same step with every row one sequence. The low run
+    equals a padding-free batch of one sequence a row plus exactly the bytes of the boundary tensors TRL's
+    collator adds for the second sequence (counted here from the collator's own batches)."""
+    from vramguard.estimate.run import run_estimate
+    from vramguard.units import format_bytes
+    from vramguard.workload.models import padding_free_batch
+
+    packed = QLoRAConfig(seq_len=64, batch=1, padding_free=True, packing=True)
+    high = run_estimate(packed, target="cpu")
+    [note] = [f for f in high.verdict.findings if f.kind == "data-bounds"]
+    low = run_estimate(packed, target="cpu", one_sequence_per_row=True)
+    assert not [
+        f for f in low.verdict.findings if f.kind == "data-bounds"
+    ]  # the low run bounds nothing itself
+    assert high.estimate is not None and low.estimate is not None
+    assert note.bytes == high.estimate.total_bytes - low.estimate.total_bytes > 0
+    assert format_bytes(low.estimate.total_bytes) in note.message
+
+    one = run_estimate(QLoRAConfig(seq_len=64, batch=1, padding_free=True), target="cpu")
+    assert one.estimate is not None
+
+    def nbytes(batch: dict) -> int:
+        tensors = {id(v): v for v in batch.values() if isinstance(v, torch.Tensor)}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    ids = torch.zeros((1, 64), dtype=torch.long)
+    boundaries = nbytes(padding_free_batch(ids, True)) - nbytes(padding_free_batch(ids, False))
+    assert low.estimate.allocator_peak_bytes == one.estimate.allocator_peak_bytes + boundaries
+    assert low.totals.saved_bytes == one.totals.saved_bytes < high.totals.saved_bytes
+    [plain] = [f for f in one.verdict.findings if f.kind == "data-bounds"]
+    assert "padding-free rows, priced full" in plain.message and plain.bytes is None

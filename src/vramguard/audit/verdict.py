@@ -43,6 +43,7 @@ PAGED_OPTIMIZER = "paged-optimizer"
 DORA = "dora"
 AUTOCAST_CASTS = "autocast-casts"
 LIGER = "liger"  # use_liger_kernel: priced on meta from liger-kernel's own code, its kernels not run
+DATA_BOUNDS = "data-bounds"  # what the batch's data decides: the figure is the longest batch; low / high named
 PEAK_TERM = "peak-term"  # one term of the saved activations sets the step's peak
 CONFIG = "config"  # how a --config file (and the flags) were read: priced, no byte, not priced
 

@@ -177,8 +177,64 @@ def peak_term(
     return Finding(checks.PEAK_TERM, f"peak: {what} set it; removed by {remedy}", max(square, logits))
 
 
+def data_bounds(
+    q: QLoRAModel,
+    config: QLoRAConfig,
+    estimate: DeviceEstimate,
+    target: str,
+    one_sequence_per_row: bool | None,
+    steps: int,
+    method: str,
+    device: str,
+    optimizer: str,
+) -> Finding | None:
+    """What the batch's data decides, in one line: the figure is for the longest batch the config allows
+    (``batch`` rows of ``seq_len`` tokens, every row full); the rows' lengths and, with packing, the sequences
+    in a row decide lower figures. With packing and sdpa or eager attention the rows' boundaries decide whether
+    transformers builds the packed-sequence mask: priced as real packed rows hold several sequences (the high,
+    and the expected for TRL's bfd packing of shorter documents), and run again with every row one sequence (a
+    document as long as the row: the low). None for the low run itself."""
+    if one_sequence_per_row is not None:
+        return None
+    fb = format_bytes
+    tokens = f"{config.batch:,} x {config.seq_len:,} tokens"
+    packed = config.packing and q.attn_implementation in ("sdpa", "eager") and not q.one_sequence_per_row
+    if packed and device == META:  # (on a real device the position ids' values decide: nothing to force)
+        low = run_estimate(
+            config,
+            steps=steps,
+            method=method,
+            device=device,
+            optimizer=optimizer,
+            target=target,
+            offload_activations=config.offload_activations,
+            one_sequence_per_row=True,
+        ).estimate
+        assert low is not None
+        return Finding(
+            checks.DATA_BOUNDS,
+            f"data: packed rows, priced full ({tokens}); the sequences in a row decide the packed-sequence mask "
+            f"of {q.attn_implementation}: high {fb(estimate.total_bytes)} when a row holds several sequences "
+            f"(this figure, and the expected one for bfd packing of shorter documents), low "
+            f"{fb(low.total_bytes)} when every row is one sequence (documents as long as a row); the lengths "
+            "change no byte, the number of sequences only TRL's boundary tensors (4 B a sequence)",
+            estimate.total_bytes - low.total_bytes,
+        )
+    if config.padding_free:
+        return Finding(
+            checks.DATA_BOUNDS,
+            f"data: padding-free rows, priced full ({tokens}: the longest batch the config allows); a batch of "
+            "shorter sequences holds fewer tokens and needs less",
+        )
+    return Finding(
+        checks.DATA_BOUNDS,
+        f"data: every row priced at max_length ({tokens}: the longest batch the config allows); TRL pads a batch "
+        "to its longest row, so a batch whose rows are all shorter needs less",
+    )
+
+
 def meta_step_contexts(
-    q: QLoRAModel, config: QLoRAConfig, target: str
+    q: QLoRAModel, config: QLoRAConfig, target: str, one_sequence_per_row: bool | None = None
 ) -> tuple[contextlib.AbstractContextManager[dict[str, int]], contextlib.AbstractContextManager[None]]:
     """What a meta step of ``q`` runs under, on one device or as one rank of a sharded step: the forced
     decisions for ``target`` (its attention kernels, its autocast policy when ``config`` has mixed
@@ -195,9 +251,8 @@ def meta_step_contexts(
         from vramguard.estimate.flash import flash_attention_2
 
         flash = flash_attention_2(q.model, target)
-    decisions = forced_decisions(
-        target, one_sequence_per_row=q.one_sequence_per_row, autocast=config.mixed_precision != "no"
-    )
+    rows = q.one_sequence_per_row if one_sequence_per_row is None else one_sequence_per_row
+    decisions = forced_decisions(target, one_sequence_per_row=rows, autocast=config.mixed_precision != "no")
     return decisions, flash
 
 
@@ -211,6 +266,7 @@ def run_estimate(
     target: str = "cuda",
     offload_activations: bool | None = None,
     events: AllocationLog | None = None,
+    one_sequence_per_row: bool | None = None,
 ) -> AuditReport:
     """Build ``config``'s model on meta, run ``steps`` steps under the tracker (the ledger on the
     first) and return the report. ``config.device`` is only validated; the run is on meta.
@@ -256,7 +312,7 @@ def run_estimate(
     source = StorageTracker(None)
     source.device = device
     offload = OffloadActivations(q.model) if offload_activations else contextlib.nullcontext()
-    decisions, flash = meta_step_contexts(q, config, target)
+    decisions, flash = meta_step_contexts(q, config, target, one_sequence_per_row)
     liger: contextlib.AbstractContextManager[dict[str, Any]] = contextlib.nullcontext({})
     if config.use_liger_kernel:
         from vramguard.estimate.liger import liger_kernel
@@ -371,6 +427,9 @@ def run_estimate(
         from vramguard.estimate.liger import liger_line
 
         notes.append(Finding(checks.LIGER, liger_line(ran)))
+    bounds = data_bounds(q, config, estimate, target, one_sequence_per_row, steps, method, device, optimizer)
+    if bounds is not None:
+        notes.append(bounds)
     term = peak_term(report, config, int(q.spec.fields["vocab_size"]), target, step_peak, phase)
     if term is not None:
         notes.append(term)

@@ -432,7 +432,7 @@ def test_padding_free_batch_is_trls_and_the_meta_decision_follows_its_boundaries
     from vramguard.estimate.meta import build_meta
     from vramguard.estimate.run import run_estimate
 
-    # max_length 64: at 32 the estimate's backward peak of plain rows is 96,128 B above the audit's already
+    # max_length 64 (the 96,128 B gap seen at 32 was the meta weight's quantization dtype, since fixed)
     config = load_run_config(
         _write(tmp_path, {**BASE, "per_device_train_batch_size": 1, "max_length": 64, **change})
     ).config()

@@ -519,12 +519,6 @@ def test_the_docs_checked_table_is_this_run(fsdp2_audit) -> None:
         "forward / backward / optimizer peak": phases,
         "allocator peak": f"{row.allocator_peak_bytes:,} B",
     }
-    page = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
-    table = page.split("## Checked\n", 1)[1].split("\n\n", 2)[1]
-    typed = {}
-    for line in table.splitlines()[2:]:
-        term, figure = (c.strip() for c in line.strip("|").split("|")[:2])
-        typed[term] = figure
-    for term, value in measured.items():
-        [figure] = [f for name, f in typed.items() if name.startswith(term)]
-        assert figure == value, (term, figure, value)
+    from doctables import DISTRIBUTED, assert_figures, typed_figures
+
+    assert_figures(typed_figures(DISTRIBUTED, "## Checked\n"), measured)

@@ -284,12 +284,7 @@ def test_the_docs_table_of_what_deepspeed_keeps_is_this_run(zero3_audit) -> None
         "all-gathered weights backward uses": row.gathered_weight_bytes,
         "allocator peak": row.allocator_peak_bytes,
     }
-    page = (ROOT / "docs" / "distributed.md").read_text()
-    table = page.split("**What DeepSpeed keeps per rank**", 1)[1].split("\n\n", 2)[1]
-    typed = {}
-    for line in table.splitlines()[2:]:
-        term, figure = (c.strip() for c in line.strip("|").split("|")[:2])
-        typed[term] = figure
-    for term, value in measured.items():
-        [figure] = [f for name, f in typed.items() if name.startswith(term)]
-        assert figure == f"{value:,}", (term, figure, value)
+    from doctables import DISTRIBUTED, assert_figures, typed_figures
+
+    typed = typed_figures(DISTRIBUTED, "**What DeepSpeed keeps per rank**")
+    assert_figures(typed, {term: f"{value:,}" for term, value in measured.items()})

@@ -166,11 +166,15 @@ class Verdict:
 
 @dataclass
 class Overhead:
-    """Device memory a report's peaks do not count, with the figure used and where it comes from."""
+    """Device memory a report's peaks do not count, with the figure used and where it comes from.
+    ``low_bytes`` / ``high_bytes``: the measured range where the figure is an expected value (the
+    fragmentation allowance), else None."""
 
     name: str
     bytes: int
     basis: str
+    low_bytes: int | None = None
+    high_bytes: int | None = None
 
 
 @dataclass
@@ -179,7 +183,8 @@ class DeviceEstimate:
 
     ``allocator_peak_bytes`` = frozen weights + trainable parameters + the highest phase peak (what
     the step creates: activations, gradients, optimizer state, batch). ``total_bytes`` adds the
-    :class:`Overhead` figures, which are assumptions, not measurements.
+    :class:`Overhead` figures, which are assumptions, not measurements: the fragmentation allowance at its
+    expected share, with its measured range in the overhead's ``low_bytes`` / ``high_bytes``.
     """
 
     weights_bytes: int

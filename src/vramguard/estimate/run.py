@@ -42,17 +42,53 @@ kept. Measured on an H100: a tiny model's step leaves 64 MiB that ``torch._C._cu
 frees, and the 1B and 8B steps' ``max_memory_allocated`` exceed the meta allocator peak by 64 MiB plus
 0.01 %. A meta run calls no cuBLAS, so it is added here."""
 
-FRAGMENTATION = 0.10
-FRAGMENTATION_CHECKPOINTING = 0.25
-"""Reserved minus allocated at the peak, as a share of the allocator peak (the caching allocator rounds
-blocks and keeps freed ones). On an H100 (16 benchmark cases): 2-10 % without gradient checkpointing,
-11-25 % with it (many short-lived recomputed blocks). Without checkpointing 8 of the 8 benchmark cases
-were at most 10.4 %, but the tiny Gemma audits at seq 640 reached 19.4-19.7 %: an allowance, not a bound."""
+
+@dataclasses.dataclass(frozen=True)
+class Fragmentation:
+    """Reserved minus allocated at a step's peak (``max_memory_reserved - max_memory_allocated``), as shares
+    of the allocator peak, from ``steps`` steps measured on an H100 with torch's default caching allocator
+    (no ``expandable_segments``): ``expected``, the median, is the figure in the total; ``low`` and ``high``
+    are the smallest and largest share measured (rounded outwards). ``docs/scripts/fragmentation.py`` derives
+    them from docs/measurements/2026-11-22-h100*/ (its table is in docs/estimate.md;
+    ``tests/test_fragmentation.py`` holds these constants to it)."""
+
+    expected: float
+    low: float
+    high: float
+    steps: int
+    mode: str
 
 
-def overheads(allocator_peak: int, checkpointing: bool = False) -> list[Overhead]:
-    """What the allocator peak of the meta run leaves out of the device's memory."""
-    share = FRAGMENTATION_CHECKPOINTING if checkpointing else FRAGMENTATION
+FRAGMENTATION = Fragmentation(0.05, 0.01, 0.11, 11, "without gradient checkpointing")
+"""11 steps of 1 GiB or more (1.9-10.6 %, median 4.8 %); no trend with size from 4 to 62 GiB."""
+
+FRAGMENTATION_CHECKPOINTING = Fragmentation(0.14, 0.11, 0.23, 7, "with gradient checkpointing")
+"""7 steps of 2-11 GiB (11.4-22.5 %, median 13.6 %): recomputation frees and re-requests a layer's blocks.
+The earlier flat 25 % was the largest share of the benchmark matrix, set by a 0.27 GiB step (small-llama,
+seq 512), where the allocator's 2 MiB and 20 MiB segments are a large part of a 70 MiB gap."""
+
+FRAGMENTATION_OFFLOADING = Fragmentation(0.24, 0.19, 0.28, 2, "with activation offloading")
+"""2 steps, both the 1B shape at seq 1024 without checkpointing (save_on_cpu 19.9 %, TRL's offloading 27.1 %):
+every saved tensor is made on the device and freed after its copy. Thin evidence: a range, not a bound."""
+
+MIN_MEASURED_PEAK = 1 << 30
+"""Steps under 1 GiB are not in the figures: there the allocator's fixed granularity (2 MiB segments for
+blocks up to 1 MiB, 20 MiB segments for requests of 1-10 MiB) makes a gap of a few MiB to tens of MiB that is
+10-36 % of the peak on the H100's tiny-model steps; a share says nothing about it."""
+
+
+def fragmentation_of(checkpointing: bool = False, offloading: bool = False) -> Fragmentation:
+    """The measured figures for the step's kind: offloading first (measured without checkpointing), then
+    checkpointing."""
+    if offloading:
+        return FRAGMENTATION_OFFLOADING
+    return FRAGMENTATION_CHECKPOINTING if checkpointing else FRAGMENTATION
+
+
+def overheads(allocator_peak: int, checkpointing: bool = False, offloading: bool = False) -> list[Overhead]:
+    """What the allocator peak of the meta run leaves out of the device's memory. The fragmentation
+    allowance is the expected (median) share; its ``low_bytes`` and ``high_bytes`` the measured range."""
+    f = fragmentation_of(checkpointing, offloading)
     return [
         Overhead(
             "CUDA context + kernels",
@@ -67,11 +103,21 @@ def overheads(allocator_peak: int, checkpointing: bool = False) -> list[Overhead
         ),
         Overhead(
             "fragmentation allowance",
-            int(allocator_peak * share),
-            f"{share:.0%} of the allocator peak (reserved - allocated; H100: "
-            + ("11-25 % with checkpointing)" if checkpointing else "2-10 % without checkpointing)"),
+            int(allocator_peak * f.expected),
+            f"{f.expected * 100:.0f} % of the allocator peak, expected: reserved - allocated, the median of "
+            f"{f.steps} H100 steps {f.mode} (measured {f.low * 100:.0f}-{f.high * 100:.0f} %; high "
+            f"{f.high * 100:.0f} % = {format_bytes(int(allocator_peak * f.high))})",
+            low_bytes=int(allocator_peak * f.low),
+            high_bytes=int(allocator_peak * f.high),
         ),
     ]
+
+
+def high_total(estimate: DeviceEstimate) -> int:
+    """The total with each overhead at its high bound (the fragmentation allowance's largest measured share)."""
+    return estimate.total_bytes + sum(
+        o.high_bytes - o.bytes for o in estimate.overheads if o.high_bytes is not None
+    )
 
 
 def _first_line_of(exc: BaseException) -> str:
@@ -362,7 +408,9 @@ def run_estimate(
     phase = max(PHASES, key=lambda name: report.phases[name].peak_bytes)
     step_peak = report.phases[phase].peak_bytes
     allocator = weights + trainable + step_peak
-    extra = overheads(allocator, checkpointing=config.gradient_checkpointing)
+    extra = overheads(
+        allocator, checkpointing=config.gradient_checkpointing, offloading=bool(offload_activations)
+    )
     estimate = DeviceEstimate(
         weights_bytes=weights,
         trainable_bytes=trainable,
@@ -381,10 +429,13 @@ def run_estimate(
             f"({estimate.allocator_peak_bytes:,} B allocator peak, estimated on meta)"
         )
     fb = format_bytes
+    frag = fragmentation_of(config.gradient_checkpointing, bool(offload_activations))
     line = (
         f"estimate: {fb(estimate.total_bytes)} on the device = allocator peak {fb(allocator)} "
         f"(weights {fb(weights)}, trainable {fb(trainable)}, {phase} peak {fb(step_peak)}) "
-        f"+ {fb(estimate.overhead_bytes)} the meta run leaves out (H100 figures)"
+        f"+ {fb(estimate.overhead_bytes)} the meta run leaves out (H100 figures; fragmentation at "
+        f"{frag.expected * 100:.0f} %, the median measured {frag.mode}, of {frag.low * 100:.0f}-"
+        f"{frag.high * 100:.0f} %: {fb(high_total(estimate))} at {frag.high * 100:.0f} %)"
     )
     notes = [
         Finding(

@@ -176,3 +176,25 @@ def test_target_modules_without_experts_keeps_no_weight_copy() -> None:
     assert report.totals.weight_copy_bytes == 0
     line = next(n for n in report.verdict.notes if n.startswith("mixture of experts:"))
     assert "LoRA (PEFT) on modules q_proj, v_proj" in line and "target_parameters" not in line
+
+
+def eager(preset: str, tmp_path: Path) -> str:
+    """A copy of ``preset``'s config asking for transformers' eager experts (a loop over the experts hit)."""
+    from vramguard.workload.models import presets
+
+    data = json.loads(presets()[preset].read_text())
+    path = tmp_path / f"{preset}-eager.json"
+    path.write_text(json.dumps({**data, "experts_implementation": "eager"}))
+    return str(path)
+
+
+def test_a_config_asking_for_eager_experts_gets_them_in_the_audit_and_the_estimate(tmp_path: Path) -> None:
+    """``experts_implementation`` in the model's config.json is what transformers' from_pretrained honours;
+    save_pretrained does not write it, so the audit's load from its random checkpoint is told it."""
+    from vramguard.estimate.meta import build_meta
+
+    config = QLoRAConfig(model=eager("tiny-mixtral", tmp_path), **SHAPE)
+    for q in (build_qlora(config), build_meta(config)):
+        assert q.model.config._experts_implementation == "eager"
+        line = next(n for n in q.notes if n.startswith("mixture of experts:"))
+        assert "experts_implementation eager" in line

@@ -630,6 +630,10 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: boo
     from transformers.utils import logging as hf_logging
 
     hf_config, model_class, attn, notes = resolve_attention(config, spec)
+    # a config's ``experts_implementation`` (e.g. "eager"): save_pretrained does not write it, so from_pretrained
+    # is told it, as a user passes it (otherwise the checkpoint loads with transformers' default, grouped_mm)
+    experts = getattr(hf_config, "_experts_implementation", None)
+    asked = {"experts_implementation": experts} if experts is not None else {}
     compute_dtype = parse_dtype(config.compute_dtype)
     torch.manual_seed(config.seed)
     hf_logging.set_verbosity_error()
@@ -653,6 +657,7 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: boo
             **_placement(config),
             dtype=compute_dtype,
             attn_implementation=attn,
+            **asked,
         )
         model = prepare_for_training(model, config, sharded=sharded)
         model = get_peft_model(model, lora_config(config))

@@ -198,3 +198,43 @@ def test_a_config_asking_for_eager_experts_gets_them_in_the_audit_and_the_estima
         assert q.model.config._experts_implementation == "eager"
         line = next(n for n in q.notes if n.startswith("mixture of experts:"))
         assert "experts_implementation eager" in line
+
+
+@pytest.mark.parametrize("kind", ["same", "balanced", "skewed"])
+@pytest.mark.parametrize(("tokens", "top_k", "experts"), [(128, 2, 4), (128, 2, 8), (5, 3, 4), (3, 2, 8)])
+def test_forced_assignments_route_their_counts(kind: str, tokens: int, top_k: int, experts: int) -> None:
+    from vramguard.workload.routing import assignment, expert_counts
+
+    counts = expert_counts(kind, tokens, top_k, experts)
+    index = assignment(counts, tokens, top_k)
+    assert index.shape == (tokens, top_k) and index.dtype == torch.int64
+    assert torch.bincount(index.flatten(), minlength=experts).tolist() == counts
+    assert all(len(set(row)) == top_k for row in index.tolist())  # a token's experts are different
+    if kind == "same":
+        assert counts[:top_k] == [tokens] * top_k
+    elif kind == "balanced":
+        assert max(counts) - min(counts) <= 1
+    else:  # every expert hit as far as there are choices, the highest-numbered with one token
+        assert sum(c > 0 for c in counts) == min(experts, tokens * top_k) and counts[-1] <= 1
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
+def test_eager_forced_routing_on_meta_equals_the_cpu_audit(preset: str, tmp_path: Path) -> None:
+    """Each forced routing, estimated on meta with the CPU's kernels (the expert loop's data-dependent steps
+    answered from the assignment), equals the CPU audit forced to it, to the byte; the routings differ."""
+    from vramguard.estimate.run import run_estimate
+    from vramguard.workload.routing import step_peak
+
+    config = QLoRAConfig(model=eager(preset, tmp_path), **SHAPE)
+    peaks = {}
+    for kind in ("same", "balanced", "skewed"):
+        audit = run_audit(config, steps=1, routing=kind)
+        estimate = run_estimate(config, steps=1, target="cpu", routing=kind)
+        assert estimate.totals == audit.totals
+        assert estimate.layers == audit.layers
+        assert estimate.phases == audit.phases
+        assert estimate.estimate is not None
+        forced = estimate.estimate.forced_decisions
+        assert forced["routing_forced"] == 2 and forced["routing_answered"] > 0  # both layers' loops, on meta
+        peaks[kind] = step_peak(audit)
+    assert peaks["same"] < peaks["balanced"] < peaks["skewed"]

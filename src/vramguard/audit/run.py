@@ -8,10 +8,12 @@ problem (weight copies saved for backward, retained memory growing across steps)
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,6 +28,7 @@ from vramguard.model.analytic import Expectation, planned_expectation, qlora_exp
 from vramguard.units import format_bytes
 from vramguard.workload.families import NoAnalyticModel
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
+from vramguard.workload.routing import forced_routing
 from vramguard.workload.training import PHASES, StepResult, make_optimizer, run_steps
 
 Progress = Callable[[str, int, int], None]
@@ -149,9 +152,12 @@ def run_audit(
     progress: Progress | None = None,
     top: int = 3,
     events: AllocationLog | None = None,
+    routing: str | None = None,
 ) -> AuditReport:
     """Build, train ``steps`` steps, measure; pure apart from the compute (no printing). With ``events`` (CPU:
-    the storage tracker's), every allocation of the steps is logged there and the report has a ``timeline``."""
+    the storage tracker's), every allocation of the steps is logged there and the report has a ``timeline``.
+    ``routing``: a mixture of experts' routing forced to one of :data:`vramguard.workload.routing.ROUTINGS`
+    (None: the routing the router draws)."""
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
     config.validate()
@@ -170,7 +176,10 @@ def run_audit(
     def on_step(r: StepResult) -> None:
         report_progress(f"step {r.step + 2}" if r.step + 1 < steps else "done", r.step + 2, steps + 1)
 
-    with MemoryTracker(config.device, model=q.model, events=events) as tracker:
+    forced: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if routing is not None:
+        forced = forced_routing(q.model, routing, config.batch * config.seq_len)
+    with forced, MemoryTracker(config.device, model=q.model, events=events) as tracker:
         results, ledger = run_steps(q, steps, tracker, optimizer=optimizer, ledger_step=0, on_step=on_step)
     assert ledger is not None
     return assemble_report(

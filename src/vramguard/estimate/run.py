@@ -19,12 +19,20 @@ from vramguard.audit import verdict as checks
 from vramguard.audit.report import AuditReport, DeviceEstimate, Finding, Overhead
 from vramguard.audit.run import assemble_report, expectation_of, refuse_fp16_on_cpu
 from vramguard.errors import UsageError
-from vramguard.estimate.meta import META, TARGETS, MetaQLoRAModel, build_meta, forced_decisions
+from vramguard.estimate.meta import (
+    META,
+    TARGETS,
+    MetaQLoRAModel,
+    build_meta,
+    forced_decisions,
+    routed_on_meta,
+)
 from vramguard.estimate.offload import OffloadActivations
 from vramguard.measure.events import AllocationLog
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.units import format_bytes
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel
+from vramguard.workload.routing import forced_routing
 from vramguard.workload.training import PHASES, make_optimizer, run_steps
 
 MiB = 1 << 20
@@ -187,6 +195,7 @@ def data_bounds(
     method: str,
     device: str,
     optimizer: str,
+    routing: str | None = None,
 ) -> Finding | None:
     """What the batch's data decides, in one line: the figure is for the longest batch the config allows
     (``batch`` rows of ``seq_len`` tokens, every row full); the rows' lengths and, with packing, the sequences
@@ -209,6 +218,7 @@ def data_bounds(
             target=target,
             offload_activations=config.offload_activations,
             one_sequence_per_row=True,
+            routing=routing,
         ).estimate
         assert low is not None
         return Finding(
@@ -267,6 +277,7 @@ def run_estimate(
     offload_activations: bool | None = None,
     events: AllocationLog | None = None,
     one_sequence_per_row: bool | None = None,
+    routing: str | None = None,
 ) -> AuditReport:
     """Build ``config``'s model on meta, run ``steps`` steps under the tracker (the ledger on the
     first) and return the report. ``config.device`` is only validated; the run is on meta.
@@ -282,6 +293,9 @@ def run_estimate(
 
     ``events``: every allocation and free of the steps is logged there (the storages the tracker counts, with
     phase, module stack and category); the report then has a ``timeline``.
+
+    ``routing``: a mixture of experts' routing forced to one of :data:`vramguard.workload.routing.ROUTINGS`
+    (:func:`~vramguard.estimate.meta.routed_on_meta`), as ``run_audit(routing=...)`` forces it on a device.
     """
     if target not in TARGETS:
         raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
@@ -319,9 +333,18 @@ def run_estimate(
 
         assert isinstance(q, MetaQLoRAModel)
         liger = liger_kernel(q.model, target, q.host_labels())
+    routed: contextlib.AbstractContextManager[Any] = contextlib.nullcontext({})
+    if routing is not None:
+        tokens = config.batch * config.seq_len
+        routed = (
+            routed_on_meta(q.model, routing, tokens)
+            if device == META
+            else forced_routing(q.model, routing, tokens)
+        )
     try:
         with (
             decisions as taken,
+            routed as forced,
             liger as ran,
             MemoryTracker(device, model=q.model, source=source, events=events) as tracker,
             offload,
@@ -345,6 +368,8 @@ def run_estimate(
     assert ledger is not None
     if taken["find_packed_sequence_indices"] == 0 and taken["scaled_dot_product_attention"] == 0:
         taken = {}  # neither branch exists in this transformers version / model: nothing was forced
+    if routing is not None:  # the experts calls given the forced routing, the loop's steps answered from it
+        taken = {**taken, "routing_forced": forced["forced"], "routing_answered": forced.get("answered", 0)}
     report = assemble_report(
         q,
         q.config,
@@ -427,7 +452,9 @@ def run_estimate(
         from vramguard.estimate.liger import liger_line
 
         notes.append(Finding(checks.LIGER, liger_line(ran)))
-    bounds = data_bounds(q, config, estimate, target, one_sequence_per_row, steps, method, device, optimizer)
+    bounds = data_bounds(
+        q, config, estimate, target, one_sequence_per_row, steps, method, device, optimizer, routing
+    )
     if bounds is not None:
         notes.append(bounds)
     term = peak_term(report, config, int(q.spec.fields["vocab_size"]), target, step_peak, phase)

@@ -238,3 +238,51 @@ def test_eager_forced_routing_on_meta_equals_the_cpu_audit(preset: str, tmp_path
         assert forced["routing_forced"] == 2 and forced["routing_answered"] > 0  # both layers' loops, on meta
         peaks[kind] = step_peak(audit)
     assert peaks["same"] < peaks["balanced"] < peaks["skewed"]
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
+def test_eager_experts_routing_bounds_hold_the_drawn_routing(preset: str, tmp_path: Path) -> None:
+    """With eager experts routing decides the step's peak: the routing the audit's random router drew lies
+    between the low (all tokens to the same experts) and the high (every expert hit, the highest-numbered with
+    one token each), each the step estimated on meta with the routing forced (equal to the CPU audit forced to
+    it: the test above), and the audit's routing line names all three."""
+    from vramguard.estimate.run import run_estimate
+    from vramguard.units import format_bytes
+    from vramguard.workload.routing import step_peak
+
+    config = QLoRAConfig(model=eager(preset, tmp_path), **SHAPE)
+    drawn = run_audit(config, steps=1)
+    figures = {}
+    for kind in ("same", "balanced", "skewed"):
+        forced = run_estimate(config, steps=1, target="cpu", routing=kind)
+        figures[kind] = (step_peak(forced), forced.totals.saved_bytes)
+    low, balanced, high = figures["same"], figures["balanced"], figures["skewed"]
+    measured = (step_peak(drawn), drawn.totals.saved_bytes)
+    assert low[0] < high[0]  # the bounds differ: routing really decides here
+    assert low[0] < measured[0] < high[0]
+    # the saved bytes do not move: the experts' tensors sum to tokens x top_k rows whatever the routing
+    assert low[1] == measured[1] == balanced[1] == high[1]
+    line = next(n for n in drawn.verdict.notes if n.startswith("routing:"))
+    assert f"peaked at {format_bytes(measured[0])}, between the low {format_bytes(low[0])}" in line
+    assert f"the high {format_bytes(high[0])}" in line
+    assert f"balanced routing {format_bytes(balanced[0])}" in line
+    assert "not bounded" not in line
+
+
+def test_eager_experts_estimate_is_the_high(tmp_path: Path) -> None:
+    """meta has no routing to draw: the estimate of eager experts is the highest forced routing's step, and its
+    routing line names the low."""
+    from vramguard.estimate.run import run_estimate
+    from vramguard.units import format_bytes
+    from vramguard.workload.routing import step_peak
+
+    config = QLoRAConfig(model=eager("tiny-mixtral", tmp_path), **SHAPE)
+    estimate = run_estimate(config, steps=1, target="cpu")
+    high = run_estimate(config, steps=1, target="cpu", routing="skewed")
+    low = run_estimate(config, steps=1, target="cpu", routing="same")
+    assert estimate.estimate is not None and high.estimate is not None
+    assert estimate.phases == high.phases and estimate.estimate.total_bytes == high.estimate.total_bytes
+    assert step_peak(low) < step_peak(high)
+    line = next(n for n in estimate.verdict.notes if n.startswith("routing:"))
+    assert f"this estimate is the high {format_bytes(step_peak(high))}" in line
+    assert f"the low {format_bytes(step_peak(low))} (all tokens to the same top 2 experts)" in line

@@ -26,9 +26,17 @@ from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.tracker import MemoryTracker
 from vramguard.model.analytic import Expectation, planned_expectation, qlora_expectation, weights_expectation
 from vramguard.units import format_bytes
-from vramguard.workload.families import NoAnalyticModel
+from vramguard.workload.families import NoAnalyticModel, experts_of
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
-from vramguard.workload.routing import forced_routing
+from vramguard.workload.routing import (
+    ROUTINGS,
+    bounds_line,
+    experts_implementation,
+    forced_line,
+    forced_routing,
+    step_peak,
+    with_routing_note,
+)
 from vramguard.workload.training import PHASES, StepResult, make_optimizer, run_steps
 
 Progress = Callable[[str, int, int], None]
@@ -176,15 +184,36 @@ def run_audit(
     def on_step(r: StepResult) -> None:
         report_progress(f"step {r.step + 2}" if r.step + 1 < steps else "done", r.step + 2, steps + 1)
 
-    forced: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    forced: contextlib.AbstractContextManager[Any] = contextlib.nullcontext({})
     if routing is not None:
         forced = forced_routing(q.model, routing, config.batch * config.seq_len)
-    with forced, MemoryTracker(config.device, model=q.model, events=events) as tracker:
+    with forced as taken, MemoryTracker(config.device, model=q.model, events=events) as tracker:
         results, ledger = run_steps(q, steps, tracker, optimizer=optimizer, ledger_step=0, on_step=on_step)
     assert ledger is not None
-    return assemble_report(
+    report = assemble_report(
         q, config, expected, tracker, results, ledger, optimizer, top, time.perf_counter() - t0
     )
+    experts = experts_of(getattr(q.model, "config", None))
+    if experts is None or experts_implementation(q.model) != "eager":
+        return report
+    if routing is not None:
+        return with_routing_note(report, checks.ROUTING, forced_line(routing, experts.top_k, taken["counts"]))
+    return with_routing_note(report, checks.ROUTING, *drawn_within(config, steps, report, experts.top_k))
+
+
+def drawn_within(config: QLoRAConfig, steps: int, report: AuditReport, top_k: int) -> tuple[str, int]:
+    """The ``routing:`` line of an audit of eager experts, and its figure (the step peak measured): the
+    routing the router drew, held against the same steps estimated on meta with each forced routing and this
+    device's kernels (on the CPU those equal an audit with the routing forced, to the byte)."""
+    from vramguard.estimate.run import run_estimate
+
+    target = torch.device(config.device).type
+    figures = {}
+    for kind in ROUTINGS:
+        forced = run_estimate(config, steps=steps, target=target, routing=kind)
+        figures[kind] = (step_peak(forced), forced.totals.saved_bytes)
+    measured = (step_peak(report), report.totals.saved_bytes)
+    return bounds_line("eager", top_k, figures, measured), measured[0]
 
 
 def assemble_report(

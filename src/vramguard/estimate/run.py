@@ -31,8 +31,17 @@ from vramguard.estimate.offload import OffloadActivations
 from vramguard.measure.events import AllocationLog
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.units import format_bytes
+from vramguard.workload.families import experts_of
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel
-from vramguard.workload.routing import forced_routing
+from vramguard.workload.routing import (
+    ROUTINGS,
+    bounds_line,
+    experts_implementation,
+    forced_line,
+    forced_routing,
+    with_routing_note,
+)
+from vramguard.workload.routing import step_peak as peak_of_step
 from vramguard.workload.training import PHASES, make_optimizer, run_steps
 
 MiB = 1 << 20
@@ -318,6 +327,20 @@ def run_estimate(
         too_long = exc
     t0 = time.perf_counter()
     q = build_meta(config, spec, method=method, device=device)
+    if routing is None and experts_implementation(q.model) == "eager":
+        # a loop over the experts hit: routing decides the peak, and meta has no routing to draw
+        top_k = _top_k(q)
+        del q
+        return routing_bounds(
+            config,
+            top_k,
+            steps=steps,
+            top=top,
+            device=device,
+            target=target,
+            events=events,
+            one_sequence_per_row=one_sequence_per_row,
+        )
     opt = make_estimate_optimizer(q, optimizer)
     # the meta run takes the target's kernel choices (see estimate.meta)
     expected = expectation_of(q, config, target, analytic=method == "qlora")
@@ -461,4 +484,29 @@ def run_estimate(
     if term is not None:
         notes.append(term)
     verdict = checks.verdict([*report.verdict.findings, *notes], len(report.steps), headline=line)
-    return dataclasses.replace(report, verdict=verdict, estimate=estimate, device=device)
+    report = dataclasses.replace(report, verdict=verdict, estimate=estimate, device=device)
+    if routing is not None:
+        report = with_routing_note(report, checks.ROUTING, forced_line(routing, _top_k(q), forced["counts"]))
+    return report
+
+
+def _top_k(q: QLoRAModel) -> int:
+    """How many experts each token is routed to (1 for a dense model)."""
+    experts = experts_of(getattr(q.model, "config", None))
+    return experts.top_k if experts is not None else 1
+
+
+def routing_bounds(
+    config: QLoRAConfig, top_k: int, events: AllocationLog | None = None, **options: Any
+) -> AuditReport:
+    """The estimate of a mixture of experts with ``eager`` experts: the step run with each forced routing
+    (:data:`~vramguard.workload.routing.ROUTINGS`); the report is the highest one's, its ``routing:`` line
+    names all (:func:`~vramguard.workload.routing.bounds_line`). ``options``: :func:`run_estimate`'s."""
+    reports = {kind: run_estimate(config, routing=kind, **options) for kind in ROUTINGS}
+    figures = {kind: (peak_of_step(r), r.totals.saved_bytes) for kind, r in reports.items()}
+    high = max(ROUTINGS, key=lambda kind: (figures[kind][0], ROUTINGS.index(kind)))
+    report = reports[high]
+    if events is not None:  # the timeline of the run reported
+        report = run_estimate(config, routing=high, events=events, **options)
+    line = bounds_line("eager", top_k, figures, None)
+    return with_routing_note(report, checks.ROUTING, line, figures[high][0])

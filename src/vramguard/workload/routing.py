@@ -151,6 +151,76 @@ def _top_k_of(module: torch.nn.Module, model: torch.nn.Module) -> int:
     return top_k
 
 
+def describe(kind: str, top_k: int) -> str:
+    """What the ``kind`` routing is, in words."""
+    return {
+        "same": f"all tokens to the same top {top_k} experts",
+        "balanced": "balanced routing",
+        "skewed": "every expert hit, the highest-numbered with one token each",
+    }[kind]
+
+
 def step_peak(report: Any) -> int:
     """The step's peak of a report: the highest phase peak (the estimate's ``step_peak_bytes``)."""
     return max(p.peak_bytes for p in report.phases.values())
+
+
+def bounds_line(
+    implementation: str, top_k: int, bounds: dict[str, tuple[int, int]], measured: tuple[int, int] | None
+) -> str:
+    """The ``routing:`` line of an eager mixture of experts: ``bounds`` maps each forced routing
+    (:data:`ROUTINGS`) to its (step peak, saved bytes); ``measured`` is the audit's figures for the routing its
+    router drew (None for an estimate, whose figure is the high)."""
+    from vramguard.units import format_bytes as fb
+
+    kinds = sorted(bounds, key=lambda k: (bounds[k][0], ROUTINGS.index(k)))
+    low, high = kinds[0], kinds[-1]
+    saved = sorted({s for _, s in bounds.values()} | ({measured[1]} if measured else set()))
+    saved_text = (
+        f"not the saved bytes ({fb(saved[0])})"
+        if len(saved) == 1
+        else f"and the saved bytes ({fb(saved[0])} to {fb(saved[-1])})"
+    )
+    low_text = f"the low {fb(bounds[low][0])} ({describe(low, top_k)})"
+    high_text = f"the high {fb(bounds[high][0])} ({describe(high, top_k)})"
+    if measured is None:
+        where = f"this estimate is {high_text}; {low_text}"
+    else:
+        m = measured[0]
+        if bounds[low][0] <= m <= bounds[high][0]:
+            place = f"between {low_text} and {high_text}"
+        else:
+            side = "above" if m > bounds[high][0] else "below"
+            place = f"{side} every forced routing, not bounded: {low_text}, {high_text}"
+        where = f"the routing this run drew peaked at {fb(m)}, {place}"
+    others = "".join(f"; {describe(k, top_k)} {fb(bounds[k][0])}" for k in kinds[1:-1])
+    return (
+        f"routing: with the {implementation} experts (a loop over the experts hit, each one's tensors sized by its "
+        f"tokens) routing decides the step's peak, {saved_text}: {where}{others}. Backward visits the experts "
+        "hit from the highest-numbered down, freeing each one's saved tensors, and accumulates full-size "
+        "gradients from the second on: the fewer tokens the first ones hold, the higher the peak (each forced "
+        "routing a meta run of this step, the router's choice replaced)"
+    )
+
+
+def with_routing_note(report: Any, kind: str, message: str, figure: int | None = None) -> Any:
+    """``report`` with its ``routing:`` note (the build's) replaced by ``message``, in the same place (added
+    last where there was none); the verdict's line is unchanged (a note fails nothing)."""
+    import dataclasses
+
+    from vramguard.audit.report import Finding
+
+    new = Finding(kind, message, figure)
+    findings = list(report.verdict.findings)
+    at = next((i for i, f in enumerate(findings) if f.message.startswith("routing:")), None)
+    if at is None:
+        findings.append(new)
+    else:
+        findings[at] = new
+    return dataclasses.replace(report, verdict=dataclasses.replace(report.verdict, findings=findings))
+
+
+def forced_line(kind: str, top_k: int, counts: dict[int, list[int]]) -> str:
+    """The ``routing:`` line of a run whose routing was forced."""
+    per = "; ".join(f"{n} experts: {', '.join(map(str, c))} tokens" for n, c in counts.items())
+    return f"routing: forced to {describe(kind, top_k)} ({per}), the router's choice replaced in every layer"

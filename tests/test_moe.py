@@ -4,7 +4,10 @@ transformers 5.x keeps the experts as 3-D parameters that bitsandbytes' 4-bit lo
 audit measures that (it used to refuse it). Its saved bytes are held against a count written here with
 ``saved_tensors_hooks`` alone (each storage once, parameters and quantization state left out), not read
 from vramguard; the meta estimate with the CPU's kernels equals the CPU audit to the byte; and routing
-forced to the worst case (all tokens to the same experts) and to balanced routing keeps the same bytes.
+forced to all tokens to the same experts and to balanced routing keeps the same bytes with grouped_mm
+experts. With eager experts (a loop over the experts hit) routing moves the backward peak: each forced
+routing estimated on meta equals the CPU audit forced to it, and the routing the audit draws lies between
+the low (all tokens to the same experts) and the high (every expert hit, the highest-numbered with one token).
 """
 
 from __future__ import annotations

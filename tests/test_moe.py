@@ -289,3 +289,17 @@ def test_eager_experts_estimate_is_the_high(tmp_path: Path) -> None:
     line = next(n for n in estimate.verdict.notes if n.startswith("routing:"))
     assert f"this estimate is the high {format_bytes(step_peak(high))}" in line
     assert f"the low {format_bytes(step_peak(low))} (all tokens to the same top 2 experts)" in line
+
+
+def test_routing_line_says_what_the_figures_say() -> None:
+    """The line is worked out from the figures: between, outside (not bounded), or no routing moving a byte."""
+    from vramguard.workload.routing import bounds_line
+
+    bounds = {"same": (100, 7), "balanced": (150, 7), "skewed": (200, 7)}
+    assert "peaked at 120 B, between the low 100 B" in bounds_line("eager", 2, bounds, (120, 7))
+    above = bounds_line("eager", 2, bounds, (250, 7))
+    assert "peaked at 250 B, above every forced routing, not bounded" in above
+    assert "this estimate is the high 200 B" in bounds_line("eager", 2, bounds, None)
+    same = {k: (100, 7) for k in bounds}
+    line = bounds_line("eager", 2, same, (100, 7))
+    assert "here it does not" in line and "all peak at 100 B" in line and "between" not in line

@@ -175,6 +175,16 @@ def bounds_line(
 
     kinds = sorted(bounds, key=lambda k: (bounds[k][0], ROUTINGS.index(k)))
     low, high = kinds[0], kinds[-1]
+    if len(set(bounds.values())) == 1 and (measured is None or measured == bounds[high]):
+        peak, saved_bytes = bounds[high]
+        return (
+            f"routing: with the {implementation} experts (a loop over the experts hit, each one's tensors sized by "
+            f"its tokens) routing can move the step's peak; here it does not: "
+            f"{describe('same', top_k)}, {describe('balanced', top_k)} and {describe('skewed', top_k)}: all peak "
+            f"at {fb(peak)} with {fb(saved_bytes)} "
+            "saved (each a meta run of this step, the router's choice replaced)"
+            + ("; so does the routing this run drew" if measured is not None else "")
+        )
     saved = sorted({s for _, s in bounds.values()} | ({measured[1]} if measured else set()))
     saved_text = (
         f"not the saved bytes ({fb(saved[0])})"

@@ -25,11 +25,14 @@ ROUTINGS: tuple[str, ...] = ("same", "balanced", "skewed")
 * ``same``: all tokens to the same ``top_k`` experts (0 .. top_k-1), each with every token;
 * ``balanced``: the tokens x top_k choices spread as evenly as possible (counts differ by at most one);
 * ``skewed``: every expert hit, the highest-numbered ones with one token each, the rest packed into the
-  lowest-numbered experts (at most every token each). The eager loop runs the experts hit in ascending
-  order, so autograd's backward visits them in descending order, freeing each one's saved tensors; from the
-  second expert visited on, it accumulates full-size gradients (of the expert stacks when LoRA adapts them,
-  of the layer's input) out of place. The first experts visited holding one token each keeps every other
-  expert's saved tensors alive at that moment: the highest backward peak (see docs/audit.md)."""
+  lowest-numbered experts (each taking at most every token).
+
+The eager loop runs the experts hit in ascending order, so autograd's backward visits them in descending
+order, freeing each one's saved tensors; from the second expert visited on, it accumulates full-size
+gradients (of the expert stacks when LoRA adapts them, of the layer's input) out of place. ``skewed``'s first
+experts visited hold one token each and free almost nothing before that: the highest backward peak found;
+``same``'s first free every token's: the lowest found (a search over routings on the tiny presets, not a
+proof: docs/audit.md)."""
 
 
 def expert_counts(kind: str, tokens: int, top_k: int, experts: int) -> list[int]:

@@ -4,7 +4,10 @@ transformers 5.x keeps the experts as 3-D parameters that bitsandbytes' 4-bit lo
 audit measures that (it used to refuse it). Its saved bytes are held against a count written here with
 ``saved_tensors_hooks`` alone (each storage once, parameters and quantization state left out), not read
 from vramguard; the meta estimate with the CPU's kernels equals the CPU audit to the byte; and routing
-forced to the worst case (all tokens to the same experts) and to balanced routing keeps the same bytes.
+forced to all tokens to the same experts and to balanced routing keeps the same bytes with grouped_mm
+experts. With eager experts (a loop over the experts hit) routing moves the backward peak: each forced
+routing estimated on meta equals the CPU audit forced to it, and the routing the audit draws lies between
+the low (all tokens to the same experts) and the high (every expert hit, the highest-numbered with one token).
 """
 
 from __future__ import annotations
@@ -176,3 +179,127 @@ def test_target_modules_without_experts_keeps_no_weight_copy() -> None:
     assert report.totals.weight_copy_bytes == 0
     line = next(n for n in report.verdict.notes if n.startswith("mixture of experts:"))
     assert "LoRA (PEFT) on modules q_proj, v_proj" in line and "target_parameters" not in line
+
+
+def eager(preset: str, tmp_path: Path) -> str:
+    """A copy of ``preset``'s config asking for transformers' eager experts (a loop over the experts hit)."""
+    from vramguard.workload.models import presets
+
+    data = json.loads(presets()[preset].read_text())
+    path = tmp_path / f"{preset}-eager.json"
+    path.write_text(json.dumps({**data, "experts_implementation": "eager"}))
+    return str(path)
+
+
+def test_a_config_asking_for_eager_experts_gets_them_in_the_audit_and_the_estimate(tmp_path: Path) -> None:
+    """``experts_implementation`` in the model's config.json is what transformers' from_pretrained honours;
+    save_pretrained does not write it, so the audit's load from its random checkpoint is told it."""
+    from vramguard.estimate.meta import build_meta
+
+    config = QLoRAConfig(model=eager("tiny-mixtral", tmp_path), **SHAPE)
+    for q in (build_qlora(config), build_meta(config)):
+        assert q.model.config._experts_implementation == "eager"
+        line = next(n for n in q.notes if n.startswith("mixture of experts:"))
+        assert "experts_implementation eager" in line
+
+
+@pytest.mark.parametrize("kind", ["same", "balanced", "skewed"])
+@pytest.mark.parametrize(("tokens", "top_k", "experts"), [(128, 2, 4), (128, 2, 8), (5, 3, 4), (3, 2, 8)])
+def test_forced_assignments_route_their_counts(kind: str, tokens: int, top_k: int, experts: int) -> None:
+    from vramguard.workload.routing import assignment, expert_counts
+
+    counts = expert_counts(kind, tokens, top_k, experts)
+    index = assignment(counts, tokens, top_k)
+    assert index.shape == (tokens, top_k) and index.dtype == torch.int64
+    assert torch.bincount(index.flatten(), minlength=experts).tolist() == counts
+    assert all(len(set(row)) == top_k for row in index.tolist())  # a token's experts are different
+    if kind == "same":
+        assert counts[:top_k] == [tokens] * top_k
+    elif kind == "balanced":
+        assert max(counts) - min(counts) <= 1
+    else:  # every expert hit as far as there are choices, the highest-numbered with one token
+        assert sum(c > 0 for c in counts) == min(experts, tokens * top_k) and counts[-1] <= 1
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
+def test_eager_forced_routing_on_meta_equals_the_cpu_audit(preset: str, tmp_path: Path) -> None:
+    """Each forced routing, estimated on meta with the CPU's kernels (the expert loop's data-dependent steps
+    answered from the assignment), equals the CPU audit forced to it, to the byte; the routings differ."""
+    from vramguard.estimate.run import run_estimate
+    from vramguard.workload.routing import step_peak
+
+    config = QLoRAConfig(model=eager(preset, tmp_path), **SHAPE)
+    peaks = {}
+    for kind in ("same", "balanced", "skewed"):
+        audit = run_audit(config, steps=1, routing=kind)
+        estimate = run_estimate(config, steps=1, target="cpu", routing=kind)
+        assert estimate.totals == audit.totals
+        assert estimate.layers == audit.layers
+        assert estimate.phases == audit.phases
+        assert estimate.estimate is not None
+        forced = estimate.estimate.forced_decisions
+        assert forced["routing_forced"] == 2 and forced["routing_answered"] > 0  # both layers' loops, on meta
+        peaks[kind] = step_peak(audit)
+    assert peaks["same"] < peaks["balanced"] < peaks["skewed"]
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
+def test_eager_experts_routing_bounds_hold_the_drawn_routing(preset: str, tmp_path: Path) -> None:
+    """With eager experts routing decides the step's peak: the routing the audit's random router drew lies
+    between the low (all tokens to the same experts) and the high (every expert hit, the highest-numbered with
+    one token each), each the step estimated on meta with the routing forced (equal to the CPU audit forced to
+    it: the test above), and the audit's routing line names all three."""
+    from vramguard.estimate.run import run_estimate
+    from vramguard.units import format_bytes
+    from vramguard.workload.routing import step_peak
+
+    config = QLoRAConfig(model=eager(preset, tmp_path), **SHAPE)
+    drawn = run_audit(config, steps=1)
+    figures = {}
+    for kind in ("same", "balanced", "skewed"):
+        forced = run_estimate(config, steps=1, target="cpu", routing=kind)
+        figures[kind] = (step_peak(forced), forced.totals.saved_bytes)
+    low, balanced, high = figures["same"], figures["balanced"], figures["skewed"]
+    measured = (step_peak(drawn), drawn.totals.saved_bytes)
+    assert low[0] < high[0]  # the bounds differ: routing really decides here
+    assert low[0] < measured[0] < high[0]
+    # the saved bytes do not move: the experts' tensors sum to tokens x top_k rows whatever the routing
+    assert low[1] == measured[1] == balanced[1] == high[1]
+    line = next(n for n in drawn.verdict.notes if n.startswith("routing:"))
+    assert f"peaked at {format_bytes(measured[0])}, between the low {format_bytes(low[0])}" in line
+    assert f"the high {format_bytes(high[0])}" in line
+    assert f"balanced routing {format_bytes(balanced[0])}" in line
+    assert "not bounded" not in line
+
+
+def test_eager_experts_estimate_is_the_high(tmp_path: Path) -> None:
+    """meta has no routing to draw: the estimate of eager experts is the highest forced routing's step, and its
+    routing line names the low."""
+    from vramguard.estimate.run import run_estimate
+    from vramguard.units import format_bytes
+    from vramguard.workload.routing import step_peak
+
+    config = QLoRAConfig(model=eager("tiny-mixtral", tmp_path), **SHAPE)
+    estimate = run_estimate(config, steps=1, target="cpu")
+    high = run_estimate(config, steps=1, target="cpu", routing="skewed")
+    low = run_estimate(config, steps=1, target="cpu", routing="same")
+    assert estimate.estimate is not None and high.estimate is not None
+    assert estimate.phases == high.phases and estimate.estimate.total_bytes == high.estimate.total_bytes
+    assert step_peak(low) < step_peak(high)
+    line = next(n for n in estimate.verdict.notes if n.startswith("routing:"))
+    assert f"this estimate is the high {format_bytes(step_peak(high))}" in line
+    assert f"the low {format_bytes(step_peak(low))} (all tokens to the same top 2 experts)" in line
+
+
+def test_routing_line_says_what_the_figures_say() -> None:
+    """The line is worked out from the figures: between, outside (not bounded), or no routing moving a byte."""
+    from vramguard.workload.routing import bounds_line
+
+    bounds = {"same": (100, 7), "balanced": (150, 7), "skewed": (200, 7)}
+    assert "peaked at 120 B, between the low 100 B" in bounds_line("eager", 2, bounds, (120, 7))
+    above = bounds_line("eager", 2, bounds, (250, 7))
+    assert "peaked at 250 B, above every forced routing, not bounded" in above
+    assert "this estimate is the high 200 B" in bounds_line("eager", 2, bounds, None)
+    same = {k: (100, 7) for k in bounds}
+    line = bounds_line("eager", 2, same, (100, 7))
+    assert "here it does not" in line and "all peak at 100 B" in line and "between" not in line

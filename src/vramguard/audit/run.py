@@ -8,10 +8,12 @@ problem (weight copies saved for backward, retained memory growing across steps)
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -24,8 +26,17 @@ from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.tracker import MemoryTracker
 from vramguard.model.analytic import Expectation, planned_expectation, qlora_expectation, weights_expectation
 from vramguard.units import format_bytes
-from vramguard.workload.families import NoAnalyticModel
+from vramguard.workload.families import NoAnalyticModel, experts_of
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
+from vramguard.workload.routing import (
+    ROUTINGS,
+    bounds_line,
+    experts_implementation,
+    forced_line,
+    forced_routing,
+    step_peak,
+    with_routing_note,
+)
 from vramguard.workload.training import PHASES, StepResult, make_optimizer, run_steps
 
 Progress = Callable[[str, int, int], None]
@@ -149,9 +160,12 @@ def run_audit(
     progress: Progress | None = None,
     top: int = 3,
     events: AllocationLog | None = None,
+    routing: str | None = None,
 ) -> AuditReport:
     """Build, train ``steps`` steps, measure; pure apart from the compute (no printing). With ``events`` (CPU:
-    the storage tracker's), every allocation of the steps is logged there and the report has a ``timeline``."""
+    the storage tracker's), every allocation of the steps is logged there and the report has a ``timeline``.
+    ``routing``: a mixture of experts' routing forced to one of :data:`vramguard.workload.routing.ROUTINGS`
+    (None: the routing the router draws)."""
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
     config.validate()
@@ -170,12 +184,36 @@ def run_audit(
     def on_step(r: StepResult) -> None:
         report_progress(f"step {r.step + 2}" if r.step + 1 < steps else "done", r.step + 2, steps + 1)
 
-    with MemoryTracker(config.device, model=q.model, events=events) as tracker:
+    forced: contextlib.AbstractContextManager[Any] = contextlib.nullcontext({})
+    if routing is not None:
+        forced = forced_routing(q.model, routing, config.batch * config.seq_len)
+    with forced as taken, MemoryTracker(config.device, model=q.model, events=events) as tracker:
         results, ledger = run_steps(q, steps, tracker, optimizer=optimizer, ledger_step=0, on_step=on_step)
     assert ledger is not None
-    return assemble_report(
+    report = assemble_report(
         q, config, expected, tracker, results, ledger, optimizer, top, time.perf_counter() - t0
     )
+    experts = experts_of(getattr(q.model, "config", None))
+    if experts is None or experts_implementation(q.model) != "eager":
+        return report
+    if routing is not None:
+        return with_routing_note(report, checks.ROUTING, forced_line(routing, experts.top_k, taken["counts"]))
+    return with_routing_note(report, checks.ROUTING, *drawn_within(config, steps, report, experts.top_k))
+
+
+def drawn_within(config: QLoRAConfig, steps: int, report: AuditReport, top_k: int) -> tuple[str, int]:
+    """The ``routing:`` line of an audit of eager experts, and its figure (the step peak measured): the
+    routing the router drew, held against the same steps estimated on meta with each forced routing and this
+    device's kernels (on the CPU those equal an audit with the routing forced, to the byte)."""
+    from vramguard.estimate.run import run_estimate
+
+    target = torch.device(config.device).type
+    figures = {}
+    for kind in ROUTINGS:
+        forced = run_estimate(config, steps=steps, target=target, routing=kind)
+        figures[kind] = (step_peak(forced), forced.totals.saved_bytes)
+    measured = (step_peak(report), report.totals.saved_bytes)
+    return bounds_line("eager", top_k, figures, measured), measured[0]
 
 
 def assemble_report(

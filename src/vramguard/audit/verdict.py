@@ -46,6 +46,7 @@ LIGER = "liger"  # use_liger_kernel: priced on meta from liger-kernel's own code
 DATA_BOUNDS = "data-bounds"  # what the batch's data decides: the figure is the longest batch; low / high named
 PEAK_TERM = "peak-term"  # one term of the saved activations sets the step's peak
 CONFIG = "config"  # how a --config file (and the flags) were read: priced, no byte, not priced
+ROUTING = "routing"  # an eager mixture of experts: the step peak for forced routings, and the one drawn
 
 
 def leak_tolerance(device: str) -> int:

@@ -275,6 +275,102 @@ class _GroupedMmAnyDtype(TorchDispatchMode):
         return _create_grouped_mm_output_tensor(a, b, offs, kwargs.get("out_dtype"))
 
 
+class _RoutedValues(TorchDispatchMode):
+    """The values of a mixture of experts' routing tensors, carried beside their meta tensors.
+
+    A routing forced on meta (:func:`routed_on_meta`) hands the experts modules a meta ``top_k_index`` whose
+    host value is known. Every op whose meta inputs all have values runs twice: on meta (its storage, views and
+    all, as the tracker counts it) and on the host values (its output's value). The eager experts' loop then
+    takes its data-dependent steps as the real device does: ``nonzero`` (``torch.where``, the experts hit) gets
+    the host result's shape, ``.item()`` (the loop's tests, a 0-d index) the host value. While an experts
+    module's forward runs (:attr:`inside`), integer and bool tensors made from nothing (``one_hot``'s zeros) get
+    host values too. An op that writes a valued tensor with inputs of unknown value drops its value; a
+    data-dependent op on an unknown value still raises, as meta does without this mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.weak import WeakTensorKeyDictionary
+
+        self.values: Any = WeakTensorKeyDictionary()
+        self.inside = 0
+        self.answered = 0
+
+    def give(self, host: torch.Tensor) -> torch.Tensor:
+        """A meta tensor with ``host``'s shape, strides and dtype, whose value is ``host``."""
+        t = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=META)
+        self.values[t] = host
+        return t
+
+    def enter_experts(self, entering: bool) -> None:
+        self.inside += 1 if entering else -1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_flatten, tree_map
+
+        kwargs = kwargs or {}
+        leaves, _ = tree_flatten((args, kwargs))
+        metas = [t for t in leaves if isinstance(t, torch.Tensor) and t.device.type == META]
+        valued = [t for t in metas if t in self.values]
+        if not valued:
+            out = func(*args, **kwargs)
+            made = self.inside and not metas and isinstance(out, torch.Tensor) and out.device.type == META
+            if made and not (out.dtype.is_floating_point or out.dtype.is_complex):  # a factory's int/bool
+                with _disable_current_modes():
+                    self.values[out] = func(*args, **{**kwargs, "device": torch.device("cpu")})
+            return out
+        if len(valued) < len(metas):  # values meet unknown values: no value comes out, a written one is lost
+            for t in _written(func, args, kwargs):
+                self.values.pop(t, None)
+            return func(*args, **kwargs)
+
+        def to_host(t: Any) -> Any:
+            return self.values[t] if isinstance(t, torch.Tensor) and t in self.values else t
+
+        with _disable_current_modes():
+            host = func(*tree_map(to_host, args), **tree_map(to_host, kwargs))
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.answered += 1
+            return host
+        try:
+            out = func(*args, **kwargs)
+        except (NotImplementedError, RuntimeError):  # a data-dependent shape (nonzero): the host result's
+            self.answered += 1
+            return tree_map(lambda h: self.give(h) if isinstance(h, torch.Tensor) else h, host)
+        outs, _ = tree_flatten(out)
+        hosts, _ = tree_flatten(host)
+        for o, h in zip(outs, hosts, strict=True):
+            if isinstance(o, torch.Tensor) and o.device.type == META:
+                self.values[o] = h
+        return out
+
+
+def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an op writes in place (its schema's mutable arguments)."""
+    written = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(a.name)
+        if isinstance(value, torch.Tensor):
+            written.append(value)
+    return written
+
+
+@contextlib.contextmanager
+def routed_on_meta(model: torch.nn.Module, kind: str, tokens: int) -> Iterator[dict[str, Any]]:
+    """Within the block the meta ``model``'s experts get the ``kind`` routing
+    (:func:`vramguard.workload.routing.forced_routing`, the hook the audit's forced routing runs), its values
+    carried beside the meta tensors (:class:`_RoutedValues`) so the eager experts' loop runs as on a device.
+    Enter it outside the tracker (whose mode then sees the meta results, not the host values). Yields the
+    hook's counter, with ``answered``: the data-dependent steps answered from the values."""
+    from vramguard.workload.routing import forced_routing
+
+    values = _RoutedValues()
+    with values, forced_routing(model, kind, tokens, place=values.give, inside=values.enter_experts) as taken:
+        yield taken
+    taken["answered"] = values.answered
+
+
 _SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _FLASH = 1  # torch's SDPBackend.flash_attention
 

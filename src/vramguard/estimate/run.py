@@ -19,12 +19,29 @@ from vramguard.audit import verdict as checks
 from vramguard.audit.report import AuditReport, DeviceEstimate, Finding, Overhead
 from vramguard.audit.run import assemble_report, expectation_of, refuse_fp16_on_cpu
 from vramguard.errors import UsageError
-from vramguard.estimate.meta import META, TARGETS, MetaQLoRAModel, build_meta, forced_decisions
+from vramguard.estimate.meta import (
+    META,
+    TARGETS,
+    MetaQLoRAModel,
+    build_meta,
+    forced_decisions,
+    routed_on_meta,
+)
 from vramguard.estimate.offload import OffloadActivations
 from vramguard.measure.events import AllocationLog
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.units import format_bytes
+from vramguard.workload.families import experts_of
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel
+from vramguard.workload.routing import (
+    ROUTINGS,
+    bounds_line,
+    experts_implementation,
+    forced_line,
+    forced_routing,
+    with_routing_note,
+)
+from vramguard.workload.routing import step_peak as peak_of_step
 from vramguard.workload.training import PHASES, make_optimizer, run_steps
 
 MiB = 1 << 20
@@ -233,6 +250,7 @@ def data_bounds(
     method: str,
     device: str,
     optimizer: str,
+    routing: str | None = None,
 ) -> Finding | None:
     """What the batch's data decides, in one line: the figure is for the longest batch the config allows
     (``batch`` rows of ``seq_len`` tokens, every row full); the rows' lengths and, with packing, the sequences
@@ -255,6 +273,7 @@ def data_bounds(
             target=target,
             offload_activations=config.offload_activations,
             one_sequence_per_row=True,
+            routing=routing,
         ).estimate
         assert low is not None
         return Finding(
@@ -313,6 +332,7 @@ def run_estimate(
     offload_activations: bool | None = None,
     events: AllocationLog | None = None,
     one_sequence_per_row: bool | None = None,
+    routing: str | None = None,
 ) -> AuditReport:
     """Build ``config``'s model on meta, run ``steps`` steps under the tracker (the ledger on the
     first) and return the report. ``config.device`` is only validated; the run is on meta.
@@ -328,6 +348,9 @@ def run_estimate(
 
     ``events``: every allocation and free of the steps is logged there (the storages the tracker counts, with
     phase, module stack and category); the report then has a ``timeline``.
+
+    ``routing``: a mixture of experts' routing forced to one of :data:`vramguard.workload.routing.ROUTINGS`
+    (:func:`~vramguard.estimate.meta.routed_on_meta`), as ``run_audit(routing=...)`` forces it on a device.
     """
     if target not in TARGETS:
         raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
@@ -350,6 +373,20 @@ def run_estimate(
         too_long = exc
     t0 = time.perf_counter()
     q = build_meta(config, spec, method=method, device=device)
+    if routing is None and experts_implementation(q.model) == "eager":
+        # a loop over the experts hit: routing decides the peak, and meta has no routing to draw
+        top_k = _top_k(q)
+        del q
+        return routing_bounds(
+            config,
+            top_k,
+            steps=steps,
+            top=top,
+            device=device,
+            target=target,
+            events=events,
+            one_sequence_per_row=one_sequence_per_row,
+        )
     opt = make_estimate_optimizer(q, optimizer)
     # the meta run takes the target's kernel choices (see estimate.meta)
     expected = expectation_of(q, config, target, analytic=method == "qlora")
@@ -365,9 +402,18 @@ def run_estimate(
 
         assert isinstance(q, MetaQLoRAModel)
         liger = liger_kernel(q.model, target, q.host_labels())
+    routed: contextlib.AbstractContextManager[Any] = contextlib.nullcontext({})
+    if routing is not None:
+        tokens = config.batch * config.seq_len
+        routed = (
+            routed_on_meta(q.model, routing, tokens)
+            if device == META
+            else forced_routing(q.model, routing, tokens)
+        )
     try:
         with (
             decisions as taken,
+            routed as forced,
             liger as ran,
             MemoryTracker(device, model=q.model, source=source, events=events) as tracker,
             offload,
@@ -391,6 +437,8 @@ def run_estimate(
     assert ledger is not None
     if taken["find_packed_sequence_indices"] == 0 and taken["scaled_dot_product_attention"] == 0:
         taken = {}  # neither branch exists in this transformers version / model: nothing was forced
+    if routing is not None:  # the experts calls given the forced routing, the loop's steps answered from it
+        taken = {**taken, "routing_forced": forced["forced"], "routing_answered": forced.get("answered", 0)}
     report = assemble_report(
         q,
         q.config,
@@ -478,11 +526,38 @@ def run_estimate(
         from vramguard.estimate.liger import liger_line
 
         notes.append(Finding(checks.LIGER, liger_line(ran)))
-    bounds = data_bounds(q, config, estimate, target, one_sequence_per_row, steps, method, device, optimizer)
+    bounds = data_bounds(
+        q, config, estimate, target, one_sequence_per_row, steps, method, device, optimizer, routing
+    )
     if bounds is not None:
         notes.append(bounds)
     term = peak_term(report, config, int(q.spec.fields["vocab_size"]), target, step_peak, phase)
     if term is not None:
         notes.append(term)
     verdict = checks.verdict([*report.verdict.findings, *notes], len(report.steps), headline=line)
-    return dataclasses.replace(report, verdict=verdict, estimate=estimate, device=device)
+    report = dataclasses.replace(report, verdict=verdict, estimate=estimate, device=device)
+    if routing is not None:
+        report = with_routing_note(report, checks.ROUTING, forced_line(routing, _top_k(q), forced["counts"]))
+    return report
+
+
+def _top_k(q: QLoRAModel) -> int:
+    """How many experts each token is routed to (1 for a dense model)."""
+    experts = experts_of(getattr(q.model, "config", None))
+    return experts.top_k if experts is not None else 1
+
+
+def routing_bounds(
+    config: QLoRAConfig, top_k: int, events: AllocationLog | None = None, **options: Any
+) -> AuditReport:
+    """The estimate of a mixture of experts with ``eager`` experts: the step run with each forced routing
+    (:data:`~vramguard.workload.routing.ROUTINGS`); the report is the highest one's, its ``routing:`` line
+    names all (:func:`~vramguard.workload.routing.bounds_line`). ``options``: :func:`run_estimate`'s."""
+    reports = {kind: run_estimate(config, routing=kind, **options) for kind in ROUTINGS}
+    figures = {kind: (peak_of_step(r), r.totals.saved_bytes) for kind, r in reports.items()}
+    high = max(ROUTINGS, key=lambda kind: (figures[kind][0], ROUTINGS.index(kind)))
+    report = reports[high]
+    if events is not None:  # the timeline of the run reported
+        report = run_estimate(config, routing=high, events=events, **options)
+    line = bounds_line("eager", top_k, figures, None)
+    return with_routing_note(report, checks.ROUTING, line, figures[high][0])

@@ -577,8 +577,9 @@ def routing_line(hf_config: Any) -> str | None:
     every expert matmul takes all ``tokens x top_k`` rows, sorted by expert and split by offsets: no tensor's
     size depends on which experts the router picks, so the bound for balanced routing and the one for the
     worst case (all tokens to the same experts) are the measured figure. The ``eager`` implementation loops
-    over the experts hit, with per-expert tensors sized by their tokens: there routing decides, and it is
-    not bounded here."""
+    over the experts hit, with per-expert tensors sized by their tokens: there routing decides, and the build
+    cannot say how much; :func:`vramguard.audit.run.run_audit` and :func:`vramguard.estimate.run.run_estimate`
+    replace that line with the figures of forced routings (:func:`vramguard.workload.routing.bounds_line`)."""
     experts = experts_of(hf_config)
     if experts is None:
         return None
@@ -591,7 +592,8 @@ def routing_line(hf_config: Any) -> str | None:
         )
     return (
         f"routing: with the {impl} experts the tensors of each expert are sized by the tokens routed to it; "
-        "these figures are for the routing this run drew, not bounded for balanced or worst-case routing"
+        "these figures are for the routing this run drew (vramguard audit and estimate on one device replace "
+        "this line with the step peak for forced routings: vramguard.workload.routing)"
     )
 
 
@@ -630,6 +632,10 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: boo
     from transformers.utils import logging as hf_logging
 
     hf_config, model_class, attn, notes = resolve_attention(config, spec)
+    # a config's ``experts_implementation`` (e.g. "eager"): save_pretrained does not write it, so from_pretrained
+    # is told it, as a user passes it (otherwise the checkpoint loads with transformers' default, grouped_mm)
+    experts = getattr(hf_config, "_experts_implementation", None)
+    asked = {"experts_implementation": experts} if experts is not None else {}
     compute_dtype = parse_dtype(config.compute_dtype)
     torch.manual_seed(config.seed)
     hf_logging.set_verbosity_error()
@@ -653,6 +659,7 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: boo
             **_placement(config),
             dtype=compute_dtype,
             attn_implementation=attn,
+            **asked,
         )
         model = prepare_for_training(model, config, sharded=sharded)
         model = get_peft_model(model, lora_config(config))

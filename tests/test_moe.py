@@ -249,12 +249,12 @@ def test_eager_experts_routing_bounds_hold_the_drawn_routing(preset: str, tmp_pa
     between the low (all tokens to the same experts) and the high (every expert hit, the highest-numbered with
     one token each), each the step estimated on meta with the routing forced (equal to the CPU audit forced to
     it: the test above), and the audit's routing line names all three."""
-    from vramguard.estimate.run import run_estimate
+    from vramguard.estimate.run import forced_routing_figures, run_estimate
     from vramguard.units import format_bytes
     from vramguard.workload.routing import step_peak
 
     config = QLoRAConfig(model=eager(preset, tmp_path), **SHAPE)
-    drawn = run_audit(config, steps=1)
+    drawn = run_audit(config, steps=1, routing_figures=forced_routing_figures)
     figures = {}
     for kind in ("same", "balanced", "skewed"):
         forced = run_estimate(config, steps=1, target="cpu", routing=kind)

@@ -338,3 +338,18 @@ class AuditReport:
         if unknown:
             raise KeyError(f"unknown fields in audit document: {sorted(unknown)}")
         return cls(**d)
+
+
+def with_routing_note(report: Any, kind: str, message: str, figure: int | None = None) -> Any:
+    """``report`` with its ``routing:`` note (the build's) replaced by ``message``, in the same place (added
+    last where there was none); the verdict's line is unchanged (a note fails nothing)."""
+    import dataclasses
+
+    new = Finding(kind, message, figure)
+    findings = list(report.verdict.findings)
+    at = next((i for i, f in enumerate(findings) if f.message.startswith("routing:")), None)
+    if at is None:
+        findings.append(new)
+    else:
+        findings[at] = new
+    return dataclasses.replace(report, verdict=dataclasses.replace(report.verdict, findings=findings))

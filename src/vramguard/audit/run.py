@@ -19,7 +19,7 @@ import torch
 
 from vramguard.audit import verdict as checks
 from vramguard.audit.assemble import Measured, assemble
-from vramguard.audit.report import AuditReport, StepRow
+from vramguard.audit.report import AuditReport, StepRow, with_routing_note
 from vramguard.errors import UsageError
 from vramguard.measure.events import AllocationLog, timeline
 from vramguard.measure.ledger import LedgerReport
@@ -29,15 +29,16 @@ from vramguard.units import format_bytes
 from vramguard.workload.families import NoAnalyticModel, experts_of
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
 from vramguard.workload.routing import (
-    ROUTINGS,
     bounds_line,
     experts_implementation,
     forced_line,
     forced_routing,
     step_peak,
-    with_routing_note,
 )
 from vramguard.workload.training import PHASES, StepResult, make_optimizer, run_steps
+
+RoutingFigures = Callable[[QLoRAConfig, int], dict[str, tuple[int, int]]]
+"""``(config, steps) -> {routing: (step peak, saved bytes)}`` for each forced routing."""
 
 Progress = Callable[[str, int, int], None]
 
@@ -161,11 +162,15 @@ def run_audit(
     top: int = 3,
     events: AllocationLog | None = None,
     routing: str | None = None,
+    routing_figures: RoutingFigures | None = None,
 ) -> AuditReport:
     """Build, train ``steps`` steps, measure; pure apart from the compute (no printing). With ``events`` (CPU:
     the storage tracker's), every allocation of the steps is logged there and the report has a ``timeline``.
     ``routing``: a mixture of experts' routing forced to one of :data:`vramguard.workload.routing.ROUTINGS`
-    (None: the routing the router draws)."""
+    (None: the routing the router draws). ``routing_figures``: for eager experts and the routing drawn, the
+    (step peak, saved bytes) of the same steps with each forced routing
+    (:func:`vramguard.estimate.run.forced_routing_figures`, given by the caller: the estimate builds on the
+    audit, not the other way round); the ``routing:`` line then holds the drawn peak between them."""
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
     config.validate()
@@ -198,22 +203,11 @@ def run_audit(
         return report
     if routing is not None:
         return with_routing_note(report, checks.ROUTING, forced_line(routing, experts.top_k, taken["counts"]))
-    return with_routing_note(report, checks.ROUTING, *drawn_within(config, steps, report, experts.top_k))
-
-
-def drawn_within(config: QLoRAConfig, steps: int, report: AuditReport, top_k: int) -> tuple[str, int]:
-    """The ``routing:`` line of an audit of eager experts, and its figure (the step peak measured): the
-    routing the router drew, held against the same steps estimated on meta with each forced routing and this
-    device's kernels (on the CPU those equal an audit with the routing forced, to the byte)."""
-    from vramguard.estimate.run import run_estimate
-
-    target = torch.device(config.device).type
-    figures = {}
-    for kind in ROUTINGS:
-        forced = run_estimate(config, steps=steps, target=target, routing=kind)
-        figures[kind] = (step_peak(forced), forced.totals.saved_bytes)
+    if routing_figures is None:
+        return report  # the build's line: these figures are for the routing this run drew
     measured = (step_peak(report), report.totals.saved_bytes)
-    return bounds_line("eager", top_k, figures, measured), measured[0]
+    line = bounds_line("eager", experts.top_k, routing_figures(config, steps), measured)
+    return with_routing_note(report, checks.ROUTING, line, measured[0])
 
 
 def assemble_report(

@@ -77,6 +77,13 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=handle)
 
 
+def _forced_routing_figures(config: QLoRAConfig, steps: int) -> dict[str, tuple[int, int]]:
+    """Eager experts' forced routings, estimated on meta (imported only for such a model)."""
+    from vramguard.estimate.run import forced_routing_figures
+
+    return forced_routing_figures(config, steps)
+
+
 def handle(args: argparse.Namespace) -> int:
     """Run the audit the options describe, render it with rich (progress on a terminal), write ``--json``;
     exit 1 on a failed verdict."""
@@ -133,7 +140,14 @@ def handle(args: argparse.Namespace) -> int:
             progress.update(task, description=what, completed=done, total=total)
 
         if args.trainer == "loop":
-            report = run_audit(config, steps=args.steps, progress=update, top=args.top, events=events)
+            report = run_audit(
+                config,
+                steps=args.steps,
+                progress=update,
+                top=args.top,
+                events=events,
+                routing_figures=_forced_routing_figures,
+            )
         else:
             from vramguard.integrations.trainer_audit import run_trainer_audit
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from vramguard.audit import verdict as checks
-from vramguard.audit.report import AuditReport, DeviceEstimate, Finding, Overhead
+from vramguard.audit.report import AuditReport, DeviceEstimate, Finding, Overhead, with_routing_note
 from vramguard.audit.run import assemble_report, expectation_of, refuse_fp16_on_cpu
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import (
@@ -39,7 +39,6 @@ from vramguard.workload.routing import (
     experts_implementation,
     forced_line,
     forced_routing,
-    with_routing_note,
 )
 from vramguard.workload.routing import step_peak as peak_of_step
 from vramguard.workload.training import PHASES, make_optimizer, run_steps
@@ -545,6 +544,19 @@ def _top_k(q: QLoRAModel) -> int:
     """How many experts each token is routed to (1 for a dense model)."""
     experts = experts_of(getattr(q.model, "config", None))
     return experts.top_k if experts is not None else 1
+
+
+def forced_routing_figures(config: QLoRAConfig, steps: int) -> dict[str, tuple[int, int]]:
+    """The (step peak, saved bytes) of ``steps`` steps of ``config`` with each forced routing
+    (:data:`~vramguard.workload.routing.ROUTINGS`), estimated on meta with the kernels of the config's device
+    (on the CPU they equal an audit with the routing forced, to the byte): what ``run_audit(routing_figures=)``
+    holds the routing its router drew against."""
+    target = torch.device(config.device).type
+    figures = {}
+    for kind in ROUTINGS:
+        forced = run_estimate(config, steps=steps, target=target, routing=kind)
+        figures[kind] = (peak_of_step(forced), forced.totals.saved_bytes)
+    return figures
 
 
 def routing_bounds(

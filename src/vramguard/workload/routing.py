@@ -216,23 +216,6 @@ def bounds_line(
     )
 
 
-def with_routing_note(report: Any, kind: str, message: str, figure: int | None = None) -> Any:
-    """``report`` with its ``routing:`` note (the build's) replaced by ``message``, in the same place (added
-    last where there was none); the verdict's line is unchanged (a note fails nothing)."""
-    import dataclasses
-
-    from vramguard.audit.report import Finding
-
-    new = Finding(kind, message, figure)
-    findings = list(report.verdict.findings)
-    at = next((i for i, f in enumerate(findings) if f.message.startswith("routing:")), None)
-    if at is None:
-        findings.append(new)
-    else:
-        findings[at] = new
-    return dataclasses.replace(report, verdict=dataclasses.replace(report.verdict, findings=findings))
-
-
 def forced_line(kind: str, top_k: int, counts: dict[int, list[int]]) -> str:
     """The ``routing:`` line of a run whose routing was forced."""
     per = "; ".join(f"{n} experts: {', '.join(map(str, c))} tokens" for n, c in counts.items())

@@ -141,3 +141,12 @@ def test_docs_estimate_holds_the_derivations_table() -> None:
     cases = frag.cases()
     assert between("fragmentation table") == frag.render(cases)
     assert between("fragmentation against the estimates") == frag.against_estimates(cases)
+
+
+def test_a_step_under_a_gibibyte_says_the_shares_were_not_measured_there() -> None:
+    """The shares come from steps of 1 GiB and more; under that the allowance's text says so (the H100's tiny
+    steps had 10-36 %), above it nothing is added."""
+    (small,) = [o for o in overheads(300 << 20) if o.name == "fragmentation allowance"]
+    (large,) = [o for o in overheads(8 << 30) if o.name == "fragmentation allowance"]
+    assert "under 1 GiB no step was measured" in small.basis
+    assert "under 1 GiB" not in large.basis

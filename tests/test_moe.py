@@ -303,3 +303,44 @@ def test_routing_line_says_what_the_figures_say() -> None:
     same = {k: (100, 7) for k in bounds}
     line = bounds_line("eager", 2, same, (100, 7))
     assert "here it does not" in line and "all peak at 100 B" in line and "between" not in line
+
+
+def test_the_audit_command_holds_the_drawn_routing_between_the_forced_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``vramguard audit`` (its own loop, on the CPU) gives the forced routings' figures to the audit: its
+    routing line holds the drawn peak between the low and the high (without them it is the build's line)."""
+    argv = ["--model", eager("tiny-mixtral", tmp_path), "--seq-len", "64", "--batch", "2", "--steps", "1"]
+    assert main(["audit", *argv, "--device", "cpu"]) in (0, 1)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "routing: with the eager experts" in out
+    assert ", between the low " in out and "not proven bounds" in out, out
+
+
+@pytest.mark.parametrize("command", ["audit", "estimate"])
+@pytest.mark.parametrize("implementation", ["no-such-kernel"])
+def test_an_experts_implementation_transformers_cannot_build_is_one_line(
+    command: str, implementation: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config's ``experts_implementation`` that transformers refuses to build is bad input: one line, exit 2,
+    in the audit as in the estimate. (One whose kernel package is missing, such as ``sonicmoe``, fails only at
+    the first forward: not handled yet.)"""
+    from vramguard.workload.models import presets
+
+    data = json.loads(presets()["tiny-mixtral"].read_text())
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps({**data, "experts_implementation": implementation}))
+    argv = [command, "--model", str(path), "--seq-len", "8", "--batch", "1", "--steps", "1"]
+    assert main([*argv, "--device", "cpu"] if command == "audit" else argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "transformers cannot build" in err[0], err
+
+
+def test_a_sharded_estimate_of_eager_experts_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The sharded estimate forces no routing: eager experts are refused with one line, not an internal error."""
+    argv = ["estimate", "--model", eager("tiny-mixtral", tmp_path), "--seq-len", "64", "--batch", "2"]
+    assert main([*argv, "--world-size", "2", "--sharding", "fsdp2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "eager experts" in err[0], err

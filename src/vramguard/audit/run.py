@@ -203,8 +203,10 @@ def run_audit(
         return report
     if routing is not None:
         return with_routing_note(report, checks.ROUTING, forced_line(routing, experts.top_k, taken["counts"]))
-    if routing_figures is None:
-        return report  # the build's line: these figures are for the routing this run drew
+    if routing_figures is None or torch.device(config.device).type != "cpu":
+        # the build's line: these figures are for the routing this run drew. On a GPU the audit's phase peaks are
+        # absolute allocator readings (weights and cuBLAS in), the meta runs' are not: nothing comparable yet
+        return report
     measured = (step_peak(report), report.totals.saved_bytes)
     line = bounds_line("eager", experts.top_k, routing_figures(config, steps), measured)
     return with_routing_note(report, checks.ROUTING, line, measured[0])

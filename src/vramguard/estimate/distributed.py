@@ -43,6 +43,7 @@ from vramguard.estimate.run import meta_step_contexts, overheads
 from vramguard.measure.storage import local_tensor, storage_key
 from vramguard.measure.tracker import StorageTracker
 from vramguard.workload.models import QLoRAConfig
+from vramguard.workload.routing import experts_implementation
 from vramguard.workload.sharding import ShardingConfig
 
 
@@ -190,7 +191,13 @@ def run_distributed_estimate(
     wanted = list(range(world)) if ranks is None else sorted(set(ranks))
     if not wanted or wanted[0] < 0 or wanted[-1] >= world:
         raise UsageError(f"ranks must be in 0..{world - 1}, got {ranks!r}")
-    shapes = [p.shape for p in build_meta(config, sharded=True).model.parameters()]
+    built = build_meta(config, sharded=True)
+    if experts_implementation(built.model) == "eager":
+        raise UsageError(
+            "estimate --world-size with eager experts: the sharded estimate forces no routing yet (the experts' "
+            "loop asks the data which experts were hit); estimate one device, or use the grouped_mm experts"
+        )
+    shapes = [p.shape for p in built.model.parameters()]
     done: dict[tuple[int, ...], tuple[int, AuditReport, RankRow]] = {}
     reports: list[AuditReport] = []
     rows: list[RankRow] = []

@@ -560,7 +560,7 @@ def build_meta(
         try:
             with torch.device(device):
                 model = model_class._from_config(hf_config, dtype=weights_dtype, attn_implementation=built)
-        except (ValueError, TypeError, RuntimeError) as exc:
+        except (ValueError, TypeError, RuntimeError, ImportError) as exc:
             raise UsageError(f"transformers cannot build {spec.name}: {_first_line(exc)}") from None
         if method == "qlora":
             quantizer = AutoHfQuantizer.from_config(

@@ -101,6 +101,17 @@ def fragmentation_of(checkpointing: bool = False, offloading: bool = False) -> F
     return FRAGMENTATION_CHECKPOINTING if checkpointing else FRAGMENTATION
 
 
+def small_step_caveat(allocator_peak: int) -> str:
+    """Under :data:`MIN_MEASURED_PEAK` the shares were not measured (the allocator's granularity sets the gap
+    there): said where the allowance is, empty otherwise."""
+    if allocator_peak >= MIN_MEASURED_PEAK:
+        return ""
+    return (
+        "; under 1 GiB no step was measured for these shares: there the allocator's 2 and 20 MiB segments set the "
+        "gap (10-36 % of the H100's tiny steps)"
+    )
+
+
 def overheads(allocator_peak: int, checkpointing: bool = False, offloading: bool = False) -> list[Overhead]:
     """What the allocator peak of the meta run leaves out of the device's memory. The fragmentation
     allowance is the expected (median) share; its ``low_bytes`` and ``high_bytes`` the measured range."""
@@ -122,7 +133,8 @@ def overheads(allocator_peak: int, checkpointing: bool = False, offloading: bool
             int(allocator_peak * f.expected),
             f"{f.expected * 100:.0f} % of the allocator peak, expected: reserved - allocated, the median of "
             f"{f.steps} H100 steps {f.mode} (measured {f.low * 100:.0f}-{f.high * 100:.0f} %; high "
-            f"{f.high * 100:.0f} % = {format_bytes(int(allocator_peak * f.high))})",
+            f"{f.high * 100:.0f} % = {format_bytes(int(allocator_peak * f.high))})"
+            + small_step_caveat(allocator_peak),
             low_bytes=int(allocator_peak * f.low),
             high_bytes=int(allocator_peak * f.high),
         ),
@@ -482,7 +494,8 @@ def run_estimate(
         f"(weights {fb(weights)}, trainable {fb(trainable)}, {phase} peak {fb(step_peak)}) "
         f"+ {fb(estimate.overhead_bytes)} the meta run leaves out (H100 figures; fragmentation at "
         f"{frag.expected * 100:.0f} %, the median measured {frag.mode}, of {frag.low * 100:.0f}-"
-        f"{frag.high * 100:.0f} %: {fb(high_total(estimate))} at {frag.high * 100:.0f} %)"
+        f"{frag.high * 100:.0f} %: {fb(high_total(estimate))} at {frag.high * 100:.0f} %"
+        f"{small_step_caveat(allocator)})"
     )
     notes = [
         Finding(

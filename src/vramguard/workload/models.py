@@ -578,8 +578,8 @@ def routing_line(hf_config: Any) -> str | None:
     size depends on which experts the router picks, so the bound for balanced routing and the one for the
     worst case (all tokens to the same experts) are the measured figure. The ``eager`` implementation loops
     over the experts hit, with per-expert tensors sized by their tokens: there routing decides, and the build
-    cannot say how much; :func:`vramguard.audit.run.run_audit` and :func:`vramguard.estimate.run.run_estimate`
-    replace that line with the figures of forced routings (:func:`vramguard.workload.routing.bounds_line`)."""
+    cannot say how much; :func:`vramguard.audit.run.run_audit` (given ``routing_figures``, on the CPU) and
+    :func:`vramguard.estimate.run.run_estimate` replace that line with the figures of forced routings (:func:`vramguard.workload.routing.bounds_line`)."""
     experts = experts_of(hf_config)
     if experts is None:
         return None
@@ -592,8 +592,9 @@ def routing_line(hf_config: Any) -> str | None:
         )
     return (
         f"routing: with the {impl} experts the tensors of each expert are sized by the tokens routed to it; "
-        "these figures are for the routing this run drew (vramguard audit and estimate on one device replace "
-        "this line with the step peak for forced routings: vramguard.workload.routing)"
+        "these figures are for the routing this run drew (for eager experts, vramguard estimate on one device and "
+        "vramguard audit's own loop on the CPU replace this line with the step peak of forced routings: "
+        "vramguard.workload.routing; not the Trainer audits, not a GPU, not sharded runs)"
     )
 
 
@@ -645,11 +646,17 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: boo
         # On a GPU the random weights are drawn there, in the compute dtype: an 8B model in seconds,
         # where fp32 on the CPU takes minutes and twice the disk. The CPU path stays as it was (its
         # random weights, and every number measured from them, are reproducible across releases).
-        if torch.device(config.device).type == "cuda":
-            with torch.device(config.device):
-                random_model = model_class._from_config(hf_config, dtype=compute_dtype)
-        else:
-            random_model = model_class(hf_config)
+        try:
+            if torch.device(config.device).type == "cuda":
+                with torch.device(config.device):
+                    random_model = model_class._from_config(hf_config, dtype=compute_dtype)
+            else:
+                random_model = model_class(hf_config)
+        except (ValueError, TypeError, ImportError) as exc:  # the config asks what transformers cannot build
+            lines = str(exc).strip().splitlines()
+            raise UsageError(
+                f"transformers cannot build {spec.name}: {lines[0] if lines else type(exc).__name__}"
+            ) from None
         random_model.save_pretrained(tmp)
         del random_model
         quant = bnb_4bit_config(config, sharded=sharded)

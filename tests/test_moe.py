@@ -344,3 +344,15 @@ def test_a_sharded_estimate_of_eager_experts_is_refused_in_one_line(
     assert main([*argv, "--world-size", "2", "--sharding", "fsdp2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "eager experts" in err[0], err
+
+
+def test_the_trainer_audit_keeps_the_builds_notes(tmp_path: Path) -> None:
+    """``vramguard audit --trainer``: the build's notes (which weights are 4-bit, what routing decides) reach
+    the report as in the audit's own loop; the callback sees only the model."""
+    from vramguard.integrations.trainer_audit import run_trainer_audit
+
+    config = QLoRAConfig(model=eager("tiny-mixtral", tmp_path), seq_len=16, batch=1)
+    report = run_trainer_audit(config, steps=1, trainer="trainer", output_dir=tmp_path / "out")
+    notes = report.verdict.notes
+    assert any(n.startswith("routing: with the eager experts") for n in notes), notes
+    assert any("4-bit (bitsandbytes Linear4bit)" in n for n in notes), notes

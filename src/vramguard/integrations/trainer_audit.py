@@ -10,11 +10,13 @@ the numbers are the ones a user sees in that trainer; :class:`VramGuardCallback`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from vramguard.audit import verdict as checks
 from vramguard.audit.report import AuditReport
 from vramguard.errors import UsageError
 from vramguard.integrations.transformers import VramGuardCallback
@@ -105,4 +107,8 @@ def run_trainer_audit(
     trainer_config = dict(report.config)
     report.config = {**config.to_dict(), **trainer_config, "trainer": trainer_config["trainer"]}
     report.architecture = {**report.architecture, "attn_implementation": q.attn_implementation}
+    # the build's notes (what it changed from the request, which weights are 4-bit, what routing decides), as
+    # vramguard audit's own loop reports them: the callback sees the model, not how it was built
+    build = checks.notes(checks.BUILD, q.notes)
+    report.verdict = dataclasses.replace(report.verdict, findings=[*build, *report.verdict.findings])
     return report

@@ -356,3 +356,33 @@ def test_the_trainer_audit_keeps_the_builds_notes(tmp_path: Path) -> None:
     notes = report.verdict.notes
     assert any(n.startswith("routing: with the eager experts") for n in notes), notes
     assert any("4-bit (bitsandbytes Linear4bit)" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("command", ["audit", "estimate"])
+@pytest.mark.parametrize(
+    "keys, says",
+    [
+        ({}, "No `target_modules` passed"),  # TRL's default: PEFT's own targets, none for this model
+        ({"lora_target_modules": "all-linear", "lora_dropout": 0.05}, "lora_dropout"),  # dropout on experts
+    ],
+)
+def test_a_lora_setup_peft_refuses_is_one_line(
+    command: str, keys: dict[str, Any], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A TRL config whose LoRA PEFT refuses on this model is bad input, said as PEFT says it: one line, exit 2
+    (PEFT refuses the same on the user's own run)."""
+    from vramguard.workload.models import presets
+
+    lines = {
+        "model_name_or_path": str(presets()["tiny-mixtral"]),
+        "max_length": 16,
+        "per_device_train_batch_size": 1,
+        "use_peft": True,
+        "load_in_4bit": True,
+        **keys,
+    }
+    path = tmp_path / "sft.yaml"
+    path.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in lines.items()))
+    assert main([command, "--config", str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "PEFT refuses this LoRA setup" in err[0] and says in err[0], err

@@ -42,13 +42,13 @@ from vramguard.workload.models import (
     QLoRAConfig,
     QLoRAModel,
     bnb_4bit_config,
-    lora_config,
     padding_free_batch,
     parse_dtype,
     prepare_for_training,
     resolve_attention,
     routing_line,
     weights_line,
+    with_lora,
 )
 
 META = "meta"
@@ -535,7 +535,6 @@ def build_meta(
         raise ValueError("build the real-device QLoRA model with vramguard.workload.models.build_qlora")
     config.validate()
     spec = spec or ModelSpec.load(config.model)
-    from peft import get_peft_model
     from transformers.quantizers import AutoHfQuantizer
     from transformers.utils import logging as hf_logging
 
@@ -578,7 +577,7 @@ def build_meta(
                 p.requires_grad_(True)
         else:
             with _deepcopy_on_meta():  # DoRA copies the 4-bit base layer (see there)
-                model = get_peft_model(model, lora_config(config))
+                model = with_lora(model, config)
     model.train()
     model.config.use_cache = False
     loaded = getattr(model, "config", hf_config)  # from_pretrained set its experts implementation there

@@ -498,6 +498,20 @@ def prepare_for_training(model: Any, config: QLoRAConfig, sharded: bool = False)
     return model
 
 
+def with_lora(model: Any, config: QLoRAConfig) -> Any:
+    """PEFT's ``get_peft_model`` with the config's LoRA; a LoRA config PEFT refuses for this model (no target
+    module found, dropout on expert parameters, ...) is bad input, said in one line as PEFT says it."""
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, lora_config(config))
+    except ValueError as exc:
+        lines = str(exc).strip().splitlines()
+        raise UsageError(
+            f"PEFT refuses this LoRA setup: {lines[0] if lines else type(exc).__name__}"
+        ) from None
+
+
 def lora_config(config: QLoRAConfig) -> Any:
     """PEFT's ``LoraConfig`` for ``config``: rank, alpha, dropout, target modules and parameters, rsLoRA,
     DoRA, causal LM."""
@@ -629,7 +643,6 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: boo
     """
     config.validate()
     spec = spec or ModelSpec.load(config.model)
-    from peft import get_peft_model
     from transformers.utils import logging as hf_logging
 
     hf_config, model_class, attn, notes = resolve_attention(config, spec)
@@ -669,7 +682,7 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: boo
             **asked,
         )
         model = prepare_for_training(model, config, sharded=sharded)
-        model = get_peft_model(model, lora_config(config))
+        model = with_lora(model, config)
     model.train()
     model.config.use_cache = False
     loaded = getattr(model, "config", hf_config)  # from_pretrained set its experts implementation there

@@ -318,13 +318,19 @@ def test_the_audit_command_holds_the_drawn_routing_between_the_forced_ones(
 
 
 @pytest.mark.parametrize("command", ["audit", "estimate"])
-@pytest.mark.parametrize("implementation", ["no-such-kernel"])
+@pytest.mark.parametrize(
+    "implementation, says",
+    [
+        ("no-such-kernel", "transformers cannot build"),
+        ("sonicmoe", "experts_implementation sonicmoe runs a CUDA kernel package's experts"),
+    ],
+)
 def test_an_experts_implementation_transformers_cannot_build_is_one_line(
-    command: str, implementation: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    command: str, implementation: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A config's ``experts_implementation`` that transformers refuses to build is bad input: one line, exit 2,
-    in the audit as in the estimate. (One whose kernel package is missing, such as ``sonicmoe``, fails only at
-    the first forward: not handled yet.)"""
+    """A config's ``experts_implementation`` that transformers refuses to build, or one from a CUDA kernel
+    package (which transformers loads only at the first forward), is bad input: one line, exit 2, in the audit
+    as in the estimate."""
     from vramguard.workload.models import presets
 
     data = json.loads(presets()["tiny-mixtral"].read_text())
@@ -333,7 +339,7 @@ def test_an_experts_implementation_transformers_cannot_build_is_one_line(
     argv = [command, "--model", str(path), "--seq-len", "8", "--batch", "1", "--steps", "1"]
     assert main([*argv, "--device", "cpu"] if command == "audit" else argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "transformers cannot build" in err[0], err
+    assert len(err) == 1 and says in err[0], err
 
 
 def test_a_sharded_estimate_of_eager_experts_is_refused_in_one_line(

@@ -45,6 +45,7 @@ from vramguard.workload.models import (
     padding_free_batch,
     parse_dtype,
     prepare_for_training,
+    refuse_kernel_experts,
     resolve_attention,
     routing_line,
     weights_line,
@@ -539,6 +540,7 @@ def build_meta(
     from transformers.utils import logging as hf_logging
 
     hf_config, model_class, attn, notes = resolve_attention(config, spec)
+    refuse_kernel_experts(hf_config, spec.name)
     built = attn
     if (
         attn == "flash_attention_2"

@@ -498,6 +498,21 @@ def prepare_for_training(model: Any, config: QLoRAConfig, sharded: bool = False)
     return model
 
 
+KERNEL_EXPERTS = ("deepgemm", "sonicmoe")
+"""transformers' experts implementations that load a CUDA kernel package (``kernels``) at the first forward."""
+
+
+def refuse_kernel_experts(hf_config: Any, name: str) -> None:
+    """A config asking for experts from a kernel package is bad input here: the audit on the CPU cannot run
+    them and the meta run does not price them (transformers would only fail at the first forward)."""
+    impl = getattr(hf_config, "_experts_implementation", None)
+    if impl in KERNEL_EXPERTS:
+        raise UsageError(
+            f"{name}: experts_implementation {impl} runs a CUDA kernel package's experts, which vramguard neither "
+            "runs on the CPU nor prices on meta; use eager, grouped_mm or batched_mm"
+        )
+
+
 def with_lora(model: Any, config: QLoRAConfig) -> Any:
     """PEFT's ``get_peft_model`` with the config's LoRA; a LoRA config PEFT refuses for this model (no target
     module found, dropout on expert parameters, ...) is bad input, said in one line as PEFT says it."""
@@ -646,6 +661,7 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: boo
     from transformers.utils import logging as hf_logging
 
     hf_config, model_class, attn, notes = resolve_attention(config, spec)
+    refuse_kernel_experts(hf_config, spec.name)
     # a config's ``experts_implementation`` (e.g. "eager"): save_pretrained does not write it, so from_pretrained
     # is told it, as a user passes it (otherwise the checkpoint loads with transformers' default, grouped_mm)
     experts = getattr(hf_config, "_experts_implementation", None)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from vramguard.errors import UsageError
+from vramguard.errors import UsageError, first_line
 from vramguard.estimate.autocast import autocast_off
 from vramguard.model.layers import sdpa_kernel
 from vramguard.workload.models import (
@@ -562,7 +562,7 @@ def build_meta(
             with torch.device(device):
                 model = model_class._from_config(hf_config, dtype=weights_dtype, attn_implementation=built)
         except (ValueError, TypeError, RuntimeError, ImportError) as exc:
-            raise UsageError(f"transformers cannot build {spec.name}: {_first_line(exc)}") from None
+            raise UsageError(f"transformers cannot build {spec.name}: {first_line(exc)}") from None
         if method == "qlora":
             quantizer = AutoHfQuantizer.from_config(
                 bnb_4bit_config(config, sharded=sharded), pre_quantized=False
@@ -646,8 +646,3 @@ def _with_device(config: QLoRAConfig, device: str) -> QLoRAConfig:
     import dataclasses
 
     return dataclasses.replace(config, device=device)  # not validated: validate() allows cpu/cuda only
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

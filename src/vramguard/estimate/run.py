@@ -18,7 +18,7 @@ import torch
 from vramguard.audit import verdict as checks
 from vramguard.audit.report import AuditReport, DeviceEstimate, Finding, Overhead, with_routing_note
 from vramguard.audit.run import assemble_report, expectation_of, refuse_fp16_on_cpu
-from vramguard.errors import UsageError
+from vramguard.errors import UsageError, first_line
 from vramguard.estimate.meta import (
     META,
     TARGETS,
@@ -146,10 +146,6 @@ def high_total(estimate: DeviceEstimate) -> int:
     return estimate.total_bytes + sum(
         o.high_bytes - o.bytes for o in estimate.overheads if o.high_bytes is not None
     )
-
-
-def _first_line_of(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def check_context(config: QLoRAConfig, spec: ModelSpec) -> None:
@@ -443,7 +439,7 @@ def run_estimate(
         )
         raise TooLarge(
             f"{beyond}batch {config.batch:,} x seq-len {config.seq_len:,} needs a tensor larger than torch "
-            f"can describe (over 2^63 bytes) on {target}: {_first_line_of(exc)}"
+            f"can describe (over 2^63 bytes) on {target}: {first_line(exc)}"
         ) from None
     assert ledger is not None
     if taken["find_packed_sequence_indices"] == 0 and taken["scaled_dot_product_attention"] == 0:

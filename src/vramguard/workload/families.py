@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vramguard.errors import UsageError
+from vramguard.errors import UsageError, first_line
 
 LLAMA_ADAPTERS: tuple[str, ...] = (
     "q_proj",
@@ -140,7 +140,7 @@ def spec_from_hf(path: Path, data: dict[str, Any]) -> tuple[str, dict[str, Any]]
             raise UsageError(
                 f"model config {path}: model_type {model_type!r} is not known to transformers {_tf()}"
             ) from None
-        raise UsageError(f"model config {path}: {_first_line(exc)}") from None
+        raise UsageError(f"model config {path}: {first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001  (transformers' own validation: strict dataclass errors too)
         raise UsageError(f"model config {path}: {_last_line(exc)}") from None
     fields: dict[str, Any] = {}
@@ -243,11 +243,6 @@ def _last_line(exc: BaseException) -> str:
     """The cause at the end of a (possibly wrapped, multi-line) validation message."""
     text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     return text[-1] if text else type(exc).__name__
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 __all__ = [

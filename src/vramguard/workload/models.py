@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from vramguard.errors import UsageError
+from vramguard.errors import UsageError, first_line
 from vramguard.workload.families import experts_of, is_hf_config, spec_from_hf, transformers_config
 
 DTYPES: dict[str, torch.dtype] = {
@@ -521,10 +521,7 @@ def with_lora(model: Any, config: QLoRAConfig) -> Any:
     try:
         return get_peft_model(model, lora_config(config))
     except ValueError as exc:
-        lines = str(exc).strip().splitlines()
-        raise UsageError(
-            f"PEFT refuses this LoRA setup: {lines[0] if lines else type(exc).__name__}"
-        ) from None
+        raise UsageError(f"PEFT refuses this LoRA setup: {first_line(exc)}") from None
 
 
 def lora_config(config: QLoRAConfig) -> Any:
@@ -682,10 +679,7 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: boo
             else:
                 random_model = model_class(hf_config)
         except (ValueError, TypeError, ImportError) as exc:  # the config asks what transformers cannot build
-            lines = str(exc).strip().splitlines()
-            raise UsageError(
-                f"transformers cannot build {spec.name}: {lines[0] if lines else type(exc).__name__}"
-            ) from None
+            raise UsageError(f"transformers cannot build {spec.name}: {first_line(exc)}") from None
         random_model.save_pretrained(tmp)
         del random_model
         quant = bnb_4bit_config(config, sharded=sharded)

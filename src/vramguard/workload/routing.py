@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from vramguard.workload.families import experts_of
+
 ROUTINGS: tuple[str, ...] = ("same", "balanced", "skewed")
 """The assignments :func:`expert_counts` makes:
 
@@ -147,11 +149,10 @@ def forced_routing(
 
 
 def _top_k_of(module: torch.nn.Module, model: torch.nn.Module) -> int:
-    config = getattr(module, "config", None) or getattr(model, "config", None)
-    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k", None)
-    if not isinstance(top_k, int):
-        raise TypeError("the experts' config names no num_experts_per_tok")
-    return top_k
+    experts = experts_of(getattr(module, "config", None) or getattr(model, "config", None))
+    if experts is None:
+        raise TypeError("the experts' config names no mixture of experts")
+    return experts.top_k
 
 
 def describe(kind: str, top_k: int) -> str:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from vramguard.errors import UsageError
+from vramguard.errors import UsageError, first_line
 from vramguard.workload.models import MAX_CONFIG_BYTES, QLoRAConfig
 
 Reading = Literal["priced", "no-byte", "not-priced"]
@@ -198,8 +198,7 @@ def read_file(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"--config {path}: cannot parse it: {first}") from None
+        raise UsageError(f"--config {path}: cannot parse it: {first_line(exc)}") from None
     if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
         raise UsageError(f"--config {path} must be a mapping of TRL / TrainingArguments keys")
     return data
@@ -233,14 +232,9 @@ def parse_trl(path: Path, data: dict[str, Any]) -> tuple[Any, Any, dict[str, Any
                 TrainingArguments(**base).to_dict(),
             ]
         except (ValueError, TypeError, KeyError) as exc:
-            raise UsageError(f"--config {path}: {_one_line(exc)}") from None
+            raise UsageError(f"--config {path}: {first_line(exc)}") from None
     parsed = {**sft.to_dict(), **dataclasses.asdict(model_args)}
     return sft, model_args, parsed, defaults
-
-
-def _one_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
 
 
 def _value_of(obj: Any) -> Any:

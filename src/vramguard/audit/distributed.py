@@ -329,14 +329,10 @@ def _run_one_rank(spec_path: str, rank: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """``ranks SPEC`` (the launcher) or ``rank SPEC R`` (one rank); anything else exits 2."""
-    if len(argv) == 2 and argv[0] == "ranks":
-        from vramguard.audit.launch import launch_ranks
-
-        return launch_ranks(argv[1])
+    """``rank SPEC R`` (one rank; :mod:`vramguard.audit.launch` starts them); anything else exits 2."""
     if len(argv) == 3 and argv[0] == "rank":
         return _run_one_rank(argv[1], int(argv[2]))
-    print("usage: python -m vramguard.audit.distributed ranks SPEC | rank SPEC RANK", file=sys.stderr)
+    print("usage: python -m vramguard.audit.distributed rank SPEC RANK", file=sys.stderr)
     return 2
 
 

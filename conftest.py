@@ -12,6 +12,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
+# One intra-op thread per process (workers and every child they start inherit it): the suites' tensors are
+# tiny, so OpenMP's threads only spin against the other xdist workers and their children on the same cores.
+# On the 2-core reference machine the default run took 365 s with torch's default threads, 261 s with one
+# (docs/measurements/2026-11-25-test-run-cpu-time.md). A caller's own OMP_NUM_THREADS is kept.
+_ONE_THREAD = "OMP_NUM_THREADS" not in os.environ
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 #: options of a run whose numbers are recorded: pytest-benchmark times nothing on xdist workers, and the
 #: GPU suites share one device, so such a run goes in one process whatever ``-n auto`` (addopts) says
@@ -47,11 +54,32 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         config.option.numprocesses = 0
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported (torch, transformers, the test modules) lives until the process ends: freeze
+    it out of the garbage collector's full passes, which otherwise walk it again every few tests. Torch
+    imported before this file was read (a plugin) gets the one thread here."""
+    import gc
+    import sys
+
+    if _ONE_THREAD and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+    gc.freeze()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which starts the workers
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """A JUnit XML report names the processor it was measured on (``processor`` property of the test suite):
-    CPU kernels differ per instruction set, so the release matrix's table states it per row."""
+    """The controller of a spread run that collects tests_grad starts the capability probes (below). A JUnit
+    XML report names the processor it was measured on (``processor`` property of the test suite): CPU
+    kernels differ per instruction set, so the release matrix's table states it per row."""
     from _pytest.junitxml import xml_key
 
+    config = session.config
+    if (
+        getattr(config, "workerinput", None) is None
+        and getattr(config.option, "numprocesses", None)
+        and _collects_tests_grad(config)
+    ):
+        _probe_while_the_workers_start(config)
     xml = session.config.stash.get(xml_key, None)
     if xml is not None:
         from vramguard.grad.capabilities import processor
@@ -69,19 +97,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # The workers need the probes while collecting tests_grad, after importing what comes before it: the first
 # one ran the child while the other waited on the lock, a core idle for the child's ~8 s. So the controller of
 # a run that collects tests_grad starts the same probes (in the same way, into the same file, under the same
-# lock) as it configures, while the workers start and collect; a worker that finds the lock taken waits for it.
+# lock) as its session starts, while the workers start and collect; a worker that finds the lock taken waits
+# for it. A run without a session (``--markers``, ``--fixtures``, ``--help``) starts none.
 
 SHARED_PROBES = "vramguard-capabilities.json"
 
 
 @pytest.hookimpl(trylast=True)  # after the tmpdir plugin's: the basetemp is known
 def pytest_configure(config: pytest.Config) -> None:
-    """On an xdist worker, :func:`vramguard.grad.capabilities.probe_all` is shared by the run's workers; the
-    controller of a spread run that collects tests_grad starts them at once."""
+    """On an xdist worker, :func:`vramguard.grad.capabilities.probe_all` is shared by the run's workers."""
     if getattr(config, "workerinput", None) is not None:
         _share_probes_between_workers(config)
-    elif getattr(config.option, "numprocesses", None) and _collects_tests_grad(config):
-        _probe_while_the_workers_start(config)
 
 
 def _collects_tests_grad(config: pytest.Config) -> bool:

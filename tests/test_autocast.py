@@ -15,6 +15,7 @@ from test_estimate import STEPS, _above_weights
 
 from vramguard.audit.run import run_audit
 from vramguard.cli import main
+from vramguard.units import format_bytes
 from vramguard.workload.models import QLoRAConfig
 
 
@@ -121,6 +122,56 @@ def test_flash_attention_2_saves_no_s_x_s_tensor_by_flash_attns_rules() -> None:
         QLoRAConfig(seq_len=s, batch=1, attn_implementation="flash_attention_2"), steps=1, target="cuda"
     )
     assert one.totals.saved_bytes > 0
+
+
+def test_flash_attention_2_on_a_padding_free_batch_runs_the_varlen_kernel_by_its_rules() -> None:
+    """TRL's padding-free batch passes the sequences' boundaries, so transformers flattens q, k, v and calls
+    flash-attn's varlen kernel (refused before): it saves what ``FlashAttnVarlenFunc`` saves (an unpadded
+    ``h x total`` logsumexp), and its backward allocates, per layer, dq, dk, dv, the expanded dk and dv of a
+    grouped-query model and ``mha_varlen_bwd``'s fp32 ``softmax_d`` and ``dq_accum``, 128 rows more for each
+    sequence: packing (two sequences a row) moves those two and nothing else."""
+    import dataclasses
+
+    from vramguard.estimate.run import run_estimate
+    from vramguard.measure.events import AllocationLog
+
+    b, a, kv, s, d = 2, 4, 2, 64, 32
+    total = b * s
+    base = QLoRAConfig(seq_len=s, batch=b, attn_implementation="flash_attention_2", padding_free=True)
+    allocated = {}
+    for packing, sequences in ((False, b), (True, 2 * b)):
+        log = AllocationLog()
+        report = run_estimate(dataclasses.replace(base, packing=packing), steps=1, target="cuda", events=log)
+        saved = {
+            (r["dtype"], tuple(r["shape"]))
+            for r in report.records
+            if r["module"].endswith("layers.1.self_attn") and r["node"] == "FlashAttnVarlenFuncBackward"
+        }
+        assert saved == {
+            ("bfloat16", (total, a, d)),  # q and the output
+            ("bfloat16", (total, kv, d)),  # k and v
+            ("float32", (a, total)),  # softmax_lse, unpadded
+            ("int64", (2,)),  # rng_state
+        }
+        rows = total + 128 * sequences
+        per_layer = sorted(
+            [total * a * d * 2] * 3  # dq, the expanded dk and dv (at the query heads)
+            + [total * kv * d * 2] * 2  # dk, dv
+            + [a * rows * 4, rows * a * 32 * 4]  # softmax_d, dq_accum (head dim 32: rounded to 32)
+        )
+        allocated[packing] = sorted(
+            e.size
+            for is_alloc, e, _ in log.events
+            if is_alloc and e.context[0] == "backward" and e.context[3] == "FlashAttnVarlenFuncBackward"
+        )
+        assert allocated[packing] == sorted(per_layer * 2)  # tiny-llama's 2 layers
+        (bounds,) = [f.message for f in report.verdict.findings if f.message.startswith("data:")]
+        per_sequence = 128 * a * 4 + 128 * a * 32 * 4  # softmax_d and dq_accum's rows of one more sequence
+        assert (
+            f"({format_bytes(per_sequence)} a sequence, one layer's at a time): priced at {sequences} "
+            in bounds
+        )
+    assert allocated[True] != allocated[False]
 
 
 def test_flash_attention_2_elsewhere_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:

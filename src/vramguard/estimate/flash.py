@@ -14,8 +14,16 @@ What ``FlashAttnFunc`` saves for backward: q, k, v (the head dim padded to a mul
 (``b x s x h x d``, q's dtype), ``softmax_lse`` (fp32, ``b x h x s``) and ``rng_state`` (2 int64): no
 ``s x s`` tensor. Its backward allocates dq, dk, dv (like q, k, v), ``softmax_d`` (fp32, ``b x h x
 round128(s)``), ``dq_accum`` (fp32, ``b x round128(s) x h x round32(d)``) and, with fewer k/v heads,
-``dk_expanded`` and ``dv_expanded`` (``b x s x h x d``) summed into dk and dv. Not run: the varlen path
-(padding-free batches, padding masks) and split-kv's accumulators (decoding-sized queries only).
+``dk_expanded`` and ``dv_expanded`` (``b x s x h x d``) summed into dk and dv.
+
+The varlen path (:func:`flash_attn_varlen_func`: TRL's padding-free batches, whose collator passes
+``cu_seq_lens_q``/``_k`` and ``max_length_q``/``_k``, so transformers flattens q, k, v to ``total x h x d``
+and calls it) follows ``FlashAttnVarlenFunc`` and ``mha_varlen_fwd`` / ``mha_varlen_bwd``: the same saved
+tensors with an unpadded ``h x total`` logsumexp, and in backward ``softmax_d`` (fp32, ``h x (total + 128
+x sequences)``) and ``dq_accum`` (fp32, ``(total + 128 x sequences) x h x round32(d)``): 128 rows more per
+sequence in the batch, so the number of sequences, not only the tokens, moves the backward peak. Not run:
+split-kv's accumulators (decoding-sized queries only) and deterministic backward (its ``dq_accum`` has one
+split per streaming multiprocessor group: refused).
 """
 
 from __future__ import annotations
@@ -76,6 +84,55 @@ class FlashAttnFunc(torch.autograd.Function):
         return dq[..., :og], dk[..., :og], dv[..., :og]
 
 
+class FlashAttnVarlenFunc(torch.autograd.Function):
+    """flash-attn 2's ``FlashAttnVarlenFunc`` on meta: q, k, v flattened to ``total x h x d`` with the
+    sequences' boundaries in ``cu_seqlens`` (``sequences + 1`` int32); only shapes decide a byte."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor
+    ) -> torch.Tensor:
+        """``_flash_attn_varlen_forward``'s allocations: the head dim padded to a multiple of 8, the padded
+        output, the unpadded fp32 ``h x total`` logsumexp and the rng state, saved for backward with the
+        boundaries."""
+        total, h, d = q.shape
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise UsageError(f"flash_attention_2 takes fp16/bf16 only; the attention here is {q.dtype}")
+        if d % 8:
+            pad = [0, 8 - d % 8]
+            q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        out_padded = torch.empty(total, h, v.shape[-1], dtype=q.dtype, device=q.device)
+        softmax_lse = torch.empty(h, total, dtype=torch.float32, device=q.device)
+        rng_state = torch.empty(2, dtype=torch.int64, device=q.device)
+        ctx.save_for_backward(q, k, v, out_padded, softmax_lse, cu_q, cu_k, rng_state)
+        ctx.head_dim = d
+        return out_padded[..., :d]
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        """``_flash_attn_varlen_backward``'s allocations: dq, dk, dv, ``dout`` padded like q, and
+        ``mha_varlen_bwd``'s ``softmax_d`` and ``dq_accum`` (128 rows more per sequence), and for grouped
+        k/v heads the per-query-head dk/dv it sums per group."""
+        q, k, v, _out, _lse, cu_q, _cu_k, _rng = ctx.saved_tensors
+        total, h, d = q.shape
+        sequences = cu_q.shape[0] - 1
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        og = ctx.head_dim
+        dout_padded = torch.nn.functional.pad(dout, [0, 8 - og % 8]) if og % 8 else dout
+        rows = total + 128 * sequences
+        softmax_d = torch.empty(h, rows, dtype=torch.float32, device=q.device)
+        dq_accum = torch.empty(
+            rows, h, _round(d, 32) if d <= 192 else 256, dtype=torch.float32, device=q.device
+        )
+        if k.shape[1] != h:  # grouped k/v heads: expanded gradients, summed per group
+            dk_expanded = torch.empty(k.shape[0], h, d, dtype=q.dtype, device=q.device)
+            dv_expanded = torch.empty(v.shape[0], h, v.shape[-1], dtype=q.dtype, device=q.device)
+            del dk_expanded, dv_expanded
+        del softmax_d, dq_accum, dout_padded
+        return dq[..., :og], dk[..., :og], dv[..., :og], None, None
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -113,8 +170,17 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     block_table: Any = None,
 ) -> torch.Tensor:
-    """flash-attn 2's varlen entry point: its signature only (transformers reads it); not priced."""
-    raise UsageError("flash_attention_2's varlen path (padding-free batches, padding masks) is not priced")
+    """flash-attn 2's varlen entry point (its signature, which transformers reads), priced on meta."""
+    if dropout_p:
+        raise UsageError("flash_attention_2 with attention dropout is not priced")
+    if deterministic:
+        raise UsageError(
+            "flash_attention_2's deterministic backward is not priced (its dq_accum depends on the GPU's "
+            "multiprocessor count)"
+        )
+    if block_table is not None:
+        raise UsageError("flash_attention_2 with a paged KV cache is not priced (training has none)")
+    return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k)
 
 
 @contextlib.contextmanager
@@ -153,8 +219,9 @@ def flash_attention_2(model: torch.nn.Module, target: str) -> Iterator[None]:
             return original_packed(position_ids, batch_size)
         from vramguard.estimate.meta import _AnswerScalars
 
-        # batch 1 reads the position ids (a device sync per layer); the real run's rows hold one sequence each
-        # (padding-free batches are refused above): the ops run, their test is answered as the device answers it
+        # batch 1 without varlen boundaries reads the position ids (a device sync per layer): the synthetic rows
+        # hold one sequence each (a padding-free batch passes TRL's boundaries, so transformers takes the varlen
+        # path before asking): the ops run, their test is answered as the device answers it
         with _AnswerScalars(False):
             return bool(original_packed(position_ids, batch_size))
 

@@ -550,6 +550,11 @@ def build_meta(
             "flash_attention_2: the flash_attn package is CUDA-only and not loaded; transformers' flash path runs "
             "with flash-attn 2's kernel priced from its own rules (vramguard.estimate.flash): it saves q, k, v, "
             "the output, an fp32 b x h x s logsumexp and no s x s tensor"
+            + (
+                "; a padding-free batch runs its varlen kernel (an h x total logsumexp)"
+                if config.padding_free
+                else ""
+            )
         )
     compute_dtype = parse_dtype(config.compute_dtype)
     weights_dtype = parse_dtype(config.full_dtype) if method == "full" else compute_dtype

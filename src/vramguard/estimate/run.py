@@ -32,7 +32,7 @@ from vramguard.measure.events import AllocationLog
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.units import format_bytes
 from vramguard.workload.families import experts_of
-from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel
+from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, packed_lengths
 from vramguard.workload.routing import (
     ROUTINGS,
     bounds_line,
@@ -247,6 +247,17 @@ def peak_term(
     return Finding(checks.PEAK_TERM, f"peak: {what} set it; removed by {remedy}", max(square, logits))
 
 
+def _varlen_bytes_per_sequence(q: QLoRAModel) -> int:
+    """What one more sequence costs flash-attn 2's varlen backward (``mha_varlen_bwd``): 128 rows of the
+    fp32 ``softmax_d`` (``h x rows``) and ``dq_accum`` (``rows x h x round32(d)``)."""
+    hf = q.model.config
+    heads = hf.num_attention_heads
+    d = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    d = -(-d // 8) * 8
+    rounded = -(-d // 32) * 32 if d <= 192 else 256
+    return 128 * heads * 4 * (1 + rounded)
+
+
 def data_bounds(
     q: QLoRAModel,
     config: QLoRAConfig,
@@ -293,10 +304,19 @@ def data_bounds(
             estimate.total_bytes - low.total_bytes,
         )
     if config.padding_free:
+        varlen = ""
+        if q.attn_implementation == "flash_attention_2":
+            sequences = config.batch * len(packed_lengths(config.seq_len, config.packing))
+            varlen = (
+                f"; with flash_attention_2 each sequence in the batch adds 128 rows to the varlen backward's "
+                f"fp32 softmax_d and dq_accum ({fb(_varlen_bytes_per_sequence(q))} a sequence, one layer's at a "
+                f"time): priced at {sequences:,} sequences, so a packed batch of more, shorter documents needs "
+                "that much more for each one beyond"
+            )
         return Finding(
             checks.DATA_BOUNDS,
             f"data: padding-free rows, priced full ({tokens}: the longest batch the config allows); a batch of "
-            "shorter sequences holds fewer tokens and needs less",
+            f"shorter sequences holds fewer tokens and needs less{varlen}",
         )
     return Finding(
         checks.DATA_BOUNDS,
@@ -311,15 +331,11 @@ def meta_step_contexts(
     """What a meta step of ``q`` runs under, on one device or as one rank of a sharded step: the forced
     decisions for ``target`` (its attention kernels, its autocast policy when ``config`` has mixed
     precision) and, for ``flash_attention_2``, flash-attn 2's kernel priced from its rules. Refused in one
-    line where flash_attention_2 is not priced (off CUDA, padding-free batches)."""
+    line where flash_attention_2 is not priced (off CUDA)."""
     flash: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if q.attn_implementation == "flash_attention_2":
         if target != "cuda":
             raise UsageError("flash_attention_2 runs on CUDA only: estimate it with --target cuda")
-        if config.padding_free:
-            raise UsageError(
-                "flash_attention_2 with a padding-free batch (flash-attn's varlen path) is not priced"
-            )
         from vramguard.estimate.flash import flash_attention_2
 
         flash = flash_attention_2(q.model, target)

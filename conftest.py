@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # One intra-op thread per process (workers and every child they start inherit it): the suites' tensors are
 # tiny, so OpenMP's threads only spin against the other xdist workers and their children on the same cores.
 # On the 2-core reference machine the default run took 365 s with torch's default threads, 261 s with one
-# (docs/measurements/2026-11-25-test-run-cpu-time.md). A caller's own OMP_NUM_THREADS is kept.
+# (docs/measurements/2026-11-25-test-run-cpu-time/). A caller's own OMP_NUM_THREADS is kept.
 _ONE_THREAD = "OMP_NUM_THREADS" not in os.environ
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

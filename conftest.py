@@ -12,12 +12,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-# One intra-op thread per process (workers and every child they start inherit it): the suites' tensors are
-# tiny, so OpenMP's threads only spin against the other xdist workers and their children on the same cores.
-# On the 2-core reference machine the default run took 365 s with torch's default threads, 261 s with one
-# (docs/measurements/2026-11-25-test-run-cpu-time/). A caller's own OMP_NUM_THREADS is kept.
-_ONE_THREAD = "OMP_NUM_THREADS" not in os.environ
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One intra-op thread per process in a run that records no numbers (pytest_cmdline_main sets it, so the workers
+# and every child they start inherit it): the suites' tensors are tiny, so OpenMP's threads only spin against
+# the other xdist workers and their children on the same cores. On the 2-core reference machine the default run
+# took 365 s with torch's default threads, 261 s with one (docs/measurements/2026-11-25-test-run-cpu-time/).
+# A caller's own OMP_NUM_THREADS is kept, and a run that records numbers (benchmarks, the store) keeps torch's
+# default, as its baselines were measured.
+_ONE_THREAD = False
 
 
 #: options of a run whose numbers are recorded: pytest-benchmark times nothing on xdist workers, and the
@@ -49,9 +50,15 @@ def one_process_reason(option: object) -> str | None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """The default run spreads over pytest-xdist workers (``-n auto`` in pyproject's addopts); a run that
-    records numbers or uses the GPU runs in one process. An explicit ``-n N`` is left as it is."""
-    if getattr(config.option, "numprocesses", None) == "auto" and one_process_reason(config.option):
+    records numbers or uses the GPU runs in one process. An explicit ``-n N`` is left as it is. A run that
+    records nothing gets one intra-op thread a process (above)."""
+    global _ONE_THREAD
+    recorded = one_process_reason(config.option)
+    if getattr(config.option, "numprocesses", None) == "auto" and recorded:
         config.option.numprocesses = 0
+    if recorded is None and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        _ONE_THREAD = True
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -76,7 +83,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if (
         getattr(config, "workerinput", None) is None
-        and getattr(config.option, "numprocesses", None)
+        and config.pluginmanager.hasplugin("dsession")  # workers will start (not -n 0, not --collect-only)
+        and not (
+            getattr(config.option, "showfixtures", False)
+            or getattr(config.option, "show_fixtures_per_test", False)
+        )
         and _collects_tests_grad(config)
     ):
         _probe_while_the_workers_start(config)
@@ -98,7 +109,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # one ran the child while the other waited on the lock, a core idle for the child's ~8 s. So the controller of
 # a run that collects tests_grad starts the same probes (in the same way, into the same file, under the same
 # lock) as its session starts, while the workers start and collect; a worker that finds the lock taken waits
-# for it. A run without a session (``--markers``, ``--fixtures``, ``--help``) starts none.
+# for it. A run that starts no workers (``--markers``, ``--fixtures``, ``--collect-only``, ``-n 0``) starts none.
 
 SHARED_PROBES = "vramguard-capabilities.json"
 

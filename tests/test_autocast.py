@@ -138,7 +138,7 @@ def test_flash_attention_2_on_a_padding_free_batch_runs_the_varlen_kernel_by_its
     b, a, kv, s, d = 2, 4, 2, 64, 32
     total = b * s
     base = QLoRAConfig(seq_len=s, batch=b, attn_implementation="flash_attention_2", padding_free=True)
-    allocated = {}
+    allocated, lines = {}, {}
     for packing, sequences in ((False, b), (True, 2 * b)):
         log = AllocationLog()
         report = run_estimate(dataclasses.replace(base, packing=packing), steps=1, target="cuda", events=log)
@@ -165,13 +165,72 @@ def test_flash_attention_2_on_a_padding_free_batch_runs_the_varlen_kernel_by_its
             if is_alloc and e.context[0] == "backward" and e.context[3] == "FlashAttnVarlenFuncBackward"
         )
         assert allocated[packing] == sorted(per_layer * 2)  # tiny-llama's 2 layers
-        (bounds,) = [f.message for f in report.verdict.findings if f.message.startswith("data:")]
-        per_sequence = 128 * a * 4 + 128 * a * 32 * 4  # softmax_d and dq_accum's rows of one more sequence
+        lines[packing] = [f.message for f in report.verdict.findings if f.message.startswith("data:")]
+    # what one more sequence costs, from what the two runs allocated (2 layers, b more sequences), is what the
+    # data line names
+    per_sequence = (sum(allocated[True]) - sum(allocated[False])) // (2 * b)
+    for packing, sequences in ((False, b), (True, 2 * b)):
+        (bounds,) = lines[packing]
         assert (
             f"({format_bytes(per_sequence)} a sequence, one layer's at a time): priced at {sequences} "
             in bounds
         )
-    assert allocated[True] != allocated[False]
+
+
+@pytest.mark.parametrize(
+    ("d", "padded", "rounded"),
+    [(100, 104, 128), (128, 128, 128), (160, 160, 192)],  # padded to 8; rounded to 32 up to 128, to 64 above
+)
+def test_flash_attn_varlen_allocates_by_flash_attns_rules(d: int, padded: int, rounded: int) -> None:
+    """The varlen kernel alone on meta (3 sequences, 96 tokens, 4 query and 2 k/v heads): the head dim padded to
+    a multiple of 8 (q, k, v and the gradient of the output), ``dq_accum``'s columns rounded as flash-attn
+    2.8's ``head_size_rounded``, and 128 rows more per sequence in ``softmax_d`` and ``dq_accum``."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vramguard.estimate.flash import flash_attn_varlen_func
+
+    made: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    makers = {"empty", "empty_like", "empty_strided", "constant_pad_nd"}
+
+    class Made(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in makers:
+                made.append((func.overloadpacket.__name__, tuple(out.shape), out.dtype))
+            return out
+
+    total, h, kv, sequences = 96, 4, 2, 3
+    q = torch.empty(total, h, d, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    k, v = (torch.empty(total, kv, d, dtype=torch.bfloat16, device="meta", requires_grad=True) for _ in "kv")
+    cu = torch.empty(sequences + 1, dtype=torch.int32, device="meta")
+    with Made():
+        out = flash_attn_varlen_func(q, k, v, cu, cu, 32, 32, causal=True)
+    forward, made[:] = list(made), []
+    assert out.shape == (total, h, d)
+    pads = (
+        [("constant_pad_nd", (total, n, padded), torch.bfloat16) for n in (h, kv, kv)] if padded != d else []
+    )
+    assert forward == [
+        *pads,
+        ("empty", (total, h, padded), torch.bfloat16),  # out_padded
+        ("empty", (h, total), torch.float32),  # softmax_lse, unpadded
+        ("empty", (2,), torch.int64),  # rng_state
+    ]
+    grad = torch.empty_like(out)
+    with Made():
+        out.backward(grad)
+    rows = total + 128 * sequences
+    assert made == [
+        ("empty_like", (total, h, padded), torch.bfloat16),  # dq
+        ("empty_like", (total, kv, padded), torch.bfloat16),  # dk
+        ("empty_like", (total, kv, padded), torch.bfloat16),  # dv
+        *([("constant_pad_nd", (total, h, padded), torch.bfloat16)] if padded != d else []),  # dout padded
+        ("empty", (h, rows), torch.float32),  # softmax_d
+        ("empty", (rows, h, rounded), torch.float32),  # dq_accum
+        ("empty", (total, h, padded), torch.bfloat16),  # dk expanded to the query heads
+        ("empty", (total, h, padded), torch.bfloat16),  # dv expanded
+    ]
 
 
 def test_flash_attention_2_elsewhere_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -209,3 +268,24 @@ def test_the_audits_bf16_step_is_the_real_trainers(tmp_path: Any) -> None:
     plain = run_audit(CONFIG, steps=1)
     assert plain.totals.saved_bytes != audit.totals.saved_bytes  # autocast changed what is saved
     assert any(f.kind == "autocast-casts" for f in report.verdict.findings)
+
+
+def test_flash_attention_2_refuses_a_padding_free_batch_whose_boundaries_went_missing() -> None:
+    """Without ``cu_seq_lens`` transformers asks the position ids whether a row holds several sequences (a device
+    read): for a padding-free batch of several the meta run refuses rather than price one long sequence; the
+    synthetic rows (one sequence each) are answered as before."""
+    import torch
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    from vramguard.errors import UsageError
+    from vramguard.estimate.flash import flash_attention_2
+
+    model = torch.nn.Linear(2, 2)
+    ids = torch.empty(1, 8, dtype=torch.long, device="meta")
+    with flash_attention_2(model, "cuda", one_sequence_per_row=True):
+        assert fa_utils._is_packed_sequence(ids, 1) is False
+    with (
+        flash_attention_2(model, "cuda", one_sequence_per_row=False),
+        pytest.raises(UsageError, match="cu_seq_lens"),
+    ):
+        fa_utils._is_packed_sequence(ids, 1)

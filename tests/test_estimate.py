@@ -630,12 +630,12 @@ def test_max_positions_of_vramguard_and_hugging_face_presets(preset: str, positi
 
 
 def test_seq_beyond_a_hugging_face_configs_positions_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = json.loads(presets()["llama-3.1-8b"].read_text())
-    assert cfg["max_position_embeddings"] == 131072
-    code = main(["estimate", "--model", "llama-3.1-8b", "--seq-len", "131073", "--steps", "1", "--quiet"])
+    cfg = json.loads(presets()["tiny-llama-hf"].read_text())
+    assert cfg["max_position_embeddings"] == 1024
+    code = main(["estimate", "--model", "tiny-llama-hf", "--seq-len", "1025", "--steps", "1", "--quiet"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "beyond llama-3.1-8b's 131,072 positions" in err and err.count("\n") == 1
+    assert "beyond tiny-llama-hf's 1,024 positions" in err and err.count("\n") == 1
 
 
 def test_what_the_data_decides_is_bounded_for_packed_rows() -> None:

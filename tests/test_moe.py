@@ -392,3 +392,23 @@ def test_a_lora_setup_peft_refuses_is_one_line(
     assert main([command, "--config", str(path), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "PEFT refuses this LoRA setup" in err[0] and says in err[0], err
+
+
+def test_a_trainer_audit_holds_the_drawn_routing_between_the_trainers_own_forced_runs(tmp_path: Path) -> None:
+    """``vramguard audit --trainer trainer``: the trainer's step is not the loop's, so its routing bounds are the
+    same trainer run again with each forced routing; its routing line holds the drawn peak between them (the
+    forced runs' own peaks) and names how they ran. A forced run says it was forced."""
+    from vramguard.integrations.trainer_audit import run_trainer_audit
+    from vramguard.units import format_bytes
+    from vramguard.workload.routing import step_peak
+
+    config = QLoRAConfig(model=eager("tiny-mixtral", tmp_path), seq_len=64, batch=2, device="cpu")
+    report = run_trainer_audit(config, 1, "trainer", tmp_path / "out")
+    [line] = [f.message for f in report.verdict.findings if f.message.startswith("routing:")]
+    assert "each forced routing a run of this trainer on the CPU" in line, line
+    forced = {k: run_trainer_audit(config, 1, "trainer", tmp_path / k, routing=k) for k in ("same", "skewed")}
+    low, high = (step_peak(forced[k]) for k in ("same", "skewed"))
+    assert low < step_peak(report) < high
+    assert f"between the low {format_bytes(low)}" in line and f"the high {format_bytes(high)}" in line, line
+    for r in forced.values():
+        assert any(f.message.startswith("routing: forced to") for f in r.verdict.findings)

@@ -5,22 +5,25 @@ refuses to build a model with ``flash_attention_2`` without it. The meta run bui
 sets its config to ``flash_attention_2``, so transformers' own flash path runs: its mask functions,
 ``flash_attention_forward`` (q, k, v transposed to ``b x s x h x d``) and ``_flash_attention_forward``
 (fp32 q, k, v cast to the target dtype: the autocast dtype, else the quantized model's dtype). Only the two
-things that need the package or a device are answered here: whether a batch-1 row holds packed sequences
-(read from the position ids' values: one sequence per row, as the real rows), the flash functions (:func:`flash_attn_func`, which follows
-``flash_attn_interface.FlashAttnFunc`` and ``csrc/flash_attn/flash_api.cpp``'s ``mha_fwd`` / ``mha_bwd``) and
-the autocast query on a meta tensor's device.
+things that need the package or a device are answered here: whether a batch-1 row without varlen boundaries
+holds packed sequences (read from the position ids' values: one sequence per row, as the synthetic rows; a
+padding-free batch brings TRL's boundaries, and if they do not reach the flash path the run is refused, not
+priced as one long sequence), the flash functions (:func:`flash_attn_func`, which follows
+``flash_attn_interface.FlashAttnFunc`` and ``csrc/flash_attn/flash_api.cpp``'s ``mha_fwd`` / ``mha_bwd``, as
+of flash-attn 2.8, whose ``rounded(d)`` is :func:`head_dim_rounded`) and the autocast query on a meta
+tensor's device.
 
 What ``FlashAttnFunc`` saves for backward: q, k, v (the head dim padded to a multiple of 8), the padded output
 (``b x s x h x d``, q's dtype), ``softmax_lse`` (fp32, ``b x h x s``) and ``rng_state`` (2 int64): no
 ``s x s`` tensor. Its backward allocates dq, dk, dv (like q, k, v), ``softmax_d`` (fp32, ``b x h x
-round128(s)``), ``dq_accum`` (fp32, ``b x round128(s) x h x round32(d)``) and, with fewer k/v heads,
+round128(s)``), ``dq_accum`` (fp32, ``b x round128(s) x h x rounded(d)``) and, with fewer k/v heads,
 ``dk_expanded`` and ``dv_expanded`` (``b x s x h x d``) summed into dk and dv.
 
 The varlen path (:func:`flash_attn_varlen_func`: TRL's padding-free batches, whose collator passes
 ``cu_seq_lens_q``/``_k`` and ``max_length_q``/``_k``, so transformers flattens q, k, v to ``total x h x d``
 and calls it) follows ``FlashAttnVarlenFunc`` and ``mha_varlen_fwd`` / ``mha_varlen_bwd``: the same saved
 tensors with an unpadded ``h x total`` logsumexp, and in backward ``softmax_d`` (fp32, ``h x (total + 128
-x sequences)``) and ``dq_accum`` (fp32, ``(total + 128 x sequences) x h x round32(d)``): 128 rows more per
+x sequences)``) and ``dq_accum`` (fp32, ``(total + 128 x sequences) x h x rounded(d)``): 128 rows more per
 sequence in the batch, so the number of sequences, not only the tokens, moves the backward peak. Not run:
 split-kv's accumulators (decoding-sized queries only) and deterministic backward (its ``dq_accum`` has one
 split per streaming multiprocessor group: refused).
@@ -41,6 +44,12 @@ FLASH_ATTENTION_2 = "flash_attention_2"
 
 def _round(x: int, m: int) -> int:
     return (x + m - 1) // m * m
+
+
+def head_dim_rounded(d: int) -> int:
+    """``head_size_rounded`` of flash-attn 2.8's ``flash_api.cpp`` (the head dim already padded to a multiple
+    of 8): to a multiple of 32 up to 128, of 64 above (2.7 and earlier: 32 up to 192, then 256)."""
+    return _round(d, 32 if d <= 128 else 64)
 
 
 class FlashAttnFunc(torch.autograd.Function):
@@ -73,7 +82,7 @@ class FlashAttnFunc(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         softmax_d = torch.empty(b, h, _round(s, 128), dtype=torch.float32, device=q.device)
         dq_accum = torch.empty(
-            b, _round(s, 128), h, _round(d, 32) if d <= 192 else 256, dtype=torch.float32, device=q.device
+            b, _round(s, 128), h, head_dim_rounded(d), dtype=torch.float32, device=q.device
         )
         if k.shape[2] != h:  # grouped k/v heads: expanded gradients, summed per group
             dk_expanded = torch.empty(b, k.shape[1], h, d, dtype=q.dtype, device=q.device)
@@ -122,9 +131,7 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         dout_padded = torch.nn.functional.pad(dout, [0, 8 - og % 8]) if og % 8 else dout
         rows = total + 128 * sequences
         softmax_d = torch.empty(h, rows, dtype=torch.float32, device=q.device)
-        dq_accum = torch.empty(
-            rows, h, _round(d, 32) if d <= 192 else 256, dtype=torch.float32, device=q.device
-        )
+        dq_accum = torch.empty(rows, h, head_dim_rounded(d), dtype=torch.float32, device=q.device)
         if k.shape[1] != h:  # grouped k/v heads: expanded gradients, summed per group
             dk_expanded = torch.empty(k.shape[0], h, d, dtype=q.dtype, device=q.device)
             dv_expanded = torch.empty(v.shape[0], h, v.shape[-1], dtype=q.dtype, device=q.device)
@@ -147,9 +154,18 @@ def flash_attn_func(
     return_attn_probs: bool = False,
 ) -> torch.Tensor:
     """flash-attn 2's ``flash_attn_func`` (its signature, which transformers reads), priced on meta."""
+    _refuse(dropout_p, deterministic)
+    return FlashAttnFunc.apply(q, k, v)
+
+
+def _refuse(dropout_p: float, deterministic: bool) -> None:
     if dropout_p:
         raise UsageError("flash_attention_2 with attention dropout is not priced")
-    return FlashAttnFunc.apply(q, k, v)
+    if deterministic:
+        raise UsageError(
+            "flash_attention_2's deterministic backward is not priced (its dq_accum depends on the GPU's "
+            "multiprocessor count)"
+        )
 
 
 def flash_attn_varlen_func(
@@ -171,22 +187,20 @@ def flash_attn_varlen_func(
     block_table: Any = None,
 ) -> torch.Tensor:
     """flash-attn 2's varlen entry point (its signature, which transformers reads), priced on meta."""
-    if dropout_p:
-        raise UsageError("flash_attention_2 with attention dropout is not priced")
-    if deterministic:
-        raise UsageError(
-            "flash_attention_2's deterministic backward is not priced (its dq_accum depends on the GPU's "
-            "multiprocessor count)"
-        )
+    _refuse(dropout_p, deterministic)
     if block_table is not None:
         raise UsageError("flash_attention_2 with a paged KV cache is not priced (training has none)")
     return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k)
 
 
 @contextlib.contextmanager
-def flash_attention_2(model: torch.nn.Module, target: str) -> Iterator[None]:
+def flash_attention_2(
+    model: torch.nn.Module, target: str, one_sequence_per_row: bool = True
+) -> Iterator[None]:
     """Within the block ``model`` runs transformers' ``flash_attention_2`` path, with :func:`flash_attn_func`
-    for the package's kernel and ``target``'s autocast for a meta query's device."""
+    for the package's kernel and ``target``'s autocast for a meta query's device. ``one_sequence_per_row``:
+    whether the real batch's rows hold one sequence each (False for a padding-free batch of several: its
+    boundaries must reach the varlen kernel, or the run is refused)."""
     from transformers import modeling_flash_attention_utils as fa_utils
     from transformers.integrations import flash_attention as fa
 
@@ -218,6 +232,14 @@ def flash_attention_2(model: torch.nn.Module, target: str) -> Iterator[None]:
         if position_ids is None or position_ids.device.type != "meta":
             return original_packed(position_ids, batch_size)
         from vramguard.estimate.meta import _AnswerScalars
+
+        if (
+            not one_sequence_per_row
+        ):  # transformers would read the real position ids and go varlen without them
+            raise UsageError(
+                "flash_attention_2: the padding-free batch's boundaries (cu_seq_lens_q/_k) did not reach "
+                "transformers' flash path, which would read them from the position ids on the device: not priced"
+            )
 
         # batch 1 without varlen boundaries reads the position ids (a device sync per layer): the synthetic rows
         # hold one sequence each (a padding-free batch passes TRL's boundaries, so transformers takes the varlen

@@ -249,13 +249,13 @@ def peak_term(
 
 def _varlen_bytes_per_sequence(q: QLoRAModel) -> int:
     """What one more sequence costs flash-attn 2's varlen backward (``mha_varlen_bwd``): 128 rows of the
-    fp32 ``softmax_d`` (``h x rows``) and ``dq_accum`` (``rows x h x round32(d)``)."""
-    hf = q.model.config
-    heads = hf.num_attention_heads
-    d = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    d = -(-d // 8) * 8
-    rounded = -(-d // 32) * 32 if d <= 192 else 256
-    return 128 * heads * 4 * (1 + rounded)
+    fp32 ``softmax_d`` (``h x rows``) and ``dq_accum`` (``rows x h x rounded(d)``)."""
+    from vramguard.estimate.flash import head_dim_rounded
+
+    fields = q.spec.fields
+    heads = int(fields["num_attention_heads"])
+    d = int(fields.get("head_dim") or int(fields["hidden_size"]) // heads)
+    return 128 * heads * 4 * (1 + head_dim_rounded(-(-d // 8) * 8))
 
 
 def data_bounds(
@@ -333,13 +333,13 @@ def meta_step_contexts(
     precision) and, for ``flash_attention_2``, flash-attn 2's kernel priced from its rules. Refused in one
     line where flash_attention_2 is not priced (off CUDA)."""
     flash: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    rows = q.one_sequence_per_row if one_sequence_per_row is None else one_sequence_per_row
     if q.attn_implementation == "flash_attention_2":
         if target != "cuda":
             raise UsageError("flash_attention_2 runs on CUDA only: estimate it with --target cuda")
         from vramguard.estimate.flash import flash_attention_2
 
-        flash = flash_attention_2(q.model, target)
-    rows = q.one_sequence_per_row if one_sequence_per_row is None else one_sequence_per_row
+        flash = flash_attention_2(q.model, target, rows)
     decisions = forced_decisions(target, one_sequence_per_row=rows, autocast=config.mixed_precision != "no")
     return decisions, flash
 

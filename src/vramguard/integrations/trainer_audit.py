@@ -17,10 +17,19 @@ from typing import Any
 import torch
 
 from vramguard.audit import verdict as checks
-from vramguard.audit.report import AuditReport
+from vramguard.audit.report import AuditReport, with_routing_note
 from vramguard.errors import UsageError
 from vramguard.integrations.transformers import VramGuardCallback
+from vramguard.workload.families import experts_of
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora
+from vramguard.workload.routing import (
+    ROUTINGS,
+    bounds_line,
+    experts_implementation,
+    forced_line,
+    forced_routing,
+    step_peak,
+)
 
 TRAINERS = ("loop", "trainer", "sft")
 
@@ -42,13 +51,54 @@ def _tokenizer(vocab_size: int) -> Any:
 
 
 def run_trainer_audit(
-    config: QLoRAConfig, steps: int, trainer: str, output_dir: str | Path, offload_activations: bool = False
+    config: QLoRAConfig,
+    steps: int,
+    trainer: str,
+    output_dir: str | Path,
+    offload_activations: bool = False,
+    routing: str | None = None,
 ) -> AuditReport:
     """``steps`` steps of ``trainer`` ("trainer" or "sft") on the audit's model and batches.
 
     ``offload_activations``: the trainer's own way where it has one (SFTTrainer: ``activation_offloading``,
     TRL's ``OffloadActivations``, which needs an accelerator), else ``save_on_cpu(pin_memory=True)`` around
-    ``train()`` (on a machine without CUDA it copies to plain host memory)."""
+    ``train()`` (on a machine without CUDA it copies to plain host memory).
+
+    ``routing``: a mixture of experts' routing forced to one of :data:`vramguard.workload.routing.ROUTINGS`
+    (None: the routing the router draws). With eager experts on the CPU and the routing drawn, the same
+    trainer runs again with each forced routing (a fresh model, the same seed: the same weights and batches),
+    and the ``routing:`` line holds the drawn peak between them, as ``vramguard audit``'s loop does with meta
+    runs (the trainer's step is not the loop's, so its own runs bound it)."""
+    report, q = _train(config, steps, trainer, output_dir, offload_activations, routing)
+    experts = experts_of(getattr(q.model, "config", None))
+    if experts is None or experts_implementation(q.model) != "eager":
+        return report
+    if routing is not None:
+        return report
+    if (
+        torch.device(config.device).type != "cpu"
+    ):  # a GPU's phase peaks hold the weights: as the loop, none yet
+        return report
+    figures = {}
+    for kind in ROUTINGS:
+        forced, _ = _train(config, steps, trainer, Path(output_dir) / kind, offload_activations, kind)
+        figures[kind] = (step_peak(forced), forced.totals.saved_bytes)
+    measured = (step_peak(report), report.totals.saved_bytes)
+    line = bounds_line(
+        "eager", experts.top_k, figures, measured, forced_by=f"a run of this {trainer} on the CPU"
+    )
+    return with_routing_note(report, checks.ROUTING, line, measured[0])
+
+
+def _train(
+    config: QLoRAConfig,
+    steps: int,
+    trainer: str,
+    output_dir: str | Path,
+    offload_activations: bool,
+    routing: str | None,
+) -> tuple[AuditReport, QLoRAModel]:
+    """One audited ``train()``: its report and the model it trained."""
     if trainer not in ("trainer", "sft"):
         raise UsageError(f"--trainer must be one of {', '.join(TRAINERS)}, got {trainer!r}")
     on_cpu = torch.device(config.device).type == "cpu"
@@ -100,7 +150,10 @@ def run_trainer_audit(
         if offload_activations and trainer == "trainer"
         else contextlib.nullcontext()
     )
-    with offload:
+    forced: contextlib.AbstractContextManager[Any] = contextlib.nullcontext({})
+    if routing is not None:
+        forced = forced_routing(q.model, routing, config.batch * config.seq_len)
+    with offload, forced as taken:
         runner.train()
     report = cb.report
     assert report is not None
@@ -111,4 +164,8 @@ def run_trainer_audit(
     # vramguard audit's own loop reports them: the callback sees the model, not how it was built
     build = checks.notes(checks.BUILD, q.notes)
     report.verdict = dataclasses.replace(report.verdict, findings=[*build, *report.verdict.findings])
-    return report
+    experts = experts_of(getattr(q.model, "config", None))
+    if routing is not None and experts is not None:
+        line = forced_line(routing, experts.top_k, taken["counts"])
+        report = with_routing_note(report, checks.ROUTING, line)
+    return report, q

@@ -169,12 +169,21 @@ def step_peak(report: Any) -> int:
     return max(p.peak_bytes for p in report.phases.values())
 
 
+META_RUNS = "a meta run of this step"
+"""How :func:`bounds_line` says the forced routings ran, by default."""
+
+
 def bounds_line(
-    implementation: str, top_k: int, bounds: dict[str, tuple[int, int]], measured: tuple[int, int] | None
+    implementation: str,
+    top_k: int,
+    bounds: dict[str, tuple[int, int]],
+    measured: tuple[int, int] | None,
+    forced_by: str = META_RUNS,
 ) -> str:
     """The ``routing:`` line of an eager mixture of experts: ``bounds`` maps each forced routing
     (:data:`ROUTINGS`) to its (step peak, saved bytes); ``measured`` is the audit's figures for the routing its
-    router drew (None for an estimate, whose figure is the high)."""
+    router drew (None for an estimate, whose figure is the high); ``forced_by`` says how each forced routing ran
+    (:data:`META_RUNS`, or the Trainer's own runs)."""
     from vramguard.units import format_bytes as fb
 
     kinds = sorted(bounds, key=lambda k: (bounds[k][0], ROUTINGS.index(k)))
@@ -186,7 +195,7 @@ def bounds_line(
             f"its tokens) routing can move the step's peak; here it does not: "
             f"{describe('same', top_k)}, {describe('balanced', top_k)} and {describe('skewed', top_k)}: all peak "
             f"at {fb(peak)} with {fb(saved_bytes)} "
-            "saved (each a meta run of this step, the router's choice replaced)"
+            f"saved (each {forced_by}, the router's choice replaced)"
             + ("; so does the routing this run drew" if measured is not None else "")
         )
     saved = sorted({s for _, s in bounds.values()} | ({measured[1]} if measured else set()))
@@ -213,7 +222,7 @@ def bounds_line(
         f"tokens) routing decides the step's peak, {saved_text}: {where}{others}. Backward visits the experts "
         "hit from the highest-numbered down, freeing each one's saved tensors, and accumulates full-size "
         "gradients from the second on: the fewer tokens the first ones hold, the higher the peak (each forced "
-        "routing a meta run of this step, the router's choice replaced; low and high are the lowest and highest "
+        f"routing {forced_by}, the router's choice replaced; low and high are the lowest and highest "
         "of the three forced routings, the extremes a search over routings of the tiny presets found, not proven "
         "bounds)"
     )

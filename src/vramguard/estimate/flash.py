@@ -52,6 +52,18 @@ def head_dim_rounded(d: int) -> int:
     return _round(d, 32 if d <= 128 else 64)
 
 
+def _padded_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v as both kernels take them: fp16/bf16 only, the head dim padded to a multiple of 8 (a copy),
+    the last dimension contiguous."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise UsageError(f"flash_attention_2 takes fp16/bf16 only; the attention here is {q.dtype}")
+    d = q.shape[-1]
+    if d % 8:
+        pad = [0, 8 - d % 8]
+        q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+
+
 class FlashAttnFunc(torch.autograd.Function):
     """flash-attn 2's ``FlashAttnFunc`` on meta: the tensors it allocates and saves, by its rules."""
 
@@ -60,12 +72,7 @@ class FlashAttnFunc(torch.autograd.Function):
         """``_flash_attn_forward``'s allocations: the head dim padded to a multiple of 8, the padded output,
         an fp32 ``b x h x s`` logsumexp and the rng state, all saved for backward; no ``s x s`` tensor."""
         b, s, h, d = q.shape
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise UsageError(f"flash_attention_2 takes fp16/bf16 only; the attention here is {q.dtype}")
-        if d % 8:
-            pad = [0, 8 - d % 8]
-            q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        q, k, v = _padded_inputs(q, k, v)
         out_padded = torch.empty(b, s, h, q.shape[-1], dtype=q.dtype, device=q.device)
         softmax_lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
         rng_state = torch.empty(2, dtype=torch.int64, device=q.device)
@@ -105,12 +112,7 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         output, the unpadded fp32 ``h x total`` logsumexp and the rng state, saved for backward with the
         boundaries."""
         total, h, d = q.shape
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise UsageError(f"flash_attention_2 takes fp16/bf16 only; the attention here is {q.dtype}")
-        if d % 8:
-            pad = [0, 8 - d % 8]
-            q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        q, k, v = _padded_inputs(q, k, v)
         out_padded = torch.empty(total, h, v.shape[-1], dtype=q.dtype, device=q.device)
         softmax_lse = torch.empty(h, total, dtype=torch.float32, device=q.device)
         rng_state = torch.empty(2, dtype=torch.int64, device=q.device)

@@ -82,11 +82,14 @@ class FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        """``_flash_attn_backward``'s allocations: dq, dk, dv, ``softmax_d`` and the fp32 ``dq_accum`` (rows
-        rounded to 128), and for grouped k/v heads the per-query-head dk/dv it sums per group."""
+        """``_flash_attn_backward``'s allocations: dq, dk, dv, ``dout`` padded like q, ``softmax_d`` and the
+        fp32 ``dq_accum`` (rows rounded to 128), and for grouped k/v heads the per-query-head dk/dv it sums per
+        group."""
         q, k, v, _out, _lse, _rng = ctx.saved_tensors
         b, s, h, d = q.shape
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        og = ctx.head_dim
+        dout_padded = torch.nn.functional.pad(dout, [0, 8 - og % 8]) if og % 8 else dout
         softmax_d = torch.empty(b, h, _round(s, 128), dtype=torch.float32, device=q.device)
         dq_accum = torch.empty(
             b, _round(s, 128), h, head_dim_rounded(d), dtype=torch.float32, device=q.device
@@ -95,8 +98,7 @@ class FlashAttnFunc(torch.autograd.Function):
             dk_expanded = torch.empty(b, k.shape[1], h, d, dtype=q.dtype, device=q.device)
             dv_expanded = torch.empty(b, v.shape[1], h, v.shape[-1], dtype=q.dtype, device=q.device)
             del dk_expanded, dv_expanded
-        del softmax_d, dq_accum
-        og = ctx.head_dim
+        del softmax_d, dq_accum, dout_padded
         return dq[..., :og], dk[..., :og], dv[..., :og]
 
 

@@ -71,16 +71,14 @@ def run_trainer_audit(
     runs (the trainer's step is not the loop's, so its own runs bound it)."""
     report, q = _train(config, steps, trainer, output_dir, offload_activations, routing)
     experts = experts_of(getattr(q.model, "config", None))
-    if experts is None or experts_implementation(q.model) != "eager":
+    eager = experts is not None and experts_implementation(q.model) == "eager"
+    del q  # the forced runs build their own models: not two at once
+    # a GPU's phase peaks hold the weights (as in the loop: no bounds there yet); a forced run bounds nothing
+    if not eager or routing is not None or torch.device(config.device).type != "cpu":
         return report
-    if routing is not None:
-        return report
-    if (
-        torch.device(config.device).type != "cpu"
-    ):  # a GPU's phase peaks hold the weights: as the loop, none yet
-        return report
+    assert experts is not None
     figures = {}
-    for kind in ROUTINGS:
+    for kind in ROUTINGS:  # three more train() runs: the cost of the bounds, said in docs/audit.md
         forced, _ = _train(config, steps, trainer, Path(output_dir) / kind, offload_activations, kind)
         figures[kind] = (step_peak(forced), forced.totals.saved_bytes)
     measured = (step_peak(report), report.totals.saved_bytes)
@@ -165,7 +163,9 @@ def _train(
     build = checks.notes(checks.BUILD, q.notes)
     report.verdict = dataclasses.replace(report.verdict, findings=[*build, *report.verdict.findings])
     experts = experts_of(getattr(q.model, "config", None))
-    if routing is not None and experts is not None:
+    if routing is not None and experts is not None and experts_implementation(q.model) == "eager":
+        if not taken["forced"]:
+            raise UsageError(f"routing forced to {routing}, but train() called no experts module")
         line = forced_line(routing, experts.top_k, taken["counts"])
         report = with_routing_note(report, checks.ROUTING, line)
     return report, q

@@ -138,3 +138,28 @@ def test_the_per_rank_table_is_what_its_runs_render() -> None:
     per_rank = script("per_rank")
     runs = ROOT / "docs" / "measurements" / "2026-11-24-per-rank"
     assert between(ROOT / "docs" / "distributed.md", "per-rank table") == per_rank.render(runs)
+
+
+def test_the_routing_search_runs_and_no_random_routing_passes_the_named_bounds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """docs/scripts/routing_search.py (the search behind docs/audit.md's routing low and high): its random
+    counts route every token to top_k different experts, none over the tokens; on tiny-mixtral a few of them
+    stay within ``same`` and ``skewed`` (exit 0), and its row names the named routings' peaks."""
+    import random
+
+    search = script("routing_search")
+    rng = random.Random(1)
+    for _ in range(500):
+        experts = rng.randint(2, 9)
+        top_k, tokens = rng.randint(1, experts), rng.randint(1, 40)
+        counts = search.random_counts(rng, tokens, top_k, experts)
+        assert (
+            len(counts) == experts
+            and sum(counts) == tokens * top_k
+            and 0 <= min(counts) <= max(counts) <= tokens
+        )
+    assert search.main(["--random", "2", "--presets", "tiny-mixtral"]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny-mixtral |")]
+    same, balanced, skewed = (int(c.replace(",", "")) for c in row.split("|")[2:5])
+    assert same < balanced < skewed

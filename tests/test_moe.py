@@ -417,3 +417,15 @@ def test_a_trainer_audit_holds_the_drawn_routing_between_the_trainers_own_forced
     assert f"between the low {format_bytes(low)}" in line and f"the high {format_bytes(high)}" in line, line
     for r in forced.values():
         assert any(f.message.startswith("routing: forced to") for f in r.verdict.findings)
+
+
+def test_a_routing_given_as_counts_is_checked_and_described() -> None:
+    """A search's routing is the tokens per expert: checked to route every token to top_k different experts."""
+    from vramguard.workload.routing import counts_of, describe, expert_counts
+
+    assert counts_of("skewed", 8, 2, 4) == expert_counts("skewed", 8, 2, 4)
+    assert counts_of((8, 4, 3, 1), 8, 2, 4) == [8, 4, 3, 1]
+    for bad in ((8, 4, 3), (9, 4, 2, 1), (8, 4, 3, 2), (8, 9, -1, 0)):
+        with pytest.raises(ValueError, match="do not route"):
+            counts_of(bad, 8, 2, 4)
+    assert describe((8, 4, 3, 1), 2) == "tokens per expert 8, 4, 3, 1"

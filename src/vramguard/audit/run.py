@@ -29,6 +29,7 @@ from vramguard.units import format_bytes
 from vramguard.workload.families import NoAnalyticModel, experts_of
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
 from vramguard.workload.routing import (
+    Routing,
     bounds_line,
     experts_implementation,
     forced_line,
@@ -161,7 +162,7 @@ def run_audit(
     progress: Progress | None = None,
     top: int = 3,
     events: AllocationLog | None = None,
-    routing: str | None = None,
+    routing: Routing | None = None,
     routing_figures: RoutingFigures | None = None,
 ) -> AuditReport:
     """Build, train ``steps`` steps, measure; pure apart from the compute (no printing). With ``events`` (CPU:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -51,6 +51,9 @@ from vramguard.workload.models import (
     weights_line,
     with_lora,
 )
+
+if TYPE_CHECKING:
+    from vramguard.workload.routing import Routing
 
 META = "meta"
 
@@ -358,7 +361,7 @@ def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]
 
 
 @contextlib.contextmanager
-def routed_on_meta(model: torch.nn.Module, kind: str, tokens: int) -> Iterator[dict[str, Any]]:
+def routed_on_meta(model: torch.nn.Module, kind: Routing, tokens: int) -> Iterator[dict[str, Any]]:
     """Within the block the meta ``model``'s experts get the ``kind`` routing
     (:func:`vramguard.workload.routing.forced_routing`, the hook the audit's forced routing runs), its values
     carried beside the meta tensors (:class:`_RoutedValues`) so the eager experts' loop runs as on a device.

@@ -35,6 +35,7 @@ from vramguard.workload.families import experts_of
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, packed_lengths
 from vramguard.workload.routing import (
     ROUTINGS,
+    Routing,
     bounds_line,
     experts_implementation,
     forced_line,
@@ -268,7 +269,7 @@ def data_bounds(
     method: str,
     device: str,
     optimizer: str,
-    routing: str | None = None,
+    routing: Routing | None = None,
 ) -> Finding | None:
     """What the batch's data decides, in one line: the figure is for the longest batch the config allows
     (``batch`` rows of ``seq_len`` tokens, every row full); the rows' lengths and, with packing, the sequences
@@ -355,7 +356,7 @@ def run_estimate(
     offload_activations: bool | None = None,
     events: AllocationLog | None = None,
     one_sequence_per_row: bool | None = None,
-    routing: str | None = None,
+    routing: Routing | None = None,
 ) -> AuditReport:
     """Build ``config``'s model on meta, run ``steps`` steps under the tracker (the ledger on the
     first) and return the report. ``config.device`` is only validated; the run is on meta.

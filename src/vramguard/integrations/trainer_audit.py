@@ -24,6 +24,7 @@ from vramguard.workload.families import experts_of
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora
 from vramguard.workload.routing import (
     ROUTINGS,
+    Routing,
     bounds_line,
     experts_implementation,
     forced_line,
@@ -56,7 +57,7 @@ def run_trainer_audit(
     trainer: str,
     output_dir: str | Path,
     offload_activations: bool = False,
-    routing: str | None = None,
+    routing: Routing | None = None,
 ) -> AuditReport:
     """``steps`` steps of ``trainer`` ("trainer" or "sft") on the audit's model and batches.
 
@@ -94,7 +95,7 @@ def _train(
     trainer: str,
     output_dir: str | Path,
     offload_activations: bool,
-    routing: str | None,
+    routing: Routing | None,
 ) -> tuple[AuditReport, QLoRAModel]:
     """One audited ``train()``: its report and the model it trained."""
     if trainer not in ("trainer", "sft"):

@@ -33,8 +33,25 @@ The eager loop runs the experts hit in ascending order, so autograd's backward v
 order, freeing each one's saved tensors; from the second expert visited on, it accumulates full-size
 gradients (of the expert stacks when LoRA adapts them, of the layer's input) out of place. ``skewed``'s first
 experts visited hold one token each and free almost nothing before that: the highest backward peak found;
-``same``'s first free every token's: the lowest found (a search over routings on the tiny presets, not a
-proof: docs/audit.md)."""
+``same``'s first free every token's: the lowest found (a search over routings on the tiny presets,
+``docs/scripts/routing_search.py``, not a proof: docs/audit.md)."""
+
+
+Routing = str | tuple[int, ...]
+"""A forced routing: a name of :data:`ROUTINGS`, or the tokens routed to each expert (the same in every layer;
+``tokens x top_k`` in all, at most ``tokens`` each), as a search over routings gives them
+(``docs/scripts/routing_search.py``)."""
+
+
+def counts_of(kind: Routing, tokens: int, top_k: int, experts: int) -> list[int]:
+    """The tokens routed to each expert under ``kind``: :func:`expert_counts` for a name, the counts themselves
+    (checked to route ``tokens`` tokens to ``top_k`` of ``experts`` experts) for a tuple."""
+    if isinstance(kind, str):
+        return expert_counts(kind, tokens, top_k, experts)
+    counts = [int(c) for c in kind]
+    if len(counts) != experts or sum(counts) != tokens * top_k or max(counts) > tokens or min(counts) < 0:
+        raise ValueError(f"counts {counts} do not route {tokens} tokens to {top_k} of {experts} experts")
+    return counts
 
 
 def expert_counts(kind: str, tokens: int, top_k: int, experts: int) -> list[int]:
@@ -86,13 +103,14 @@ def experts_implementation(model: torch.nn.Module) -> str | None:
 @contextlib.contextmanager
 def forced_routing(
     model: torch.nn.Module,
-    kind: str,
+    kind: Routing,
     tokens: int,
     place: Callable[[torch.Tensor], torch.Tensor] | None = None,
     inside: Callable[[bool], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Within the block every experts module of ``model`` receives the ``kind`` assignment
-    (:data:`ROUTINGS`) of ``tokens`` tokens instead of the router's ``top_k_index``.
+    (:data:`ROUTINGS`, or per-expert counts: :data:`Routing`) of ``tokens`` tokens instead of the router's
+    ``top_k_index``.
 
     ``place`` puts the host assignment where the model runs (default: the device of the first parameter);
     ``inside(True/False)`` is told when an experts module's forward begins and ends (the meta run's value
@@ -107,7 +125,7 @@ def forced_routing(
     for m in modules:
         key = (int(m.num_experts), _top_k_of(m, model))
         if key not in made:
-            counts = expert_counts(kind, tokens, key[1], key[0])
+            counts = counts_of(kind, tokens, key[1], key[0])
             host = assignment(counts, tokens, key[1])
             made[key] = place(host) if place is not None else host.to(device)
             taken["counts"][key[0]] = counts
@@ -155,8 +173,10 @@ def _top_k_of(module: torch.nn.Module, model: torch.nn.Module) -> int:
     return experts.top_k
 
 
-def describe(kind: str, top_k: int) -> str:
+def describe(kind: Routing, top_k: int) -> str:
     """What the ``kind`` routing is, in words."""
+    if not isinstance(kind, str):
+        return f"tokens per expert {', '.join(map(str, kind))}"
     return {
         "same": f"all tokens to the same top {top_k} experts",
         "balanced": "balanced routing",
@@ -228,7 +248,7 @@ def bounds_line(
     )
 
 
-def forced_line(kind: str, top_k: int, counts: dict[int, list[int]]) -> str:
+def forced_line(kind: Routing, top_k: int, counts: dict[int, list[int]]) -> str:
     """The ``routing:`` line of a run whose routing was forced."""
     per = "; ".join(f"{n} experts: {', '.join(map(str, c))} tokens" for n, c in counts.items())
     return f"routing: forced to {describe(kind, top_k)} ({per}), the router's choice replaced in every layer"

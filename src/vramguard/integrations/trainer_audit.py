@@ -20,17 +20,10 @@ from vramguard.audit import verdict as checks
 from vramguard.audit.report import AuditReport, with_routing_note
 from vramguard.errors import UsageError
 from vramguard.integrations.transformers import VramGuardCallback
+from vramguard.workload import routing as routes
 from vramguard.workload.families import experts_of
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora
-from vramguard.workload.routing import (
-    ROUTINGS,
-    Routing,
-    bounds_line,
-    experts_implementation,
-    forced_line,
-    forced_routing,
-    step_peak,
-)
+from vramguard.workload.routing import Routing
 
 TRAINERS = ("loop", "trainer", "sft")
 
@@ -72,18 +65,18 @@ def run_trainer_audit(
     runs (the trainer's step is not the loop's, so its own runs bound it)."""
     report, q = _train(config, steps, trainer, output_dir, offload_activations, routing)
     experts = experts_of(getattr(q.model, "config", None))
-    eager = experts is not None and experts_implementation(q.model) == "eager"
+    eager = experts is not None and routes.experts_implementation(q.model) == "eager"
     del q  # the forced runs build their own models: not two at once
     # a GPU's phase peaks hold the weights (as in the loop: no bounds there yet); a forced run bounds nothing
     if not eager or routing is not None or torch.device(config.device).type != "cpu":
         return report
     assert experts is not None
     figures = {}
-    for kind in ROUTINGS:  # three more train() runs: the cost of the bounds, said in docs/audit.md
+    for kind in routes.ROUTINGS:  # three more train() runs: the cost of the bounds, said in docs/audit.md
         forced, _ = _train(config, steps, trainer, Path(output_dir) / kind, offload_activations, kind)
-        figures[kind] = (step_peak(forced), forced.totals.saved_bytes)
-    measured = (step_peak(report), report.totals.saved_bytes)
-    line = bounds_line(
+        figures[kind] = (routes.step_peak(forced), forced.totals.saved_bytes)
+    measured = (routes.step_peak(report), report.totals.saved_bytes)
+    line = routes.bounds_line(
         "eager", experts.top_k, figures, measured, forced_by=f"a run of this {trainer} on the CPU"
     )
     return with_routing_note(report, checks.ROUTING, line, measured[0])
@@ -151,7 +144,7 @@ def _train(
     )
     forced: contextlib.AbstractContextManager[Any] = contextlib.nullcontext({})
     if routing is not None:
-        forced = forced_routing(q.model, routing, config.batch * config.seq_len)
+        forced = routes.forced_routing(q.model, routing, config.batch * config.seq_len)
     with offload, forced as taken:
         runner.train()
     report = cb.report
@@ -164,9 +157,9 @@ def _train(
     build = checks.notes(checks.BUILD, q.notes)
     report.verdict = dataclasses.replace(report.verdict, findings=[*build, *report.verdict.findings])
     experts = experts_of(getattr(q.model, "config", None))
-    if routing is not None and experts is not None and experts_implementation(q.model) == "eager":
+    if routing is not None and experts is not None and routes.experts_implementation(q.model) == "eager":
         if not taken["forced"]:
             raise UsageError(f"routing forced to {routing}, but train() called no experts module")
-        line = forced_line(routing, experts.top_k, taken["counts"])
+        line = routes.forced_line(routing, experts.top_k, taken["counts"])
         report = with_routing_note(report, checks.ROUTING, line)
     return report, q

@@ -52,6 +52,17 @@ def head_dim_rounded(d: int) -> int:
     return _round(d, 32 if d <= 128 else 64)
 
 
+VARLEN_ROWS_PER_SEQUENCE = 128
+"""``mha_varlen_bwd`` keeps each sequence of ``softmax_d`` and ``dq_accum`` 128 rows (its largest query block)
+apart from the next: each sequence in a varlen batch adds these rows."""
+
+
+def varlen_bytes_per_sequence(heads: int, head_dim: int) -> int:
+    """What one more sequence costs the varlen backward: :data:`VARLEN_ROWS_PER_SEQUENCE` rows of the fp32
+    ``softmax_d`` (``h x rows``) and ``dq_accum`` (``rows x h x rounded(d)``), the head dim padded to 8."""
+    return VARLEN_ROWS_PER_SEQUENCE * heads * 4 * (1 + head_dim_rounded(_round(head_dim, 8)))
+
+
 def _padded_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q, k, v as both kernels take them: fp16/bf16 only, the head dim padded to a multiple of 8 (a copy),
     the last dimension contiguous."""
@@ -133,7 +144,7 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         og = ctx.head_dim
         dout_padded = torch.nn.functional.pad(dout, [0, 8 - og % 8]) if og % 8 else dout
-        rows = total + 128 * sequences
+        rows = total + VARLEN_ROWS_PER_SEQUENCE * sequences
         softmax_d = torch.empty(h, rows, dtype=torch.float32, device=q.device)
         dq_accum = torch.empty(rows, h, head_dim_rounded(d), dtype=torch.float32, device=q.device)
         if k.shape[1] != h:  # grouped k/v heads: expanded gradients, summed per group

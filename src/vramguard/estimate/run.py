@@ -248,17 +248,6 @@ def peak_term(
     return Finding(checks.PEAK_TERM, f"peak: {what} set it; removed by {remedy}", max(square, logits))
 
 
-def _varlen_bytes_per_sequence(q: QLoRAModel) -> int:
-    """What one more sequence costs flash-attn 2's varlen backward (``mha_varlen_bwd``): 128 rows of the
-    fp32 ``softmax_d`` (``h x rows``) and ``dq_accum`` (``rows x h x rounded(d)``)."""
-    from vramguard.estimate.flash import head_dim_rounded
-
-    fields = q.spec.fields
-    heads = int(fields["num_attention_heads"])
-    d = int(fields.get("head_dim") or int(fields["hidden_size"]) // heads)
-    return 128 * heads * 4 * (1 + head_dim_rounded(-(-d // 8) * 8))
-
-
 def data_bounds(
     q: QLoRAModel,
     config: QLoRAConfig,
@@ -307,10 +296,17 @@ def data_bounds(
     if config.padding_free:
         varlen = ""
         if q.attn_implementation == "flash_attention_2":
+            from vramguard.estimate.flash import varlen_bytes_per_sequence
+
+            fields = q.spec.fields
+            heads = int(fields["num_attention_heads"])
+            per_sequence = varlen_bytes_per_sequence(
+                heads, int(fields.get("head_dim") or fields["hidden_size"] // heads)
+            )
             sequences = config.batch * len(packed_lengths(config.seq_len, config.packing))
             varlen = (
                 f"; with flash_attention_2 each sequence in the batch adds 128 rows to the varlen backward's "
-                f"fp32 softmax_d and dq_accum ({fb(_varlen_bytes_per_sequence(q))} a sequence, one layer's at a "
+                f"fp32 softmax_d and dq_accum ({fb(per_sequence)} a sequence, one layer's at a "
                 f"time): priced at {sequences:,} sequences, so a packed batch of more, shorter documents needs "
                 "that much more for each one beyond"
             )

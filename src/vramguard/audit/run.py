@@ -32,9 +32,9 @@ from vramguard.workload.routing import (
     Routing,
     bounds_line,
     experts_implementation,
+    figures,
     forced_line,
     forced_routing,
-    step_peak,
 )
 from vramguard.workload.training import PHASES, StepResult, make_optimizer, run_steps
 
@@ -208,7 +208,7 @@ def run_audit(
         # the build's line: these figures are for the routing this run drew. On a GPU the audit's phase peaks are
         # absolute allocator readings (weights and cuBLAS in), the meta runs' are not: nothing comparable yet
         return report
-    measured = (step_peak(report), report.totals.saved_bytes)
+    measured = figures(report)
     line = bounds_line("eager", experts.top_k, routing_figures(config, steps), measured)
     return with_routing_note(report, checks.ROUTING, line, measured[0])
 

@@ -41,7 +41,7 @@ from vramguard.workload.routing import (
     forced_line,
     forced_routing,
 )
-from vramguard.workload.routing import step_peak as peak_of_step
+from vramguard.workload.routing import figures as routing_figures_of
 from vramguard.workload.training import PHASES, make_optimizer, run_steps
 
 MiB = 1 << 20
@@ -577,7 +577,7 @@ def forced_routing_figures(config: QLoRAConfig, steps: int) -> dict[str, tuple[i
     figures = {}
     for kind in ROUTINGS:
         forced = run_estimate(config, steps=steps, target=target, routing=kind)
-        figures[kind] = (peak_of_step(forced), forced.totals.saved_bytes)
+        figures[kind] = routing_figures_of(forced)
     return figures
 
 
@@ -588,7 +588,7 @@ def routing_bounds(
     (:data:`~vramguard.workload.routing.ROUTINGS`); the report is the highest one's, its ``routing:`` line
     names all (:func:`~vramguard.workload.routing.bounds_line`). ``options``: :func:`run_estimate`'s."""
     reports = {kind: run_estimate(config, routing=kind, **options) for kind in ROUTINGS}
-    figures = {kind: (peak_of_step(r), r.totals.saved_bytes) for kind, r in reports.items()}
+    figures = {kind: routing_figures_of(r) for kind, r in reports.items()}
     high = max(ROUTINGS, key=lambda kind: (figures[kind][0], ROUTINGS.index(kind)))
     report = reports[high]
     if events is not None:  # the timeline of the run reported

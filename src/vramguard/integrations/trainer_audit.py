@@ -74,8 +74,8 @@ def run_trainer_audit(
     figures = {}
     for kind in routes.ROUTINGS:  # three more train() runs: the cost of the bounds, said in docs/audit.md
         forced, _ = _train(config, steps, trainer, Path(output_dir) / kind, offload_activations, kind)
-        figures[kind] = (routes.step_peak(forced), forced.totals.saved_bytes)
-    measured = (routes.step_peak(report), report.totals.saved_bytes)
+        figures[kind] = routes.figures(forced)
+    measured = routes.figures(report)
     line = routes.bounds_line(
         "eager", experts.top_k, figures, measured, forced_by=f"a run of this {trainer} on the CPU"
     )

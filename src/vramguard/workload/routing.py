@@ -189,6 +189,11 @@ def step_peak(report: Any) -> int:
     return max(p.peak_bytes for p in report.phases.values())
 
 
+def figures(report: Any) -> tuple[int, int]:
+    """What :func:`bounds_line` holds of a run: its step peak and its saved bytes."""
+    return step_peak(report), report.totals.saved_bytes
+
+
 META_RUNS = "a meta run of this step"
 """How :func:`bounds_line` says the forced routings ran, by default."""
 

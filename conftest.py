@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import pytest
 
@@ -18,7 +19,6 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # took 365 s with torch's default threads, 261 s with one (docs/measurements/2026-11-25-test-run-cpu-time/).
 # A caller's own OMP_NUM_THREADS is kept, and a run that records numbers (benchmarks, the store) keeps torch's
 # default, as its baselines were measured.
-_ONE_THREAD = False
 
 
 #: options of a run whose numbers are recorded: pytest-benchmark times nothing on xdist workers, and the
@@ -52,24 +52,20 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     """The default run spreads over pytest-xdist workers (``-n auto`` in pyproject's addopts); a run that
     records numbers or uses the GPU runs in one process. An explicit ``-n N`` is left as it is. A run that
     records nothing gets one intra-op thread a process (above)."""
-    global _ONE_THREAD
     recorded = one_process_reason(config.option)
     if getattr(config.option, "numprocesses", None) == "auto" and recorded:
         config.option.numprocesses = 0
     if recorded is None and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
-        _ONE_THREAD = True
+        if "torch" in sys.modules:  # imported before this hook (a plugin): it read the variable already
+            sys.modules["torch"].set_num_threads(1)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What collection imported (torch, transformers, the test modules) lives until the process ends: freeze
-    it out of the garbage collector's full passes, which otherwise walk it again every few tests. Torch
-    imported before this file was read (a plugin) gets the one thread here."""
+    it out of the garbage collector's full passes, which otherwise walk it again every few tests."""
     import gc
-    import sys
 
-    if _ONE_THREAD and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(1)
     gc.freeze()
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -51,9 +51,7 @@ from vramguard.workload.models import (
     weights_line,
     with_lora,
 )
-
-if TYPE_CHECKING:
-    from vramguard.workload.routing import Routing
+from vramguard.workload.routing import Routing
 
 META = "meta"
 

@@ -604,8 +604,9 @@ def routing_line(hf_config: Any) -> str | None:
     size depends on which experts the router picks, so the bound for balanced routing and the one for the
     worst case (all tokens to the same experts) are the measured figure. The ``eager`` implementation loops
     over the experts hit, with per-expert tensors sized by their tokens: there routing decides, and the build
-    cannot say how much; :func:`vramguard.audit.run.run_audit` (given ``routing_figures``, on the CPU) and
-    :func:`vramguard.estimate.run.run_estimate` replace that line with the figures of forced routings (:func:`vramguard.workload.routing.bounds_line`)."""
+    cannot say how much; :func:`vramguard.audit.run.run_audit` (given ``routing_figures``, on the CPU), the
+    Trainer audits on the CPU and :func:`vramguard.estimate.run.run_estimate` replace that line with the
+    figures of forced routings (:func:`vramguard.workload.routing.bounds_line`)."""
     experts = experts_of(hf_config)
     if experts is None:
         return None

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from vramguard.grad import patches, strategies
+from vramguard.grad import patches, profiles
 
-strategies.load_profile()
+profiles.load_profile()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

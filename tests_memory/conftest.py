@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
 from memhelpers import BATCH, RANK, SEQ, need
 
-from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora
+if TYPE_CHECKING:
+    from vramguard.workload.models import QLoRAModel
+
+# torch and the model stack are imported in the fixtures: pytest's controller process loads this conftest
+# before it starts the xdist workers and needs neither
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(params=DEVICES, scope="module")
 def device(request: pytest.FixtureRequest) -> str:
+    import torch
+
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     return request.param
@@ -31,6 +36,8 @@ def qlora() -> Callable[..., QLoRAModel]:
     """``qlora(device, **QLoRAConfig fields)``: a model built once per session per configuration."""
 
     def get(device: str = "cpu", **kw: Any) -> QLoRAModel:
+        from vramguard.workload.models import QLoRAConfig, build_qlora
+
         need("transformers_4bit", device)
         if kw.get("quant_type") == "fp4":
             need("fp4_cpu", device)

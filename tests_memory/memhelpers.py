@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
-import torch
 
 from vramguard.grad import capabilities
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where it is used: pytest's controller process loads the conftest that imports this
+# module before it starts the xdist workers, and does not need torch (about 2.5 CPU s at each start)
 
 # T = BATCH * SEQ = 80 tokens: no activation shape coincides with a weight shape of the presets
 # (h=128, kv*d=64, i=352, V=512, r=8), so the ledger's weight-copy classification is unambiguous.
@@ -17,6 +24,8 @@ BAND = 0.05  # per-layer band around the analytic formula (kernel variants: padd
 
 def mask_bytes(device: str, act_bytes: int) -> int:
     """Dropout mask element size: CPU multiplies by a mask in the input's dtype, CUDA keeps bool."""
+    import torch
+
     return 1 if torch.device(device).type == "cuda" else act_bytes
 
 
@@ -25,6 +34,8 @@ def drop_cublas_workspaces(device: str) -> None:
     H100, one for the forward's thread and one for autograd's), allocated through the caching
     allocator on first use and kept for the process, so whether a test pays for them depends on what
     ran before it in the same worker (measured: docs/measurements/)."""
+    import torch
+
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
         torch._C._cuda_clearCublasWorkspaces()
@@ -54,6 +65,8 @@ V = versions()
 def need(name: str, device: str = "cpu") -> None:
     """Skip, naming the missing capability (probed, vramguard.grad.capabilities), when the installed
     bitsandbytes cannot run what the test needs on CPU. CUDA paths are not probed here."""
+    import torch
+
     if torch.device(device).type != "cpu":
         return
     cap = capabilities.get(name)

@@ -12,12 +12,10 @@ Strategies are values, composable like hypothesis' own (``linear4bit_cases(dtype
 from __future__ import annotations
 
 import itertools
-import os
 import random
 from dataclasses import dataclass, replace
 
 import torch
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
@@ -372,34 +370,3 @@ def covering_lora_cases(
 def on_device(case: Linear4bitCase | Linear8bitCase | LoraCase, device: str):  # type: ignore[no-untyped-def]
     """The same case on another device (the ``gpu`` variants reuse the CPU strategies)."""
     return replace(case, device=device)
-
-
-# --- profiles ----------------------------------------------------------------------------------
-
-PROFILE_ENV = "VRAMGUARD_HYPOTHESIS_PROFILE"
-
-
-def register_profiles() -> None:
-    """(The ``patch`` fixture is immutable, so the function-scoped-fixture health check is off.)
-    ``ci`` (default): few examples, derandomized, no database -- same examples on every run.
-    ``nightly``: many more random examples, for a scheduled job that explores."""
-    common = dict(
-        deadline=None,
-        suppress_health_check=[
-            HealthCheck.too_slow,
-            HealthCheck.filter_too_much,
-            HealthCheck.function_scoped_fixture,
-        ],
-    )
-    settings.register_profile(
-        "ci", max_examples=40, derandomize=True, database=None, print_blob=False, **common
-    )
-    settings.register_profile("nightly", max_examples=1000, derandomize=False, print_blob=True, **common)
-
-
-def load_profile(name: str | None = None) -> str:
-    """Load ``name`` (else ``$VRAMGUARD_HYPOTHESIS_PROFILE``, else ``ci``); returns the loaded name."""
-    register_profiles()
-    chosen = name or os.environ.get(PROFILE_ENV) or "ci"
-    settings.load_profile(chosen)
-    return chosen

@@ -37,7 +37,14 @@ from vramguard.errors import UsageError
 from vramguard.measure.tracker import MemorySource, MemoryTracker
 from vramguard.model.analytic import Expectation, weights_expectation
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
-from vramguard.workload.sharding import ShardingConfig, apply_sharding, cpu_mesh, rank_terms, transient_terms
+from vramguard.workload.sharding import (
+    ShardingConfig,
+    apply_sharding,
+    check_adapters,
+    cpu_mesh,
+    rank_terms,
+    transient_terms,
+)
 from vramguard.workload.training import PHASES, make_optimizer, run_steps
 
 DEFAULT_TIMEOUT_S = 900.0
@@ -199,6 +206,11 @@ def rank_expectation(q: QLoRAModel, config: QLoRAConfig) -> Expectation:
 # -- the real processes --------------------------------------------------------------------------------
 
 
+REFUSED = "refused.txt"
+"""The file in a run's folder where a rank that refuses its setting (:class:`UsageError`, before joining the
+process group) writes why; the parent raises it as one line."""
+
+
 def run_distributed_audit(
     config: QLoRAConfig,
     sharding: ShardingConfig,
@@ -238,6 +250,8 @@ def run_distributed_audit(
         )
         cmd = [sys.executable, "-m", "vramguard.audit.launch", "ranks", str(spec)]
         code, tail = run_with_tail(cmd, _child_env(), timeout)
+        if code != 0 and (Path(tmp) / REFUSED).exists():
+            raise UsageError((Path(tmp) / REFUSED).read_text())
         if code != 0:
             why = "timed out" if code is None else f"exited with {code}"
             last = next((line for line in reversed(tail) if line.strip()), "no output")
@@ -308,6 +322,11 @@ def _run_one_rank(spec_path: str, rank: int) -> int:
         q, ds = build_zero3_rank(config, rank, world)
     else:
         q = build_qlora(config, sharded=True)
+        try:
+            check_adapters(q.model, sharding)
+        except UsageError as exc:  # the parent says it in one line, as bad input (exit 2)
+            write_text_atomic(folder / REFUSED, str(exc))
+            return 2
     expected = rank_expectation(q, config)
     store = dist.FileStore(str(folder / "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)

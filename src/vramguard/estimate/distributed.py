@@ -22,6 +22,10 @@ made by its own code on meta.
 
 Ranks whose shards have the same shapes (all but a last, shorter one, typically) run once; their rows say
 which rank they copy (``same_as``).
+
+Eager experts (a loop over the experts hit, which meta cannot draw): each rank routes its own batch, so each
+runs its step once per forced routing (:data:`~vramguard.workload.routing.ROUTINGS`, as the one-device estimate
+does) and reports the highest, its ``routing:`` line naming all (:func:`vramguard.estimate.run.with_bounds`).
 """
 
 from __future__ import annotations
@@ -38,13 +42,14 @@ import torch
 from vramguard.audit.distributed import measure_rank, merged, rank_expectation
 from vramguard.audit.report import AuditReport, RankRow
 from vramguard.errors import UsageError
-from vramguard.estimate.meta import META, TARGETS, build_meta
-from vramguard.estimate.run import meta_step_contexts, overheads
+from vramguard.estimate.meta import META, TARGETS, build_meta, routed_on_meta
+from vramguard.estimate.run import highest_routing, meta_step_contexts, overheads, with_bounds
 from vramguard.measure.storage import local_tensor, storage_key
 from vramguard.measure.tracker import StorageTracker
+from vramguard.workload.families import experts_of
 from vramguard.workload.models import QLoRAConfig
-from vramguard.workload.routing import experts_implementation
-from vramguard.workload.sharding import ShardingConfig
+from vramguard.workload.routing import ROUTINGS, Routing, experts_implementation
+from vramguard.workload.sharding import ShardingConfig, check_adapters
 
 
 @contextlib.contextmanager
@@ -192,11 +197,10 @@ def run_distributed_estimate(
     if not wanted or wanted[0] < 0 or wanted[-1] >= world:
         raise UsageError(f"ranks must be in 0..{world - 1}, got {ranks!r}")
     built = build_meta(config, sharded=True)
-    if experts_implementation(built.model) == "eager":
-        raise UsageError(
-            "estimate --world-size with eager experts: the sharded estimate forces no routing yet (the experts' "
-            "loop asks the data which experts were hit); estimate one device, or use the grouped_mm experts"
-        )
+    check_adapters(built.model, sharding)
+    # eager experts: a loop over the experts hit, which meta cannot draw; each rank runs every forced routing
+    experts = experts_of(getattr(built.model, "config", None))
+    top_k = experts.top_k if experts is not None and experts_implementation(built.model) == "eager" else None
     shapes = [p.shape for p in built.model.parameters()]
     done: dict[tuple[int, ...], tuple[int, AuditReport, RankRow]] = {}
     reports: list[AuditReport] = []
@@ -209,7 +213,13 @@ def run_distributed_estimate(
             reports.append(report)
             rows.append(dataclasses.replace(row, rank=rank, same_as=first))
             continue
-        report, row = _one_rank(config, sharding, rank, steps, top, target)
+        if top_k is None:
+            report, row = _one_rank(config, sharding, rank, steps, top, target)
+        else:  # the rank's report and row are the highest routing's, its routing: line names all
+            runs = {kind: _one_rank(config, sharding, rank, steps, top, target, kind) for kind in ROUTINGS}
+            high = highest_routing({kind: r for kind, (r, _) in runs.items()})
+            report = with_bounds({kind: r for kind, (r, _) in runs.items()}, high, top_k)
+            row = runs[high][1]
         done[signature] = (rank, report, row)
         reports.append(report)
         rows.append(row)
@@ -218,8 +228,15 @@ def run_distributed_estimate(
 
 
 def _one_rank(
-    config: QLoRAConfig, sharding: ShardingConfig, rank: int, steps: int, top: int, target: str
+    config: QLoRAConfig,
+    sharding: ShardingConfig,
+    rank: int,
+    steps: int,
+    top: int,
+    target: str,
+    routing: Routing | None = None,
 ) -> tuple[AuditReport, RankRow]:
+    """``rank``'s report and row; ``routing``: the experts' routing forced (each rank routes its own batch)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     q = build_meta(config, sharded=True)
@@ -227,7 +244,10 @@ def _one_rank(
     source = StorageTracker(None)  # meta storages and the host-side ones (Adam's step counters), as the audit
     source.device = META
     decisions, flash = meta_step_contexts(q, config, target)  # autocast, attention kernels: as on one device
-    with fake_process_group(rank, sharding.world_size), meta_fsdp(), decisions, flash:
+    routed: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if routing is not None:  # entered outside the tracker, which measure_rank enters
+        routed = routed_on_meta(q.model, routing, config.batch * config.seq_len)
+    with fake_process_group(rank, sharding.world_size), meta_fsdp(), decisions, flash, routed:
         mesh = init_device_mesh(META, (sharding.world_size,))
         report, row = measure_rank(
             q, config, sharding, mesh, rank, steps, top, expected, META, source=source, meta_run=True

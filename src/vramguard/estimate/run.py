@@ -588,10 +588,23 @@ def routing_bounds(
     (:data:`~vramguard.workload.routing.ROUTINGS`); the report is the highest one's, its ``routing:`` line
     names all (:func:`~vramguard.workload.routing.bounds_line`). ``options``: :func:`run_estimate`'s."""
     reports = {kind: run_estimate(config, routing=kind, **options) for kind in ROUTINGS}
-    figures = {kind: routing_figures_of(r) for kind, r in reports.items()}
-    high = max(ROUTINGS, key=lambda kind: (figures[kind][0], ROUTINGS.index(kind)))
-    report = reports[high]
+    high = highest_routing(reports)
     if events is not None:  # the timeline of the run reported
-        report = run_estimate(config, routing=high, events=events, **options)
+        reports[high] = run_estimate(config, routing=high, events=events, **options)
+    return with_bounds(reports, high, top_k)
+
+
+def highest_routing(reports: dict[str, Any]) -> str:
+    """Of one step's reports under each forced routing (:data:`~vramguard.workload.routing.ROUTINGS`), the
+    routing whose step peak is highest (the later one in :data:`ROUTINGS` on a tie): the one an estimate
+    reports."""
+    return max(ROUTINGS, key=lambda kind: (routing_figures_of(reports[kind])[0], ROUTINGS.index(kind)))
+
+
+def with_bounds(reports: dict[str, Any], high: str, top_k: int) -> Any:
+    """``reports[high]`` with the ``routing:`` line that names every forced routing's figures
+    (:func:`~vramguard.workload.routing.bounds_line`): the estimate of eager experts, on one device or one
+    rank of a sharded step."""
+    figures = {kind: routing_figures_of(r) for kind, r in reports.items()}
     line = bounds_line("eager", top_k, figures, None)
-    return with_routing_note(report, checks.ROUTING, line, figures[high][0])
+    return with_routing_note(reports[high], checks.ROUTING, line, figures[high][0])

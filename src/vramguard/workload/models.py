@@ -571,18 +571,7 @@ def weights_line(model: torch.nn.Module, hf_config: Any) -> str | None:
         else:
             other += p.numel()
             other_bytes += p.numel() * p.element_size()
-    adapted: set[str] = set()  # LoRA on modules (PEFT's lora.Linear*), by their last name
-    wrapped: set[str] = set()  # LoRA on parameters (PEFT's ParamWrapper: target_parameters)
-    for name, m in model.named_modules():
-        if not hasattr(m, "lora_A"):
-            continue
-        while name.endswith(".base_layer"):
-            name = name.removesuffix(".base_layer")
-        last = name.rsplit(".", 1)[-1]
-        if hasattr(m, "parameter_name"):
-            wrapped.add(f"{last}.{m.parameter_name}")
-        else:
-            adapted.add(last)
+    adapted, wrapped = lora_targets(model)
     impl = getattr(hf_config, "_experts_implementation", None) or "eager"
     fb = _format_bytes
     lora = ", ".join(sorted(adapted))
@@ -594,6 +583,25 @@ def weights_line(model: torch.nn.Module, hf_config: Any) -> str | None:
         f"lm_head, norms, routers) = {fb(other_bytes)}; LoRA (PEFT) on modules {lora or 'none'}"
         + (f" and on parameters {', '.join(sorted(wrapped))} (target_parameters)" if wrapped else "")
     )
+
+
+def lora_targets(model: torch.nn.Module) -> tuple[set[str], set[str]]:
+    """Where PEFT put LoRA in ``model``: the modules it adapts (its ``lora.Linear*`` layers), by their last
+    name, and the parameters it wraps (its ``ParamWrapper``: ``target_parameters``, or ``all-linear`` on the
+    fused expert stacks of a mixture of experts), as ``module.parameter``."""
+    adapted: set[str] = set()
+    wrapped: set[str] = set()
+    for name, m in model.named_modules():
+        if not hasattr(m, "lora_A"):
+            continue
+        while name.endswith(".base_layer"):
+            name = name.removesuffix(".base_layer")
+        last = name.rsplit(".", 1)[-1]
+        if hasattr(m, "parameter_name"):
+            wrapped.add(f"{last}.{m.parameter_name}")
+        else:
+            adapted.add(last)
+    return adapted, wrapped
 
 
 def routing_line(hf_config: Any) -> str | None:

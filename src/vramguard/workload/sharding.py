@@ -89,6 +89,25 @@ def cpu_mesh(world_size: int) -> Any:
     return init_device_mesh("cpu", (world_size,))
 
 
+def check_adapters(model: torch.nn.Module, sharding: ShardingConfig) -> None:
+    """Refuse, in one line, what the engine cannot shard of ``model``'s LoRA: FSDP1 with LoRA on parameters
+    (PEFT's ``ParamWrapper``: ``target_parameters``, or ``all-linear`` on a mixture of experts' fused stacks).
+    FSDP1 (``use_orig_params=False``) makes each parameter a view of its flat parameter, and PEFT's delta of a
+    wrapped parameter then fails in torch at the first forward ("Output 0 of View is a view and its base ...
+    has been modified inplace"), in the real ranks as on meta."""
+    if sharding.sharding != "fsdp1":
+        return
+    from vramguard.workload.models import lora_targets
+
+    _, wrapped = lora_targets(model)
+    if wrapped:
+        raise UsageError(
+            f"--sharding fsdp1 with LoRA on parameters ({', '.join(sorted(wrapped))}: PEFT's target_parameters) "
+            "fails in torch at the first forward (PEFT's delta of a view of FSDP1's flat parameter); use "
+            "--sharding fsdp2, or LoRA on modules only (--target-modules naming them)"
+        )
+
+
 def apply_sharding(model: torch.nn.Module, sharding: ShardingConfig, mesh: Any) -> torch.nn.Module:
     """Shard ``model`` with the real engine ``sharding`` names over ``mesh`` (the default process group's
     ranks); returns the module to train (FSDP1 wraps it, FSDP2 changes it in place)."""

@@ -121,6 +121,26 @@ def test_meta_weights_are_quantized_from_the_dtype_the_checkpoint_loads_in() -> 
         assert set(meta.values()) == {parse_dtype(dtype)}
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-device", "fsdp-recipe"])
+def test_the_meta_build_has_the_real_builds_parameters(sharded: bool) -> None:
+    """Every parameter of the meta build has the real build's name, shape, dtype and trainability, on one device
+    and in the FSDP + QLoRA recipe, for a model whose linear layers have biases (Qwen2's q, k, v): the swapped-in
+    4-bit layers' biases were float32 on meta where the real recipe loads them in the compute dtype, and FSDP1
+    then refused to flatten the unit (an internal error)."""
+    from vramguard.estimate.meta import build_meta
+
+    def params(model: torch.nn.Module) -> dict[str, tuple]:
+        return {n: (tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()}
+
+    config = QLoRAConfig(model="tiny-qwen2", seq_len=40, batch=2)
+    meta, real = (
+        params(build_meta(config, sharded=sharded).model),
+        params(build_qlora(config, sharded=sharded).model),
+    )
+    assert any(n.endswith("q_proj.base_layer.bias") for n in real)
+    assert meta == real
+
+
 def test_without_the_forced_mask_decision_meta_cannot_run() -> None:
     """The obstacle the estimate works around: transformers' mask creation calls ``.item()``."""
     from vramguard.estimate.meta import build_meta

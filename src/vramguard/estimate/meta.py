@@ -458,7 +458,10 @@ def _sdpa_as_on(
 
 def _quantize_on_meta(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Quantize every ``Linear4bit`` weight on meta, as the checkpoint's weight in ``dtype`` (what
-    ``from_pretrained(dtype=...)`` hands the quantizer); returns how many.
+    ``from_pretrained(dtype=...)`` hands the quantizer), and give its bias ``dtype`` too (the swapped-in
+    layer's is torch's default float32, where ``from_pretrained`` loads the checkpoint's in ``dtype``: FSDP1
+    then refused to flatten a unit of bf16 weights and fp32 biases that the real recipe flattens); returns
+    how many.
 
     The swapped-in ``Linear4bit`` holds a float32 meta weight (torch's default dtype); quantizing that
     would record float32 in the quant state, and every dequantization (``MatMul4Bit``'s backward, DoRA's
@@ -481,6 +484,8 @@ def _quantize_on_meta(model: torch.nn.Module, dtype: torch.dtype) -> int:
                 module.weight = bnb.nn.Params4bit(
                     w.data.to(dtype), requires_grad=False, **w.__dict__
                 )._quantize(META)
+                if module.bias is not None:  # the checkpoint's bias, loaded in dtype as well
+                    module.bias = torch.nn.Parameter(module.bias.data.to(dtype), requires_grad=False)
                 count += 1
     finally:
         bnb_functional.name2qmap.clear()

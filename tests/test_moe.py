@@ -426,6 +426,27 @@ def test_fsdp1_with_lora_on_expert_parameters_is_refused_in_one_line(
         assert main([*argv, *sharded, "--target-modules", "q_proj,k_proj,v_proj,o_proj", "--quiet"]) == 0
 
 
+def test_a_rank_whose_build_peft_refuses_writes_why_for_the_parent(tmp_path: Path) -> None:
+    """A rank of ``audit --world-size`` builds its model before joining the process group; what PEFT refuses
+    there (dropout on a ParamWrapper: all-linear on OLMoE's expert stacks) is the rank's exit 2 and a line in
+    the run's folder, which the parent raises as one line (the FSDP1 test above runs the parent; this used to
+    end in an internal error, "the 2 ranks exited")."""
+    import dataclasses
+
+    from vramguard.audit import distributed
+    from vramguard.workload.sharding import ShardingConfig
+
+    config = QLoRAConfig(model="tiny-olmoe", seq_len=40, batch=2, lora_dropout=0.1)
+    sharding = ShardingConfig(world_size=2, sharding="fsdp2")
+    spec = tmp_path / "spec.json"
+    fields = {"config": dataclasses.asdict(config), "sharding": sharding.to_dict(), "steps": 1, "top": 3}
+    spec.write_text(json.dumps({**fields, "folder": str(tmp_path)}))
+    assert distributed.main(["rank", str(spec), "0"]) == 2
+    why = (tmp_path / distributed.REFUSED).read_text()
+    assert why.startswith("PEFT refuses this LoRA setup") and "lora_dropout" in why, why
+    assert not (tmp_path / "store").exists()  # refused before joining the process group
+
+
 def test_the_trainer_audit_keeps_the_builds_notes(tmp_path: Path) -> None:
     """``vramguard audit --trainer``: the build's notes (which weights are 4-bit, what routing decides) reach
     the report as in the audit's own loop; the callback sees only the model."""

@@ -207,8 +207,8 @@ def rank_expectation(q: QLoRAModel, config: QLoRAConfig) -> Expectation:
 
 
 REFUSED = "refused.txt"
-"""The file in a run's folder where a rank that refuses its setting (:class:`UsageError`, before joining the
-process group) writes why; the parent raises it as one line."""
+"""The file in a run's folder where a rank whose build refuses its setting (a :class:`UsageError`: PEFT's,
+transformers', the engine's) writes why; the parent raises it as one line (exit 2)."""
 
 
 def run_distributed_audit(
@@ -316,17 +316,17 @@ def _run_one_rank(spec_path: str, rank: int) -> int:
     folder = Path(spec["folder"])
     world = sharding.world_size
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    if sharding.sharding == "zero3":
-        from vramguard.audit.zero3 import build_zero3_rank
+    try:
+        if sharding.sharding == "zero3":
+            from vramguard.audit.zero3 import build_zero3_rank
 
-        q, ds = build_zero3_rank(config, rank, world)
-    else:
-        q = build_qlora(config, sharded=True)
-        try:
+            q, ds = build_zero3_rank(config, rank, world)
+        else:
+            q = build_qlora(config, sharded=True)
             check_adapters(q.model, sharding)
-        except UsageError as exc:  # the parent says it in one line, as bad input (exit 2)
-            write_text_atomic(folder / REFUSED, str(exc))
-            return 2
+    except UsageError as exc:  # what PEFT, transformers or the engine refuse: the parent says it in one line
+        write_text_atomic(folder / REFUSED, str(exc))
+        return 2
     expected = rank_expectation(q, config)
     store = dist.FileStore(str(folder / "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)

@@ -44,6 +44,22 @@ def test_runs_that_record_numbers_go_in_one_process(options: dict[str, str], one
     assert (reason is not None) == one_process, reason
 
 
+def test_the_controller_imports_no_torch() -> None:
+    """pytest loads the conftests of every test path in the xdist controller too, before it starts the workers;
+    none of them may import torch there (3.7 CPU s at each start when two did). A fresh interpreter loads them as
+    pytest does (each folder first on ``sys.path``) and names what imported torch if anything did."""
+    code = (
+        "import importlib.util, sys\n"
+        "for folder in ('tests', 'tests_memory', 'tests_grad'):\n"
+        "    sys.path.insert(0, folder)\n"
+        "    spec = importlib.util.spec_from_file_location(folder + '_conftest', folder + '/conftest.py')\n"
+        "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+        "    assert 'torch' not in sys.modules, folder + '/conftest.py imports torch'\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr.strip().splitlines()[-1:]
+
+
 def _pytest(*args: str) -> subprocess.CompletedProcess[str]:
     """A new pytest session; none of this (maybe xdist worker) session's PYTEST_* variables leak into it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHONBREAKPOINT"))}

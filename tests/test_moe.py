@@ -407,10 +407,10 @@ def test_a_sharded_estimate_of_eager_experts_bounds_each_rank_by_its_forced_rout
 def test_fsdp1_with_lora_on_expert_parameters_is_refused_in_one_line(
     command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """FSDP1 makes each parameter a view of its flat parameter, and PEFT's delta of a wrapped one (its
-    ParamWrapper: all-linear on the fused expert stacks) then fails in torch at the first forward: said in one
-    line, exit 2, by the estimate and by the real ranks (whose parent relays it; none is left running). The same
-    model with LoRA on modules only runs."""
+    """PEFT's delta of a wrapped parameter (its ParamWrapper: all-linear on the fused expert stacks) cannot be
+    made from FSDP1's flat parameters and fails at the first forward: said in one line, exit 2, by the estimate
+    and by the real ranks (whose parent relays it). The estimate of the same model with LoRA on modules only
+    runs."""
     argv = [command, "--model", "tiny-mixtral", "--seq-len", "40", "--batch", "2", "--steps", "1"]
     sharded = [
         "--world-size",

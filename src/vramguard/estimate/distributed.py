@@ -43,10 +43,9 @@ from vramguard.audit.distributed import measure_rank, merged, rank_expectation
 from vramguard.audit.report import AuditReport, RankRow
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import META, TARGETS, build_meta, routed_on_meta
-from vramguard.estimate.run import highest_routing, meta_step_contexts, overheads, with_bounds
+from vramguard.estimate.run import experts_top_k, highest_routing, meta_step_contexts, overheads, with_bounds
 from vramguard.measure.storage import local_tensor, storage_key
 from vramguard.measure.tracker import StorageTracker
-from vramguard.workload.families import experts_of
 from vramguard.workload.models import QLoRAConfig
 from vramguard.workload.routing import ROUTINGS, Routing, experts_implementation
 from vramguard.workload.sharding import ShardingConfig, check_adapters
@@ -199,8 +198,7 @@ def run_distributed_estimate(
     built = build_meta(config, sharded=True)
     check_adapters(built.model, sharding)
     # eager experts: a loop over the experts hit, which meta cannot draw; each rank runs every forced routing
-    experts = experts_of(getattr(built.model, "config", None))
-    top_k = experts.top_k if experts is not None and experts_implementation(built.model) == "eager" else None
+    top_k = experts_top_k(built.model) if experts_implementation(built.model) == "eager" else None
     shapes = [p.shape for p in built.model.parameters()]
     done: dict[tuple[int, ...], tuple[int, AuditReport, RankRow]] = {}
     reports: list[AuditReport] = []
@@ -218,7 +216,8 @@ def run_distributed_estimate(
         else:  # the rank's report and row are the highest routing's, its routing: line names all
             runs = {kind: _one_rank(config, sharding, rank, steps, top, target, kind) for kind in ROUTINGS}
             high = highest_routing({kind: r for kind, (r, _) in runs.items()})
-            report = with_bounds({kind: r for kind, (r, _) in runs.items()}, high, top_k)
+            forced_by = f"a meta run of rank {rank}'s step"  # the report shows rank 0's line
+            report = with_bounds({kind: r for kind, (r, _) in runs.items()}, high, top_k, forced_by)
             row = runs[high][1]
         done[signature] = (rank, report, row)
         reports.append(report)

@@ -34,6 +34,7 @@ from vramguard.units import format_bytes
 from vramguard.workload.families import experts_of
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, packed_lengths
 from vramguard.workload.routing import (
+    META_RUNS,
     ROUTINGS,
     Routing,
     bounds_line,
@@ -395,7 +396,7 @@ def run_estimate(
     q = build_meta(config, spec, method=method, device=device)
     if routing is None and experts_implementation(q.model) == "eager":
         # a loop over the experts hit: routing decides the peak, and meta has no routing to draw
-        top_k = _top_k(q)
+        top_k = experts_top_k(q.model)
         del q
         return routing_bounds(
             config,
@@ -558,13 +559,15 @@ def run_estimate(
     verdict = checks.verdict([*report.verdict.findings, *notes], len(report.steps), headline=line)
     report = dataclasses.replace(report, verdict=verdict, estimate=estimate, device=device)
     if routing is not None:
-        report = with_routing_note(report, checks.ROUTING, forced_line(routing, _top_k(q), forced["counts"]))
+        report = with_routing_note(
+            report, checks.ROUTING, forced_line(routing, experts_top_k(q.model), forced["counts"])
+        )
     return report
 
 
-def _top_k(q: QLoRAModel) -> int:
-    """How many experts each token is routed to (1 for a dense model)."""
-    experts = experts_of(getattr(q.model, "config", None))
+def experts_top_k(model: torch.nn.Module) -> int:
+    """How many experts each token of ``model`` is routed to (1 for a dense model)."""
+    experts = experts_of(getattr(model, "config", None))
     return experts.top_k if experts is not None else 1
 
 
@@ -601,10 +604,10 @@ def highest_routing(reports: dict[str, Any]) -> str:
     return max(ROUTINGS, key=lambda kind: (routing_figures_of(reports[kind])[0], ROUTINGS.index(kind)))
 
 
-def with_bounds(reports: dict[str, Any], high: str, top_k: int) -> Any:
+def with_bounds(reports: dict[str, Any], high: str, top_k: int, forced_by: str = META_RUNS) -> Any:
     """``reports[high]`` with the ``routing:`` line that names every forced routing's figures
-    (:func:`~vramguard.workload.routing.bounds_line`): the estimate of eager experts, on one device or one
-    rank of a sharded step."""
+    (:func:`~vramguard.workload.routing.bounds_line`; ``forced_by``: how each ran): the estimate of eager
+    experts, on one device or one rank of a sharded step."""
     figures = {kind: routing_figures_of(r) for kind, r in reports.items()}
-    line = bounds_line("eager", top_k, figures, None)
+    line = bounds_line("eager", top_k, figures, None, forced_by=forced_by)
     return with_routing_note(reports[high], checks.ROUTING, line, figures[high][0])

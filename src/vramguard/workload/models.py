@@ -627,9 +627,9 @@ def routing_line(hf_config: Any) -> str | None:
         )
     return (
         f"routing: with the {impl} experts the tensors of each expert are sized by the tokens routed to it; "
-        "these figures are for the routing this run drew (for eager experts, vramguard estimate on one device and "
-        "vramguard audit on the CPU, its own loop and the Trainer audits, replace this line with the step peak "
-        "of forced routings: vramguard.workload.routing; not a GPU, not sharded runs)"
+        "these figures are for the routing this run drew (for eager experts, vramguard estimate, on one device and "
+        "sharded, and vramguard audit on the CPU, its own loop and the Trainer audits, replace this line with the "
+        "step peak of forced routings: vramguard.workload.routing; not a GPU, not the multi-process audit)"
     )
 
 

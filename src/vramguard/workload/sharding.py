@@ -91,10 +91,11 @@ def cpu_mesh(world_size: int) -> Any:
 
 def check_adapters(model: torch.nn.Module, sharding: ShardingConfig) -> None:
     """Refuse, in one line, what the engine cannot shard of ``model``'s LoRA: FSDP1 with LoRA on parameters
-    (PEFT's ``ParamWrapper``: ``target_parameters``, or ``all-linear`` on a mixture of experts' fused stacks).
-    FSDP1 (``use_orig_params=False``) makes each parameter a view of its flat parameter, and PEFT's delta of a
-    wrapped parameter then fails in torch at the first forward ("Output 0 of View is a view and its base ...
-    has been modified inplace"), in the real ranks as on meta."""
+    (PEFT's ``ParamWrapper``: ``target_parameters``, or ``all-linear`` on a mixture of experts' fused stacks and
+    its router). PEFT's delta of a wrapped parameter fails at the first forward, in the real ranks as on meta,
+    whichever ``use_orig_params``: with False each parameter is a view of its flat parameter ("Output 0 of View
+    is a view and its base ... has been modified inplace"); with True PEFT reads the LoRA weights, sharded in
+    their own unit, outside it ("inconsistent tensor size")."""
     if sharding.sharding != "fsdp1":
         return
     from vramguard.workload.models import lora_targets
@@ -102,8 +103,9 @@ def check_adapters(model: torch.nn.Module, sharding: ShardingConfig) -> None:
     _, wrapped = lora_targets(model)
     if wrapped:
         raise UsageError(
-            f"--sharding fsdp1 with LoRA on parameters ({', '.join(sorted(wrapped))}: PEFT's target_parameters) "
-            "fails in torch at the first forward (PEFT's delta of a view of FSDP1's flat parameter); use "
+            f"--sharding fsdp1 with LoRA on parameters ({', '.join(sorted(wrapped))}: PEFT's ParamWrapper, from "
+            "target_parameters or all-linear on fused expert stacks) fails at the first forward: PEFT's delta of "
+            "a wrapped parameter cannot be made from FSDP1's flat parameters (either use_orig_params); use "
             "--sharding fsdp2, or LoRA on modules only (--target-modules naming them)"
         )
 

@@ -431,6 +431,7 @@ def test_padding_free_batch_is_trls_and_the_meta_decision_follows_its_boundaries
     from vramguard.audit.run import run_audit
     from vramguard.estimate.meta import build_meta
     from vramguard.estimate.run import run_estimate
+    from vramguard.measure.events import AllocationLog
 
     # max_length 64 (the 96,128 B gap seen at 32 was the meta weight's quantization dtype, since fixed)
     config = load_run_config(
@@ -450,11 +451,21 @@ def test_padding_free_batch_is_trls_and_the_meta_decision_follows_its_boundaries
             [(x.peak_bytes, x.retained_bytes) for x in r.steps],
         )
 
-    estimate = run_estimate(config, steps=2, target="cpu")
+    def timeline(
+        log: AllocationLog,
+    ) -> list[tuple[Any, ...]]:  # every allocation and free of the steps, in order
+        return [(made, a.context[0], a.size, a.where()) for made, a, _ in log.events if a.context[0]]
+
+    logs = {"estimate": AllocationLog(), "audit": AllocationLog()}
+    estimate = run_estimate(config, steps=2, target="cpu", events=logs["estimate"])
     assert (
         estimate.estimate is not None and estimate.estimate.forced_decisions["find_packed_sequence_indices"]
     )
-    assert answer(estimate) == answer(run_audit(config, steps=2))
+    assert answer(estimate) == answer(run_audit(config, steps=2, events=logs["audit"]))
+    # not only the peaks: the same storages made and freed in the same order (the CPU composite's conversion of
+    # the boolean packed-sequence mask made no inverted copy of it, which the meta run did: it set the forward
+    # peak of larger batches)
+    assert timeline(logs["estimate"]) == timeline(logs["audit"])
 
 
 def test_packed_rows_cost_the_mask_that_one_sequence_per_row_does_not(tmp_path: Path) -> None:

@@ -415,11 +415,9 @@ def _sdpa_as_on(
         if kernel == "math":
             return original(query, key, value, *args, **kwargs)
         if mask is not None and mask.dtype == torch.bool:
-            # the composite turns a boolean mask into an additive one in the query's dtype, which the
-            # memory-efficient kernel keeps for backward (on the H100: b x 1 x s x s x e per masked layer)
-            mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
-                mask.logical_not(), float("-inf")
-            )
+            # the memory-efficient kernel keeps the additive mask for backward (on the H100: b x 1 x s x s x e
+            # per masked layer)
+            mask = _additive_mask(mask, query.dtype)
         out, _logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, dropout, causal, attn_mask=mask, scale=scale
         )
@@ -445,15 +443,23 @@ def _sdpa_as_on(
     if choice != _FLASH:
         return original(query, key, value, *args, **kwargs)
     if mask is not None and mask.dtype == torch.bool:
-        # as the composite does before the CPU flash kernel (convert_boolean_attn_mask): an additive mask in
-        # the query's dtype, which the kernel keeps for backward (a padding-free batch's packed-sequence mask)
-        mask = torch.where(
-            mask.logical_not(), -float("inf"), torch.scalar_tensor(0.0, dtype=query.dtype, device=mask.device)
-        )
+        # the CPU flash kernel keeps the additive mask for backward (a padding-free batch's packed-sequence mask)
+        mask = _additive_mask(mask, query.dtype)
     out, _logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout, causal, attn_mask=mask, scale=scale
     )
     return out
+
+
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask made additive in ``dtype`` as the sdpa composite makes it before a fused kernel
+    (``convert_boolean_attn_mask``; torch 2.13, seen through a dispatch mode on the CPU: two scalar tensors and
+    one ``where``, no inverted copy of the mask, the scalars freed with the statement as C++ temporaries are)."""
+    return torch.where(
+        mask,
+        torch.scalar_tensor(0.0, dtype=dtype, device=mask.device),
+        torch.scalar_tensor(-float("inf"), dtype=dtype, device=mask.device),
+    )
 
 
 def _quantize_on_meta(model: torch.nn.Module, dtype: torch.dtype) -> int:

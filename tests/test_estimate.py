@@ -456,6 +456,25 @@ def test_adamw_8bit_on_meta_equals_the_same_run_on_cpu() -> None:
     assert meta.config["extra"] == {"method": "lora", "optimizer": "adamw-8bit"}
 
 
+def test_adamw_8bit_estimate_for_the_cpu_equals_the_audit_where_lora_gets_8bit_state() -> None:
+    """bitsandbytes gives 8-bit state only to parameters of at least 4,096 elements (``min_8bit_size``; smaller
+    ones get fp32 state, as every LoRA weight of the test above at rank 8), and moves its two quantization maps,
+    made on the host when the optimizer is built, to the parameters' device at the first step. The CPU needs no
+    copy; the meta run made one (2 KiB in every phase) until the ``cpu`` target moved them before the step."""
+    from vramguard.audit.run import run_audit
+    from vramguard.estimate.meta import build_meta
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=32, batch=1, lora_rank=64, optimizer="adamw-8bit")
+    assert max(p.numel() for p in build_meta(config).trainable_parameters()) >= 4096  # the 8-bit path runs
+    estimate = run_estimate(config, steps=STEPS, target="cpu")
+    audit = run_audit(config, steps=STEPS)
+    assert {k: v.peak_bytes for k, v in estimate.phases.items()} == {
+        k: v.peak_bytes for k, v in audit.phases.items()
+    }
+    assert estimate.totals == audit.totals
+
+
 def test_an_unknown_optimizer_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--optimizer", "sgd"]) == 2
     err = capsys.readouterr().err

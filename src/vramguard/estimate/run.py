@@ -184,10 +184,23 @@ PAGED_MIN_NUMEL = 100_000
 """bitsandbytes' ``Optimizer8bit.get_state_buffer``: a state buffer is paged for ``p.numel() >= 1e5``."""
 
 
-def make_estimate_optimizer(q: QLoRAModel, name: str = "adamw") -> torch.optim.Optimizer:
+def make_estimate_optimizer(
+    q: QLoRAModel, name: str = "adamw", target: str = "cuda"
+) -> torch.optim.Optimizer:
     """The optimizer the estimate steps with: :func:`vramguard.workload.training.make_optimizer`'s, the
-    audit's."""
-    return make_optimizer(q, name=name)
+    audit's.
+
+    bitsandbytes' 8-bit optimizers make their two quantization maps (256 fp32 each) on the host when built and
+    move them to the device of the first parameter that gets 8-bit state, in the first step: a device
+    allocation on a GPU, none on the CPU, where they already are. For the ``cpu`` target they are moved to the
+    meta run's device here, before the step, so the step makes no copy either."""
+    optimizer = make_optimizer(q, name=name)
+    maps = getattr(optimizer, "name2qmap", None)
+    if target == "cpu" and maps:
+        device = q.trainable_parameters()[0].device
+        for key in list(maps):
+            maps[key] = maps[key].to(device)
+    return optimizer
 
 
 def paged_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
@@ -408,7 +421,7 @@ def run_estimate(
             events=events,
             one_sequence_per_row=one_sequence_per_row,
         )
-    opt = make_estimate_optimizer(q, optimizer)
+    opt = make_estimate_optimizer(q, optimizer, target)
     # the meta run takes the target's kernel choices (see estimate.meta)
     expected = expectation_of(q, config, target, analytic=method == "qlora")
     # every device: meta storages and the host-side ones the libraries keep (Adam's step counters),

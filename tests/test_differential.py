@@ -1,7 +1,7 @@
 """Random TRL configs, each through ``vramguard estimate --target cpu`` (the meta run) and ``vramguard audit``
-(the CPU run): every config both accept gives the same figures to the byte. A sweep of this kind found three
+(the CPU run): every config both accept gives the same figures to the byte. A sweep of this kind found two
 disagreements the per-key tests missed (a boolean mask's inverted copy at 8k packed tokens, bitsandbytes'
-8-bit quantization maps, 4-bit biases in the FSDP recipe), each since fixed and tested where it lives.
+8-bit quantization maps counted as a new copy), each since fixed and tested where it lives.
 
 Slow (about 3 s a config): ``pytest -m slow tests/test_differential.py``; ``VRAMGUARD_DIFFERENTIAL_EXAMPLES``
 sets how many configs (default 25, derandomized: the same ones every run).

@@ -26,12 +26,12 @@ from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.tracker import MemoryTracker
 from vramguard.model.analytic import Expectation, planned_expectation, qlora_expectation, weights_expectation
 from vramguard.units import format_bytes
-from vramguard.workload.families import NoAnalyticModel, experts_of
+from vramguard.workload.families import NoAnalyticModel
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
 from vramguard.workload.routing import (
     Routing,
     bounds_line,
-    experts_implementation,
+    eager_top_k,
     figures,
     forced_line,
     forced_routing,
@@ -199,17 +199,17 @@ def run_audit(
     report = assemble_report(
         q, config, expected, tracker, results, ledger, optimizer, top, time.perf_counter() - t0
     )
-    experts = experts_of(getattr(q.model, "config", None))
-    if experts is None or experts_implementation(q.model) != "eager":
+    top_k = eager_top_k(q.model)
+    if top_k is None:
         return report
     if routing is not None:
-        return with_routing_note(report, checks.ROUTING, forced_line(routing, experts.top_k, taken["counts"]))
+        return with_routing_note(report, checks.ROUTING, forced_line(routing, top_k, taken["counts"]))
     if routing_figures is None or torch.device(config.device).type != "cpu":
         # the build's line: these figures are for the routing this run drew. On a GPU the audit's phase peaks are
         # absolute allocator readings (weights and cuBLAS in), the meta runs' are not: nothing comparable yet
         return report
     measured = figures(report)
-    line = bounds_line("eager", experts.top_k, routing_figures(config, steps), measured)
+    line = bounds_line("eager", top_k, routing_figures(config, steps), measured)
     return with_routing_note(report, checks.ROUTING, line, measured[0])
 
 

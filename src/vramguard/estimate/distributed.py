@@ -43,11 +43,11 @@ from vramguard.audit.distributed import measure_rank, merged, rank_expectation
 from vramguard.audit.report import AuditReport, RankRow
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import META, TARGETS, build_meta, routed_on_meta
-from vramguard.estimate.run import experts_top_k, highest_routing, meta_step_contexts, overheads, with_bounds
+from vramguard.estimate.run import highest_routing, meta_step_contexts, overheads, with_bounds
 from vramguard.measure.storage import local_tensor, storage_key
 from vramguard.measure.tracker import StorageTracker
 from vramguard.workload.models import QLoRAConfig
-from vramguard.workload.routing import ROUTINGS, Routing, experts_implementation
+from vramguard.workload.routing import ROUTINGS, Routing, eager_top_k
 from vramguard.workload.sharding import ShardingConfig, check_adapters
 
 
@@ -198,7 +198,7 @@ def run_distributed_estimate(
     built = build_meta(config, sharded=True)
     check_adapters(built.model, sharding)
     # eager experts: a loop over the experts hit, which meta cannot draw; each rank runs every forced routing
-    top_k = experts_top_k(built.model) if experts_implementation(built.model) == "eager" else None
+    top_k = eager_top_k(built.model)
     shapes = [p.shape for p in built.model.parameters()]
     done: dict[tuple[int, ...], tuple[int, AuditReport, RankRow]] = {}
     reports: list[AuditReport] = []

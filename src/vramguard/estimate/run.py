@@ -31,14 +31,14 @@ from vramguard.estimate.offload import OffloadActivations
 from vramguard.measure.events import AllocationLog
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.units import format_bytes
-from vramguard.workload.families import experts_of
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, packed_lengths
 from vramguard.workload.routing import (
     META_RUNS,
     ROUTINGS,
     Routing,
     bounds_line,
-    experts_implementation,
+    eager_top_k,
+    experts_top_k,
     forced_line,
     forced_routing,
 )
@@ -407,9 +407,9 @@ def run_estimate(
         too_long = exc
     t0 = time.perf_counter()
     q = build_meta(config, spec, method=method, device=device)
-    if routing is None and experts_implementation(q.model) == "eager":
+    top_k = eager_top_k(q.model)
+    if routing is None and top_k is not None:
         # a loop over the experts hit: routing decides the peak, and meta has no routing to draw
-        top_k = experts_top_k(q.model)
         del q
         return routing_bounds(
             config,
@@ -576,12 +576,6 @@ def run_estimate(
             report, checks.ROUTING, forced_line(routing, experts_top_k(q.model), forced["counts"])
         )
     return report
-
-
-def experts_top_k(model: torch.nn.Module) -> int:
-    """How many experts each token of ``model`` is routed to (1 for a dense model)."""
-    experts = experts_of(getattr(model, "config", None))
-    return experts.top_k if experts is not None else 1
 
 
 def forced_routing_figures(config: QLoRAConfig, steps: int) -> dict[str, tuple[int, int]]:

@@ -21,7 +21,6 @@ from vramguard.audit.report import AuditReport, with_routing_note
 from vramguard.errors import UsageError
 from vramguard.integrations.transformers import VramGuardCallback
 from vramguard.workload import routing as routes
-from vramguard.workload.families import experts_of
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora
 from vramguard.workload.routing import Routing
 
@@ -64,20 +63,18 @@ def run_trainer_audit(
     and the ``routing:`` line holds the drawn peak between them, as ``vramguard audit``'s loop does with meta
     runs (the trainer's step is not the loop's, so its own runs bound it)."""
     report, q = _train(config, steps, trainer, output_dir, offload_activations, routing)
-    experts = experts_of(getattr(q.model, "config", None))
-    eager = experts is not None and routes.experts_implementation(q.model) == "eager"
+    top_k = routes.eager_top_k(q.model)
     del q  # the forced runs build their own models: not two at once
     # a GPU's phase peaks hold the weights (as in the loop: no bounds there yet); a forced run bounds nothing
-    if not eager or routing is not None or torch.device(config.device).type != "cpu":
+    if top_k is None or routing is not None or torch.device(config.device).type != "cpu":
         return report
-    assert experts is not None
     figures = {}
     for kind in routes.ROUTINGS:  # three more train() runs: the cost of the bounds, said in docs/audit.md
         forced, _ = _train(config, steps, trainer, Path(output_dir) / kind, offload_activations, kind)
         figures[kind] = routes.figures(forced)
     measured = routes.figures(report)
     line = routes.bounds_line(
-        "eager", experts.top_k, figures, measured, forced_by=f"a run of this {trainer} on the CPU"
+        "eager", top_k, figures, measured, forced_by=f"a run of this {trainer} on the CPU"
     )
     return with_routing_note(report, checks.ROUTING, line, measured[0])
 
@@ -156,10 +153,10 @@ def _train(
     # vramguard audit's own loop reports them: the callback sees the model, not how it was built
     build = checks.notes(checks.BUILD, q.notes)
     report.verdict = dataclasses.replace(report.verdict, findings=[*build, *report.verdict.findings])
-    experts = experts_of(getattr(q.model, "config", None))
-    if routing is not None and experts is not None and routes.experts_implementation(q.model) == "eager":
+    top_k = routes.eager_top_k(q.model)
+    if routing is not None and top_k is not None:
         if not taken["forced"]:
             raise UsageError(f"routing forced to {routing}, but train() called no experts module")
-        line = routes.forced_line(routing, experts.top_k, taken["counts"])
+        line = routes.forced_line(routing, top_k, taken["counts"])
         report = with_routing_note(report, checks.ROUTING, line)
     return report, q

@@ -100,6 +100,18 @@ def experts_implementation(model: torch.nn.Module) -> str | None:
     return getattr(config, "_experts_implementation", None) or "eager"
 
 
+def experts_top_k(model: torch.nn.Module) -> int:
+    """How many experts each token of ``model`` is routed to (1 for a dense model)."""
+    experts = experts_of(getattr(model, "config", None))
+    return experts.top_k if experts is not None else 1
+
+
+def eager_top_k(model: torch.nn.Module) -> int | None:
+    """:func:`experts_top_k` of a mixture of experts whose experts loop over the experts hit (``eager``: routing
+    decides the step's peak, and the audit and the estimates bound it by forced routings); None otherwise."""
+    return experts_top_k(model) if experts_implementation(model) == "eager" else None
+
+
 @contextlib.contextmanager
 def forced_routing(
     model: torch.nn.Module,

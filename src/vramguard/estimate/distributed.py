@@ -42,6 +42,7 @@ import torch
 from vramguard.audit.distributed import measure_rank, merged, rank_expectation
 from vramguard.audit.report import AuditReport, RankRow
 from vramguard.errors import UsageError
+from vramguard.estimate.kernels import cuda_kernel_temporaries
 from vramguard.estimate.meta import META, TARGETS, build_meta, routed_on_meta
 from vramguard.estimate.run import highest_routing, meta_step_contexts, overheads, with_bounds
 from vramguard.measure.storage import local_tensor, storage_key
@@ -242,6 +243,8 @@ def _one_rank(
     expected = rank_expectation(q, config)
     source = StorageTracker(None)  # meta storages and the host-side ones (Adam's step counters), as the audit
     source.device = META
+    if target == "cuda":  # what CUDA's kernels hold inside themselves (estimate.kernels)
+        source.kernel_temporaries = cuda_kernel_temporaries
     decisions, flash = meta_step_contexts(q, config, target)  # autocast, attention kernels: as on one device
     routed: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if routing is not None:  # entered outside the tracker, which measure_rank enters

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from itertools import accumulate
@@ -78,6 +78,10 @@ class StorageTracker(TorchDispatchMode):
         self._seeing = False
         self.allocations = 0
         self.events: AllocationLog | None = None
+        # (func, args, kwargs) -> the blocks the op's kernel on the target device holds while it runs, beyond
+        # its outputs (:func:`vramguard.estimate.kernels.cuda_kernel_temporaries`, for a meta run priced for
+        # CUDA): counted from before the op until it returns
+        self.kernel_temporaries: Callable[[Any, Any, dict[str, Any]], list[torch.Tensor]] | None = None
 
     # MemorySource -------------------------------------------------------------------------
     def current(self) -> int:
@@ -202,6 +206,9 @@ class StorageTracker(TorchDispatchMode):
                 self.events.free(ref.key)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        temporaries = self.kernel_temporaries(func, args, kwargs or {}) if self.kernel_temporaries else []
+        for t in temporaries:
+            self._count(t.untyped_storage())
         out = func(*args, **(kwargs or {}))
         outputs = (out,) if type(out) is torch.Tensor else tensor_leaves(out)
         # ``torch.tensor(data)`` builds its storage outside the dispatcher and only then lifts it:
@@ -221,6 +228,7 @@ class StorageTracker(TorchDispatchMode):
                 inputs = _storage_keys(tensor_leaves((args, kwargs)))
             if storage._cdata not in inputs:
                 self._count(storage)
+        del temporaries  # freed once the outputs are counted, as the kernel frees them (their callbacks subtract)
         return out
 
 
@@ -416,8 +424,10 @@ class MemoryTracker:
     ``events``: an :class:`~vramguard.measure.events.AllocationLog` that receives every allocation and free the
     source counts (a :class:`StorageTracker`: CPU and meta), each with the phase, the module stack and, in
     backward, the autograd node running when it happened; with ``model``, the model's storages that exist
-    before the block are its pre-existing blocks (weights, trainable parameters). Another source records no
-    events (``ValueError``).
+    before the block are its pre-existing blocks (weights, trainable parameters). With another source (the CUDA
+    allocator's) a :class:`StorageTracker` of the device's type records the events beside it: the figures stay
+    the allocator's, the log holds the storages ops made (not cuBLAS's workspaces, nor what a kernel holds only
+    while it runs: docs/measurements/2026-11-25-h100 compares it with the allocator's own history).
     """
 
     def __init__(
@@ -432,18 +442,23 @@ class MemoryTracker:
         self.result = TrackerResult(device=self.source.device, peak_bytes=0)
         self._open: list[Frame] = []
         self._modules = ModuleStack({}, self._enter_module, self._exit_module)
-        if events is not None and not isinstance(self.source, StorageTracker):
-            raise ValueError(f"{type(self.source).__name__} records no allocation events")
+        self._recorder: StorageTracker | None = None
+        if events is not None:
+            self._recorder = (
+                self.source if isinstance(self.source, StorageTracker) else StorageTracker(torch.device(device).type)
+            )
         self.events = events
 
     def __enter__(self) -> MemoryTracker:
         if self.events is not None:
-            assert isinstance(self.source, StorageTracker)
+            assert self._recorder is not None
             self.events.device = self.source.device
             self.events.context = self._context
             if self.model is not None:
                 self.events.add_preexisting(model_storages(self.model))
-            self.source.events = self.events
+            self._recorder.events = self.events
+            if self._recorder is not self.source:
+                self._recorder.start()
         self.source.start()
         self._root = self.open_frame(FrameStats("total"))
         if self.model is not None:
@@ -471,8 +486,10 @@ class MemoryTracker:
         self.result.peak_bytes = root.peak_bytes
         self.source.stop()
         if self.events is not None:
-            assert isinstance(self.source, StorageTracker)
-            self.source.events = None
+            assert self._recorder is not None
+            if self._recorder is not self.source:
+                self._recorder.stop()
+            self._recorder.events = None
             self.events.stop()
 
     def current(self) -> int:

@@ -299,10 +299,38 @@ def test_the_timeline_needs_the_storage_tracker(capsys: pytest.CaptureFixture[st
         main(["audit", "--model", "tiny-llama", "--trainer", "sft", "--html", str(tmp_path / "x.html")]) == 2
     )
     assert "--trainer loop" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="records no allocation events"):
-        from vramguard.measure.tracker import CudaAllocatorSource, MemoryTracker
 
-        MemoryTracker("cuda", source=CudaAllocatorSource("cuda"), events=AllocationLog())
+
+class _Fixed:
+    """A memory source that reads a fixed figure (the CUDA allocator's place, on a machine without one)."""
+
+    device = "cpu"
+
+    def current(self) -> int:
+        return 12345
+
+    def peak(self) -> int:
+        return 12345
+
+    def reset_peak(self) -> None: ...
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+
+
+def test_another_source_keeps_its_figures_and_a_storage_tracker_records_the_events() -> None:
+    """With the allocator as the source (CUDA), ``--snapshot``'s events come from a storage tracker of the device's
+    type beside it: the tracker's figures stay the source's, the log holds the ops' storages."""
+    from vramguard.measure.tracker import MemoryTracker
+
+    events = AllocationLog()
+    with MemoryTracker("cpu", source=_Fixed(), events=events) as tracker:
+        with tracker.phase("forward"):
+            x = torch.ones(1000)
+            del x
+    assert tracker.result.peak_bytes == 12345
+    snapshot = events.snapshot()
+    sizes = [e["size"] for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
+    assert 4000 in sizes
 
 
 def _estimate_replays(model: str, tmp_path: Path) -> None:

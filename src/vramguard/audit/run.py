@@ -118,6 +118,23 @@ def refuse_what_the_audit_cannot_run(config: QLoRAConfig) -> None:
         )
 
 
+def apply_liger_on_device(model: torch.nn.Module, device: str) -> None:
+    """Liger's kernels applied to ``model`` as transformers' Trainer applies them for ``use_liger_kernel``
+    (``apply_liger_kernel(model, {})``: Liger's defaults for the architecture), so the loop's steps run its Triton
+    kernels and its fused linear cross-entropy. CUDA only (UsageError elsewhere: the kernels are Triton's, and
+    vramguard estimate prices them on meta); liger-kernel and Triton must be installed (the liger extra)."""
+    if torch.device(device).type != "cuda":
+        raise UsageError("use_liger_kernel runs Liger's Triton kernels on CUDA only: audit it with --device cuda")
+    from transformers.integrations.liger import apply_liger_kernel
+
+    try:
+        apply_liger_kernel(model, {})
+    except ImportError as exc:  # transformers' own check: liger-kernel missing or too old
+        raise UsageError(
+            f'use_liger_kernel needs liger-kernel and Triton (pip install -c constraints.txt -e ".[liger]"): {exc}'
+        ) from None
+
+
 def expectation_of(q: QLoRAModel, config: QLoRAConfig, target: str, analytic: bool = True) -> Expectation:
     """The analytic expectation of ``q``'s step for ``config`` with ``target``'s kernels; the weights
     alone (with the reason) where the analytic model has no answer, or with ``analytic`` False."""
@@ -176,13 +193,15 @@ def run_audit(
         raise UsageError(f"steps must be at least 1, got {steps}")
     config.validate()
     refuse_what_the_audit_cannot_run(config)
-    if events is not None and torch.device(config.device).type != "cpu":
-        raise UsageError(f"allocation events are recorded on cpu and meta, not {config.device}")
+    if events is not None and torch.device(config.device).type not in ("cpu", "cuda"):
+        raise UsageError(f"allocation events are recorded on cpu, cuda and meta, not {config.device}")
     check_fits(config)
     report_progress = progress or (lambda what, done, total: None)
     t0 = time.perf_counter()
     report_progress("building 4-bit model", 0, steps + 1)
     q = build_qlora(config)
+    if config.use_liger_kernel:
+        apply_liger_on_device(q.model, config.device)
     optimizer = make_optimizer(q, name=config.optimizer)
     expected = expectation_of(q, config, torch.device(config.device).type)
     report_progress("step 1", 1, steps + 1)

@@ -107,17 +107,18 @@ def handle(args: argparse.Namespace) -> int:
             "offload (TRL's offloading runs with --trainer sft on an accelerator); measured without it"
         )
         config = dataclasses.replace(config, offload_activations=False)
-    if config.use_liger_kernel:
+    if config.use_liger_kernel and (config.device.split(":")[0] != "cuda" or args.trainer != "loop"):
         lines.append(
-            f"config {args.config.name}: NOT PRICED: use_liger_kernel=true: Liger's Triton kernels need a GPU and "
-            "the audit runs here without them (the fp32 logits stay in); vramguard estimate prices it on meta"
+            f"config {args.config.name}: NOT PRICED: use_liger_kernel=true: Liger's Triton kernels run in the audit's "
+            "loop on CUDA only (--device cuda, no --trainer); measured without them (the fp32 logits stay in); "
+            "vramguard estimate prices it on meta"
         )
         config = dataclasses.replace(config, use_liger_kernel=False)
     events = AllocationLog() if wants_timeline(args) else None
-    if events is not None and (args.trainer != "loop" or not config.device.startswith("cpu")):
+    if events is not None and args.trainer != "loop":
         raise UsageError(
-            "--snapshot and --html record the storage tracker's allocations: vramguard's loop (--trainer loop) "
-            f"on cpu, not --trainer {args.trainer} on {config.device}"
+            "--snapshot and --html record the storage tracker's allocations in vramguard's loop (--trainer loop), "
+            f"not --trainer {args.trainer}"
         )
     check_fits(config)  # fail on a bad model, or one that cannot fit, before anything is built
     console = stdout_console()

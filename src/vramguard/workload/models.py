@@ -186,8 +186,9 @@ OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "paged-adamw-8bit")
 which is ``AdamW8bit(is_paged=True)``: the same state, but the two moments of every parameter with at
 least :data:`vramguard.estimate.run.PAGED_MIN_NUMEL` elements live in CUDA unified memory
 (``cudaMallocManaged``), which the driver pages to the host when the device runs short. Unified memory
-cannot be had on meta or on a CPU, so the meta run runs ``AdamW8bit`` and
-:func:`vramguard.estimate.run.paged_state_bytes` names the bytes that would be paged."""
+cannot be had on meta or on a CPU, so the meta run and the CPU audit run ``AdamW8bit`` and
+:func:`vramguard.estimate.run.paged_state_bytes` names the bytes that would be paged; the audit on CUDA runs
+``PagedAdamW8bit`` itself."""
 
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager", "flash_attention_2")
 """transformers' attention implementations vramguard runs; ``flash_attention_2`` on meta only (the estimate,

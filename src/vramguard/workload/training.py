@@ -39,14 +39,16 @@ class StepResult:
 def make_optimizer(q: QLoRAModel, lr: float = 1e-4, name: str = "adamw") -> torch.optim.Optimizer:
     """The optimizer of the trainable parameters, by its :data:`~vramguard.workload.models.OPTIMIZERS` name:
     torch AdamW (8 bytes of state per trainable fp32 parameter), or bitsandbytes ``AdamW8bit`` for both 8-bit
-    names (unified memory, the paged one's, cannot be had on meta or a CPU;
-    :func:`vramguard.estimate.run.paged_state_bytes` names what would be paged). Any other name is a
-    :class:`UsageError`."""
+    names on meta or a CPU, where unified memory (the paged one's) cannot be had
+    (:func:`vramguard.estimate.run.paged_state_bytes` names what would be paged), and ``PagedAdamW8bit`` for
+    the paged name on CUDA. Any other name is a :class:`UsageError`."""
     if name == "adamw":
         return torch.optim.AdamW(q.trainable_parameters(), lr=lr)
     if name in ("adamw-8bit", "paged-adamw-8bit"):
         import bitsandbytes as bnb
 
+        if name == "paged-adamw-8bit" and torch.device(q.config.device).type == "cuda":
+            return bnb.optim.PagedAdamW8bit(q.trainable_parameters(), lr=lr)  # its state in unified memory
         return bnb.optim.AdamW8bit(q.trainable_parameters(), lr=lr)  # paged: see OPTIMIZERS
     raise UsageError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
 

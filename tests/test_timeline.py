@@ -323,14 +323,45 @@ def test_another_source_keeps_its_figures_and_a_storage_tracker_records_the_even
     from vramguard.measure.tracker import MemoryTracker
 
     events = AllocationLog()
-    with MemoryTracker("cpu", source=_Fixed(), events=events) as tracker:
-        with tracker.phase("forward"):
-            x = torch.ones(1000)
-            del x
+    tracker = MemoryTracker("cpu", source=_Fixed(), events=events)
+    with tracker, tracker.phase("forward"):
+        x = torch.ones(1000)
+        del x
     assert tracker.result.peak_bytes == 12345
     snapshot = events.snapshot()
     sizes = [e["size"] for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
     assert 4000 in sizes
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    assert _get_current_dispatch_mode_stack() == []  # the recorder stopped with the block
+    torch.ones(500)
+    assert len(events.snapshot()["device_traces"][0]) == len(snapshot["device_traces"][0])
+
+
+class _FailingStart(_Fixed):
+    def start(self) -> None:
+        raise RuntimeError("the source cannot start")
+
+
+class _FailingStop(_Fixed):
+    def stop(self) -> None:
+        raise RuntimeError("the source cannot stop")
+
+
+@pytest.mark.parametrize("source", [_FailingStart, _FailingStop])
+def test_a_failing_source_leaves_no_recorder_behind(source: type) -> None:
+    """Whatever fails in the tracker's entry or exit, the events' recorder (a dispatch mode) is stopped: a later
+    test in the same process must not run under it."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from vramguard.measure.tracker import MemoryTracker
+
+    with (
+        pytest.raises(RuntimeError, match="cannot"),
+        MemoryTracker("cpu", source=source(), events=AllocationLog()),
+    ):
+        torch.ones(10)
+    assert _get_current_dispatch_mode_stack() == []
 
 
 def _estimate_replays(model: str, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ problem (weight copies saved for backward, retained memory growing across steps)
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import shutil
 import tempfile
 import time
@@ -20,7 +21,7 @@ import torch
 from vramguard.audit import verdict as checks
 from vramguard.audit.assemble import Measured, assemble
 from vramguard.audit.report import AuditReport, StepRow, with_routing_note
-from vramguard.errors import UsageError
+from vramguard.errors import UsageError, first_line
 from vramguard.measure.events import AllocationLog, timeline
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.tracker import MemoryTracker
@@ -111,6 +112,15 @@ def refuse_what_the_audit_cannot_run(config: QLoRAConfig) -> None:
     """fp16 autocast on the CPU (:func:`refuse_fp16_on_cpu`) and flash_attention_2 (the flash_attn package
     is CUDA-only and the audit does not load it) are refused with a one-line :class:`UsageError`."""
     refuse_fp16_on_cpu(config, torch.device(config.device).type)
+    if config.use_liger_kernel:  # before the build, which can take minutes
+        if torch.device(config.device).type != "cuda":
+            raise UsageError(
+                "use_liger_kernel runs Liger's Triton kernels on CUDA only: audit it with --device cuda"
+            )
+        if importlib.util.find_spec("liger_kernel") is None or importlib.util.find_spec("triton") is None:
+            raise UsageError(
+                'use_liger_kernel needs liger-kernel and Triton: pip install -c constraints.txt -e ".[liger]"'
+            )
     if config.attn_implementation == "flash_attention_2":
         raise UsageError(
             "attn-implementation flash_attention_2 needs the flash_attn package and a CUDA GPU, which the audit "
@@ -124,14 +134,17 @@ def apply_liger_on_device(model: torch.nn.Module, device: str) -> None:
     kernels and its fused linear cross-entropy. CUDA only (UsageError elsewhere: the kernels are Triton's, and
     vramguard estimate prices them on meta); liger-kernel and Triton must be installed (the liger extra)."""
     if torch.device(device).type != "cuda":
-        raise UsageError("use_liger_kernel runs Liger's Triton kernels on CUDA only: audit it with --device cuda")
+        raise UsageError(
+            "use_liger_kernel runs Liger's Triton kernels on CUDA only: audit it with --device cuda"
+        )
     from transformers.integrations.liger import apply_liger_kernel
 
     try:
         apply_liger_kernel(model, {})
     except ImportError as exc:  # transformers' own check: liger-kernel missing or too old
         raise UsageError(
-            f'use_liger_kernel needs liger-kernel and Triton (pip install -c constraints.txt -e ".[liger]"): {exc}'
+            "use_liger_kernel needs liger-kernel and Triton "
+            f'(pip install -c constraints.txt -e ".[liger]"): {first_line(exc)}'
         ) from None
 
 
@@ -194,7 +207,7 @@ def run_audit(
     config.validate()
     refuse_what_the_audit_cannot_run(config)
     if events is not None and torch.device(config.device).type not in ("cpu", "cuda"):
-        raise UsageError(f"allocation events are recorded on cpu, cuda and meta, not {config.device}")
+        raise UsageError(f"allocation events are recorded on cpu and cuda, not {config.device}")
     check_fits(config)
     report_progress = progress or (lambda what, done, total: None)
     t0 = time.perf_counter()

@@ -5,12 +5,12 @@ also allocate a block for the time it runs and free it before it returns; the ca
 it, the meta kernel never makes it. An H100 named the ones that decide a QLoRA step's peak
 (``docs/measurements/gpu-op-temporaries.py``: the allocator read around every op of a step, torch 2.11,
 ``docs/measurements/2026-11-25-h100``): the highest point of every checkpointed, eager or sliding-window step
-of 2026-11-22 (8-11 % above the estimate) fell inside ``_softmax_backward_data``, whose CUDA kernel holds one
+of 2026-11-22 (7.8-10.4 % below it) fell inside ``_softmax_backward_data``, whose CUDA kernel holds one
 more tensor the size of its incoming gradient (256 MiB for the 1B shape at batch 2 x 1,024, the `s x s`
 tensor the estimate was short by). :func:`cuda_kernel_temporaries` gives those blocks, for the tracker to
 count from before the op until after it (:attr:`StorageTracker.kernel_temporaries`).
 
-Priced (each measured on the H100, byte for byte):
+Priced (each measured on the H100; ``_safe_softmax`` less the 512 B block of its zero scalar):
 
 * ``aten._softmax_backward_data``: one tensor like ``grad_output`` (its shape and dtype): the math attention's
   and eager attention's softmax backward, every layer;
@@ -44,7 +44,7 @@ def cuda_kernel_temporaries(func: Any, args: tuple[Any, ...], kwargs: dict[str, 
         dim = args[1] if len(args) > 1 else kwargs["dim"]
         rows = list(x.shape)
         if rows:
-            rows[dim] = 1
+            rows[dim % len(rows)] = 1  # (torch has refused a dim out of range before its kernel runs)
         return [
             torch.empty(x.shape, dtype=torch.bool, device=x.device),
             torch.empty(rows, dtype=torch.bool, device=x.device),

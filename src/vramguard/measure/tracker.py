@@ -6,8 +6,10 @@ Two sources answer "how many bytes are live now, and how high did it go since I 
   an op returns, counts each new storage once and subtracts it when the storage is freed. It
   needs no allocator, works on the meta device, with frozen parameters and with custom ops
   (bitsandbytes' ops are ordinary dispatcher ops). It sees tensors, not allocator internals:
-  scratch buffers a kernel allocates and frees inside one op are invisible, as are storages
-  created before tracking started (the model's own weights), which is what a delta should omit.
+  scratch buffers a kernel allocates and frees inside one op are invisible unless
+  :attr:`StorageTracker.kernel_temporaries` names them (an estimate for CUDA does:
+  :mod:`vramguard.estimate.kernels`), as are storages created before tracking started (the model's
+  own weights), which is what a delta should omit.
 * :class:`CudaAllocatorSource`: the caching allocator's own statistics (allocated, reserved and
   their peaks), which also see kernel scratch space and fragmentation.
 
@@ -207,9 +209,13 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         temporaries = self.kernel_temporaries(func, args, kwargs or {}) if self.kernel_temporaries else []
-        for t in temporaries:
-            self._count(t.untyped_storage())
-        out = func(*args, **(kwargs or {}))
+        for block in temporaries:
+            self._count(block.untyped_storage())
+        try:
+            out = func(*args, **(kwargs or {}))
+        except BaseException:
+            temporaries.clear()  # the kernel never ran: its blocks go now, not with the traceback's frame
+            raise
         outputs = (out,) if type(out) is torch.Tensor else tensor_leaves(out)
         # ``torch.tensor(data)`` builds its storage outside the dispatcher and only then lifts it:
         # the lifted tensor is an allocation although it shares its input's storage
@@ -228,7 +234,8 @@ class StorageTracker(TorchDispatchMode):
                 inputs = _storage_keys(tensor_leaves((args, kwargs)))
             if storage._cdata not in inputs:
                 self._count(storage)
-        del temporaries  # freed once the outputs are counted, as the kernel frees them (their callbacks subtract)
+        # freed once the outputs are counted, as the kernel frees them (their callbacks subtract them)
+        del temporaries
         return out
 
 
@@ -422,9 +429,10 @@ class MemoryTracker:
     >>> tracker.result.phases["forward"].peak_bytes
 
     ``events``: an :class:`~vramguard.measure.events.AllocationLog` that receives every allocation and free the
-    source counts (a :class:`StorageTracker`: CPU and meta), each with the phase, the module stack and, in
-    backward, the autograd node running when it happened; with ``model``, the model's storages that exist
-    before the block are its pre-existing blocks (weights, trainable parameters). With another source (the CUDA
+    source counts (a :class:`StorageTracker`: CPU, meta, or a device beside another source), each with the
+    phase, the module stack and, in backward, the autograd node running when it happened; with ``model``, the
+    model's storages that exist before the block are its pre-existing blocks (weights, trainable parameters).
+    With another source (the CUDA
     allocator's) a :class:`StorageTracker` of the device's type records the events beside it: the figures stay
     the allocator's, the log holds the storages ops made (not cuBLAS's workspaces, nor what a kernel holds only
     while it runs: docs/measurements/2026-11-25-h100 compares it with the allocator's own history).
@@ -444,8 +452,10 @@ class MemoryTracker:
         self._modules = ModuleStack({}, self._enter_module, self._exit_module)
         self._recorder: StorageTracker | None = None
         if events is not None:
+            # the source's device decides what is recorded (a CUDA allocator source: CUDA storages only)
+            recorded = torch.device(self.source.device).type if self.source.device != "any" else None
             self._recorder = (
-                self.source if isinstance(self.source, StorageTracker) else StorageTracker(torch.device(device).type)
+                self.source if isinstance(self.source, StorageTracker) else StorageTracker(recorded)
             )
         self.events = events
 
@@ -459,12 +469,26 @@ class MemoryTracker:
             self._recorder.events = self.events
             if self._recorder is not self.source:
                 self._recorder.start()
-        self.source.start()
-        self._root = self.open_frame(FrameStats("total"))
-        if self.model is not None:
-            self._modules.names = module_names(self.model)
-            self._modules.__enter__()
+        try:
+            self.source.start()
+            self._root = self.open_frame(FrameStats("total"))
+            if self.model is not None:
+                self._modules.names = module_names(self.model)
+                self._modules.__enter__()
+        except BaseException:
+            self._stop_recording()  # no dispatch mode left behind for whatever runs next
+            raise
         return self
+
+    def _stop_recording(self) -> None:
+        """Stop the events' recorder (a storage tracker beside another source) and close the log."""
+        if self.events is None:
+            return
+        assert self._recorder is not None
+        if self._recorder is not self.source:
+            self._recorder.stop()
+        self._recorder.events = None
+        self.events.stop()
 
     def _context(self) -> Context:
         """Where the step is now, for :attr:`events`: phase, call, module stack and autograd node."""
@@ -479,18 +503,15 @@ class MemoryTracker:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._modules.__exit__(exc_type, exc, tb)
-        while len(self._open) > 1:
-            self.close_frame()
-        root = self.close_frame()
-        self.result.peak_bytes = root.peak_bytes
-        self.source.stop()
-        if self.events is not None:
-            assert self._recorder is not None
-            if self._recorder is not self.source:
-                self._recorder.stop()
-            self._recorder.events = None
-            self.events.stop()
+        try:
+            self._modules.__exit__(exc_type, exc, tb)
+            while len(self._open) > 1:
+                self.close_frame()
+            root = self.close_frame()
+            self.result.peak_bytes = root.peak_bytes
+            self.source.stop()
+        finally:
+            self._stop_recording()
 
     def current(self) -> int:
         """Bytes live now as the source counts them (a reading only: no frame's peak is updated)."""

@@ -242,7 +242,8 @@ class QLoRAConfig:
     autocast (``no``, ``bf16``, ``fp16``), run as accelerate runs it for Trainer (fp16 needs a GPU: accelerate
     refuses it on the CPU, and so do the CPU audit and ``estimate --target cpu``). ``use_liger_kernel``: Trainer's
     ``use_liger_kernel`` (Liger's kernels, its fused linear cross-entropy among them), the estimate's on meta
-    (:mod:`vramguard.estimate.liger`); the audit runs without it (Triton needs a GPU)."""
+    (:mod:`vramguard.estimate.liger`); the audit's loop applies it on CUDA and runs without it elsewhere (Triton
+    needs a GPU)."""
 
     model: str = "tiny-llama"
     seq_len: int = 128

@@ -341,8 +341,8 @@ def load_run_config(path: str | Path) -> RunConfig:
             readings.append(KeyReading(key, data[key], "priced", "mixed_precision"))
 
     priced("activation_offloading", "offload_activations", boolean("activation_offloading", sft))
-    # Liger, as transformers' Trainer applies it (the estimate on meta, vramguard.estimate.liger; the audit
-    # names it not priced: its Triton kernels need a GPU)
+    # Liger, as transformers' Trainer applies it (the estimate on meta, vramguard.estimate.liger; the audit's loop
+    # on CUDA; elsewhere the audit names it not priced: its Triton kernels need a GPU)
     priced("use_liger_kernel", "use_liger_kernel", boolean("use_liger_kernel", sft))
 
     # packing and padding-free batches, by SFTTrainer's rule: bfd packing (TRL's default strategy) implies

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +21,6 @@ HERE = Path(__file__).parent
 RUNS = ("run1-suite-probe-ranks-configs", "run2-suite-moe-validation-snapshots")
 CUBLAS = 64 << 20
 GIB = 1 << 30
-
-
-def load(name: str) -> dict[str, Any] | None:
-    for folder in (*RUNS, "estimates"):
-        for path in (HERE / folder / f"{name}.json", HERE / folder / f"{name}.json.gz"):
-            if path.exists():
-                raw = path.read_bytes()
-                return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
-    return None
 
 
 def measured_run(name: str) -> tuple[dict[str, Any] | None, str]:
@@ -53,17 +45,34 @@ def pct(a: int, b: int) -> str:
     return f"{(a - b) / b * 100:+.2f} %"
 
 
-def audits(names: list[str]) -> None:
-    print(
-        "| case | measured `max_memory_allocated` | estimate: allocator peak + cuBLAS | error | measured reserved | "
-        "estimate total − context | error | reserved − allocated: measured / allowance |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+def head(*cells: str) -> None:
+    """A table's header row and its alignment row (the first column left, the others right)."""
+    print("| " + " | ".join(cells) + " |")
+    print("|---|" + "---:|" * (len(cells) - 1))
+
+
+def measured(kind: str, names: list[str], columns: int) -> Iterator[tuple[str, dict[str, Any], str]]:
+    """(name, document, run folder) of each measured case; a row saying "not measured" for the others."""
     for name in names:
-        doc, folder = measured_run(f"audit-{name}")
+        doc, folder = measured_run(f"{kind}-{name}")
         if doc is None:
-            print(f"| {name} | not measured | | | | | |")
+            print(f"| {name} | not measured |" + " |" * (columns - 2))
             continue
+        yield name, doc, folder
+
+
+def audits(names: list[str]) -> None:
+    head(
+        "case",
+        "measured `max_memory_allocated`",
+        "estimate: allocator peak + cuBLAS",
+        "error",
+        "measured reserved",
+        "estimate total − context",
+        "error",
+        "reserved − allocated: measured / allowance",
+    )
+    for name, doc, folder in measured("audit", names, 8):
         peak = max(p["peak_bytes"] for p in doc["phases"].values())
         reserved = max(p.get("reserved_peak_bytes") or 0 for p in doc["phases"].values())
         est = estimate(f"audit-{name}")["estimate"]
@@ -81,16 +90,15 @@ def audits(names: list[str]) -> None:
 
 
 def ranks(names: list[str]) -> None:
-    print(
-        "| case | measured rank 0 peak | estimate: allocator peak + cuBLAS | error | weights (shard) | "
-        "gathered weights |"
+    head(
+        "case",
+        "measured rank 0 peak",
+        "estimate: allocator peak + cuBLAS",
+        "error",
+        "weights (shard)",
+        "gathered weights",
     )
-    print("|---|---:|---:|---:|---:|---:|")
-    for name in names:
-        doc, folder = measured_run(f"rank-{name}")
-        if doc is None:
-            print(f"| {name} | not measured | | | | |")
-            continue
+    for name, doc, folder in measured("rank", names, 6):
         row = doc["row"]
         est = estimate(f"rank-{name}")["distributed"]["per_rank"][0]
         alloc = est["allocator_peak_bytes"] + CUBLAS

@@ -29,9 +29,6 @@ from typing import Any
 
 import torch
 
-OPS_PRICED = ("aten._softmax_backward_data.default", "aten._safe_softmax.default")
-"""The ops whose CUDA kernels' temporaries :func:`cuda_kernel_temporaries` prices, by name."""
-
 
 def cuda_kernel_temporaries(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The blocks ``func``'s CUDA kernel holds while it runs, beyond its outputs, as meta tensors (on the

@@ -224,9 +224,8 @@ def _allocated_without_workspaces() -> int:
     ran before it in the process (an H100 under pytest -n: a whole-model forward's delta 32 MiB above what it
     kept, docs/measurements/2026-11-25-h100). The workspaces are no tensor the block kept."""
     torch.cuda.synchronize()
-    clear = getattr(
-        torch._C, "_cuda_clearCublasWorkspaces", None
-    )  # private to torch: absent, nothing is freed
+    # a private torch function: where it is absent, nothing is freed
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
     return torch.cuda.memory_allocated()

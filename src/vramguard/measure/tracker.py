@@ -432,10 +432,10 @@ class MemoryTracker:
     source counts (a :class:`StorageTracker`: CPU, meta, or a device beside another source), each with the
     phase, the module stack and, in backward, the autograd node running when it happened; with ``model``, the
     model's storages that exist before the block are its pre-existing blocks (weights, trainable parameters).
-    With another source (the CUDA
-    allocator's) a :class:`StorageTracker` of the device's type records the events beside it: the figures stay
-    the allocator's, the log holds the storages ops made (not cuBLAS's workspaces, nor what a kernel holds only
-    while it runs: docs/measurements/2026-11-25-h100 compares it with the allocator's own history).
+    With another source (the CUDA allocator's) a :class:`StorageTracker` of the device's type records the events
+    beside it: the figures stay the allocator's, the log holds the storages ops made (not cuBLAS's workspaces,
+    nor what a kernel holds only while it runs: docs/measurements/2026-11-25-h100 compares it with the
+    allocator's own history).
     """
 
     def __init__(

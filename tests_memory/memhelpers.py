@@ -30,15 +30,11 @@ def mask_bytes(device: str, act_bytes: int) -> int:
 
 
 def drop_cublas_workspaces(device: str) -> None:
-    """On CUDA, free cuBLAS's workspaces before reading the allocator: one per handle (32 MiB each on an
-    H100, one for the forward's thread and one for autograd's), allocated through the caching
-    allocator on first use and kept for the process, so whether a test pays for them depends on what
-    ran before it in the same worker (measured: docs/measurements/)."""
-    import torch
+    """:func:`vramguard.measure.meters.drop_cublas_workspaces` (imported here, where it is called: it imports
+    torch)."""
+    from vramguard.measure.meters import drop_cublas_workspaces as drop
 
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-        torch._C._cuda_clearCublasWorkspaces()
+    drop(device)
 
 
 def release(model: torch.nn.Module) -> None:

@@ -218,16 +218,24 @@ def measure(
     return m, result
 
 
-def _allocated_without_workspaces() -> int:
-    """The CUDA allocator's bytes in use once cuBLAS's workspaces are freed: a handle takes its 32 MiB workspace
-    from the allocator at its first call and keeps it, so whether a measured block pays for one depends on what
-    ran before it in the process (an H100 under pytest -n: a whole-model forward's delta 32 MiB above what it
-    kept, docs/measurements/2026-11-25-h100). The workspaces are no tensor the block kept."""
-    torch.cuda.synchronize()
+def drop_cublas_workspaces(device: str | torch.device) -> None:
+    """On CUDA, free cuBLAS's workspaces before reading the allocator: one per handle (32 MiB each on an H100,
+    one for the forward's thread and one for autograd's), taken from the caching allocator at a handle's first
+    call and kept for the process, so whether a measured block pays for one depends on what ran before it in
+    the same process (an H100 under pytest -n: a whole-model forward's delta 32 MiB above what it kept,
+    docs/measurements/2026-11-25-h100). The workspaces are no tensor the block kept. Elsewhere, nothing."""
+    if torch.device(device).type != "cuda":
+        return
+    torch.cuda.synchronize(device)
     # a private torch function: where it is absent, nothing is freed
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
+
+
+def _allocated_without_workspaces() -> int:
+    """The CUDA allocator's bytes in use once cuBLAS's workspaces are freed (:func:`drop_cublas_workspaces`)."""
+    drop_cublas_workspaces("cuda")
     return torch.cuda.memory_allocated()
 
 

@@ -113,18 +113,23 @@ def refuse_what_the_audit_cannot_run(config: QLoRAConfig) -> None:
     is CUDA-only and the audit does not load it) are refused with a one-line :class:`UsageError`."""
     refuse_fp16_on_cpu(config, torch.device(config.device).type)
     if config.use_liger_kernel:  # before the build, which can take minutes
-        if torch.device(config.device).type != "cuda":
-            raise UsageError(
-                "use_liger_kernel runs Liger's Triton kernels on CUDA only: audit it with --device cuda"
-            )
-        if importlib.util.find_spec("liger_kernel") is None or importlib.util.find_spec("triton") is None:
-            raise UsageError(
-                'use_liger_kernel needs liger-kernel and Triton: pip install -c constraints.txt -e ".[liger]"'
-            )
+        _refuse_liger_here(config.device)
     if config.attn_implementation == "flash_attention_2":
         raise UsageError(
             "attn-implementation flash_attention_2 needs the flash_attn package and a CUDA GPU, which the audit "
             "does not load: price it with vramguard estimate --target cuda"
+        )
+
+
+def _refuse_liger_here(device: str) -> None:
+    """UsageError (one line) where the audit cannot run Liger's kernels: off CUDA, or without the liger extra."""
+    if torch.device(device).type != "cuda":
+        raise UsageError(
+            "use_liger_kernel runs Liger's Triton kernels on CUDA only: audit it with --device cuda"
+        )
+    if importlib.util.find_spec("liger_kernel") is None or importlib.util.find_spec("triton") is None:
+        raise UsageError(
+            'use_liger_kernel needs liger-kernel and Triton: pip install -c constraints.txt -e ".[liger]"'
         )
 
 
@@ -133,10 +138,7 @@ def apply_liger_on_device(model: torch.nn.Module, device: str) -> None:
     (``apply_liger_kernel(model, {})``: Liger's defaults for the architecture), so the loop's steps run its Triton
     kernels and its fused linear cross-entropy. CUDA only (UsageError elsewhere: the kernels are Triton's, and
     vramguard estimate prices them on meta); liger-kernel and Triton must be installed (the liger extra)."""
-    if torch.device(device).type != "cuda":
-        raise UsageError(
-            "use_liger_kernel runs Liger's Triton kernels on CUDA only: audit it with --device cuda"
-        )
+    _refuse_liger_here(device)
     from transformers.integrations.liger import apply_liger_kernel
 
     try:

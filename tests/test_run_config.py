@@ -77,6 +77,9 @@ KEYS: list[tuple[str, dict[str, Any], str]] = [
     ("attn_implementation", {"attn_implementation": "eager"}, "changes"),
     ("attn_implementation", {"attn_implementation": "flash_attention_2"}, "cuda-only"),
     ("dtype", {"dtype": "float32"}, "changes"),
+    # trl sft's script arguments and dataset mixture: in nearly every real file, never a reason to refuse it
+    ("dataset_name", {"dataset_name": "trl-lib/Capybara"}, "no-byte"),
+    ("datasets", {"datasets": [{"path": "trl-lib/Capybara", "split": "train"}], "streaming": True}, "no-byte"),
 ]
 
 

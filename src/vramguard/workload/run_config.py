@@ -1,8 +1,9 @@
 """The user's own training configuration (``--config``): a ``trl sft --config`` YAML or a TrainingArguments
 JSON, read into the one typed :class:`~vramguard.workload.models.QLoRAConfig`.
 
-The key set is TRL's, not a copy of it: the file goes through ``HfArgumentParser((SFTConfig, ModelConfig))``
-(what ``trl sft`` parses with), so an unknown key or a value TRL refuses (``optim: nonsense``) is the same
+The key set is TRL's, not a copy of it: the file goes through ``HfArgumentParser`` with the dataclasses
+``trl sft`` parses with (``ScriptArguments``, ``SFTConfig``, ``ModelConfig``, ``DatasetMixtureConfig``, read
+from TRL's own ``make_parser``), so an unknown key or a value TRL refuses (``optim: nonsense``) is the same
 error it would be there, one line here. Values the parser does not type-check (it builds the dataclasses
 from the dict as given) are checked where they are mapped. Defaults are TRL's: a file that names no
 ``gradient_checkpointing`` is priced with it on, as ``trl sft`` would run.
@@ -66,6 +67,14 @@ NO_BYTE_KEYS: dict[str, str] = {
     "report_to": "logging",
     "use_cpu": "read as true unless set, see vramguard.workload.run_config",
     "dataset_name": "which data (the longest batch is priced)",
+    "dataset_config": "which data",
+    "dataset_train_split": "which data",
+    "dataset_test_split": "evaluation data",
+    "dataset_streaming": "data loading on the host",
+    "datasets": "which data (a mixture; the longest batch is priced)",
+    "streaming": "data loading on the host",
+    "test_split_size": "evaluation data",
+    "ignore_bias_buffers": "DDP's buffer broadcast between processes, not one device's step",
     "dataset_text_field": "which data",
     "dataset_num_proc": "data preparation on the host",
     "dataloader_num_workers": "data loading on the host",
@@ -221,20 +230,41 @@ def parse_trl(path: Path, data: dict[str, Any]) -> tuple[Any, Any, dict[str, Any
     data.pop("env", None)  # TrlParser's environment block: named by load_run_config, not a dataclass field
     data.setdefault("use_cpu", True)
     data.setdefault("output_dir", str(Path.cwd()))  # TrainingArguments' only required field; files only
-    parser = HfArgumentParser((SFTConfig, ModelConfig))
+    types = trl_sft_dataclasses()
+    parser = HfArgumentParser(types)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. gradient_checkpointing's deprecation in favour of its new name
         try:
-            sft, model_args = parser.parse_dict(data, allow_extra_keys=False)
+            parsed_all = parser.parse_dict(data, allow_extra_keys=False)
             base = {"use_cpu": True, "output_dir": data["output_dir"]}
-            defaults = [
-                {**SFTConfig(**base).to_dict(), **dataclasses.asdict(ModelConfig())},
-                TrainingArguments(**base).to_dict(),
-            ]
+            trl_defaults: dict[str, Any] = {}
+            for cls in types:
+                default = cls(**base) if cls is SFTConfig else cls()
+                trl_defaults.update(default.to_dict() if cls is SFTConfig else dataclasses.asdict(default))
+            defaults = [trl_defaults, TrainingArguments(**base).to_dict()]
         except (ValueError, TypeError, KeyError) as exc:
             raise UsageError(f"--config {path}: {first_line(exc)}") from None
-    parsed = {**sft.to_dict(), **dataclasses.asdict(model_args)}
+    sft = next(obj for obj in parsed_all if isinstance(obj, SFTConfig))
+    model_args = next(obj for obj in parsed_all if isinstance(obj, ModelConfig))
+    parsed: dict[str, Any] = {}
+    for obj in parsed_all:
+        parsed.update(obj.to_dict() if obj is sft else dataclasses.asdict(obj))
     return sft, model_args, parsed, defaults
+
+
+def trl_sft_dataclasses() -> tuple[type, ...]:
+    """The dataclasses ``trl sft --config`` reads a file into, from TRL's own ``make_parser`` (script
+    arguments such as ``dataset_name``, SFTConfig, ModelConfig, the dataset mixture); where the installed TRL
+    has no such function, the ones it exports of that set."""
+    try:
+        from trl.scripts.sft import make_parser
+
+        return tuple(make_parser().dataclass_types)
+    except (ImportError, AttributeError, TypeError):
+        import trl
+
+        names = ("ScriptArguments", "SFTConfig", "ModelConfig", "DatasetMixtureConfig")
+        return tuple(getattr(trl, n) for n in names if hasattr(trl, n))
 
 
 def _value_of(obj: Any) -> Any:

@@ -519,3 +519,19 @@ def test_full_fine_tuning_trains_in_the_loaded_dtype(tmp_path: Path) -> None:
     n = small.budget.lora_params
     assert large.budget.lora_params == n > 0
     assert large.budget.measured_lora_training_bytes - small.budget.measured_lora_training_bytes == 8 * n
+
+
+def test_accelerate_launch_keys_are_named_not_refused(tmp_path: Path, base_answer: tuple[Any, ...]) -> None:
+    """``trl sft --config`` hands a file's keys that no dataclass of its own has to ``accelerate launch``
+    (TRL's ``accelerate_config``, accelerate's ``num_processes``, ``mixed_precision``, ...): a file with them
+    runs there, so here it is priced for one device with each of them named as not priced; a key neither
+    knows is still refused."""
+    launch = {"accelerate_config": "fsdp2", "num_processes": 4, "mixed_precision": "bf16"}
+    run = load_run_config(_write(tmp_path, {**BASE, **launch}))
+    not_priced = next(line for line in run.lines() if "NOT PRICED" in line)
+    for key, value in launch.items():
+        assert f"{key}={json.dumps(value)}" in not_priced, not_priced
+    assert "--world-size N --sharding" in not_priced and "set bf16: true" in not_priced
+    assert _answer(run.config()) == base_answer
+    with pytest.raises(UsageError, match="not_a_key"):
+        load_run_config(_write(tmp_path, {**BASE, "not_a_key": 1}, name="bad.yaml"))

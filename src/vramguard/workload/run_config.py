@@ -231,6 +231,9 @@ def parse_trl(path: Path, data: dict[str, Any]) -> tuple[Any, Any, dict[str, Any
     data.setdefault("use_cpu", True)
     data.setdefault("output_dir", str(Path.cwd()))  # TrainingArguments' only required field; files only
     types = trl_sft_dataclasses()
+    fields = {f.name for cls in types for f in dataclasses.fields(cls)}
+    for key in launch_keys(set(data) - fields):  # trl sft hands these to accelerate launch: not the step's
+        del data[key]
     parser = HfArgumentParser(types)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. gradient_checkpointing's deprecation in favour of its new name
@@ -250,6 +253,26 @@ def parse_trl(path: Path, data: dict[str, Any]) -> tuple[Any, Any, dict[str, Any
     for obj in parsed_all:
         parsed.update(obj.to_dict() if obj is sft else dataclasses.asdict(obj))
     return sft, model_args, parsed, defaults
+
+
+TRL_LAUNCH_KEYS: frozenset[str] = frozenset({"accelerate_config"})
+"""Keys ``trl sft`` itself reads besides its dataclasses: ``accelerate_config`` names the accelerate config
+(one TRL ships, such as ``fsdp2`` or ``zero3``, or a file) it launches the script with."""
+
+
+def launch_keys(keys: set[str]) -> set[str]:
+    """Of ``keys`` (the file's keys that are no field of ``trl sft``'s dataclasses), those ``trl sft`` passes
+    to ``accelerate launch`` (``num_processes``, ``mixed_precision``, ``fsdp_*``, ...: the options of
+    accelerate's own launch parser) or reads for it (:data:`TRL_LAUNCH_KEYS`). The rest are unknown, as they
+    are to ``trl sft``."""
+    if not keys:
+        return set()
+    try:
+        from accelerate.commands.launch import launch_command_parser
+    except ImportError:
+        return keys & TRL_LAUNCH_KEYS
+    options = {action.dest for action in launch_command_parser()._actions} - {"help"}
+    return keys & (options | TRL_LAUNCH_KEYS)
 
 
 def trl_sft_dataclasses() -> tuple[type, ...]:
@@ -502,12 +525,22 @@ def load_run_config(path: str | Path) -> RunConfig:
         )
         if why is not None:
             readings.append(KeyReading(key, _value_of(data[key]), "no-byte", why))
+        elif key not in parsed:  # not a dataclass field: an accelerate launch option (parse_trl let only these by)
+            not_priced(key, _LAUNCH_WHY.get(key, _LAUNCH_WHY[""]))
         else:
             not_priced(key, _UNPRICED_WHY.get(key, "not run by vramguard: its effect on memory is left out"))
     if "env" in data:
         not_priced("env", "environment variables the run would set are not applied")
     readings.sort(key=lambda r: list(data).index(r.key) if r.key in data else len(data))
     return RunConfig(path=path, values=values, readings=readings, model_problem=model_problem)
+
+
+_LAUNCH_WHY: dict[str, str] = {
+    "": "an accelerate launch option (trl sft launches the script with it): one device's step is priced; for "
+    "sharded ranks pass --world-size N --sharding fsdp2|fsdp1|zero3",
+    "mixed_precision": "accelerate launch's autocast (trl sft launches the script with it): autocast is priced "
+    "from bf16 / fp16 only (set bf16: true, or pass --bf16)",
+}
 
 
 _UNPRICED_WHY: dict[str, str] = {

@@ -67,6 +67,10 @@ VARIANTS = [
     # weight quantized as float32 made that copy twice the real one's size (+96,128 B)
     pytest.param({"model": "tiny-llama", "batch": 1, "seq_len": 32}, id="llama-b1-s32"),
     pytest.param({"model": "tiny-gemma2"}, id="gemma2-eager-sliding-window"),
+    # Trainer's gradient accumulation: the second micro-batch runs with the first one's gradients held
+    pytest.param(
+        {"model": "tiny-llama", "batch": 1, "seq_len": 32, "gradient_accumulation_steps": 2}, id="llama-accumulation"
+    ),
     pytest.param({"model": "tiny-phi3"}, id="phi3-fused", marks=pytest.mark.slow),
     pytest.param({"model": "tiny-qwen3"}, id="qwen3", marks=pytest.mark.slow),
     pytest.param({"model": "tiny-gemma3"}, id="gemma3", marks=pytest.mark.slow),
@@ -93,7 +97,7 @@ def test_meta_estimate_equals_the_cpu_audit_to_the_byte(variant: dict[str, Any])
         assert got[key] == want[key], key
     # the decisions were forced, not skipped: the mask branch ran once per forward
     assert estimate.estimate is not None
-    assert estimate.estimate.forced_decisions["find_packed_sequence_indices"] == STEPS * (
+    assert estimate.estimate.forced_decisions["find_packed_sequence_indices"] == STEPS * config.gradient_accumulation_steps * (
         2 if variant["model"] in ("tiny-gemma2", "tiny-gemma3") else 1  # a full and a sliding-window mask
     )
 

@@ -46,7 +46,7 @@ BASE: dict[str, Any] = {
 KEYS: list[tuple[str, dict[str, Any], str]] = [
     ("model_name_or_path", {"model_name_or_path": "QWEN3_DIR"}, "changes"),
     ("per_device_train_batch_size", {"per_device_train_batch_size": 2}, "changes"),
-    ("gradient_accumulation_steps", {"gradient_accumulation_steps": 4}, "not-priced"),
+    ("gradient_accumulation_steps", {"gradient_accumulation_steps": 4}, "changes"),
     ("max_length", {"max_length": 48}, "changes"),
     ("packing", {"packing": True}, "changes"),
     ("packing", {"packing": True, "packing_strategy": "wrapped"}, "not-priced"),
@@ -194,11 +194,11 @@ def test_training_arguments_json_names_only_what_differs_from_the_defaults(tmp_p
     path = _write(tmp_path, json.loads(args.to_json_string()), "args.json")
     run = load_run_config(path)
     config = run.config(model="tiny-llama", seq_len=16)
-    assert config.batch == 3
+    assert (config.batch, config.gradient_accumulation_steps) == (3, 2)
     named = {r.key for r in run.readings}
     assert {"per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate"} <= named
     assert "logging_steps" not in named and "torch_compile" not in named  # at the defaults
-    assert "gradient_accumulation_steps=2" in next(line for line in run.lines() if "NOT PRICED" in line)
+    assert "gradient_accumulation_steps=2" in next(line for line in run.lines() if "priced: " in line)
 
 
 def test_flags_override_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -218,13 +218,13 @@ def test_flags_override_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 def test_quiet_still_names_what_is_not_priced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(
-        tmp_path, {**BASE, "packing": True, "packing_strategy": "wrapped", "gradient_accumulation_steps": 4}
+        tmp_path, {**BASE, "packing": True, "packing_strategy": "wrapped", "torch_compile": True}
     )
     assert main(["estimate", "--config", str(path), "--target", "cpu", "--quiet"]) == 0
     captured = capsys.readouterr()
     assert captured.out.count("\n") == 1 and captured.out.startswith("estimate:")
     assert "NOT PRICED: " in captured.err  # the file's keys in its order (yaml.safe_dump sorts them)
-    assert "packing=true" in captured.err and "gradient_accumulation_steps=4" in captured.err
+    assert "packing=true" in captured.err and "torch_compile=true" in captured.err
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,7 @@ def run_row(row: dict[str, Any], fixtures: Path, fit_context: bool = False) -> d
 
 def pending_of(row: dict[str, Any], result: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(what blocks the comparison, what the row accepts as not priced)."""
-    accepted = [p for p in result["not_priced"] if any(p.startswith(k) for k in row["accept_not_priced"])]
+    accepted = [p for p in result["not_priced"] if any(p.startswith(k) for k in row.get("accept_not_priced", []))]
     return [p for p in result["not_priced"] if p not in accepted], accepted
 
 

@@ -49,6 +49,7 @@ STEP_FLAGS: tuple[str, ...] = (
     "offload_activations",
     "full_dtype",
     "use_liger_kernel",
+    "gradient_accumulation_steps",
 )
 """The :class:`QLoRAConfig` fields a flag may set (each flag's destination is the field's name). A flag
 not given is ``None`` in the parsed arguments, so a ``--config`` file decides it; without a file, the
@@ -70,6 +71,13 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument("--model", help=f"{model_help} (default: {d.model})")
     p.add_argument("--seq-len", type=positive_int, help=f"default: {d.seq_len}")
     p.add_argument("--batch", type=positive_int, help=f"default: {d.batch}")
+    p.add_argument(
+        "--gradient-accumulation-steps",
+        type=positive_int,
+        metavar="N",
+        help="Trainer's gradient accumulation: N forward/backward micro-batches of --batch rows a step, the "
+        f"gradients held between them, then one optimizer step (default: {d.gradient_accumulation_steps})",
+    )
     p.add_argument("--lora-rank", type=positive_int, help=f"default: {d.lora_rank}")
     p.add_argument("--lora-alpha", type=positive_int, help=f"default: {d.lora_alpha}")
     p.add_argument("--lora-dropout", type=float, help=f"default: {d.lora_dropout}")

@@ -96,6 +96,11 @@ def _train(
             "--offload-activations with --trainer sft is TRL's OffloadActivations, which needs an accelerator; "
             "on CPU use --trainer trainer (torch's save_on_cpu)"
         )
+    if config.gradient_accumulation_steps != 1:
+        raise UsageError(
+            f"--trainer {trainer} with gradient accumulation is not measured yet (the callback measures one "
+            "forward and backward a step): vramguard's loop (no --trainer) runs the micro-batches"
+        )
     q = build_qlora(config)
     common: dict[str, Any] = {
         "max_steps": steps,

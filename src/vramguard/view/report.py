@@ -52,11 +52,17 @@ def audit_header(report: AuditReport, console: Any) -> None:
         else ""
     )
     console.print(
-        f"[bold]vramguard audit[/] {c['model']}{kind} on {report.device}: batch {c['batch']} x seq {c['seq_len']}, "
+        f"[bold]vramguard audit[/] {c['model']}{kind} on {report.device}: {_batch(c)}, "
         f"{_lora(c)}, compute {c['compute_dtype']}, {_checkpointing(c)}, {len(report.steps)} steps"
     )
     env = report.environment.get("packages", {})
     console.print("[dim]" + ", ".join(f"{k} {v}" for k, v in env.items() if v) + "[/]", highlight=False)
+
+
+def _batch(c: dict[str, Any]) -> str:
+    """``batch B x seq S``, and the micro-batches of a step under gradient accumulation."""
+    micro = c.get("gradient_accumulation_steps", 1)
+    return f"batch {c['batch']} x seq {c['seq_len']}" + (f", {micro} micro-batches a step" if micro != 1 else "")
 
 
 def _method(c: dict[str, Any]) -> str:
@@ -75,7 +81,7 @@ def estimate_header(report: AuditReport, console: Any) -> None:
     step = c.get("extra", {})
     console.print(
         f"[bold]vramguard estimate[/] {c['model']} ({arch.get('model_type')}, {arch.get('model_class')}, "
-        f"{arch.get('attn_implementation')} attention) on {report.device}: batch {c['batch']} x seq {c['seq_len']}, "
+        f"{arch.get('attn_implementation')} attention) on {report.device}: {_batch(c)}, "
         f"{_method(c)}, compute {c['compute_dtype']}, {_checkpointing(c)}, "
         f"optimizer {step.get('optimizer', 'adamw')}, "
         + ("activations offloaded to the host, " if step.get("offload_activations") else "")

@@ -243,7 +243,9 @@ class QLoRAConfig:
     refuses it on the CPU, and so do the CPU audit and ``estimate --target cpu``). ``use_liger_kernel``: Trainer's
     ``use_liger_kernel`` (Liger's kernels, its fused linear cross-entropy among them), the estimate's on meta
     (:mod:`vramguard.estimate.liger`); the audit's loop applies it on CUDA and runs without it elsewhere (Triton
-    needs a GPU)."""
+    needs a GPU). ``gradient_accumulation_steps``: Trainer's gradient accumulation: a step is that many
+    micro-batches of ``batch`` rows, each a forward and a backward that adds into the gradients the earlier ones
+    left (so every micro-batch after the first runs with the whole gradient held), then one optimizer step."""
 
     model: str = "tiny-llama"
     seq_len: int = 128
@@ -270,11 +272,14 @@ class QLoRAConfig:
     offload_activations: bool = False
     full_dtype: str = "fp32"
     use_liger_kernel: bool = False
+    gradient_accumulation_steps: int = 1
 
     def validate(self) -> None:
         """Raise UsageError (one line) on a value that cannot run: sizes not positive, dropout outside [0, 1),
         a seed outside torch's range."""
-        for name in ("seq_len", "batch", "lora_rank"):
+        for name in ("seq_len", "batch", "lora_rank", "gradient_accumulation_steps"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise UsageError(f"{name.replace('_', '-')} must be an integer, got {getattr(self, name)!r}")
             if getattr(self, name) <= 0:
                 raise UsageError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.lora_dropout < 1.0:

@@ -100,6 +100,7 @@ NO_BYTE_PREFIXES: tuple[str, ...] = (
 PRICED_KEYS: tuple[str, ...] = (
     "model_name_or_path",
     "per_device_train_batch_size",
+    "gradient_accumulation_steps",
     "max_length",
     "gradient_checkpointing",
     "activation_checkpointing",
@@ -353,6 +354,11 @@ def load_run_config(path: str | Path) -> RunConfig:
         return value
 
     priced("per_device_train_batch_size", "batch", integer("per_device_train_batch_size", sft))
+    priced(
+        "gradient_accumulation_steps",
+        "gradient_accumulation_steps",
+        integer("gradient_accumulation_steps", sft),
+    )
     if sft.max_length is None:
         if "max_length" in data:
             not_priced(
@@ -546,8 +552,6 @@ _LAUNCH_WHY: dict[str, str] = {
 _UNPRICED_WHY: dict[str, str] = {
     "liger_kernel_config": "Liger's defaults for the architecture are priced (use_liger_kernel), not these "
     "keywords",
-    "gradient_accumulation_steps": "one micro-batch step is priced: the gradients held during the next "
-    "micro-batch's forward (4 B per trainable parameter) are not added",
     "torch_compile": "torch.compile is not run: eager autograd is priced",
     "assistant_only_loss": "loss masks change no tensor size, but are not run",
     "completion_only_loss": "loss masks change no tensor size, but are not run",

@@ -89,6 +89,17 @@ def cpu_mesh(world_size: int) -> Any:
     return init_device_mesh("cpu", (world_size,))
 
 
+def check_micro_batches(gradient_accumulation_steps: int) -> None:
+    """Refuse, in one line, gradient accumulation across ranks: the engines' own accumulation (FSDP's
+    ``no_sync`` / ``set_requires_gradient_sync``, DeepSpeed's ``gradient_accumulation_steps``) decides what
+    each rank holds between micro-batches, and no rank runs it yet."""
+    if gradient_accumulation_steps != 1:
+        raise UsageError(
+            f"gradient accumulation ({gradient_accumulation_steps} micro-batches a step) is not run across "
+            "ranks yet: pass --gradient-accumulation-steps 1 to price one micro-batch a step"
+        )
+
+
 def check_adapters(model: torch.nn.Module, sharding: ShardingConfig) -> None:
     """Refuse, in one line, what the engine cannot shard of ``model``'s LoRA: FSDP1 with LoRA on parameters
     (PEFT's ``ParamWrapper``: ``target_parameters``, or ``all-linear`` on a mixture of experts' fused stacks and

@@ -93,46 +93,65 @@ def train_step(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     engine: Any = None,
 ) -> StepResult:
-    """Run one step inside ``tracker``; with ``ledger``, the forward pass is also itemised. When the tracker
-    records events (:attr:`MemoryTracker.events`), every step's forward runs under a ledger whose saved
-    storages, like the gradients and the optimizer's state, label their allocations.
+    """Run one step inside ``tracker``; with ``ledger``, the forward pass (the first micro-batch's) is also
+    itemised. When the tracker records events (:attr:`MemoryTracker.events`), every forward runs under a ledger
+    whose saved storages, like the gradients and the optimizer's state, label their allocations.
+
+    With ``gradient_accumulation_steps`` k > 1 (Trainer's gradient accumulation) the step is k micro-batches,
+    each a forward and a backward (autograd adds each one's gradients into those the earlier ones left), then
+    one optimizer step; a phase's peak is the highest of its k calls. The loss's normalisation over the
+    micro-batches (Trainer's) scales values and changes no byte, so it is not applied.
 
     ``loss_fn`` maps the model output to the loss (default: the model's own ``loss``). ``engine``: a DeepSpeed
     engine wrapping ``q.model``: the step runs through it as DeepSpeed's users run it (``engine(**batch)``,
     ``engine.backward(loss)``, ``engine.step()``, which also zeroes the gradients); ``optimizer`` is its
-    optimizer.
+    optimizer, and the step is one micro-batch (DeepSpeed's own accumulation is not run).
     """
     forward = engine if engine is not None else q.model
-    batch = q.batch(step)
+    micro_batches = q.config.gradient_accumulation_steps
+    if engine is not None and micro_batches != 1:
+        raise UsageError("gradient accumulation through DeepSpeed's engine is not run: pass 1 micro-batch a step")
     device = q.device
     start = tracker.current()
-    calls: dict[str, FrameStats] = {}
+    step_stats = {name: FrameStats(name) for name in PHASES}
     events = tracker.events
-    if ledger is None and events is not None:  # what this step keeps for backward, for the events' labels
-        ledger = SavedTensorLedger(q.model)
-    with tracker.phase("forward") as calls["forward"]:
-        if ledger is not None:
-            with ledger:
+    after_forward = start
+    values: list[float] = []
+    for micro in range(micro_batches):
+        batch = q.batch(step * micro_batches + micro)
+        calls: dict[str, FrameStats] = {}
+        saved = ledger if micro == 0 else None
+        if saved is None and events is not None:  # what this forward keeps for backward, for the events' labels
+            saved = SavedTensorLedger(q.model)
+        with tracker.phase("forward") as calls["forward"]:
+            if saved is not None:
+                with saved:
+                    out = forward_as_trainer(q, batch, forward)
+                    loss = loss_fn(out) if loss_fn else out.loss
+                    saved.add_roots(loss)
+                if events is not None:
+                    events.label_saved(saved.report.records)
+            else:
                 out = forward_as_trainer(q, batch, forward)
                 loss = loss_fn(out) if loss_fn else out.loss
-                ledger.add_roots(loss)
-            if events is not None:
-                events.label_saved(ledger.report.records)
-        else:
-            out = forward_as_trainer(q, batch, forward)
-            loss = loss_fn(out) if loss_fn else out.loss
-        _sync(device)
-    after_forward = tracker.current()
-    del out
-    with tracker.phase("backward") as calls["backward"]:
-        if engine is not None:
-            engine.backward(loss)
-        else:
-            loss.backward()
-        _sync(device)
-    if events is not None:
-        events.label_tensors((p.grad for p in q.trainable_parameters() if p.grad is not None), GRADIENTS)
-    with tracker.phase("optimizer") as calls["optimizer"]:
+            _sync(device)
+        after_forward = max(after_forward, tracker.current())
+        del out
+        with tracker.phase("backward") as calls["backward"]:
+            if engine is not None:
+                engine.backward(loss)
+            else:
+                loss.backward()
+            _sync(device)
+        if events is not None:
+            events.label_tensors((p.grad for p in q.trainable_parameters() if p.grad is not None), GRADIENTS)
+        for name, call in calls.items():
+            step_stats[name].merge(call)
+        if micro < micro_batches - 1:  # the last micro-batch's loss is read after the optimizer step
+            if not loss.is_meta:
+                values.append(float(loss.detach().float().item()))
+            del loss
+    with tracker.phase("optimizer") as call:
         if engine is not None:
             engine.step()
         else:
@@ -142,16 +161,17 @@ def train_step(
         if engine is None:
             optimizer.zero_grad(set_to_none=True)
         _sync(device)
-    value = None if loss.is_meta else float(loss.detach().float().item())  # meta: shapes, no values
+    step_stats["optimizer"].merge(call)
+    if not loss.is_meta:  # meta: shapes, no values
+        values.append(float(loss.detach().float().item()))
     del loss
-    peaks = {name: stats.peak_bytes for name, stats in calls.items()}
     return StepResult(
         step=step,
-        loss=value,
+        loss=sum(values) / len(values) if values else None,
         start_bytes=start,
         after_forward_bytes=after_forward,
         retained_bytes=tracker.current(),
-        peak_bytes=peaks,
+        peak_bytes={name: stats.peak_bytes for name, stats in step_stats.items()},
     )
 
 

@@ -1,0 +1,97 @@
+"""Trainer's gradient accumulation (``gradient_accumulation_steps``, ``--gradient-accumulation-steps``): a step
+is k micro-batches, each a forward and a backward that adds into the gradients the earlier ones left, then one
+optimizer step. What it costs is the whole gradient held through every micro-batch after the first."""
+
+from __future__ import annotations
+
+import pytest
+
+from vramguard.audit.run import run_audit
+from vramguard.cli import main
+from vramguard.workload.models import QLoRAConfig, build_qlora
+
+
+def _parameters_of(preset: str) -> int:
+    """The parameter count of the preset's plain transformers model (a config.json), built on meta."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vramguard.workload.models import presets
+
+    fields = json.loads(presets()[preset].read_text())
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _peaks(config: QLoRAConfig) -> dict[str, int]:
+    report = run_audit(config, steps=2)
+    return {name: phase.peak_bytes for name, phase in report.phases.items()}
+
+
+@pytest.mark.parametrize("method", ["qlora", "full"])
+def test_later_micro_batches_run_their_forward_with_the_whole_gradient_held(method: str) -> None:
+    """The forward peak of a step of two micro-batches is the one-micro-batch peak plus every trainable
+    parameter's gradient, counted from the model (numel x element size), not from the tracker; the optimizer
+    step and what a step leaves are the same."""
+    base = QLoRAConfig(seq_len=32, batch=1)
+    if method == "full":  # full fine-tuning on the host: the unquantized model, every parameter trained
+        from vramguard.estimate.run import run_estimate
+
+        base = QLoRAConfig(model="tiny-llama-hf", seq_len=32, batch=1)  # a plain config.json
+        one = run_estimate(base, steps=2, method="full", device="cpu", target="cpu")
+        two = run_estimate(
+            QLoRAConfig(model="tiny-llama-hf", seq_len=32, batch=1, gradient_accumulation_steps=2),
+            steps=2, method="full", device="cpu", target="cpu",
+        )  # fmt: skip
+        grads = 4 * _parameters_of(base.model)  # every parameter's fp32 gradient
+        assert two.phases["forward"].peak_bytes - one.phases["forward"].peak_bytes == grads
+        assert two.phases["optimizer"].peak_bytes == one.phases["optimizer"].peak_bytes
+        return
+    q = build_qlora(base)
+    grads = sum(p.numel() * p.element_size() for p in q.trainable_parameters())
+    one = _peaks(base)
+    two = _peaks(QLoRAConfig(seq_len=32, batch=1, gradient_accumulation_steps=2))
+    assert two["forward"] - one["forward"] == grads
+    assert two["optimizer"] == one["optimizer"]
+    assert two["backward"] > one["backward"]
+
+
+def test_the_config_files_accumulation_is_priced_and_the_flag_overrides_it(tmp_path) -> None:
+    """``gradient_accumulation_steps`` in a ``trl sft`` file reaches the step (the estimate's JSON records it and
+    the forward peak moves), and ``--gradient-accumulation-steps`` overrides the file."""
+    import json
+
+    import yaml
+
+    from vramguard.workload.models import presets
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "model_name_or_path": str(presets()["tiny-llama-hf"]), "per_device_train_batch_size": 1, "max_length": 32,
+        "use_peft": True, "load_in_4bit": True, "gradient_checkpointing": False, "gradient_accumulation_steps": 3,
+    }))  # fmt: skip
+    forward = {}
+    for flags in ([], ["--gradient-accumulation-steps", "1"]):
+        out = tmp_path / f"e{len(flags)}.json"
+        argv = ["estimate", "--config", str(path), "--target", "cpu", "--quiet", "--json", str(out), *flags]
+        assert main(argv) == 0
+        report = json.loads(out.read_text())
+        forward[report["config"]["gradient_accumulation_steps"]] = report["phases"]["forward"]["peak_bytes"]
+    assert sorted(forward) == [1, 3] and forward[3] > forward[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["estimate", "--world-size", "2", "--sharding", "fsdp2"], "not run across ranks yet"),
+        (["audit", "--trainer", "trainer"], "not measured yet"),
+    ],
+)
+def test_accumulation_where_it_is_not_run_is_one_line(argv: list[str], message: str, capsys) -> None:
+    assert main([*argv, "--gradient-accumulation-steps", "2", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vramguard: error:") and message in err and len(err.splitlines()) == 1

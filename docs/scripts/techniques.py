@@ -2,6 +2,7 @@
 model (Llama-3.1-8B by default) at two sequence lengths, every cell a ``vramguard estimate --config`` run.
 
     PYTHONPATH=src python docs/scripts/techniques.py                  # run all rows, write the JSON and the page
+    PYTHONPATH=src python docs/scripts/techniques.py --rows 0,5       # only these rows (the others kept from the JSON)
     PYTHONPATH=src python docs/scripts/techniques.py --render-only    # the page again from the JSON
 
 Each row is the baseline's TRL keys (``trl sft --config``) with the row's keys on top; a row whose keys the
@@ -54,6 +55,7 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("+ rsLoRA", {"use_rslora": True}),
     ("+ padding-free", {"padding_free": True}),
     ("+ packing (bfd)", {"packing": True}),
+    ("+ gradient accumulation 4", {"gradient_accumulation_steps": 4}),
     ("+ eager attention", {"attn_implementation": "eager"}),
     ("+ activation offloading", {"activation_offloading": True}),
     ("+ bf16 autocast", {"bf16": True}),
@@ -166,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = ROWS if not args.rows else [ROWS[int(i)] for i in args.rows.split(",")]
         data = run(args.model, args.seq, rows)
+        if args.rows and args.results.is_file():  # the rows not run are kept from the JSON, in ROWS' order
+            ran = {r["technique"]: r for r in data["rows"]}
+            kept = {r["technique"]: r for r in json.loads(args.results.read_text())["rows"]}
+            data["rows"] = [ran.get(label) or kept[label] for label, _ in ROWS if label in ran or label in kept]
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(data, indent=1) + "\n")
     table = render(data)

@@ -27,10 +27,11 @@ from vramguard.workload.routing import Routing
 TRAINERS = ("loop", "trainer", "sft")
 
 
-def _dataset(q: QLoRAModel, steps: int, labels: bool) -> Any:
+def _dataset(q: QLoRAModel, micro_batches: int, labels: bool) -> Any:
+    """The rows of ``micro_batches`` batches, the loop's own (:meth:`QLoRAModel.batch`), in order."""
     from datasets import Dataset
 
-    rows = torch.cat([q.batch(k)["input_ids"].cpu() for k in range(steps)]).tolist()
+    rows = torch.cat([q.batch(k)["input_ids"].cpu() for k in range(micro_batches)]).tolist()
     return Dataset.from_dict({"input_ids": rows, **({"labels": rows} if labels else {})})
 
 
@@ -96,15 +97,12 @@ def _train(
             "--offload-activations with --trainer sft is TRL's OffloadActivations, which needs an accelerator; "
             "on CPU use --trainer trainer (torch's save_on_cpu)"
         )
-    if config.gradient_accumulation_steps != 1:
-        raise UsageError(
-            f"--trainer {trainer} with gradient accumulation is not measured yet (the callback measures one "
-            "forward and backward a step): vramguard's loop (no --trainer) runs the micro-batches"
-        )
     q = build_qlora(config)
+    micro_batches = steps * config.gradient_accumulation_steps  # the rows of every micro-batch of every step
     common: dict[str, Any] = {
         "max_steps": steps,
         "per_device_train_batch_size": config.batch,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
         "report_to": [],
         "save_strategy": "no",
         "logging_steps": 1,
@@ -120,7 +118,7 @@ def _train(
         from transformers import Trainer, TrainingArguments
 
         args = TrainingArguments(str(output_dir), **common)
-        runner = Trainer(model=q.model, args=args, train_dataset=_dataset(q, steps, True), callbacks=[cb])
+        runner = Trainer(model=q.model, args=args, train_dataset=_dataset(q, micro_batches, True), callbacks=[cb])
     else:
         try:
             from trl import SFTConfig, SFTTrainer
@@ -132,7 +130,7 @@ def _train(
         runner = SFTTrainer(
             model=q.model,
             args=args,
-            train_dataset=_dataset(q, steps, False),
+            train_dataset=_dataset(q, micro_batches, False),
             processing_class=_tokenizer(int(q.spec.fields["vocab_size"])),
             callbacks=[cb],
         )

@@ -527,11 +527,35 @@ def test_accelerate_launch_keys_are_named_not_refused(tmp_path: Path, base_answe
     runs there, so here it is priced for one device with each of them named as not priced; a key neither
     knows is still refused."""
     launch = {"accelerate_config": "fsdp2", "num_processes": 4, "mixed_precision": "bf16"}
-    run = load_run_config(_write(tmp_path, {**BASE, **launch}))
+    secret = {"aws_secret_access_key": "s3cr3t-value"}  # accelerate's SageMaker options: named, never shown
+    run = load_run_config(_write(tmp_path, {**BASE, **launch, **secret}))
     not_priced = next(line for line in run.lines() if "NOT PRICED" in line)
     for key, value in launch.items():
         assert f"{key}={json.dumps(value)}" in not_priced, not_priced
+    assert "aws_secret_access_key=" in not_priced and "s3cr3t-value" not in not_priced
     assert "--world-size N --sharding" in not_priced and "set bf16: true" in not_priced
     assert _answer(run.config()) == base_answer
     with pytest.raises(UsageError, match="not_a_key"):
         load_run_config(_write(tmp_path, {**BASE, "not_a_key": 1}, name="bad.yaml"))
+
+
+def test_a_script_argument_trl_requires_need_not_be_in_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRL before 0.19 declares ``ScriptArguments.dataset_name`` without a default; a file without it is still
+    read (trl sft would load the data; no byte of the step depends on it), and one with it names it."""
+    from dataclasses import dataclass
+
+    from trl import ModelConfig, SFTConfig
+
+    from vramguard.workload import run_config
+
+    @dataclass
+    class ScriptArguments:  # as TRL 0.12-0.18 declares it
+        dataset_name: str
+        dataset_train_split: str = "train"
+
+    monkeypatch.setattr(run_config, "trl_sft_dataclasses", lambda: (ScriptArguments, SFTConfig, ModelConfig))
+    assert load_run_config(_write(tmp_path, BASE)).config().batch == 1
+    run = load_run_config(_write(tmp_path, {**BASE, "dataset_name": "trl-lib/Capybara"}, "named.yaml"))
+    assert "dataset_name" in next(line for line in run.lines() if "changes no byte" in line)

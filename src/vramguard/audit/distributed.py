@@ -41,6 +41,7 @@ from vramguard.workload.sharding import (
     ShardingConfig,
     apply_sharding,
     check_adapters,
+    check_micro_batches,
     cpu_mesh,
     rank_terms,
     transient_terms,
@@ -227,6 +228,7 @@ def run_distributed_audit(
 
     sharding.validate()
     config.validate()
+    check_micro_batches(config.gradient_accumulation_steps)
     if torch.device(config.device).type != "cpu":
         raise UsageError("--world-size runs its ranks on the host (gloo): use --device cpu")
     if sharding.sharding == "zero3":

@@ -123,9 +123,6 @@ def handle(args: argparse.Namespace) -> int:
     check_fits(config)  # fail on a bad model, or one that cannot fit, before anything is built
     console = stdout_console()
     if sharding is not None:
-        from vramguard.workload.sharding import check_micro_batches
-
-        check_micro_batches(config.gradient_accumulation_steps)
         if args.trainer != "loop":
             raise UsageError("--world-size runs vramguard's loop on every rank: leave out --trainer")
         from vramguard.audit.distributed import run_distributed_audit

@@ -125,9 +125,6 @@ def main(args: argparse.Namespace) -> int:
     sharding = sharding_config(args)
     settings = fsdp_settings(args, sharding)
     if sharding is not None:
-        from vramguard.workload.sharding import check_micro_batches
-
-        check_micro_batches(config.gradient_accumulation_steps)
         if events is not None:
             raise UsageError("--snapshot and --html record one process's allocations: leave out --world-size")
         return _distributed(config, sharding, settings, size, args, lines)

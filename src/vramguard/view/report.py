@@ -95,7 +95,7 @@ def trainer_header(report: AuditReport, console: Any) -> None:
     c = report.config
     console.print(
         f"[bold]vramguard[/] {c.get('trainer')} run of {report.architecture.get('model_class')} on {report.device}: "
-        f"batch {c.get('batch')} x seq {c.get('seq_len', '?')}, {len(report.steps)} steps",
+        f"{_batch({'seq_len': '?', **c})}, {len(report.steps)} steps",
         highlight=False,
     )
 

@@ -233,6 +233,10 @@ def parse_trl(path: Path, data: dict[str, Any]) -> tuple[Any, Any, dict[str, Any
     data.setdefault("output_dir", str(Path.cwd()))  # TrainingArguments' only required field; files only
     types = trl_sft_dataclasses()
     fields = {f.name for cls in types for f in dataclasses.fields(cls)}
+    required = {cls: _required(cls) for cls in types if cls is not SFTConfig}  # e.g. dataset_name before TRL 0.19
+    for names in required.values():
+        for name in names:
+            data.setdefault(name, None)  # trl sft would read the data; the step's memory does not depend on it
     for key in launch_keys(set(data) - fields):  # trl sft hands these to accelerate launch: not the step's
         del data[key]
     parser = HfArgumentParser(types)
@@ -243,7 +247,7 @@ def parse_trl(path: Path, data: dict[str, Any]) -> tuple[Any, Any, dict[str, Any
             base = {"use_cpu": True, "output_dir": data["output_dir"]}
             trl_defaults: dict[str, Any] = {}
             for cls in types:
-                default = cls(**base) if cls is SFTConfig else cls()
+                default = cls(**base) if cls is SFTConfig else cls(**dict.fromkeys(required[cls]))
                 trl_defaults.update(default.to_dict() if cls is SFTConfig else dataclasses.asdict(default))
             defaults = [trl_defaults, TrainingArguments(**base).to_dict()]
         except (ValueError, TypeError, KeyError) as exc:
@@ -274,6 +278,15 @@ def launch_keys(keys: set[str]) -> set[str]:
         return keys & TRL_LAUNCH_KEYS
     options = {action.dest for action in launch_command_parser()._actions} - {"help"}
     return keys & (options | TRL_LAUNCH_KEYS)
+
+
+def _required(cls: type) -> list[str]:
+    """The fields of dataclass ``cls`` that have no default."""
+    return [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
 
 
 def trl_sft_dataclasses() -> tuple[type, ...]:
@@ -532,7 +545,8 @@ def load_run_config(path: str | Path) -> RunConfig:
         if why is not None:
             readings.append(KeyReading(key, _value_of(data[key]), "no-byte", why))
         elif key not in parsed:  # not a dataclass field: an accelerate launch option (parse_trl let only these by)
-            not_priced(key, _LAUNCH_WHY.get(key, _LAUNCH_WHY[""]))
+            shown = "<hidden>" if any(w in key for w in ("secret", "access_key", "token")) else _value_of(data[key])
+            readings.append(KeyReading(key, shown, "not-priced", _LAUNCH_WHY.get(key, _LAUNCH_WHY[""])))
         else:
             not_priced(key, _UNPRICED_WHY.get(key, "not run by vramguard: its effect on memory is left out"))
     if "env" in data:

@@ -98,8 +98,9 @@ def train_step(
     whose saved storages, like the gradients and the optimizer's state, label their allocations.
 
     With ``gradient_accumulation_steps`` k > 1 (Trainer's gradient accumulation) the step is k micro-batches,
-    each a forward and a backward (autograd adds each one's gradients into those the earlier ones left), then
-    one optimizer step; a phase's peak is the highest of its k calls. The loss's normalisation over the
+    made before the step as Trainer fetches them, each a forward and a backward (autograd adds each one's
+    gradients into those the earlier ones left), then one optimizer step; a phase's peak is the highest of its k
+    calls. The loss's normalisation over the
     micro-batches (Trainer's) scales values and changes no byte, so it is not applied.
 
     ``loss_fn`` maps the model output to the loss (default: the model's own ``loss``). ``engine``: a DeepSpeed
@@ -112,13 +113,14 @@ def train_step(
     if engine is not None and micro_batches != 1:
         raise UsageError("gradient accumulation through DeepSpeed's engine is not run: pass 1 micro-batch a step")
     device = q.device
+    # a step's micro-batches, all made before it starts, as Trainer fetches them (get_batch_samples)
+    batches = [q.batch(step * micro_batches + micro) for micro in range(micro_batches)]
     start = tracker.current()
     step_stats = {name: FrameStats(name) for name in PHASES}
     events = tracker.events
-    after_forward = start
+    after_forward: int | None = None
     values: list[float] = []
-    for micro in range(micro_batches):
-        batch = q.batch(step * micro_batches + micro)
+    for micro, batch in enumerate(batches):
         calls: dict[str, FrameStats] = {}
         saved = ledger if micro == 0 else None
         if saved is None and events is not None:  # what this forward keeps for backward, for the events' labels
@@ -135,7 +137,8 @@ def train_step(
                 out = forward_as_trainer(q, batch, forward)
                 loss = loss_fn(out) if loss_fn else out.loss
             _sync(device)
-        after_forward = max(after_forward, tracker.current())
+        now = tracker.current()
+        after_forward = now if after_forward is None else max(after_forward, now)
         del out
         with tracker.phase("backward") as calls["backward"]:
             if engine is not None:
@@ -169,7 +172,7 @@ def train_step(
         step=step,
         loss=sum(values) / len(values) if values else None,
         start_bytes=start,
-        after_forward_bytes=after_forward,
+        after_forward_bytes=after_forward if after_forward is not None else start,
         retained_bytes=tracker.current(),
         peak_bytes={name: stats.peak_bytes for name, stats in step_stats.items()},
     )

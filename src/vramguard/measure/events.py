@@ -99,8 +99,9 @@ class Allocation:
 
 @dataclass
 class PhaseSpan:
-    """One call of a phase: its name, its call number (1 for the first step's), and the event indices it
-    spans (``start`` inclusive, ``end`` exclusive)."""
+    """One call of a phase: its name, its call number (1 for the first step's; with gradient accumulation the
+    forward and backward are called once a micro-batch, so their calls count micro-batches), and the event
+    indices it spans (``start`` inclusive, ``end`` exclusive)."""
 
     name: str
     call: int

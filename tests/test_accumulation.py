@@ -111,3 +111,27 @@ def test_accumulation_across_ranks_is_one_line(command: str, capsys) -> None:
     assert main([*argv, "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("vramguard: error:") and "not run across ranks yet" in err and len(err.splitlines()) == 1
+
+
+def test_fit_offers_the_same_rows_a_step_in_micro_batches_that_fit(tmp_path) -> None:
+    """``--fit`` for a batch that does not fit names, among its changes, the same rows a step in micro-batches
+    of the largest batch that fits and divides them (batch 8 -> ``--batch 4 --gradient-accumulation-steps 2``),
+    priced by its own meta run: the held gradients included, so its total is that configuration's estimate."""
+    import json
+
+    from vramguard.estimate.run import run_estimate
+
+    def total(**changes: int) -> int:
+        report = run_estimate(QLoRAConfig(seq_len=256, **changes), steps=2, target="cpu")
+        return report.estimate.total_bytes
+
+    four, eight = total(batch=4), total(batch=8)
+    size = (four + eight) // 2  # batch 4 fits, batch 8 does not
+    out = tmp_path / "fit.json"
+    argv = ["estimate", "--seq-len", "256", "--batch", "8", "--target", "cpu", "--steps", "2", "--quiet"]
+    assert main([*argv, "--fit", f"{size}B", "--json", str(out)]) == 1
+    fit = json.loads(out.read_text())["estimate"]["fit"]
+    assert 4 <= fit["largest"] < 8
+    change = next(c for c in fit["changes"] if "--gradient-accumulation-steps" in c["change"])
+    assert change["change"] == "--batch 4 --gradient-accumulation-steps 2"
+    assert change["total_bytes"] == total(batch=4, gradient_accumulation_steps=2) > four

@@ -174,7 +174,8 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
         config, size, estimate, dim=args.fit_dim, limit=limit, known={requested: report.estimate.total_bytes}
     )
     if report.estimate.total_bytes > size:
-        result.changes = cheaper_changes(config, size, estimate)
+        largest = result.largest if args.fit_dim == "batch" else 0
+        result.changes = cheaper_changes(config, size, estimate, largest_batch=largest)
     return result.to_dict()
 
 

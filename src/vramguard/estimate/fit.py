@@ -168,13 +168,26 @@ def cheaper_changes(
     config: QLoRAConfig,
     size: int,
     estimate: Estimator,
+    largest_batch: int = 0,
 ) -> list[dict[str, Any]]:
     """For a shape that does not fit: the estimate of each change vramguard can run, cheapest first
     (what fits, then the fewest flags changed, then the smallest total).
 
-    ``estimate`` receives the changed config (its ``optimizer`` or ``offload_activations`` changed too)."""
+    ``estimate`` receives the changed config (its ``optimizer`` or ``offload_activations`` changed too).
+    ``largest_batch``: the largest batch that fits (a ``--fit`` search's answer), below the requested one: then
+    the same rows a step in micro-batches of the largest batch that divides them and fits too, by gradient
+    accumulation (whose held gradients the estimate prices, so it may still not fit)."""
     half = max(1, config.lora_rank // 2)
     options: list[tuple[str, QLoRAConfig]] = []
+    rows_a_step = config.batch * config.gradient_accumulation_steps
+    if 1 <= largest_batch < config.batch:
+        micro = max(d for d in range(1, largest_batch + 1) if rows_a_step % d == 0)
+        options.append(
+            (
+                f"--batch {micro} --gradient-accumulation-steps {rows_a_step // micro}",
+                dataclasses.replace(config, batch=micro, gradient_accumulation_steps=rows_a_step // micro),
+            )
+        )
     if not config.gradient_checkpointing:
         options.append(("--gradient-checkpointing", dataclasses.replace(config, gradient_checkpointing=True)))
     if config.lora_rank > 1:

@@ -197,7 +197,7 @@ def test_fsdp2_shards_the_weights_and_replicates_the_quant_state(fsdp2_audit) ->
         assert row.weights_bytes == sum(v for k, v in terms.items() if k != "trainable_bytes")
 
 
-def _fake_ranks(sharding: ShardingConfig, steps: int = STEPS) -> list:
+def _fake_ranks(sharding: ShardingConfig, steps: int = STEPS, config: QLoRAConfig = CONFIG) -> list:
     """Each rank of ``sharding``'s step on the host's real tensors in this process, under torch's fake process
     group (collectives move nothing; every buffer FSDP allocates is real): the rows, as the ranks write them."""
     from vramguard.audit.distributed import measure_rank, rank_expectation
@@ -206,23 +206,28 @@ def _fake_ranks(sharding: ShardingConfig, steps: int = STEPS) -> list:
 
     rows = []
     for rank in range(sharding.world_size):
-        q = build_qlora(CONFIG, sharded=True)
-        expected = rank_expectation(q, CONFIG)
+        q = build_qlora(config, sharded=True)
+        expected = rank_expectation(q, config)
         with fake_process_group(rank, sharding.world_size):
             mesh = cpu_mesh(sharding.world_size)
-            _, row = measure_rank(q, CONFIG, sharding, mesh, rank, steps, 3, expected, "cpu")
+            _, row = measure_rank(q, config, sharding, mesh, rank, steps, 3, expected, "cpu")
         rows.append(row)
     return rows
 
 
+# the FSDP1 ranks run two micro-batches a step: the first under FSDP1's no_sync (as accelerate runs Trainer's
+# gradient accumulation), the second syncing, so the real ranks also hold the fake process group's accumulation
+ACCUMULATING = dataclasses.replace(CONFIG, gradient_accumulation_steps=2)
+
+
 @pytest.fixture(scope="module")
 def fsdp1_audit():
-    return run_distributed_audit(CONFIG, ShardingConfig(2, "fsdp1"), steps=STEPS)
+    return run_distributed_audit(ACCUMULATING, ShardingConfig(2, "fsdp1"), steps=STEPS)
 
 
 @pytest.fixture(scope="module")
 def fsdp1_estimate():
-    return run_distributed_estimate(CONFIG, ShardingConfig(2, "fsdp1"), steps=STEPS, target="cpu")
+    return run_distributed_estimate(ACCUMULATING, ShardingConfig(2, "fsdp1"), steps=STEPS, target="cpu")
 
 
 def test_fsdp1_audit_equals_the_fake_process_group_estimate_per_rank(fsdp1_audit, fsdp1_estimate) -> None:
@@ -257,7 +262,8 @@ def test_fsdp1_shards_the_weights_and_keeps_what_one_device_saves(fsdp1_audit, o
 def test_fsdp1_fake_process_group_on_the_host_equals_the_meta_estimate(fsdp1_estimate) -> None:
     """The same FSDP1 ranks on the host's real tensors under the fake process group: byte for byte (redundant
     with the real ranks' test above, which stays in the default run; this one isolates the meta shims)."""
-    host = [{k: getattr(row, k) for k in COMPARED} for row in _fake_ranks(ShardingConfig(2, "fsdp1"))]
+    rows = _fake_ranks(ShardingConfig(2, "fsdp1"), config=ACCUMULATING)
+    host = [{k: getattr(row, k) for k in COMPARED} for row in rows]
     assert host == [{k: getattr(row, k) for k in COMPARED} for row in fsdp1_estimate.distributed.per_rank]
 
 

@@ -228,13 +228,13 @@ def run_distributed_audit(
 
     sharding.validate()
     config.validate()
-    check_micro_batches(config.gradient_accumulation_steps)
     if torch.device(config.device).type != "cpu":
         raise UsageError("--world-size runs its ranks on the host (gloo): use --device cpu")
     if sharding.sharding == "zero3":
         from vramguard.workload.zero3 import check_config
 
         check_config(config)
+        check_micro_batches(config.gradient_accumulation_steps)
     check_fits(config)
     _check_host_fits(config, sharding.world_size)
     with tempfile.TemporaryDirectory(prefix="vramguard-ranks-") as tmp:

@@ -49,7 +49,7 @@ from vramguard.measure.storage import local_tensor, storage_key
 from vramguard.measure.tracker import StorageTracker
 from vramguard.workload.models import QLoRAConfig
 from vramguard.workload.routing import ROUTINGS, Routing, eager_top_k
-from vramguard.workload.sharding import ShardingConfig, check_adapters, check_micro_batches
+from vramguard.workload.sharding import ShardingConfig, check_adapters
 
 
 @contextlib.contextmanager
@@ -192,7 +192,6 @@ def run_distributed_estimate(
     if target not in TARGETS:
         raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     config.validate()
-    check_micro_batches(config.gradient_accumulation_steps)
     world = sharding.world_size
     wanted = list(range(world)) if ranks is None else sorted(set(ranks))
     if not wanted or wanted[0] < 0 or wanted[-1] >= world:

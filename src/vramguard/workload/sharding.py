@@ -90,13 +90,14 @@ def cpu_mesh(world_size: int) -> Any:
 
 
 def check_micro_batches(gradient_accumulation_steps: int) -> None:
-    """Refuse, in one line, gradient accumulation across ranks: the engines' own accumulation (FSDP's
-    ``no_sync`` / ``set_requires_gradient_sync``, DeepSpeed's ``gradient_accumulation_steps``) decides what
-    each rank holds between micro-batches, and no rank runs it yet."""
+    """Refuse, in one line, gradient accumulation through DeepSpeed's engine: its own accumulation
+    (``gradient_accumulation_steps`` in its config, ``engine.step()`` at the boundary) decides what each rank
+    holds between micro-batches, and the ZeRO-3 ranks do not run it yet. (FSDP's ranks run it as accelerate
+    does for Trainer: :func:`vramguard.workload.training.no_sync`.)"""
     if gradient_accumulation_steps != 1:
         raise UsageError(
-            f"gradient accumulation ({gradient_accumulation_steps} micro-batches a step) is not run across "
-            "ranks yet: pass --gradient-accumulation-steps 1 to price one micro-batch a step"
+            f"gradient accumulation ({gradient_accumulation_steps} micro-batches a step) through DeepSpeed's "
+            "ZeRO-3 engine is not run yet: pass --gradient-accumulation-steps 1 to price one micro-batch a step"
         )
 
 

@@ -5,7 +5,8 @@ Shared by ``vramguard audit``, the benchmarks and tests_memory, so they all meas
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -79,6 +80,23 @@ def forward_as_trainer(q: QLoRAModel, batch: dict[str, Any], forward: Any = None
     return convert_to_fp32(out)
 
 
+@contextlib.contextmanager
+def no_sync(model: torch.nn.Module) -> Iterator[None]:
+    """accelerate's ``Accelerator.no_sync``, which Trainer enters for every micro-batch of a step but the last
+    (``Accelerator.accumulate``): FSDP2's ``set_requires_gradient_sync(False)`` (each rank keeps its unsharded
+    gradients until the last micro-batch reduces them), FSDP1's and DDP's ``no_sync()``; nothing for a model on
+    one device."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        with getattr(model, "no_sync", contextlib.nullcontext)():
+            yield
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -110,8 +128,10 @@ def train_step(
     """
     forward = engine if engine is not None else q.model
     micro_batches = q.config.gradient_accumulation_steps
-    if engine is not None and micro_batches != 1:
-        raise UsageError("gradient accumulation through DeepSpeed's engine is not run: pass 1 micro-batch a step")
+    if engine is not None:
+        from vramguard.workload.sharding import check_micro_batches
+
+        check_micro_batches(micro_batches)
     device = q.device
     # a step's micro-batches, all made before it starts, as Trainer fetches them (get_batch_samples)
     batches = [q.batch(step * micro_batches + micro) for micro in range(micro_batches)]
@@ -125,27 +145,30 @@ def train_step(
         saved = ledger if micro == 0 else None
         if saved is None and events is not None:  # what this forward keeps for backward, for the events' labels
             saved = SavedTensorLedger(q.model)
-        with tracker.phase("forward") as calls["forward"]:
-            if saved is not None:
-                with saved:
+        # every micro-batch but the last under accelerate's no_sync, as Trainer runs them (a no-op on one device)
+        accumulating = no_sync(q.model) if micro < micro_batches - 1 else contextlib.nullcontext()
+        with accumulating:
+            with tracker.phase("forward") as calls["forward"]:
+                if saved is not None:
+                    with saved:
+                        out = forward_as_trainer(q, batch, forward)
+                        loss = loss_fn(out) if loss_fn else out.loss
+                        saved.add_roots(loss)
+                    if events is not None:
+                        events.label_saved(saved.report.records)
+                else:
                     out = forward_as_trainer(q, batch, forward)
                     loss = loss_fn(out) if loss_fn else out.loss
-                    saved.add_roots(loss)
-                if events is not None:
-                    events.label_saved(saved.report.records)
-            else:
-                out = forward_as_trainer(q, batch, forward)
-                loss = loss_fn(out) if loss_fn else out.loss
-            _sync(device)
-        now = tracker.current()
-        after_forward = now if after_forward is None else max(after_forward, now)
-        del out
-        with tracker.phase("backward") as calls["backward"]:
-            if engine is not None:
-                engine.backward(loss)
-            else:
-                loss.backward()
-            _sync(device)
+                _sync(device)
+            now = tracker.current()
+            after_forward = now if after_forward is None else max(after_forward, now)
+            del out
+            with tracker.phase("backward") as calls["backward"]:
+                if engine is not None:
+                    engine.backward(loss)
+                else:
+                    loss.backward()
+                _sync(device)
         if events is not None:
             events.label_tensors((p.grad for p in q.trainable_parameters() if p.grad is not None), GRADIENTS)
         for name, call in calls.items():

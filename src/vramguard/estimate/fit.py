@@ -175,8 +175,8 @@ def cheaper_changes(
 
     ``estimate`` receives the changed config (its ``optimizer`` or ``offload_activations`` changed too).
     ``largest_batch``: the largest batch that fits (a ``--fit`` search's answer), below the requested one: then
-    the same rows a step in micro-batches of the largest batch that divides them and fits too, by gradient
-    accumulation (whose held gradients the estimate prices, so it may still not fit)."""
+    the same rows a step in micro-batches of the largest batch that divides them and is no larger, by gradient
+    accumulation; its own meta run prices the gradients that holds, so it may still not fit."""
     half = max(1, config.lora_rank // 2)
     options: list[tuple[str, QLoRAConfig]] = []
     rows_a_step = config.batch * config.gradient_accumulation_steps

@@ -82,10 +82,12 @@ def forward_as_trainer(q: QLoRAModel, batch: dict[str, Any], forward: Any = None
 
 @contextlib.contextmanager
 def no_sync(model: torch.nn.Module) -> Iterator[None]:
-    """accelerate's ``Accelerator.no_sync``, which Trainer enters for every micro-batch of a step but the last
-    (``Accelerator.accumulate``): FSDP2's ``set_requires_gradient_sync(False)`` (each rank keeps its unsharded
-    gradients until the last micro-batch reduces them), FSDP1's and DDP's ``no_sync()``; nothing for a model on
-    one device."""
+    """accelerate's ``Accelerator.no_sync``, which transformers' Trainer enters itself for every micro-batch of
+    a step but the last (its training loop, unless accelerate's ``sync_each_batch`` is set, which is not priced):
+    FSDP2's ``set_requires_gradient_sync(False)`` (each rank keeps its unsharded gradients until the last
+    micro-batch reduces them), FSDP1's and DDP's ``no_sync()``; nothing for a model on one device. ``model`` is
+    the FSDP root (FSDP2 shards the PEFT model in place, FSDP1 wraps it), so the attributes tell the engines
+    apart as accelerate's ``is_fsdp2`` does."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(False)
         try:

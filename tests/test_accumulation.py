@@ -161,3 +161,34 @@ def test_fit_offers_the_same_rows_a_step_in_micro_batches_that_fit(tmp_path) -> 
     change = next(c for c in fit["changes"] if "--gradient-accumulation-steps" in c["change"])
     assert change["change"] == "--batch 4 --gradient-accumulation-steps 2"
     assert change["total_bytes"] == total(batch=4, gradient_accumulation_steps=2) > four
+
+
+@pytest.mark.parametrize(
+    ("batch", "steps", "largest", "offered"),
+    [
+        (8, 1, 5, "--batch 4 --gradient-accumulation-steps 2"),
+        (7, 1, 4, "--batch 1 --gradient-accumulation-steps 7"),  # 7 rows a step: only micro-batches of 1 divide
+        (8, 3, 5, "--batch 4 --gradient-accumulation-steps 6"),  # 24 rows a step, already accumulated
+        (8, 1, 0, None),  # not even batch 1 fits: nothing to split into
+    ],
+)
+def test_the_fit_option_keeps_the_rows_a_step(batch: int, steps: int, largest: int, offered: str | None) -> None:
+    """The micro-batch option keeps the rows a step (batch x micro-batches) exactly, in micro-batches no larger
+    than the largest batch that fit (a stand-in estimator: this is the option's arithmetic, not its pricing)."""
+    from types import SimpleNamespace
+
+    from vramguard.estimate.fit import cheaper_changes
+
+    seen = []
+
+    def estimate(config: QLoRAConfig):
+        seen.append(config)
+        return SimpleNamespace(estimate=SimpleNamespace(total_bytes=1))
+
+    config = QLoRAConfig(batch=batch, gradient_accumulation_steps=steps)
+    changes = [c["change"] for c in cheaper_changes(config, 0, estimate, largest_batch=largest)]
+    mine = [c for c in changes if "--gradient-accumulation-steps" in c]
+    assert mine == ([offered] if offered else [])
+    for c in seen:
+        if c.gradient_accumulation_steps != steps:
+            assert c.batch * c.gradient_accumulation_steps == batch * steps and c.batch <= largest

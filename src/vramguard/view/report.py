@@ -52,14 +52,14 @@ def audit_header(report: AuditReport, console: Any) -> None:
         else ""
     )
     console.print(
-        f"[bold]vramguard audit[/] {c['model']}{kind} on {report.device}: {_batch(c)}, "
+        f"[bold]vramguard audit[/] {c['model']}{kind} on {report.device}: {batch_text(c)}, "
         f"{_lora(c)}, compute {c['compute_dtype']}, {_checkpointing(c)}, {len(report.steps)} steps"
     )
     env = report.environment.get("packages", {})
     console.print("[dim]" + ", ".join(f"{k} {v}" for k, v in env.items() if v) + "[/]", highlight=False)
 
 
-def _batch(c: dict[str, Any]) -> str:
+def batch_text(c: dict[str, Any]) -> str:
     """``batch B x seq S``, and the micro-batches of a step under gradient accumulation."""
     micro = c.get("gradient_accumulation_steps", 1)
     return f"batch {c['batch']} x seq {c['seq_len']}" + (f", {micro} micro-batches a step" if micro != 1 else "")
@@ -81,7 +81,7 @@ def estimate_header(report: AuditReport, console: Any) -> None:
     step = c.get("extra", {})
     console.print(
         f"[bold]vramguard estimate[/] {c['model']} ({arch.get('model_type')}, {arch.get('model_class')}, "
-        f"{arch.get('attn_implementation')} attention) on {report.device}: {_batch(c)}, "
+        f"{arch.get('attn_implementation')} attention) on {report.device}: {batch_text(c)}, "
         f"{_method(c)}, compute {c['compute_dtype']}, {_checkpointing(c)}, "
         f"optimizer {step.get('optimizer', 'adamw')}, "
         + ("activations offloaded to the host, " if step.get("offload_activations") else "")
@@ -95,7 +95,7 @@ def trainer_header(report: AuditReport, console: Any) -> None:
     c = report.config
     console.print(
         f"[bold]vramguard[/] {c.get('trainer')} run of {report.architecture.get('model_class')} on {report.device}: "
-        f"{_batch({'seq_len': '?', **c})}, {len(report.steps)} steps",
+        f"{batch_text({'seq_len': '?', **c})}, {len(report.steps)} steps",
         highlight=False,
     )
 

@@ -20,7 +20,7 @@ from vramguard.errors import UsageError
 from vramguard.measure.events import CATEGORIES, Timeline
 from vramguard.units import format_bytes
 from vramguard.view.html import CSS, _figure_svg, _pyplot
-from vramguard.view.report import short_layer_name
+from vramguard.view.report import batch_text, short_layer_name
 
 #: One colour per category (colour-blind-safe Tableau 10 order), the same in every page.
 CATEGORY_COLOURS = dict(
@@ -173,7 +173,7 @@ def _heading(report: AuditReport) -> str:
     c = report.config
     kind = "estimate" if report.estimate is not None else "audit"
     return (
-        f"vramguard {kind} {c.get('model')} on {report.device}: batch {c.get('batch')} x seq {c.get('seq_len')}, "
+        f"vramguard {kind} {c.get('model')} on {report.device}: {batch_text(c)}, "
         f"LoRA r={c.get('lora_rank')}, compute {c.get('compute_dtype')}, "
         f"checkpointing {'on' if c.get('gradient_checkpointing') else 'off'}"
     )

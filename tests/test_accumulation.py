@@ -126,19 +126,6 @@ def test_each_rank_holds_the_whole_unsharded_gradient_between_micro_batches(shar
     assert forward[2] - forward[1] == grads + rows
 
 
-def test_accumulation_through_deepspeed_is_one_line(capsys, monkeypatch) -> None:
-    """DeepSpeed's own accumulation is not run: refused in one line before any rank is launched, whether or not
-    the distributed extra is installed (here it is taken as installed, so the line is the micro-batches' own)."""
-    from vramguard.workload import zero3
-
-    monkeypatch.setattr(zero3, "missing", lambda: None)
-    argv = ["audit", "--world-size", "2", "--sharding", "zero3", "--gradient-accumulation-steps", "2"]
-    assert main([*argv, "--steps", "1"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("vramguard: error:") and len(err.splitlines()) == 1
-    assert "2 micro-batches" in err and "ZeRO-3" in err
-
-
 def test_fit_offers_the_same_rows_a_step_in_micro_batches_that_fit(tmp_path) -> None:
     """``--fit`` for a batch that does not fit names, among its changes, the same rows a step in micro-batches
     of the largest batch that fits and divides them (batch 8 -> ``--batch 4 --gradient-accumulation-steps 2``),

@@ -288,3 +288,22 @@ def test_the_docs_table_of_what_deepspeed_keeps_is_this_run(zero3_audit) -> None
 
     typed = typed_figures(DISTRIBUTED, "**What DeepSpeed keeps per rank**")
     assert_figures(typed, {term: f"{value:,}" for term, value in measured.items()})
+
+
+@needs_deepspeed
+def test_zero3_accumulates_in_the_gradient_partitions_it_made_at_initialize(zero3_audit) -> None:
+    """Two micro-batches a step through DeepSpeed's engine, as accelerate runs Trainer's accumulation (every
+    backward told whether it is the boundary, ``engine.step()`` once): unlike FSDP's ranks, which hold the whole
+    unsharded gradient between micro-batches, a ZeRO-3 rank accumulates into the gradient partition it allocated
+    at ``initialize``, so every phase peak of every rank rises by the second micro-batch's rows alone (batch x seq
+    int64 ids, fetched before the step as Trainer fetches them); the gradient partitions are the same size."""
+    from vramguard.audit.distributed import run_distributed_audit
+
+    config = QLoRAConfig(gradient_accumulation_steps=2)
+    accumulated = run_distributed_audit(config, ShardingConfig(2, "zero3"), steps=STEPS)
+    rows = CONFIG.batch * CONFIG.seq_len * 8
+    for one, two in zip(zero3_audit.distributed.per_rank, accumulated.distributed.per_rank, strict=True):
+        rise = {phase: two.phases[phase] - one.phases[phase] for phase in two.phases}
+        assert rise == dict.fromkeys(("forward", "backward", "optimizer"), rows)
+        assert two.terms["grad_partition_bytes"] == one.terms["grad_partition_bytes"] > 0
+    assert accumulated.verdict.ok, accumulated.verdict.line

@@ -41,7 +41,6 @@ from vramguard.workload.sharding import (
     ShardingConfig,
     apply_sharding,
     check_adapters,
-    check_micro_batches,
     cpu_mesh,
     rank_terms,
     transient_terms,
@@ -234,7 +233,6 @@ def run_distributed_audit(
         from vramguard.workload.zero3 import check_config
 
         check_config(config)
-        check_micro_batches(config.gradient_accumulation_steps)
     check_fits(config)
     _check_host_fits(config, sharding.world_size)
     with tempfile.TemporaryDirectory(prefix="vramguard-ranks-") as tmp:

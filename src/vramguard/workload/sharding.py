@@ -89,18 +89,6 @@ def cpu_mesh(world_size: int) -> Any:
     return init_device_mesh("cpu", (world_size,))
 
 
-def check_micro_batches(gradient_accumulation_steps: int) -> None:
-    """Refuse, in one line, gradient accumulation through DeepSpeed's engine: its own accumulation
-    (``gradient_accumulation_steps`` in its config, ``engine.step()`` at the boundary) decides what each rank
-    holds between micro-batches, and the ZeRO-3 ranks do not run it yet. (FSDP's ranks run it as accelerate
-    does for Trainer: :func:`vramguard.workload.training.no_sync`.)"""
-    if gradient_accumulation_steps != 1:
-        raise UsageError(
-            f"gradient accumulation ({gradient_accumulation_steps} micro-batches a step) through DeepSpeed's "
-            "ZeRO-3 engine is not run yet: pass --gradient-accumulation-steps 1 to price one micro-batch a step"
-        )
-
-
 def check_adapters(model: torch.nn.Module, sharding: ShardingConfig) -> None:
     """Refuse, in one line, what the engine cannot shard of ``model``'s LoRA: FSDP1 with LoRA on parameters
     (PEFT's ``ParamWrapper``: ``target_parameters``, or ``all-linear`` on a mixture of experts' fused stacks and

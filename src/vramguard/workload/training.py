@@ -126,14 +126,12 @@ def train_step(
     ``loss_fn`` maps the model output to the loss (default: the model's own ``loss``). ``engine``: a DeepSpeed
     engine wrapping ``q.model``: the step runs through it as DeepSpeed's users run it (``engine(**batch)``,
     ``engine.backward(loss)``, ``engine.step()``, which also zeroes the gradients); ``optimizer`` is its
-    optimizer, and the step is one micro-batch (DeepSpeed's own accumulation is not run).
+    optimizer. Its micro-batches run as accelerate's DeepSpeed wrapper runs Trainer's: each backward told
+    whether it is the accumulation boundary (``set_gradient_accumulation_boundary``), ``engine.step()`` once,
+    after the last (the engine's configuration names the micro-batches: :func:`vramguard.workload.zero3.ds_config`).
     """
     forward = engine if engine is not None else q.model
     micro_batches = q.config.gradient_accumulation_steps
-    if engine is not None:
-        from vramguard.workload.sharding import check_micro_batches
-
-        check_micro_batches(micro_batches)
     device = q.device
     # a step's micro-batches, all made before it starts, as Trainer fetches them (get_batch_samples)
     batches = [q.batch(step * micro_batches + micro) for micro in range(micro_batches)]
@@ -166,7 +164,8 @@ def train_step(
             after_forward = now if after_forward is None else max(after_forward, now)
             del out
             with tracker.phase("backward") as calls["backward"]:
-                if engine is not None:
+                if engine is not None:  # as accelerate's DeepSpeed wrapper runs Trainer's micro-batches
+                    engine.set_gradient_accumulation_boundary(is_boundary=micro == micro_batches - 1)
                     engine.backward(loss)
                 else:
                     loss.backward()

@@ -89,7 +89,7 @@ def ds_config(config: Any, hidden_size: int) -> dict[str, Any]:
     dtype = parse_dtype(config.compute_dtype)
     return {
         "train_micro_batch_size_per_gpu": int(config.batch),
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": int(config.gradient_accumulation_steps),
         "bf16": {"enabled": dtype == torch.bfloat16},
         "fp16": {"enabled": dtype == torch.float16},
         "zero_optimization": {

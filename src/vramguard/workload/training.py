@@ -120,8 +120,8 @@ def train_step(
     With ``gradient_accumulation_steps`` k > 1 (Trainer's gradient accumulation) the step is k micro-batches,
     made before the step as Trainer fetches them, each a forward and a backward (autograd adds each one's
     gradients into those the earlier ones left), then one optimizer step; a phase's peak is the highest of its k
-    calls. The loss's normalisation over the
-    micro-batches (Trainer's) scales values and changes no byte, so it is not applied.
+    calls. Trainer's normalisation of the loss over the micro-batches scales values and changes no byte, so it
+    is not applied.
 
     ``loss_fn`` maps the model output to the loss (default: the model's own ``loss``). ``engine``: a DeepSpeed
     engine wrapping ``q.model``: the step runs through it as DeepSpeed's users run it (``engine(**batch)``,
@@ -138,15 +138,17 @@ def train_step(
     start = tracker.current()
     step_stats = {name: FrameStats(name) for name in PHASES}
     events = tracker.events
-    after_forward: int | None = None
+    after_forward = 0  # the highest reading after a micro-batch's forward
     values: list[float] = []
     for micro, batch in enumerate(batches):
         calls: dict[str, FrameStats] = {}
         saved = ledger if micro == 0 else None
         if saved is None and events is not None:  # what this forward keeps for backward, for the events' labels
             saved = SavedTensorLedger(q.model)
-        # every micro-batch but the last under accelerate's no_sync, as Trainer runs them (a no-op on one device)
-        accumulating = no_sync(q.model) if micro < micro_batches - 1 else contextlib.nullcontext()
+        # every micro-batch but the last under accelerate's no_sync, as Trainer runs them (a no-op on one device);
+        # DeepSpeed's engine accumulates by itself (below), for which accelerate's no_sync does nothing either
+        last = micro == micro_batches - 1
+        accumulating = no_sync(q.model) if engine is None and not last else contextlib.nullcontext()
         with accumulating:
             with tracker.phase("forward") as calls["forward"]:
                 if saved is not None:
@@ -160,12 +162,11 @@ def train_step(
                     out = forward_as_trainer(q, batch, forward)
                     loss = loss_fn(out) if loss_fn else out.loss
                 _sync(device)
-            now = tracker.current()
-            after_forward = now if after_forward is None else max(after_forward, now)
+            after_forward = max(after_forward, tracker.current())
             del out
             with tracker.phase("backward") as calls["backward"]:
                 if engine is not None:  # as accelerate's DeepSpeed wrapper runs Trainer's micro-batches
-                    engine.set_gradient_accumulation_boundary(is_boundary=micro == micro_batches - 1)
+                    engine.set_gradient_accumulation_boundary(is_boundary=last)
                     engine.backward(loss)
                 else:
                     loss.backward()
@@ -174,7 +175,7 @@ def train_step(
             events.label_tensors((p.grad for p in q.trainable_parameters() if p.grad is not None), GRADIENTS)
         for name, call in calls.items():
             step_stats[name].merge(call)
-        if micro < micro_batches - 1:  # the last micro-batch's loss is read after the optimizer step
+        if not last:  # the last micro-batch's loss is read after the optimizer step
             if not loss.is_meta:
                 values.append(float(loss.detach().float().item()))
             del loss
@@ -196,7 +197,7 @@ def train_step(
         step=step,
         loss=sum(values) / len(values) if values else None,
         start_bytes=start,
-        after_forward_bytes=after_forward if after_forward is not None else start,
+        after_forward_bytes=after_forward,
         retained_bytes=tracker.current(),
         peak_bytes={name: stats.peak_bytes for name, stats in step_stats.items()},
     )

@@ -12,6 +12,22 @@ from vramguard.workload.models import QLoRAConfig, build_qlora
 
 
 ROWS = 1 * 32 * 8  # one micro-batch of batch 1 x seq 32 int64 token ids
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _held(nbytes: int, device: str) -> int:
+    """What a tensor of ``nbytes`` adds to the device's live bytes: on CUDA the caching allocator's block, rounded
+    up to its 512 B granule (a 256 B row takes 512 B there); on the host the bytes themselves."""
+    return -(-nbytes // 512) * 512 if device == "cuda" else nbytes
+
+
+def _on(device: str, **fields) -> QLoRAConfig:
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+    return QLoRAConfig(seq_len=32, batch=1, device=device, **fields)
 
 
 def _parameters_of(preset: str) -> int:
@@ -35,13 +51,15 @@ def _peaks(config: QLoRAConfig) -> dict[str, int]:
     return {name: phase.peak_bytes for name, phase in report.phases.items()}
 
 
-@pytest.mark.parametrize("method", ["qlora", "full"])
-def test_later_micro_batches_run_their_forward_with_the_whole_gradient_held(method: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "device"), [("qlora", "cpu"), ("full", "cpu"), pytest.param("qlora", "cuda", marks=pytest.mark.gpu)]
+)
+def test_later_micro_batches_run_their_forward_with_the_whole_gradient_held(method: str, device: str) -> None:
     """The forward peak of a step of two micro-batches is the one-micro-batch peak plus every trainable
     parameter's gradient, counted from the model (numel x element size), not from the tracker, plus the second
     micro-batch's rows (made before the step, as Trainer fetches them: batch x seq int64 ids, the labels the
-    same tensor); the optimizer step's peak by those rows only."""
-    base = QLoRAConfig(seq_len=32, batch=1)
+    same tensor); the optimizer step's peak by those rows only. On CUDA the same, read off the allocator."""
+    base = _on(device)
     if method == "full":  # full fine-tuning on the host: the unquantized model, every parameter trained
         from vramguard.estimate.run import run_estimate
 
@@ -56,11 +74,13 @@ def test_later_micro_batches_run_their_forward_with_the_whole_gradient_held(meth
         assert two.phases["optimizer"].peak_bytes - one.phases["optimizer"].peak_bytes == ROWS
         return
     q = build_qlora(base)
-    grads = sum(p.numel() * p.element_size() for p in q.trainable_parameters())
+    grads = sum(_held(p.numel() * p.element_size(), device) for p in q.trainable_parameters())
+    del q
     one = _peaks(base)
-    two = _peaks(QLoRAConfig(seq_len=32, batch=1, gradient_accumulation_steps=2))
-    assert two["forward"] - one["forward"] == grads + ROWS
-    assert two["optimizer"] - one["optimizer"] == ROWS  # the rows are held through the step, as in Trainer
+    two = _peaks(_on(device, gradient_accumulation_steps=2))
+    rows = _held(ROWS, device)
+    assert two["forward"] - one["forward"] == grads + rows
+    assert two["optimizer"] - one["optimizer"] == rows  # the rows are held through the step, as in Trainer
     assert two["backward"] > one["backward"]
 
 
@@ -88,20 +108,23 @@ def test_the_config_files_accumulation_is_priced_and_the_flag_overrides_it(tmp_p
     assert sorted(forward) == [1, 3] and forward[3] > forward[1]
 
 
-def test_the_real_trainer_holds_the_whole_gradient_as_the_loop_prices_it(tmp_path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_real_trainer_holds_the_whole_gradient_as_the_loop_prices_it(tmp_path, device: str) -> None:
     """transformers' own Trainer with ``gradient_accumulation_steps=2`` (``audit --trainer trainer``, measured by
     VramGuardCallback) raises its forward peak as the loop does: by the LoRA gradients' bytes, counted from the
     model, and the second micro-batch it fetched before the step (``get_batch_samples``), whose collated
-    ``input_ids`` and ``labels`` are two tensors there."""
+    ``input_ids`` and ``labels`` are two tensors there. On CUDA the same, read off the allocator (measured on an
+    H200 at batch 2 x 128: +153,600 B = 149,504 B of gradients + 2 x 2,048 B of rows)."""
     from vramguard.integrations.trainer_audit import run_trainer_audit
 
-    grads = sum(p.numel() * p.element_size() for p in build_qlora(QLoRAConfig(seq_len=32, batch=1)).trainable_parameters())
+    q = build_qlora(_on(device))
+    grads = sum(_held(p.numel() * p.element_size(), device) for p in q.trainable_parameters())
+    del q
     forward = {}
     for k in (1, 2):
-        config = QLoRAConfig(seq_len=32, batch=1, gradient_accumulation_steps=k)
-        report = run_trainer_audit(config, 2, "trainer", tmp_path / f"run{k}")
+        report = run_trainer_audit(_on(device, gradient_accumulation_steps=k), 2, "trainer", tmp_path / f"run{k}")
         forward[k] = report.phases["forward"].peak_bytes
-    assert forward[2] - forward[1] == grads + 2 * ROWS
+    assert forward[2] - forward[1] == grads + 2 * _held(ROWS, device)
 
 
 @pytest.mark.parametrize("sharding", ["fsdp2", "fsdp1"])

@@ -9,7 +9,8 @@ audit's ranks and the estimate's meta ranks run. The allocator's peak statistics
 so ``max_memory_allocated`` covers the sharding and the steps. Writes one JSON document.
 
 usage: python docs/measurements/gpu-fake-ranks.py OUT.json MODEL N fsdp2|fsdp1 [--seq-len 2048] [--batch 1]
-       [--lora-rank 16] [--steps 2] [--device cuda|cpu]   (cpu: a dry run of the script)
+       [--lora-rank 16] [--gradient-accumulation-steps 1] [--steps 2] [--device cuda|cpu]
+       (cpu: a dry run of the script)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def main() -> None:
         seq_len=int(_arg("--seq-len", "2048")),
         batch=int(_arg("--batch", "1")),
         lora_rank=int(_arg("--lora-rank", "16")),
+        gradient_accumulation_steps=int(_arg("--gradient-accumulation-steps", "1")),
         gradient_checkpointing=True,
         device=device,
     )

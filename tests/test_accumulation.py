@@ -17,16 +17,13 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 def _held(nbytes: int, device: str) -> int:
     """What a tensor of ``nbytes`` adds to the device's live bytes: on CUDA the caching allocator's block, rounded
-    up to its 512 B granule (a 256 B row takes 512 B there); on the host the bytes themselves."""
+    up to its 512 B granule (blocks under 1 MiB, the default ``PYTORCH_CUDA_ALLOC_CONF``: a 256 B row takes
+    512 B there); on the host the bytes themselves."""
     return -(-nbytes // 512) * 512 if device == "cuda" else nbytes
 
 
 def _on(device: str, **fields) -> QLoRAConfig:
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            pytest.skip("needs CUDA")
+    """The tests' tiny-llama step (batch 1 x seq 32) on ``device`` (the plugin skips a gpu test without CUDA)."""
     return QLoRAConfig(seq_len=32, batch=1, device=device, **fields)
 
 

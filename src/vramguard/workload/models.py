@@ -8,7 +8,6 @@ projections. What is measured is therefore the libraries' real code, not a re-im
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import re
@@ -681,10 +680,6 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: boo
     experts = getattr(hf_config, "_experts_implementation", None)
     asked = {"experts_implementation": experts} if experts is not None else {}
     compute_dtype = parse_dtype(config.compute_dtype)
-    if torch.device(config.device).type == "cuda":
-        # an audit's CUDA phase peaks are absolute allocator readings: a model built earlier in this process that
-        # only a collection frees (reference cycles) would count in them (seen on an H200: +0.9 MB on a tiny model)
-        gc.collect()
     torch.manual_seed(config.seed)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

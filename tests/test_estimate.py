@@ -284,6 +284,32 @@ def test_a_meta_build_leaves_real_quantization_working() -> None:
     assert packed.device.type == "cpu" and state.state2 is not None
 
 
+def test_a_cpu_target_adds_no_gpu_overheads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--target cpu`` prices the step on the host's kernels: its total is the step's tensors (what the CPU audit
+    measures), with none of an H100's CUDA context, cuBLAS workspaces or fragmentation allowance, and it says so;
+    ``--target cuda`` of the same step adds them (it used to add them to both: 808 MiB on a 7 MiB step)."""
+    from vramguard.cli import main
+
+    totals = {}
+    for target in ("cpu", "cuda"):
+        out = tmp_path / f"{target}.json"
+        argv = ["estimate", "--seq-len", "16", "--batch", "1", "--target", target, "--json", str(out)]
+        assert main(argv) == 0
+        printed = capsys.readouterr().out
+        e = json.loads(out.read_text())["estimate"]
+        assert e["target"] == target
+        totals[target] = e
+        if target == "cpu":
+            assert e["overheads"] == [] and e["overhead_bytes"] == 0
+            assert e["total_bytes"] == e["allocator_peak_bytes"]
+            assert "of the host's memory" in printed and "CUDA context" not in printed
+        else:
+            assert {o["name"] for o in e["overheads"]} == {
+                "CUDA context + kernels", "cuBLAS workspaces", "fragmentation allowance"
+            }  # fmt: skip
+            assert e["total_bytes"] == e["allocator_peak_bytes"] + e["overhead_bytes"] > e["allocator_peak_bytes"]
+
+
 @pytest.mark.parametrize("method", ["lora", "full", "full-bf16"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
 def test_lora_and_full_on_meta_equal_the_same_run_on_cpu(method: str, checkpointing: bool) -> None:
@@ -297,7 +323,7 @@ def test_lora_and_full_on_meta_equal_the_same_run_on_cpu(method: str, checkpoint
     if dtype:
         config = dataclasses.replace(config, method=method, full_dtype=dtype)
     meta = run_estimate(config, steps=STEPS, method=method, target="cpu")
-    cpu = run_estimate(config, steps=STEPS, method=method, device="cpu")
+    cpu = run_estimate(config, steps=STEPS, method=method, device="cpu", target="cpu")
     assert (meta.device, cpu.device) == ("meta", "cpu")
     got, want = _above_weights(meta), _above_weights(cpu)
     for key in want:

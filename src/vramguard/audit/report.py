@@ -197,6 +197,9 @@ class DeviceEstimate:
     overheads: list[Overhead] = field(default_factory=list)
     forced_decisions: dict[str, int] = field(default_factory=dict)
     fit: dict[str, Any] | None = None  # ``--fit``: the search's answer, runs and cheaper changes
+    # the kernels the meta run took (``--target``), and so what the total adds: "cuda", the overheads measured on
+    # an H100; "cpu", none (the host's tensors: no CUDA context, cuBLAS workspaces or caching-allocator gaps)
+    target: str = "cuda"
 
 
 @dataclass

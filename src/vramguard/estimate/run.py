@@ -493,8 +493,11 @@ def run_estimate(
     phase = max(PHASES, key=lambda name: report.phases[name].peak_bytes)
     step_peak = report.phases[phase].peak_bytes
     allocator = weights + trainable + step_peak
-    extra = overheads(
-        allocator, checkpointing=config.gradient_checkpointing, offloading=bool(offload_activations)
+    cuda = target == "cuda"
+    extra = (
+        overheads(allocator, checkpointing=config.gradient_checkpointing, offloading=bool(offload_activations))
+        if cuda
+        else []  # the host's kernels: none of a GPU's context, workspaces or allocator gaps
     )
     estimate = DeviceEstimate(
         weights_bytes=weights,
@@ -506,6 +509,7 @@ def run_estimate(
         total_bytes=allocator + sum(o.bytes for o in extra),
         overheads=extra,
         forced_decisions=dict(taken),
+        target=target,
     )
     if too_long is not None:
         raise UsageError(
@@ -522,6 +526,11 @@ def run_estimate(
         f"{frag.expected * 100:.0f} %, the median measured {frag.mode}, of {frag.low * 100:.0f}-"
         f"{frag.high * 100:.0f} %: {fb(high_total(estimate))} at {frag.high * 100:.0f} %"
         f"{small_step_caveat(allocator)})"
+        if cuda
+        else f"estimate: {fb(estimate.total_bytes)} of the host's memory for the step's tensors, with the CPU's "
+        f"kernels = weights {fb(weights)} + trainable {fb(trainable)} + {phase} peak {fb(step_peak)} (what "
+        "`vramguard audit --device cpu` measures; the Python process's own memory is not in it, nor a GPU's "
+        "overheads: --target cuda adds those)"
     )
     notes = [
         Finding(

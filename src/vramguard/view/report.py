@@ -233,13 +233,14 @@ def estimate_device(report: AuditReport, console: Any) -> None:
     """The device total: the allocator peak, then each overhead the meta run leaves out."""
     e = report.estimate
     assert e is not None
-    o = _table(
-        "On the device: the allocator peak, then what the meta run leaves out (figures measured on an H100)",
-        ["what", "bytes", "basis"],
-        ("what", "basis"),
+    title = (
+        "On the device: the allocator peak, then what the meta run leaves out (figures measured on an H100)"
+        if e.target == "cuda"
+        else "On the host (--target cpu): the step's tensors at their peak; no GPU overheads are added"
     )
+    o = _table(title, ["what", "bytes", "basis"], ("what", "basis"))
     o.add_row(
-        "allocator peak (max_memory_allocated)",
+        "allocator peak (max_memory_allocated)" if e.target == "cuda" else "tensors at the peak",
         fb(e.allocator_peak_bytes),
         f"weights {fb(e.weights_bytes)} + trainable params {fb(e.trainable_bytes)} + {e.peak_phase} peak "
         f"{fb(e.step_peak_bytes)}",

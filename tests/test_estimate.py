@@ -293,9 +293,12 @@ def test_a_cpu_target_adds_no_gpu_overheads(tmp_path: Path, capsys: pytest.Captu
     totals = {}
     for target in ("cpu", "cuda"):
         out = tmp_path / f"{target}.json"
+        page = tmp_path / f"{target}.html"
         argv = ["estimate", "--seq-len", "16", "--batch", "1", "--target", target, "--json", str(out)]
-        assert main(argv) == 0
+        assert main([*argv, "--html", str(page)]) == 0
         printed = capsys.readouterr().out
+        assert ("host estimate" in page.read_text()) == (target == "cpu")
+        assert ("CUDA context" in page.read_text()) == (target == "cuda")
         e = json.loads(out.read_text())["estimate"]
         assert e["target"] == target
         totals[target] = e
@@ -308,6 +311,32 @@ def test_a_cpu_target_adds_no_gpu_overheads(tmp_path: Path, capsys: pytest.Captu
                 "CUDA context + kernels", "cuBLAS workspaces", "fragmentation allowance"
             }  # fmt: skip
             assert e["total_bytes"] == e["allocator_peak_bytes"] + e["overhead_bytes"] > e["allocator_peak_bytes"]
+
+
+def test_on_a_cpu_target_offloaded_activations_stay_in_the_total_and_are_no_cheaper_change(tmp_path: Path) -> None:
+    """Offloading moves saved activations to the host: on ``--target cpu`` that is the same memory, so the total
+    keeps them (the offloading note's bytes, as the one overhead) and ``--fit`` never offers offloading as a
+    change that would make a cpu step fit; on cuda it does."""
+    from vramguard.cli import main
+
+    base = ["estimate", "--seq-len", "16", "--batch", "1", "--quiet"]
+    out = tmp_path / "offload.json"
+    assert main([*base, "--target", "cpu", "--offload-activations", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    from vramguard.units import format_bytes
+
+    e = report["estimate"]
+    (offloaded,) = e["overheads"]
+    assert offloaded["name"] == "activations offloaded to the host" and offloaded["bytes"] > 0
+    note = next(n for n in report["verdict"]["notes"] if n.startswith("activations offloaded to the host"))
+    assert f"at most {format_bytes(offloaded['bytes'])} of host memory at once, in the total" in note
+    assert e["total_bytes"] == e["allocator_peak_bytes"] + offloaded["bytes"]
+    offered = {}
+    for target in ("cpu", "cuda"):
+        out = tmp_path / f"fit-{target}.json"
+        assert main([*base, "--target", target, "--fit", "1MiB", "--json", str(out)]) == 1  # nothing fits 1 MiB
+        offered[target] = [c["change"] for c in json.loads(out.read_text())["estimate"]["fit"]["changes"]]
+    assert "--offload-activations" in offered["cuda"] and "--offload-activations" not in offered["cpu"]
 
 
 @pytest.mark.parametrize("method", ["lora", "full", "full-bf16"])
@@ -611,7 +640,7 @@ def test_offloading_frees_exactly_the_saved_activations_on_the_device() -> None:
     assert off.totals.saved_bytes == 0
     assert off.config["extra"]["offload_activations"] is True
     assert any("offloaded to the host" in n for n in off.verdict.notes)
-    assert off.estimate.total_bytes < kept.estimate.total_bytes
+    assert off.estimate.allocator_peak_bytes < kept.estimate.allocator_peak_bytes  # the device's (the host keeps them)
 
 
 def test_offloading_counts_the_copies_back_in_backward(monkeypatch: pytest.MonkeyPatch) -> None:

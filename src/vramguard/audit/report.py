@@ -179,12 +179,13 @@ class Overhead:
 
 @dataclass
 class DeviceEstimate:
-    """``vramguard estimate``: the device's allocator peak for one step, from a meta-device run.
+    """``vramguard estimate``: the target's peak for one step, from a meta-device run.
 
     ``allocator_peak_bytes`` = frozen weights + trainable parameters + the highest phase peak (what
     the step creates: activations, gradients, optimizer state, batch). ``total_bytes`` adds the
-    :class:`Overhead` figures, which are assumptions, not measurements: the fragmentation allowance at its
-    expected share, with its measured range in the overhead's ``low_bytes`` / ``high_bytes``.
+    :class:`Overhead` figures, which are assumptions, not measurements: for ``target`` cuda a GPU's (the
+    fragmentation allowance at its expected share, with its measured range in the overhead's ``low_bytes`` /
+    ``high_bytes``), for cpu only what offloading keeps on the host.
     """
 
     weights_bytes: int
@@ -198,7 +199,8 @@ class DeviceEstimate:
     forced_decisions: dict[str, int] = field(default_factory=dict)
     fit: dict[str, Any] | None = None  # ``--fit``: the search's answer, runs and cheaper changes
     # the kernels the meta run took (``--target``), and so what the total adds: "cuda", the overheads measured on
-    # an H100; "cpu", none (the host's tensors: no CUDA context, cuBLAS workspaces or caching-allocator gaps)
+    # an H100; "cpu", none of a GPU's (the host's tensors). Documents written before the field load as "cuda": their
+    # totals had the H100's overheads, whatever their target
     target: str = "cuda"
 
 

@@ -83,7 +83,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--fit",
         metavar="SIZE",
-        help="device memory, e.g. 24GiB: find the largest batch (or --fit-dim "
+        help="the target's memory (a GPU's for --target cuda, the host's for cpu), e.g. 24GiB: find the largest batch (or --fit-dim "
         "seq) that fits, and for a shape that does not fit, the changes that would make it",
     )
     p.add_argument("--fit-dim", default="batch", choices=("batch", "seq"))
@@ -175,7 +175,7 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
     )
     if report.estimate.total_bytes > size:
         largest = result.largest if args.fit_dim == "batch" else 0
-        result.changes = cheaper_changes(config, size, estimate, largest_batch=largest)
+        result.changes = cheaper_changes(config, size, estimate, largest_batch=largest, target=args.target)
     return result.to_dict()
 
 

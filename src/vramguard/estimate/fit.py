@@ -169,6 +169,7 @@ def cheaper_changes(
     size: int,
     estimate: Estimator,
     largest_batch: int = 0,
+    target: str = "cuda",
 ) -> list[dict[str, Any]]:
     """For a shape that does not fit: the estimate of each change vramguard can run, cheapest first
     (what fits, then the fewest flags changed, then the smallest total).
@@ -176,7 +177,8 @@ def cheaper_changes(
     ``estimate`` receives the changed config (its ``optimizer`` or ``offload_activations`` changed too).
     ``largest_batch``: the largest batch that fits (a ``--fit`` search's answer), below the requested one: then
     the same rows a step in micro-batches of the largest batch that divides them and is no larger, by gradient
-    accumulation; its own meta run prices the gradients that holds, so it may still not fit."""
+    accumulation; its own meta run prices the gradients that holds, so it may still not fit. ``target``: the
+    estimate's; on ``cpu`` offloading activations to the host saves nothing, so it is not offered."""
     half = max(1, config.lora_rank // 2)
     options: list[tuple[str, QLoRAConfig]] = []
     rows_a_step = config.batch * config.gradient_accumulation_steps
@@ -199,7 +201,7 @@ def cheaper_changes(
                 dataclasses.replace(config, optimizer="adamw-8bit"),
             )
         )
-    if not config.offload_activations:
+    if not config.offload_activations and target == "cuda":
         options.append(
             (
                 "--offload-activations",

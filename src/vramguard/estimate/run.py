@@ -144,6 +144,22 @@ def overheads(allocator_peak: int, checkpointing: bool = False, offloading: bool
     ]
 
 
+def host_overheads(offloaded: int) -> list[Overhead]:
+    """What a ``--target cpu`` total adds to the step's tensors: no GPU's context, workspaces or allocator gaps, but
+    the activations offloading packs to the host, which on the host target stay in the host's memory (an upper
+    bound: their peak and the step's are added, whenever each falls)."""
+    if not offloaded:
+        return []
+    return [
+        Overhead(
+            "activations offloaded to the host",
+            offloaded,
+            "save_on_cpu's copies at their peak (emulated on meta): on the host target they stay in the host's "
+            "memory; added to the step's peak, an upper bound",
+        )
+    ]
+
+
 def high_total(estimate: DeviceEstimate) -> int:
     """The total with each overhead at its high bound (the fragmentation allowance's largest measured share)."""
     return estimate.total_bytes + sum(
@@ -494,10 +510,11 @@ def run_estimate(
     step_peak = report.phases[phase].peak_bytes
     allocator = weights + trainable + step_peak
     cuda = target == "cuda"
+    offloaded = offload.host_peak_bytes if isinstance(offload, OffloadActivations) else 0
     extra = (
         overheads(allocator, checkpointing=config.gradient_checkpointing, offloading=bool(offload_activations))
         if cuda
-        else []  # the host's kernels: none of a GPU's context, workspaces or allocator gaps
+        else host_overheads(offloaded)  # the host's kernels: none of a GPU's context, workspaces or allocator gaps
     )
     estimate = DeviceEstimate(
         weights_bytes=weights,
@@ -527,10 +544,11 @@ def run_estimate(
         f"{frag.high * 100:.0f} %: {fb(high_total(estimate))} at {frag.high * 100:.0f} %"
         f"{small_step_caveat(allocator)})"
         if cuda
-        else f"estimate: {fb(estimate.total_bytes)} of the host's memory for the step's tensors, with the CPU's "
-        f"kernels = weights {fb(weights)} + trainable {fb(trainable)} + {phase} peak {fb(step_peak)} (what "
-        "`vramguard audit --device cpu` measures; the Python process's own memory is not in it, nor a GPU's "
-        "overheads: --target cuda adds those)"
+        else f"estimate: {fb(estimate.total_bytes)} of the host's memory for the step's tensors (CPU kernels): "
+        f"weights {fb(weights)} + trainable {fb(trainable)} + {phase} peak {fb(step_peak)}"
+        + (f" + at most {fb(offloaded)} of activations offloaded to the host" if offloaded else "")
+        + " (the figures `vramguard audit --device cpu` measures for the step; the Python process's own memory "
+        "is not in it, nor a GPU's overheads: --target cuda adds those)"
     )
     notes = [
         Finding(
@@ -555,7 +573,9 @@ def run_estimate(
                 f"paged optimizer: {format_bytes(paged)} of its state ({tensors} moment tensors of parameters "
                 f"with >= {PAGED_MIN_NUMEL:,} elements) would live in CUDA unified memory (cudaMallocManaged, "
                 "outside torch's allocator: max_memory_allocated leaves it out); counted here on the device, "
-                "where it stays until memory runs short, then the driver pages it to the host (evictable). "
+                "where it stays until memory runs short, then the driver pages it to the host (evictable)"
+                + ("" if cuda else "; with --target cpu, plain host memory, counted with the step's tensors")
+                + ". "
                 "Estimated by running AdamW8bit: paged memory does not exist on meta",
                 paged,
             )
@@ -566,7 +586,8 @@ def run_estimate(
                 checks.OFFLOADING,
                 f"activations offloaded to the host (save_on_cpu, emulated): {offload.packs // steps:,} saved "
                 f"tensors per step, at most {format_bytes(offload.host_peak_bytes)} of host memory at once, "
-                "not in the device figures; copied back one by one in backward (counted there). "
+                + ("not in the device figures" if cuda else "in the total (the host's: --target cpu)")
+                + "; copied back one by one in backward (counted there). "
                 "The per-layer table lists what stays on the device",
                 offload.host_peak_bytes,
             )

@@ -254,7 +254,6 @@ def _one_rank(
         report, row = measure_rank(
             q, config, sharding, mesh, rank, steps, top, expected, META, source=source, meta_run=True
         )
-    if target == "cuda":
-        extra = overheads(row.allocator_peak_bytes, checkpointing=config.gradient_checkpointing)
-        row = dataclasses.replace(row, total_bytes=row.allocator_peak_bytes + sum(o.bytes for o in extra))
+    extra = overheads(row.allocator_peak_bytes, checkpointing=config.gradient_checkpointing, target=target)
+    row = dataclasses.replace(row, total_bytes=row.allocator_peak_bytes + sum(o.bytes for o in extra))
     return dataclasses.replace(report, device=META), row

@@ -115,9 +115,29 @@ def small_step_caveat(allocator_peak: int) -> str:
     )
 
 
-def overheads(allocator_peak: int, checkpointing: bool = False, offloading: bool = False) -> list[Overhead]:
-    """What the allocator peak of the meta run leaves out of the device's memory. The fragmentation
-    allowance is the expected (median) share; its ``low_bytes`` and ``high_bytes`` the measured range."""
+def overheads(
+    allocator_peak: int,
+    checkpointing: bool = False,
+    offloading: bool = False,
+    target: str = "cuda",
+    offloaded_bytes: int = 0,
+) -> list[Overhead]:
+    """What the allocator peak of the meta run leaves out of the ``target``'s memory. On cuda a GPU's: the
+    context, cuBLAS's workspaces and the fragmentation allowance at its expected (median) share, its
+    ``low_bytes`` and ``high_bytes`` the measured range. On cpu none of those (the host's kernels), but the
+    ``offloaded_bytes`` that activation offloading packs to the host stay in the host's memory there (an upper
+    bound: their peak and the step's are added, whenever each falls)."""
+    if target != "cuda":
+        if not offloaded_bytes:
+            return []
+        return [
+            Overhead(
+                "activations offloaded to the host",
+                offloaded_bytes,
+                "save_on_cpu's copies at their peak (emulated on meta): on the host target they stay in the host's "
+                "memory; added to the step's peak, an upper bound",
+            )
+        ]
     f = fragmentation_of(checkpointing, offloading)
     return [
         Overhead(
@@ -141,22 +161,6 @@ def overheads(allocator_peak: int, checkpointing: bool = False, offloading: bool
             low_bytes=int(allocator_peak * f.low),
             high_bytes=int(allocator_peak * f.high),
         ),
-    ]
-
-
-def host_overheads(offloaded: int) -> list[Overhead]:
-    """What a ``--target cpu`` total adds to the step's tensors: no GPU's context, workspaces or allocator gaps, but
-    the activations offloading packs to the host, which on the host target stay in the host's memory (an upper
-    bound: their peak and the step's are added, whenever each falls)."""
-    if not offloaded:
-        return []
-    return [
-        Overhead(
-            "activations offloaded to the host",
-            offloaded,
-            "save_on_cpu's copies at their peak (emulated on meta): on the host target they stay in the host's "
-            "memory; added to the step's peak, an upper bound",
-        )
     ]
 
 
@@ -511,10 +515,12 @@ def run_estimate(
     allocator = weights + trainable + step_peak
     cuda = target == "cuda"
     offloaded = offload.host_peak_bytes if isinstance(offload, OffloadActivations) else 0
-    extra = (
-        overheads(allocator, checkpointing=config.gradient_checkpointing, offloading=bool(offload_activations))
-        if cuda
-        else host_overheads(offloaded)  # the host's kernels: none of a GPU's context, workspaces or allocator gaps
+    extra = overheads(
+        allocator,
+        checkpointing=config.gradient_checkpointing,
+        offloading=bool(offload_activations),
+        target=target,
+        offloaded_bytes=offloaded,
     )
     estimate = DeviceEstimate(
         weights_bytes=weights,
@@ -560,7 +566,7 @@ def run_estimate(
                 "(checkpointing, eager and sdpa attention, packing through sdpa, Liger, DoRA, MoE, gradient "
                 "accumulation; flash-attn not measured), rank 0 of FSDP within 1.2 %; "
                 "reserved memory varies more (the fragmentation line)"
-                if target == "cuda"
+                if cuda
                 else "; with the CPU's kernels: on a CUDA device fp32 GQA attention keeps more (--target cuda)"
             ),
         )

@@ -534,6 +534,76 @@ def test_adamw_8bit_estimate_for_the_cpu_equals_the_audit_where_lora_gets_8bit_s
     assert estimate.totals == audit.totals
 
 
+def test_adamw_for_a_cuda_target_steps_as_cudas_foreach_and_fused_as_its_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's AdamW picks its implementation by the parameters' device: ``foreach`` on CUDA, whose step makes
+    ``sqrt(exp_avg_sq)`` of every parameter at once (measured on an H200: the optimizer phase rises by the
+    trainable bytes, docs/measurements/2026-11-27-h200-blog13b), the single-tensor loop on the CPU. The meta
+    run for ``target="cuda"`` takes CUDA's choice; a real CPU step forced to foreach (the same kernels' memory)
+    is the reference, byte for byte. ``adamw-fused`` (TrainingArguments' default) makes no temporary on either
+    device: its estimate equals the CPU audit's fused step for both targets."""
+    import vramguard.audit.run as audit_run
+    from vramguard.estimate.run import run_estimate
+    from vramguard.workload.models import QLoRAModel
+
+    config = QLoRAConfig(seq_len=32, batch=2)
+
+    def optimizer_phase(report: AuditReport) -> int:
+        return report.phases["optimizer"].peak_bytes
+
+    cuda = run_estimate(config, steps=STEPS, target="cuda")
+    cpu = run_estimate(config, steps=STEPS, target="cpu")
+    assert cuda.estimate is not None
+    assert optimizer_phase(cpu) == optimizer_phase(run_audit(config, steps=STEPS))  # single-tensor on both
+
+    def foreach(q: QLoRAModel, lr: float = 1e-4, name: str = "adamw") -> torch.optim.Optimizer:
+        return torch.optim.AdamW(q.trainable_parameters(), lr=lr, foreach=True)
+
+    with monkeypatch.context() as m:
+        m.setattr(audit_run, "make_optimizer", foreach)
+        assert optimizer_phase(cuda) == optimizer_phase(run_audit(config, steps=STEPS))
+    assert optimizer_phase(cuda) > optimizer_phase(cpu)
+
+    fused = dataclasses.replace(config, optimizer="adamw-fused")
+    audit = run_audit(fused, steps=STEPS)
+    assert isinstance(audit_run.make_optimizer(build_qlora(fused), name="adamw-fused"), torch.optim.AdamW)
+    for target in ("cpu", "cuda"):
+        assert optimizer_phase(run_estimate(fused, steps=STEPS, target=target)) == optimizer_phase(audit)
+    assert optimizer_phase(audit) < optimizer_phase(cpu)  # no temporaries at all
+
+
+def test_fit_on_cuda_offers_the_fused_adamw_where_the_foreach_step_sets_the_peak() -> None:
+    """Full fine-tuning's optimizer step is its peak; on CUDA torch's default AdamW (foreach) adds a temporary
+    as large as the parameters there, which ``--optimizer adamw-fused`` does not make: one of the cheaper
+    changes ``--fit`` names, with its own total, smaller by exactly the trainable bytes. Not offered for the
+    CPU, where AdamW already steps one parameter at a time."""
+    from types import SimpleNamespace
+
+    from vramguard.estimate.fit import cheaper_changes
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=32, batch=2, method="full")
+    report = run_estimate(config, steps=STEPS, target="cuda")
+    base = report.estimate
+    assert base is not None and base.peak_phase == "optimizer"
+
+    def on_cuda(changed: QLoRAConfig) -> AuditReport:
+        return run_estimate(changed, steps=STEPS, target="cuda")
+
+    rows = {r["change"]: r["total_bytes"] for r in cheaper_changes(config, 0, on_cuda, target="cuda")}
+    fused = run_estimate(dataclasses.replace(config, optimizer="adamw-fused"), steps=STEPS, target="cuda")
+    assert fused.estimate is not None and rows["--optimizer adamw-fused"] == fused.estimate.total_bytes
+    assert fused.estimate.total_bytes < base.total_bytes
+    optimizer = report.phases["optimizer"].peak_bytes
+    assert optimizer - fused.phases["optimizer"].peak_bytes == base.trainable_bytes
+
+    def anything(changed: QLoRAConfig) -> Any:
+        return SimpleNamespace(estimate=SimpleNamespace(total_bytes=1))
+
+    assert "--optimizer adamw-fused" not in {r["change"] for r in cheaper_changes(config, 0, anything, target="cpu")}
+
+
 def test_an_unknown_optimizer_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--optimizer", "sgd"]) == 2
     err = capsys.readouterr().err

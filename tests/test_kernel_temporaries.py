@@ -207,3 +207,37 @@ def test_the_paged_optimizer_is_bitsandbytes_own_on_cuda() -> None:
     assert type(make_optimizer(q_on("cuda"), name="paged-adamw-8bit")).__name__ == "PagedAdamW8bit"
     assert type(make_optimizer(q_on("cpu"), name="paged-adamw-8bit")).__name__ == "AdamW8bit"
     assert type(make_optimizer(q_on("cuda"), name="adamw-8bit")).__name__ == "AdamW8bit"
+
+
+@pytest.mark.gpu
+def test_adamws_step_on_cuda_is_the_estimates_foreach_or_fused_step(tmp_path) -> None:
+    """torch's AdamW on CUDA defaults to ``foreach``, whose step holds ``sqrt(exp_avg_sq)`` of every parameter at
+    once; ``adamw_torch_fused`` holds no such temporary. The optimizer phase of a CUDA audit, each way, is the
+    estimate's for CUDA (phase peak + weights + trainable + cuBLAS) within the allocator's 512 B blocks of the
+    step's small tensors (the fused step's counters among them), and the two differ by the trainable bytes
+    (measured on an H200: docs/measurements/2026-11-27-h200-optimizer)."""
+    import yaml
+
+    from vramguard.workload.models import presets
+
+    measured, priced, trainable = {}, {}, 0
+    for optim in ("adamw_torch", "adamw_torch_fused"):
+        path = tmp_path / f"{optim}.yaml"
+        path.write_text(yaml.safe_dump({
+            "model_name_or_path": str(presets()["tiny-llama-hf"]), "per_device_train_batch_size": 2,
+            "max_length": 32, "use_peft": True, "load_in_4bit": True, "lora_r": 64, "lora_dropout": 0.0,
+            "lora_target_modules": "all-linear", "gradient_checkpointing": False, "bf16": False, "optim": optim,
+        }))  # fmt: skip
+        audit = _cli_json(
+            tmp_path, f"audit-{optim}", "audit", "--config", str(path), "--device", "cuda", "--steps", "2"
+        )
+        estimate = _cli_json(
+            tmp_path, f"estimate-{optim}", "estimate", "--config", str(path), "--target", "cuda", "--steps", "2"
+        )
+        e = estimate["estimate"]
+        trainable = e["trainable_bytes"]
+        measured[optim] = audit["phases"]["optimizer"]["peak_bytes"]
+        priced[optim] = estimate["phases"]["optimizer"]["peak_bytes"] + e["weights_bytes"] + trainable + CUBLAS
+        assert 0 <= measured[optim] - priced[optim] <= 128 * 1024, (optim, measured[optim], priced[optim])
+    assert priced["adamw_torch"] - priced["adamw_torch_fused"] == trainable
+    assert abs(measured["adamw_torch"] - measured["adamw_torch_fused"] - trainable) <= 128 * 1024

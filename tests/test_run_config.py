@@ -58,6 +58,7 @@ KEYS: list[tuple[str, dict[str, Any], str]] = [
         {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
         "not-priced",
     ),
+    ("optim", {"optim": "adamw_torch_fused"}, "changes"),
     ("optim", {"optim": "adamw_8bit"}, "changes"),
     ("optim", {"optim": "paged_adamw_8bit"}, "changes"),
     ("optim", {"optim": "adafactor"}, "not-priced"),

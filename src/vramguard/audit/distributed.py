@@ -77,7 +77,7 @@ def measure_rank(
     t0 = time.perf_counter()
     model = apply_sharding(q.model, sharding, mesh)
     q = dataclasses.replace(q, model=model)
-    optimizer = make_optimizer(q)
+    optimizer = make_optimizer(q, name=config.optimizer)
     with MemoryTracker(device, model=model, source=source) as tracker:
         results, ledger = run_steps(q, steps, tracker, optimizer=optimizer, ledger_step=0)
     assert ledger is not None

@@ -61,7 +61,10 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
-        help="adamw: torch AdamW (fp32 moments); adamw-8bit: bitsandbytes AdamW8bit; paged-adamw-8bit: "
+        help="adamw: torch AdamW (fp32 moments) in torch's default implementation (foreach on CUDA: a "
+        "temporary as large as the trainable parameters in the step; single-tensor on the CPU); adamw-fused: "
+        "AdamW(fused=True), TrainingArguments' default (adamw_torch_fused); adamw-8bit: bitsandbytes AdamW8bit; "
+        "paged-adamw-8bit: "
         "bitsandbytes PagedAdamW8bit, estimated as AdamW8bit with its paged (evictable) state named "
         "(default: adamw)",
     )
@@ -192,9 +195,10 @@ def _distributed(
     from vramguard.view.console import stdout_console
     from vramguard.view.report import render, verdict_only
 
-    if config.method != "qlora" or config.optimizer != "adamw" or config.offload_activations:
+    if config.method != "qlora" or config.optimizer not in ("adamw", "adamw-fused") or config.offload_activations:
         raise UsageError(
-            "--world-size estimates the FSDP + QLoRA recipe: --method qlora, --optimizer adamw, no offloading"
+            "--world-size estimates the FSDP + QLoRA recipe: --method qlora, --optimizer adamw or adamw-fused, "
+            "no offloading"
         )
     if config.use_liger_kernel:
         raise UsageError("use_liger_kernel is priced on one device: leave out --world-size")

@@ -194,7 +194,9 @@ def cheaper_changes(
         options.append(("--gradient-checkpointing", dataclasses.replace(config, gradient_checkpointing=True)))
     if config.lora_rank > 1:
         options.append((f"--lora-rank {half}", dataclasses.replace(config, lora_rank=half)))
-    if config.optimizer == "adamw":
+    if config.optimizer == "adamw" and target == "cuda":  # no foreach temporary in the optimizer step
+        options.append(("--optimizer adamw-fused", dataclasses.replace(config, optimizer="adamw-fused")))
+    if config.optimizer in ("adamw", "adamw-fused"):
         options.append(
             (
                 "--optimizer adamw-8bit",

@@ -94,6 +94,11 @@ def forced_decisions(
     block's device is ``target`` (so its recomputation restores ``target``'s autocast state, as a real
     device's run does).
 
+    torch's optimizers pick their implementation by the parameters' device (``foreach`` where the device has
+    foreach kernels, ``fused=True`` checked against the devices with fused kernels); on meta they pick as on
+    ``target``: CUDA's foreach AdamW (a temporary as large as the parameters in the step) where the CPU runs the
+    single-tensor loop, and the fused kernel (meta has its shape rules) on either.
+
     Yields a counter of the decisions taken, so a caller can check the branch was reached.
     """
     if target not in TARGETS:
@@ -161,6 +166,19 @@ def forced_decisions(
             return target if found == META else found
 
         checkpoint._infer_device_type = _infer_device_type  # type: ignore[assignment]
+    from torch.optim import optimizer as torch_optimizer
+
+    original_foreach = torch_optimizer._get_foreach_kernels_supported_devices
+    original_fused = torch_optimizer._get_fused_kernels_supported_devices
+
+    def foreach_devices() -> list[str]:
+        return [*original_foreach(), META] if target == "cuda" else original_foreach()
+
+    def fused_devices() -> list[str]:
+        return [*original_fused(), META]
+
+    torch_optimizer._get_foreach_kernels_supported_devices = foreach_devices  # type: ignore[attr-defined]
+    torch_optimizer._get_fused_kernels_supported_devices = fused_devices  # type: ignore[attr-defined]
     grouped = _GroupedMmAnyDtype()
     routing = _routing(target) if autocast else None
     meta_autocast.routing = routing  # type: ignore[attr-defined]
@@ -174,6 +192,8 @@ def forced_decisions(
         functional.dropout = original_dropout
         torch.autocast = torch.amp.autocast = original_autocast  # type: ignore[misc]
         checkpoint._infer_device_type = original_infer
+        torch_optimizer._get_foreach_kernels_supported_devices = original_foreach  # type: ignore[attr-defined]
+        torch_optimizer._get_fused_kernels_supported_devices = original_fused  # type: ignore[attr-defined]
         taken["grouped_mm"] = grouped.answered
         if routing is not None:
             taken["autocast_routed"] = routing.routed

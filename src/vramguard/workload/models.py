@@ -180,8 +180,13 @@ METHODS: tuple[str, ...] = ("qlora", "lora", "full")
 """qlora: 4-bit base + LoRA (as ``vramguard audit``); lora: LoRA on a base in the compute dtype;
 full: every parameter trained, in fp32 (fp32 weights, gradients and AdamW moments: 16 B/param)."""
 
-OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "paged-adamw-8bit")
-"""adamw: ``torch.optim.AdamW`` (what the audit uses); adamw-8bit: ``bitsandbytes.optim.AdamW8bit``
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit")
+"""adamw: ``torch.optim.AdamW`` with torch's default implementation for the parameters' device (what the audit
+uses; TrainingArguments' ``adamw_torch``): ``foreach`` on CUDA, whose step makes ``sqrt(exp_avg_sq)`` of every
+parameter at once (a temporary as large as the trainable parameters), the single-tensor loop on the CPU (one
+parameter's temporaries at a time); adamw-fused: ``torch.optim.AdamW(fused=True)`` (TrainingArguments' default,
+``adamw_torch_fused``, from torch 2.8): one in-place kernel, no temporaries, its step counters on the device
+(the same 8 bytes of state a parameter); adamw-8bit: ``bitsandbytes.optim.AdamW8bit``
 (two uint8 moments with blockwise absmax); paged-adamw-8bit: ``bitsandbytes.optim.PagedAdamW8bit``,
 which is ``AdamW8bit(is_paged=True)``: the same state, but the two moments of every parameter with at
 least :data:`vramguard.estimate.run.PAGED_MIN_NUMEL` elements live in CUDA unified memory

@@ -38,13 +38,15 @@ Reading = Literal["priced", "no-byte", "not-priced"]
 
 OPTIMIZERS_OF_TRL: dict[str, str] = {
     "adamw_torch": "adamw",
-    "adamw_torch_fused": "adamw",
+    "adamw_torch_fused": "adamw-fused",
     "adamw_bnb_8bit": "adamw-8bit",
     "adamw_8bit": "adamw-8bit",
     "paged_adamw_8bit": "paged-adamw-8bit",
 }
 """TrainingArguments' ``optim`` names vramguard prices, as :data:`~vramguard.workload.models.OPTIMIZERS`
-names: torch's AdamW (fused or not: the same state) and bitsandbytes' 8-bit AdamW, paged or not."""
+names: torch's AdamW, fused or with torch's default implementation (the same state; on CUDA the default,
+``foreach``, makes a temporary as large as the trainable parameters in the step, the fused kernel none), and
+bitsandbytes' 8-bit AdamW, paged or not."""
 
 NO_BYTE_KEYS: dict[str, str] = {
     "lora_alpha": "scales the adapter's output; passed to PEFT",

@@ -42,9 +42,13 @@ def make_optimizer(q: QLoRAModel, lr: float = 1e-4, name: str = "adamw") -> torc
     torch AdamW (8 bytes of state per trainable fp32 parameter), or bitsandbytes ``AdamW8bit`` for both 8-bit
     names on meta or a CPU, where unified memory (the paged one's) cannot be had
     (:func:`vramguard.estimate.run.paged_state_bytes` names what would be paged), and ``PagedAdamW8bit`` for
-    the paged name on CUDA. Any other name is a :class:`UsageError`."""
+    the paged name on CUDA. Any other name is a :class:`UsageError`. torch picks AdamW's implementation by the
+    parameters' device when it runs the first step; on meta the estimate answers that choice as its target would
+    (:func:`vramguard.estimate.meta.forced_decisions`)."""
     if name == "adamw":
         return torch.optim.AdamW(q.trainable_parameters(), lr=lr)
+    if name == "adamw-fused":
+        return torch.optim.AdamW(q.trainable_parameters(), lr=lr, fused=True)
     if name in ("adamw-8bit", "paged-adamw-8bit"):
         import bitsandbytes as bnb
 

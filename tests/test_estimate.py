@@ -576,8 +576,8 @@ def test_adamw_for_a_cuda_target_steps_as_cudas_foreach_and_fused_as_its_kernel(
 def test_fit_on_cuda_offers_the_fused_adamw_where_the_foreach_step_sets_the_peak() -> None:
     """Full fine-tuning's optimizer step is its peak; on CUDA torch's default AdamW (foreach) adds a temporary
     as large as the parameters there, which ``--optimizer adamw-fused`` does not make: one of the cheaper
-    changes ``--fit`` names, with its own total, smaller by exactly the trainable bytes. Not offered for the
-    CPU, where AdamW already steps one parameter at a time."""
+    changes ``--fit`` names, with its own total, its optimizer step smaller by exactly the trainable bytes. Not
+    offered for the CPU, where AdamW already steps one parameter at a time, nor where another phase peaks."""
     from types import SimpleNamespace
 
     from vramguard.estimate.fit import cheaper_changes
@@ -591,7 +591,8 @@ def test_fit_on_cuda_offers_the_fused_adamw_where_the_foreach_step_sets_the_peak
     def on_cuda(changed: QLoRAConfig) -> AuditReport:
         return run_estimate(changed, steps=STEPS, target="cuda")
 
-    rows = {r["change"]: r["total_bytes"] for r in cheaper_changes(config, 0, on_cuda, target="cuda")}
+    offered = cheaper_changes(config, 0, on_cuda, target="cuda", peak_phase=base.peak_phase)
+    rows = {r["change"]: r["total_bytes"] for r in offered}
     fused = run_estimate(dataclasses.replace(config, optimizer="adamw-fused"), steps=STEPS, target="cuda")
     assert fused.estimate is not None and rows["--optimizer adamw-fused"] == fused.estimate.total_bytes
     assert fused.estimate.total_bytes < base.total_bytes
@@ -601,7 +602,9 @@ def test_fit_on_cuda_offers_the_fused_adamw_where_the_foreach_step_sets_the_peak
     def anything(changed: QLoRAConfig) -> Any:
         return SimpleNamespace(estimate=SimpleNamespace(total_bytes=1))
 
-    assert "--optimizer adamw-fused" not in {r["change"] for r in cheaper_changes(config, 0, anything, target="cpu")}
+    for target, phase in (("cpu", "optimizer"), ("cuda", "backward")):  # nothing to save there
+        rows = cheaper_changes(config, 0, anything, target=target, peak_phase=phase)
+        assert "--optimizer adamw-fused" not in {r["change"] for r in rows}
 
 
 def test_an_unknown_optimizer_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

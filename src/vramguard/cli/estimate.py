@@ -178,7 +178,9 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
     )
     if report.estimate.total_bytes > size:
         largest = result.largest if args.fit_dim == "batch" else 0
-        result.changes = cheaper_changes(config, size, estimate, largest_batch=largest, target=args.target)
+        result.changes = cheaper_changes(
+            config, size, estimate, largest_batch=largest, target=args.target, peak_phase=report.estimate.peak_phase
+        )
     return result.to_dict()
 
 

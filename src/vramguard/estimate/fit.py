@@ -170,6 +170,7 @@ def cheaper_changes(
     estimate: Estimator,
     largest_batch: int = 0,
     target: str = "cuda",
+    peak_phase: str = "",
 ) -> list[dict[str, Any]]:
     """For a shape that does not fit: the estimate of each change vramguard can run, cheapest first
     (what fits, then the fewest flags changed, then the smallest total).
@@ -178,7 +179,9 @@ def cheaper_changes(
     ``largest_batch``: the largest batch that fits (a ``--fit`` search's answer), below the requested one: then
     the same rows a step in micro-batches of the largest batch that divides them and is no larger, by gradient
     accumulation; its own meta run prices the gradients that holds, so it may still not fit. ``target``: the
-    estimate's; on ``cpu`` offloading activations to the host saves nothing, so it is not offered."""
+    estimate's; on ``cpu`` offloading activations to the host saves nothing, so it is not offered. ``peak_phase``:
+    the requested shape's; where it is the optimizer step, on CUDA, the fused AdamW is offered (torch's default
+    there, ``foreach``, holds a temporary as large as the trainable parameters in that step only)."""
     half = max(1, config.lora_rank // 2)
     options: list[tuple[str, QLoRAConfig]] = []
     rows_a_step = config.batch * config.gradient_accumulation_steps
@@ -194,7 +197,7 @@ def cheaper_changes(
         options.append(("--gradient-checkpointing", dataclasses.replace(config, gradient_checkpointing=True)))
     if config.lora_rank > 1:
         options.append((f"--lora-rank {half}", dataclasses.replace(config, lora_rank=half)))
-    if config.optimizer == "adamw" and target == "cuda":  # no foreach temporary in the optimizer step
+    if config.optimizer == "adamw" and target == "cuda" and peak_phase == "optimizer":
         options.append(("--optimizer adamw-fused", dataclasses.replace(config, optimizer="adamw-fused")))
     if config.optimizer in ("adamw", "adamw-fused"):
         options.append(

@@ -311,6 +311,30 @@ def test_bad_input_is_one_line_and_exit_2(
     assert len(err) == 1 and says in err[0], err
 
 
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1"])
+def test_a_sharded_audit_of_an_8bit_optimizer_is_one_line_before_any_rank(
+    engine: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config's ``optim: adamw_8bit`` used to reach the ranks, where FSDP2's DTensors have no rule for
+    bitsandbytes' op (the ranks died, "internal error", exit 3); the sharded step runs torch's AdamW only, as
+    the estimate's ``--world-size`` already said."""
+    import yaml
+
+    from vramguard.workload.models import presets
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "model_name_or_path": str(presets()["tiny-llama-hf"]), "per_device_train_batch_size": 1,
+        "max_length": 32, "use_peft": True, "load_in_4bit": True, "optim": "adamw_8bit",
+    }))  # fmt: skip
+    argv = ["--config", str(path), "--world-size", "2", "--sharding", engine, "--steps", "1"]
+    assert main(["audit", *argv, "--device", "cpu"]) == 2
+    assert main(["estimate", *argv]) == 2
+    audit, estimate = capsys.readouterr().err.strip().splitlines()
+    assert "not adamw-8bit" in audit and "adamw or adamw-fused" in audit, audit
+    assert "adamw or adamw-fused" in estimate, estimate
+
+
 def _rank_pids(marker: str, role: str = "") -> list[int]:
     """The processes of ``python -m vramguard.audit.distributed`` (the ranks) and ``python -m
     vramguard.audit.launch`` (their launcher) whose command line holds ``marker`` (and ``role``: `` rank `` for

@@ -774,3 +774,35 @@ def test_host_copies_of_two_forwards_in_one_step_are_counted(tmp_path):
     assert cb.report is not None
     for step, packed in zip(cb.report.steps, per_step.steps, strict=True):
         assert step.host_peak_bytes == sum(packed) > 0, (step.host_peak_bytes, sum(packed))
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "expect"),
+    [("adamw", "torch AdamW, not fused"), ("paged-adamw-8bit", "bitsandbytes 8-bit AdamW, not paged")],
+)
+def test_the_trainer_audit_steps_the_configs_optimizer(
+    optimizer: str, expect: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``audit --trainer`` gives Trainer the config's optimizer (it used to run Trainer's default,
+    adamw_torch_fused, whatever the config said): torch's AdamW as torch picks it, or, for the paged one on the
+    host, bitsandbytes' AdamW8bit (unified memory is CUDA's), as vramguard's loop runs it."""
+    from transformers import Trainer
+
+    from vramguard.integrations.trainer_audit import run_trainer_audit
+
+    made = []
+    original = Trainer.create_optimizer
+
+    def create_optimizer(self):  # type: ignore[no-untyped-def]
+        made.append(original(self))
+        return made[-1]
+
+    monkeypatch.setattr(Trainer, "create_optimizer", create_optimizer)
+    config = dataclasses.replace(CONFIG, seq_len=16, batch=1, optimizer=optimizer)
+    run_trainer_audit(config, steps=1, trainer="trainer", output_dir=tmp_path)
+    inner = getattr(made[0], "optimizer", made[0])  # accelerate's wrapper
+    if type(inner).__module__.startswith("bitsandbytes"):  # Trainer's bnb AdamW with optim_bits=8
+        got = f"bitsandbytes {inner.args.optim_bits}-bit AdamW, {'paged' if inner.is_paged else 'not paged'}"
+    else:
+        got = f"torch {type(inner).__name__}, {'fused' if inner.defaults.get('fused') else 'not fused'}"
+    assert got == expect

@@ -211,6 +211,12 @@ REFUSED = "refused.txt"
 transformers', the engine's) writes why; the parent raises it as one line (exit 2)."""
 
 
+SHARDED_OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-fused")
+"""The optimizers a sharded step runs (the estimate's ``--world-size`` takes the same): torch's AdamW, its default
+implementation or fused. bitsandbytes' 8-bit ones fail on FSDP2's DTensors ("optimizer_update_32bit does not have a
+sharding strategy registered")."""
+
+
 def run_distributed_audit(
     config: QLoRAConfig,
     sharding: ShardingConfig,
@@ -229,6 +235,11 @@ def run_distributed_audit(
     config.validate()
     if torch.device(config.device).type != "cpu":
         raise UsageError("--world-size runs its ranks on the host (gloo): use --device cpu")
+    if config.optimizer not in SHARDED_OPTIMIZERS:
+        raise UsageError(
+            f"--world-size runs torch's AdamW on every rank ({' or '.join(SHARDED_OPTIMIZERS)}), not "
+            f"{config.optimizer}: bitsandbytes' 8-bit optimizers do not run on sharded parameters"
+        )
     if sharding.sharding == "zero3":
         from vramguard.workload.zero3 import check_config
 

@@ -71,7 +71,7 @@ def measure_zero3_rank(
     bucket; ``terms["weights_at_start_bytes"]``, ``terms["training_resident_bytes"]``) plus the highest phase
     peak. Persistent parameters are first gathered in the first forward and then kept: inside the peaks."""
     t0 = time.perf_counter()
-    optimizer = make_optimizer(q)
+    optimizer = make_optimizer(q, name=config.optimizer)
     watch = StorageTracker(device)
     watch.start()
     try:

@@ -197,7 +197,9 @@ def _distributed(
     from vramguard.view.console import stdout_console
     from vramguard.view.report import render, verdict_only
 
-    if config.method != "qlora" or config.optimizer not in ("adamw", "adamw-fused") or config.offload_activations:
+    from vramguard.audit.distributed import SHARDED_OPTIMIZERS
+
+    if config.method != "qlora" or config.optimizer not in SHARDED_OPTIMIZERS or config.offload_activations:
         raise UsageError(
             "--world-size estimates the FSDP + QLoRA recipe: --method qlora, --optimizer adamw or adamw-fused, "
             "no offloading"

@@ -166,23 +166,26 @@ def forced_decisions(
             return target if found == META else found
 
         checkpoint._infer_device_type = _infer_device_type  # type: ignore[assignment]
-    from torch.optim import optimizer as torch_optimizer
-
-    original_foreach = torch_optimizer._get_foreach_kernels_supported_devices
-    original_fused = torch_optimizer._get_fused_kernels_supported_devices
-
-    def foreach_devices() -> list[str]:
-        return [*original_foreach(), META] if target == "cuda" else original_foreach()
-
-    def fused_devices() -> list[str]:
-        return [*original_fused(), META]
-
-    torch_optimizer._get_foreach_kernels_supported_devices = foreach_devices  # type: ignore[attr-defined]
-    torch_optimizer._get_fused_kernels_supported_devices = fused_devices  # type: ignore[attr-defined]
     grouped = _GroupedMmAnyDtype()
     routing = _routing(target) if autocast else None
     meta_autocast.routing = routing  # type: ignore[attr-defined]
     routed["mode"] = routing
+    # the optimizers' implementation: torch.optim.optimizer asks these two (torch.utils._foreach_utils' own,
+    # read there again, so a block inside another one answers for its own target)
+    from torch.optim import optimizer as torch_optimizer
+    from torch.utils import _foreach_utils
+
+    def foreach_devices() -> list[str]:
+        devices = _foreach_utils._get_foreach_kernels_supported_devices()
+        return [*devices, META] if target == "cuda" else devices
+
+    def fused_devices() -> list[str]:
+        return [*_foreach_utils._get_fused_kernels_supported_devices(), META]
+
+    original_foreach = torch_optimizer._get_foreach_kernels_supported_devices
+    original_fused = torch_optimizer._get_fused_kernels_supported_devices
+    torch_optimizer._get_foreach_kernels_supported_devices = foreach_devices  # type: ignore[attr-defined]
+    torch_optimizer._get_fused_kernels_supported_devices = fused_devices  # type: ignore[attr-defined]
     try:
         with grouped:
             yield taken

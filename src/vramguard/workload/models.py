@@ -185,7 +185,7 @@ OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-fused", "adamw-8bit", "paged-adam
 uses; TrainingArguments' ``adamw_torch``): ``foreach`` on CUDA, whose step makes ``sqrt(exp_avg_sq)`` of every
 parameter at once (a temporary as large as the trainable parameters), the single-tensor loop on the CPU (one
 parameter's temporaries at a time); adamw-fused: ``torch.optim.AdamW(fused=True)`` (TrainingArguments' default,
-``adamw_torch_fused``, from torch 2.8): one in-place kernel, no temporaries, its step counters on the device
+``adamw_torch_fused``, where torch is 2.8 or newer): one in-place kernel, no temporaries, its step counters on the device
 (the same 8 bytes of state a parameter); adamw-8bit: ``bitsandbytes.optim.AdamW8bit``
 (two uint8 moments with blockwise absmax); paged-adamw-8bit: ``bitsandbytes.optim.PagedAdamW8bit``,
 which is ``AdamW8bit(is_paged=True)``: the same state, but the two moments of every parameter with at

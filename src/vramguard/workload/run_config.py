@@ -48,6 +48,9 @@ names: torch's AdamW, fused or with torch's default implementation (the same sta
 ``foreach``, makes a temporary as large as the trainable parameters in the step, the fused kernel none), and
 bitsandbytes' 8-bit AdamW, paged or not."""
 
+TRL_OPTIMIZER_OF: dict[str, str] = {name: optim for optim, name in OPTIMIZERS_OF_TRL.items()}
+"""The other way: the ``optim`` name Trainer is given for a vramguard optimizer (``audit --trainer``)."""
+
 NO_BYTE_KEYS: dict[str, str] = {
     "lora_alpha": "scales the adapter's output; passed to PEFT",
     "use_rslora": "scales the adapter's output by alpha / sqrt(r); passed to PEFT",
@@ -589,6 +592,7 @@ __all__ = [
     "NO_BYTE_KEYS",
     "NO_BYTE_PREFIXES",
     "OPTIMIZERS_OF_TRL",
+    "TRL_OPTIMIZER_OF",
     "PRICED_KEYS",
     "KeyReading",
     "RunConfig",

@@ -51,6 +51,18 @@ def build_zero3_rank(config: QLoRAConfig, rank: int, world_size: int) -> tuple[Q
     return q, ds
 
 
+def _settled(watch: StorageTracker, reads: int = 3, pause_s: float = 0.01, limit_s: float = 1.0) -> int:
+    """``watch``'s count once ``reads`` readings ``pause_s`` apart agree (or what it reads after ``limit_s``)."""
+    deadline = time.monotonic() + limit_s
+    last, same = watch.current(), 1
+    while same < reads and time.monotonic() < deadline:
+        time.sleep(pause_s)
+        now = watch.current()
+        same = same + 1 if now == last else 1
+        last = now
+    return last
+
+
 def measure_zero3_rank(
     q: QLoRAModel,
     config: QLoRAConfig,
@@ -80,12 +92,15 @@ def measure_zero3_rank(
         # 406,145 B, in about 1 of 10 runs under load; the ranks then disagreed). Its cause is not identified
         # (not Python's collector: runs with it off read both values); the likeliest is a gloo worker thread
         # that still holds a finished all-gather's tensors. The count is read at a quieter point: after
-        # gloo's barrier (which waits for every collective in flight on this rank) and a collection
+        # gloo's barrier (which waits for every collective in flight on this rank) and a collection, and once
+        # the count has stopped moving: a completed collective's Python callbacks run on gloo's threads, which
+        # may drop their tensors just after the barrier (it recurred once on 2026-11-27, not reproduced in 28
+        # runs since: this settle is unverified against it)
         torch.distributed.barrier()
         gc.collect()
+        init_bytes = _settled(watch)
     finally:
         watch.stop()
-    init_bytes = watch.current()
     before = zero3_terms(q.model, zero_optimizer)
     weights_at_start = frozen_resident_bytes(q.model)
     with MemoryTracker(device, model=q.model) as tracker:

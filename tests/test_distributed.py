@@ -311,13 +311,12 @@ def test_bad_input_is_one_line_and_exit_2(
     assert len(err) == 1 and says in err[0], err
 
 
-@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1"])
-def test_a_sharded_audit_of_an_8bit_optimizer_is_one_line_before_any_rank(
-    engine: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_an_fsdp2_audit_of_an_8bit_optimizer_is_one_line_before_any_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A config's ``optim: adamw_8bit`` used to reach the ranks, where FSDP2's DTensors have no rule for
-    bitsandbytes' op (the ranks died, "internal error", exit 3); the sharded step runs torch's AdamW only, as
-    the estimate's ``--world-size`` already said."""
+    """A config's ``optim: adamw_8bit`` used to reach FSDP2's ranks, whose DTensor parameters have no rule for
+    bitsandbytes' op (the ranks died, "internal error", exit 3): one line now, before any rank starts. The
+    estimate's ``--world-size`` prices torch's AdamW only, for every engine."""
     import yaml
 
     from vramguard.workload.models import presets
@@ -327,11 +326,11 @@ def test_a_sharded_audit_of_an_8bit_optimizer_is_one_line_before_any_rank(
         "model_name_or_path": str(presets()["tiny-llama-hf"]), "per_device_train_batch_size": 1,
         "max_length": 32, "use_peft": True, "load_in_4bit": True, "optim": "adamw_8bit",
     }))  # fmt: skip
-    argv = ["--config", str(path), "--world-size", "2", "--sharding", engine, "--steps", "1"]
+    argv = ["--config", str(path), "--world-size", "2", "--sharding", "fsdp2", "--steps", "1"]
     assert main(["audit", *argv, "--device", "cpu"]) == 2
     assert main(["estimate", *argv]) == 2
     audit, estimate = capsys.readouterr().err.strip().splitlines()
-    assert "not adamw-8bit" in audit and "adamw or adamw-fused" in audit, audit
+    assert "not adamw-8bit" in audit and "adamw or adamw-fused" in audit and "fsdp2" in audit, audit
     assert "adamw or adamw-fused" in estimate, estimate
 
 

@@ -573,6 +573,28 @@ def test_adamw_for_a_cuda_target_steps_as_cudas_foreach_and_fused_as_its_kernel(
     assert optimizer_phase(audit) < optimizer_phase(cpu)  # no temporaries at all
 
 
+def test_a_meta_block_inside_another_picks_the_optimizer_for_its_own_target() -> None:
+    """``forced_decisions`` answers torch's choice of AdamW implementation for meta parameters as its target
+    would (foreach for CUDA, the loop for the CPU), a block inside another for its own target, and leaves
+    torch's own answer once it ends."""
+    from torch.optim import optimizer
+
+    from vramguard.estimate.meta import forced_decisions
+
+    params = [torch.empty(3, device="meta")]
+
+    def foreach() -> bool:
+        return optimizer._default_to_fused_or_foreach(params, False)[1]
+
+    assert not foreach()
+    with forced_decisions("cuda"):
+        assert foreach()
+        with forced_decisions("cpu"):
+            assert not foreach()
+        assert foreach()
+    assert not foreach()
+
+
 def test_fit_on_cuda_offers_the_fused_adamw_where_the_foreach_step_sets_the_peak() -> None:
     """Full fine-tuning's optimizer step is its peak; on CUDA torch's default AdamW (foreach) adds a temporary
     as large as the parameters there, which ``--optimizer adamw-fused`` does not make: one of the cheaper

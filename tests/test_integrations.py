@@ -806,3 +806,23 @@ def test_the_trainer_audit_steps_the_configs_optimizer(
     else:
         got = f"torch {type(inner).__name__}, {'fused' if inner.defaults.get('fused') else 'not fused'}"
     assert got == expect
+
+
+def test_an_8bit_trainer_audit_leaves_no_model_behind(tmp_path) -> None:
+    """Trainer registers every embedding with bitsandbytes' process-wide ``GlobalOptimManager`` when it builds an
+    8-bit optimizer; the audit drops what its ``train()`` added, so the audited model does not outlive it."""
+    import weakref
+
+    from bitsandbytes.optim import GlobalOptimManager
+
+    from vramguard.integrations import trainer_audit
+
+    kept = GlobalOptimManager.get_instance().module_weight_config_triple
+    before = len(kept)
+    config = dataclasses.replace(CONFIG, seq_len=16, batch=1, optimizer="adamw-8bit")
+    report, q = trainer_audit._train(config, 1, "trainer", tmp_path, False, None)
+    model = weakref.ref(q.model)
+    del q, report
+    gc.collect()
+    assert len(kept) == before
+    assert model() is None

@@ -560,3 +560,14 @@ def test_a_script_argument_trl_requires_need_not_be_in_the_file(
     assert load_run_config(_write(tmp_path, BASE)).config().batch == 1
     run = load_run_config(_write(tmp_path, {**BASE, "dataset_name": "trl-lib/Capybara"}, "named.yaml"))
     assert "dataset_name" in next(line for line in run.lines() if "changes no byte" in line)
+
+
+def test_each_optimizer_goes_to_trainer_as_the_name_that_reads_back_as_it() -> None:
+    """``audit --trainer`` gives Trainer ``TRL_OPTIMIZER_OF[name]``; read back as a config's ``optim`` it is the
+    same vramguard optimizer, for every one."""
+    from vramguard.workload.models import OPTIMIZERS
+    from vramguard.workload.run_config import OPTIMIZERS_OF_TRL, TRL_OPTIMIZER_OF
+
+    assert {OPTIMIZERS_OF_TRL[TRL_OPTIMIZER_OF[name]] for name in OPTIMIZERS} == set(OPTIMIZERS)
+    assert all(OPTIMIZERS_OF_TRL[TRL_OPTIMIZER_OF[name]] == name for name in OPTIMIZERS)
+

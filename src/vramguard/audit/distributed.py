@@ -212,9 +212,9 @@ transformers', the engine's) writes why; the parent raises it as one line (exit 
 
 
 SHARDED_OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-fused")
-"""The optimizers a sharded step runs (the estimate's ``--world-size`` takes the same): torch's AdamW, its default
-implementation or fused. bitsandbytes' 8-bit ones fail on FSDP2's DTensors ("optimizer_update_32bit does not have a
-sharding strategy registered")."""
+"""torch's AdamW, its default implementation or fused: what the estimate's ``--world-size`` prices, and all that
+FSDP2's ranks can step: bitsandbytes' 8-bit optimizers fail on its DTensor parameters ("optimizer_update_32bit
+does not have a sharding strategy registered"). FSDP1's flat parameters and ZeRO-3's partitions run them too."""
 
 
 def run_distributed_audit(
@@ -235,10 +235,10 @@ def run_distributed_audit(
     config.validate()
     if torch.device(config.device).type != "cpu":
         raise UsageError("--world-size runs its ranks on the host (gloo): use --device cpu")
-    if config.optimizer not in SHARDED_OPTIMIZERS:
+    if sharding.sharding == "fsdp2" and config.optimizer not in SHARDED_OPTIMIZERS:
         raise UsageError(
-            f"--world-size runs torch's AdamW on every rank ({' or '.join(SHARDED_OPTIMIZERS)}), not "
-            f"{config.optimizer}: bitsandbytes' 8-bit optimizers do not run on sharded parameters"
+            f"--sharding fsdp2 steps torch's AdamW ({' or '.join(SHARDED_OPTIMIZERS)}), not {config.optimizer}: "
+            "bitsandbytes' 8-bit optimizers have no rule for FSDP2's DTensor parameters (fsdp1 and zero3 run them)"
         )
     if sharding.sharding == "zero3":
         from vramguard.workload.zero3 import check_config

@@ -53,7 +53,8 @@ def register(subparsers: Any) -> None:
         "--trainer",
         default="loop",
         choices=("loop", "trainer", "sft"),
-        help="run the steps in vramguard's loop, transformers' Trainer or TRL's SFTTrainer (a mixture of experts "
+        help="run the steps in vramguard's loop, transformers' Trainer or TRL's SFTTrainer, with the audit's "
+        "optimizer (torch AdamW, or --config's optim; not Trainer's default fused one) (a mixture of experts "
         "with eager experts on the CPU: the trainer runs four times, three with the routing forced)",
     )
     p.add_argument(

@@ -2,9 +2,11 @@
 
 The model is the audit's (random weights, 4-bit, LoRA), the batches are the audit loop's (``q.batch(k)``
 for step ``k``, served in order from an in-memory dataset), the tokenizer SFTTrainer requires is built
-offline (a word-level vocabulary over the model's token ids). Everything else is the trainer's own
-defaults (its optimizer, scheduler, gradient clipping, and for SFTTrainer its fused chunked loss), so
-the numbers are the ones a user sees in that trainer; :class:`VramGuardCallback` measures them.
+offline (a word-level vocabulary over the model's token ids). The optimizer is the config's (``optim``:
+torch's AdamW by default without ``--config``, not Trainer's default fused one; a ``trl sft`` file without
+``optim`` gets TRL's default, fused). Everything else is the trainer's own defaults (its scheduler, gradient
+clipping, and for SFTTrainer its fused chunked loss), so the numbers are the ones a user sees in that trainer;
+:class:`VramGuardCallback` measures them.
 """
 
 from __future__ import annotations
@@ -81,6 +83,25 @@ def run_trainer_audit(
     return with_routing_note(report, checks.ROUTING, line, measured[0])
 
 
+@contextlib.contextmanager
+def _no_module_overrides_kept() -> Any:
+    """Trainer, building a bitsandbytes 8-bit optimizer, registers every ``nn.Embedding`` with bitsandbytes'
+    process-wide ``GlobalOptimManager`` (an fp32 state override), which then keeps those modules alive: the
+    run's model would outlive it (two at once in the routing re-runs; on a GPU, bytes in every later reading
+    of the process). The registrations this ``train()`` added are dropped when it ends."""
+    try:
+        from bitsandbytes.optim import GlobalOptimManager
+    except ImportError:
+        yield
+        return
+    kept = GlobalOptimManager.get_instance().module_weight_config_triple
+    before = len(kept)
+    try:
+        yield
+    finally:
+        del kept[before:]
+
+
 def _train(
     config: QLoRAConfig,
     steps: int,
@@ -150,7 +171,7 @@ def _train(
     forced: contextlib.AbstractContextManager[Any] = contextlib.nullcontext({})
     if routing is not None:
         forced = routes.forced_routing(q.model, routing, config.batch * config.seq_len)
-    with offload, forced as taken:
+    with offload, forced as taken, _no_module_overrides_kept():
         runner.train()
     report = cb.report
     assert report is not None

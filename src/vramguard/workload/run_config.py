@@ -48,7 +48,12 @@ names: torch's AdamW, fused or with torch's default implementation (the same sta
 ``foreach``, makes a temporary as large as the trainable parameters in the step, the fused kernel none), and
 bitsandbytes' 8-bit AdamW, paged or not."""
 
-TRL_OPTIMIZER_OF: dict[str, str] = {name: optim for optim, name in OPTIMIZERS_OF_TRL.items()}
+TRL_OPTIMIZER_OF: dict[str, str] = {
+    "adamw": "adamw_torch",
+    "adamw-fused": "adamw_torch_fused",
+    "adamw-8bit": "adamw_bnb_8bit",
+    "paged-adamw-8bit": "paged_adamw_8bit",
+}
 """The other way: the ``optim`` name Trainer is given for a vramguard optimizer (``audit --trainer``)."""
 
 NO_BYTE_KEYS: dict[str, str] = {

@@ -86,8 +86,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--fit",
         metavar="SIZE",
-        help="the target's memory (a GPU's for --target cuda, the host's for cpu), e.g. 24GiB: find the largest batch (or --fit-dim "
-        "seq) that fits, and for a shape that does not fit, the changes that would make it",
+        help="the target's memory (a GPU's for --target cuda, the host's for cpu), e.g. 24GiB: find the largest "
+        "batch (or --fit-dim seq) that fits, and for a shape that does not fit, the changes that would make it",
     )
     p.add_argument("--fit-dim", default="batch", choices=("batch", "seq"))
     add_sharding_options(p)
@@ -178,8 +178,9 @@ def _fit(config: QLoRAConfig, size: int, args: argparse.Namespace, report: Audit
     )
     if report.estimate.total_bytes > size:
         largest = result.largest if args.fit_dim == "batch" else 0
+        phase = report.estimate.peak_phase
         result.changes = cheaper_changes(
-            config, size, estimate, largest_batch=largest, target=args.target, peak_phase=report.estimate.peak_phase
+            config, size, estimate, largest_batch=largest, target=args.target, peak_phase=phase
         )
     return result.to_dict()
 

@@ -562,9 +562,10 @@ def run_estimate(
             "estimated on the meta device: shapes and dtypes are real, values are not"
             + (
                 "; against an H100 and an H200 (docs/measurements/2026-11-22-h100, 2026-11-25-h100, "
-                "2026-11-27-h200): activations to the byte, the allocator peak within 0.6 % where measured "
-                "(checkpointing, eager and sdpa attention, packing through sdpa, Liger, DoRA, MoE, gradient "
-                "accumulation; flash-attn not measured), rank 0 of FSDP within 1.2 %; "
+                "2026-11-27-h200, 2026-11-27-h200-blog13b): activations to the byte, the allocator peak within 1.1 % "
+                "where measured (checkpointing, eager and sdpa attention, packing through sdpa, Liger, DoRA, MoE, "
+                "gradient accumulation, both AdamW steps; flash-attn not measured; the 13B shapes 0.3-1.0 % low, "
+                "the caching allocator's whole blocks), rank 0 of FSDP within 1.2 %; "
                 "reserved memory varies more (the fragmentation line)"
                 if cuda
                 else "; with the CPU's kernels: on a CUDA device fp32 GQA attention keeps more (--target cuda)"

@@ -26,6 +26,7 @@ from vramguard.workload import routing as routes
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora
 from vramguard.workload.routing import Routing
 from vramguard.workload.run_config import TRL_OPTIMIZER_OF
+from vramguard.workload.training import optimizer_on
 
 TRAINERS = ("loop", "trainer", "sft")
 
@@ -120,7 +121,6 @@ def _train(
             "on CPU use --trainer trainer (torch's save_on_cpu)"
         )
     q = build_qlora(config)
-    paged = config.optimizer == "paged-adamw-8bit"
     micro_batches = steps * config.gradient_accumulation_steps  # the rows of every micro-batch of every step
     common: dict[str, Any] = {
         "max_steps": steps,
@@ -133,9 +133,8 @@ def _train(
         "use_cpu": on_cpu,
         "train_sampling_strategy": "sequential",
         "gradient_checkpointing": config.gradient_checkpointing,
-        # the config's optimizer, not Trainer's default (adamw_torch_fused); paged state needs CUDA's unified
-        # memory, so on the host bitsandbytes' AdamW8bit, as the loop runs it (workload.training.make_optimizer)
-        "optim": TRL_OPTIMIZER_OF["adamw-8bit" if on_cpu and paged else config.optimizer],
+        # the config's optimizer as the loop runs it on this device, not Trainer's default (adamw_torch_fused)
+        "optim": TRL_OPTIMIZER_OF[optimizer_on(config.optimizer, config.device)],
     }
     if config.gradient_checkpointing:
         common["gradient_checkpointing_kwargs"] = {"use_reentrant": False}

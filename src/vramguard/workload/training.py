@@ -37,6 +37,12 @@ class StepResult:
         return asdict(self)
 
 
+def optimizer_on(name: str, device: str) -> str:
+    """The optimizer ``name`` runs as on ``device``: the paged one's state needs CUDA's unified memory, so
+    elsewhere (meta, the CPU) it runs as ``adamw-8bit``, the same state with none of it paged."""
+    return "adamw-8bit" if name == "paged-adamw-8bit" and torch.device(device).type != "cuda" else name
+
+
 def make_optimizer(q: QLoRAModel, lr: float = 1e-4, name: str = "adamw") -> torch.optim.Optimizer:
     """The optimizer of the trainable parameters, by its :data:`~vramguard.workload.models.OPTIMIZERS` name:
     torch AdamW (8 bytes of state per trainable fp32 parameter), or bitsandbytes ``AdamW8bit`` for both 8-bit
@@ -52,7 +58,7 @@ def make_optimizer(q: QLoRAModel, lr: float = 1e-4, name: str = "adamw") -> torc
     if name in ("adamw-8bit", "paged-adamw-8bit"):
         import bitsandbytes as bnb
 
-        if name == "paged-adamw-8bit" and torch.device(q.config.device).type == "cuda":
+        if optimizer_on(name, q.config.device) == "paged-adamw-8bit":
             return bnb.optim.PagedAdamW8bit(q.trainable_parameters(), lr=lr)  # its state in unified memory
         return bnb.optim.AdamW8bit(q.trainable_parameters(), lr=lr)  # paged: see OPTIMIZERS
     raise UsageError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")

@@ -334,27 +334,33 @@ def test_an_fsdp2_audit_of_an_8bit_optimizer_is_one_line_before_any_rank(
     assert "adamw or adamw-fused" in estimate, estimate
 
 
+def _cmdline(pid: int) -> str:
+    return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
 def _rank_pids(marker: str, role: str = "") -> list[int]:
-    """The processes of ``python -m vramguard.audit.distributed`` (the ranks) and ``python -m
-    vramguard.audit.launch`` (their launcher) whose command line holds ``marker`` (and ``role``: `` rank `` for
-    the ranks, `` ranks `` for the launcher)."""
+    """The launcher of ``audit --world-size`` (``python -m vramguard.audit.launch ranks SPEC``) whose command
+    line holds ``marker``, and the ranks it forked (the same command line, named ``vg-rank-R``): all of them,
+    or the ranks alone (``role="rank"``)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cmd = _cmdline(int(entry.name))
+            name = (entry / "comm").read_text().strip()
         except OSError:
             continue
-        ours = "vramguard.audit.distributed" in cmd or "vramguard.audit.launch" in cmd
-        if ours and marker in cmd and role in cmd:
+        if "vramguard.audit.launch" in cmd and marker in cmd and (role != "rank" or name.startswith("vg-rank-")):
             pids.append(int(entry.name))
     return pids
 
 
 def test_a_killed_rank_leaves_no_process_and_one_line(tmp_path: Path) -> None:
     """SIGKILL one rank mid-run: the launcher kills the group (the other rank would wait in a collective),
-    vramguard says so in one line (exit 3: nothing the user typed was wrong), and no rank is left."""
+    vramguard says so in one line (exit 3: nothing the user typed was wrong), and no rank is left. The ranks
+    were forked by the launcher (its command line, no interpreter of their own: the model stack is imported
+    once a run, not once a rank)."""
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(SRC)}
     proc = subprocess.Popen(
         [
@@ -376,10 +382,12 @@ def test_a_killed_rank_leaves_no_process_and_one_line(tmp_path: Path) -> None:
     )
     try:
         deadline = time.monotonic() + 120
-        while len(_rank_pids(str(tmp_path))) < 3 and time.monotonic() < deadline:  # the launcher and 2 ranks
+        while len(_rank_pids(str(tmp_path), "rank")) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        ranks = _rank_pids(str(tmp_path), " rank ")
-        assert ranks, "the ranks never started"
+        ranks = _rank_pids(str(tmp_path), "rank")
+        assert len(ranks) == 2, "the ranks never started"
+        parents = {int((Path("/proc") / str(r) / "stat").read_text().rsplit(")", 1)[1].split()[1]) for r in ranks}
+        assert len(parents) == 1 and {_cmdline(r) for r in ranks} == {_cmdline(parents.pop())}
         os.kill(ranks[-1], signal.SIGKILL)
         _out, err = proc.communicate(timeout=120)
     finally:
@@ -392,8 +400,9 @@ def test_a_killed_rank_leaves_no_process_and_one_line(tmp_path: Path) -> None:
     assert _rank_pids(str(tmp_path)) == [], err
 
 
-def test_the_launcher_imports_no_torch() -> None:
-    """The launcher only starts and watches the ranks: the model stack's imports are the ranks' alone."""
+def test_the_launcher_module_imports_no_torch() -> None:
+    """``vramguard.audit.launch`` imports the model stack in :func:`launch_ranks`, once, before it forks the
+    ranks: importing the module (its usage line) imports none of it."""
     code = "import sys, vramguard.audit.launch; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True

@@ -1,6 +1,7 @@
 """``vramguard audit --world-size N --sharding fsdp2|fsdp1``: the step on N real processes, measured per rank.
 
-Each rank is a process of its own (``python -m vramguard.audit.distributed rank SPEC R``) that builds the
+Each rank is a process of its own, forked by one launcher (``python -m vramguard.audit.launch ranks SPEC``,
+:mod:`vramguard.audit.launch`) that imported the model stack once; the rank (:func:`run_rank`) builds the
 model the FSDP + QLoRA recipe's way (:mod:`vramguard.workload.sharding`), joins the others through
 ``torch.distributed`` (gloo on the host, rendezvous through a file store in a temporary folder: no port
 to pick), lets the real engine shard it and runs vramguard's loop under the *same* ledger and tracker as
@@ -8,11 +9,9 @@ the single-device audit (:func:`measure_rank`, shared with the estimate's fake p
 writes its report (the audit's document) atomically; the parent reads them and puts rank 0's report with
 a ``distributed`` section (:class:`~vramguard.audit.report.DistributedSection`) in front of the user.
 
-The ranks are started by one launcher process (``python -m vramguard.audit.launch ranks SPEC``: standard library
-only) under
-:func:`vramguard.bisect.procgroup.run_in_group`: they share its process group, which is killed whole when
-vramguard ends (SIGKILL included), when the run times out, or when one rank fails (the launcher kills the
-group rather than leave the others waiting in a collective).
+The launcher runs under :func:`vramguard.bisect.procgroup.run_in_group`: the ranks share its process group,
+which is killed whole when vramguard ends (SIGKILL included), when the run times out, or when one rank fails
+(the launcher kills the group rather than leave the others waiting in a collective).
 """
 
 from __future__ import annotations
@@ -316,7 +315,34 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _run_one_rank(spec_path: str, rank: int) -> int:
+def preload(spec: dict[str, Any]) -> None:
+    """Import, in the launcher, what each rank of ``spec`` would import while it builds and shards (the
+    model's transformers modules, bitsandbytes through transformers' quantizer, PEFT, the engine; DeepSpeed
+    for ZeRO-3), so that every rank forked after it starts with them (about 5 CPU seconds a rank). Imports and
+    a config object only: no torch operation may run here (an OpenMP pool started before the fork hangs the
+    ranks' first parallel region)."""
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import transformers.integrations.bitsandbytes  # noqa: F401
+
+    from vramguard.workload.models import ModelSpec, resolve_attention
+
+    config = QLoRAConfig(**spec["config"])
+    try:
+        resolve_attention(config, ModelSpec.load(config.model))  # imports the model's transformers modules
+    except UsageError:  # each rank says it in one line
+        pass
+    if spec["sharding"]["sharding"] == "zero3":
+        import vramguard.audit.zero3  # noqa: F401
+
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:  # each rank says why in one line (vramguard.workload.zero3)
+            pass
+
+
+def run_rank(spec_path: str, rank: int) -> int:
     """One rank: build (before joining: transformers writes the random checkpoint only outside a process
     group's non-zero ranks), join through the file store, shard, measure, write the report and row."""
     import torch.distributed as dist
@@ -359,9 +385,10 @@ def _run_one_rank(spec_path: str, rank: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """``rank SPEC R`` (one rank; :mod:`vramguard.audit.launch` starts them); anything else exits 2."""
+    """``rank SPEC R``: one rank in a process of its own (:mod:`vramguard.audit.launch` forks them instead);
+    anything else exits 2."""
     if len(argv) == 3 and argv[0] == "rank":
-        return _run_one_rank(argv[1], int(argv[2]))
+        return run_rank(argv[1], int(argv[2]))
     print("usage: python -m vramguard.audit.distributed rank SPEC RANK", file=sys.stderr)
     return 2
 

@@ -1,8 +1,15 @@
 """The launcher of ``vramguard audit --world-size N``'s ranks: ``python -m vramguard.audit.launch ranks SPEC``
-starts every rank (``python -m vramguard.audit.distributed rank SPEC R``) in its own process group and waits.
+imports the ranks' model stack once, forks every rank from it (:func:`vramguard.audit.distributed.run_rank`)
+and waits; all of them share the launcher's process group.
 
-Standard library only: it is one process more per distributed run, and the imports of
-:mod:`vramguard.audit.distributed` (torch and the model stack) cost it ~2 CPU seconds it never used.
+Why fork: each rank used to be a process of its own (``python -m vramguard.audit.distributed rank SPEC R``)
+that imported torch, transformers, PEFT and bitsandbytes again, about 4-5 CPU seconds a rank on the reference
+machine (bitsandbytes' ``torch.compile`` decorators import torch._dynamo). A forked rank starts with them
+imported, as a DataLoader worker does. Forking is safe here because the launcher runs no torch operation
+before it forks: an OpenMP thread pool started in the parent hangs a forked child's first parallel region.
+
+Importing this module imports nothing but the standard library (its usage line costs nothing); the stack is
+imported by :func:`launch_ranks`.
 """
 
 from __future__ import annotations
@@ -10,33 +17,71 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
+import traceback
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+
+#: a rank's name in ``ps``/``top`` (``/proc/PID/comm``, at most 15 bytes): ``vramguard-rank`` and its number
+RANK_NAME = "vg-rank-{rank}"
 
 
 def launch_ranks(spec_path: str) -> int:
-    """The launcher: start every rank, wait; when one fails, say which and kill the whole process group
-    (the ranks and this launcher), so none is left waiting in a collective."""
+    """The launcher: import the stack, fork every rank, wait; when one fails, say which and kill the whole
+    process group (the ranks and this launcher), so none is left waiting in a collective."""
     spec = json.loads(Path(spec_path).read_text())
     world = int(spec["sharding"]["world_size"])
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "vramguard.audit.distributed", "rank", spec_path, str(r)])
-        for r in range(world)
-    ]
-    pending = set(range(world))
-    while pending:
-        for r in sorted(pending):
-            code = procs[r].poll()
-            if code is None:
-                continue
-            pending.discard(r)
-            if code != 0:
-                print(f"[vramguard] rank {r} exited with {code}", file=sys.stderr, flush=True)
-                os.killpg(0, signal.SIGKILL)
-        time.sleep(0.05)
+    from vramguard.audit.distributed import preload, run_rank
+
+    preload(spec)
+    ranks: dict[int, int] = {}
+    for r in range(world):
+        ranks[_fork(lambda r=r: run_rank(spec_path, r), r)] = r
+    while ranks:
+        pid, status = os.wait()
+        r = ranks.pop(pid, None)
+        if r is None:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            print(f"[vramguard] rank {r} exited with {code}", file=sys.stderr, flush=True)
+            os.killpg(0, signal.SIGKILL)
     return 0
+
+
+def _fork(rank: Callable[[], int], r: int) -> int:
+    """Start ``rank()`` in a forked child (its exit code the child's) and return the child's pid. The child
+    never returns here: it leaves through ``os._exit``, so the launcher's own exit handlers never run twice."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns on every fork of a process with a second thread; torch starts one at import
+        # (an idle OpenMP helper), and the children start no parallel region the parent began
+        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*fork.*")
+        pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        _name(RANK_NAME.format(rank=r))
+        code = rank()
+    except SystemExit as exc:
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - said on stderr, the launcher relays the exit code
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _name(name: str) -> None:
+    """Name this process for ``ps``/``top`` (Linux; elsewhere it keeps the launcher's name)."""
+    try:
+        Path("/proc/self/comm").write_text(name[:15])
+    except OSError:
+        pass
 
 
 def main(argv: list[str]) -> int:

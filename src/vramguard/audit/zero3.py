@@ -1,6 +1,6 @@
 """One rank of ``vramguard audit --world-size N --sharding zero3``: DeepSpeed's own ZeRO-3 engine, measured.
 
-The rank (:func:`vramguard.audit.distributed._run_one_rank`) builds the recipe's model while a ZeRO-3
+The rank (:func:`vramguard.audit.distributed.run_rank`) builds the recipe's model while a ZeRO-3
 configuration is alive for transformers (:func:`vramguard.workload.zero3.hf_deepspeed`), joins the gloo
 process group, and :func:`measure_zero3_rank` lets ``deepspeed.initialize`` partition it and runs
 vramguard's loop *through the engine* (``engine(**batch)``, ``engine.backward``, ``engine.step``) under the

@@ -282,7 +282,9 @@ def test_only_the_known_library_line_is_hidden(caplog: pytest.LogCaptureFixture)
 
 
 def test_library_noise_stays_out_of_the_commands_output() -> None:
-    """A real audit in a fresh process prints nothing on stderr; ``--verbose`` notes the hidden line once."""
+    """``--verbose`` notes what a library logged once, in vramguard's words; without it a real audit in a fresh
+    process prints nothing on stderr (that run is the wheel install's in tests/test_models.py, which runs the
+    same command from the installed console script)."""
     raw = subprocess.run(
         [sys.executable, "-c", "import bitsandbytes"],
         check=False,
@@ -292,12 +294,6 @@ def test_library_noise_stays_out_of_the_commands_output() -> None:
     )
     argv = [sys.executable, "-m", "vramguard", "audit", "--seq-len", "8", "--batch", "1", "--steps", "2"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    quiet = subprocess.run(
-        [*argv, "--quiet"], check=False, capture_output=True, text=True, timeout=300, env=env
-    )
-    assert quiet.returncode == 0, quiet.stderr
-    assert quiet.stderr == ""
-    assert quiet.stdout.startswith("OK: ") and len(quiet.stdout.splitlines()) == 1
     if "gemm_4bit_forward" not in raw.stderr:
         pytest.skip("bitsandbytes logs no kernels-community warning on this machine: nothing to note")
     verbose = subprocess.run(

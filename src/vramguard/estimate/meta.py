@@ -71,6 +71,93 @@ class _AnswerScalars(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class PointwiseShapeCache(TorchDispatchMode):
+    """The meta results of pointwise ops (``torch.Tag.pointwise``: ``mul``, ``add``, ``addcdiv_``, ``silu``, ...)
+    answered from the first result of the same op on the same metadata.
+
+    torch registers its Python references (``torch._refs``, ``torch._prims``) as the meta kernels of the pointwise
+    ops: about 120 us an op, against 2 us for the same op on a small CPU tensor and 15 us for a meta ``mm``, and
+    most of a meta step (a 1B-shaped QLoRA step: 1.92 s, 1.33 s with this cache; 3,900 of its 3,967 pointwise ops
+    repeat one already seen). A meta kernel reads only metadata, so the output of a pointwise op is fixed by the
+    op, its tensors' shapes, strides, dtypes and devices, and its other arguments, of which a float (or complex)
+    scalar's type alone decides anything (type promotion): the key holds exactly these. A repeat gets a new meta
+    tensor of the first result's shape, strides and dtype (``empty_strided``, the storage the kernel makes), or,
+    for an in-place op, its own first argument, as the kernel returns it.
+
+    Entered below every other mode of the meta step (first), so the tracker and the other modes see each result
+    as the kernel's. Anything else passes through: ops not tagged pointwise or with several results or an
+    ``out=``, tensor subclasses (FSDP2's DTensors), real tensors other than 0-d ones, an in-place op on a real
+    tensor (Adam's step counter on the host counts), and a first result that is not a fresh meta tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._shapes: dict[tuple[Any, ...], tuple[torch.Size, tuple[int, ...], torch.dtype]] = {}
+        self._kinds: dict[Any, int] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def _kind(self, func: Any) -> int:
+        """0: not cached; 1: a pointwise op with a new result; 2: a pointwise op writing its first argument."""
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = 0
+            schema = func._schema
+            if torch.Tag.pointwise in func.tags and len(schema.returns) == 1:
+                written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+                if not written:
+                    kind = 1
+                elif written == [schema.arguments[0]] and not any(a.name == "out" for a in schema.arguments):
+                    kind = 2
+            self._kinds[func] = kind
+        return kind
+
+    def _key(self, func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+        key: list[Any] = [func]
+        for name, value in (*((None, a) for a in args), *kwargs.items()):
+            key.append(name)
+            if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
+                if value.layout is not torch.strided or (value.device.type != META and value.dim()):
+                    return None
+                key.append((value.shape, value.stride(), value.dtype, value.device))
+            elif isinstance(value, torch.Tensor):  # a subclass: its own dispatch decides
+                return None
+            elif type(value) in (float, complex):
+                key.append(type(value))
+            elif value is None or type(value) in _KEYED_BY_VALUE:
+                key.append((type(value), value))
+            else:
+                return None
+        return tuple(key)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kind(func)
+        if kind == 2 and not (type(args[0]) is torch.Tensor and args[0].device.type == META):
+            kind = 0  # written values are real off meta (Adam's step counter on the host): the kernel runs
+        key = self._key(func, args, kwargs) if kind else None
+        if key is None:
+            return func(*args, **kwargs)
+        known = self._shapes.get(key)
+        if known is None:
+            self.misses += 1
+            out = func(*args, **kwargs)
+            fresh = kind == 1 and type(out) is torch.Tensor and out.device.type == META
+            if (fresh and out.storage_offset() == 0) or (kind == 2 and out is args[0]):
+                self._shapes[key] = (out.shape, out.stride(), out.dtype)
+            return out
+        self.hits += 1
+        if kind == 2:
+            return args[0]
+        shape, stride, dtype = known
+        return torch.empty_strided(shape, stride, dtype=dtype, device=META)
+
+
+#: the non-tensor arguments a pointwise op's key holds by value (a float's or complex's type is enough)
+_KEYED_BY_VALUE = (bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
 TARGETS: tuple[str, ...] = ("cuda", "cpu")
 """The devices whose kernel choices a meta run can take (``forced_decisions(target)``)."""
 
@@ -186,8 +273,9 @@ def forced_decisions(
     original_fused = torch_optimizer._get_fused_kernels_supported_devices
     torch_optimizer._get_foreach_kernels_supported_devices = foreach_devices  # type: ignore[attr-defined]
     torch_optimizer._get_fused_kernels_supported_devices = fused_devices  # type: ignore[attr-defined]
+    shapes = PointwiseShapeCache()
     try:
-        with grouped:
+        with shapes, grouped:  # the cache first: below every mode the step pushes (it answers as the kernels)
             yield taken
     finally:
         masking_utils.find_packed_sequence_indices = original

@@ -1,0 +1,146 @@
+"""The meta step's pointwise cache (:class:`vramguard.estimate.meta.PointwiseShapeCache`) answers as the kernels.
+
+A repeat of a pointwise op on the same metadata gets the first result's shape, strides and dtype; whatever the
+key leaves out must not change them. Each property compares the cache's answers with torch's own meta kernels.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vramguard.estimate.meta import PointwiseShapeCache
+from vramguard.workload.models import QLoRAConfig
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
+BINARY = {
+    "add": lambda a, b: a + b,
+    "mul": lambda a, b: a * b,
+    "sub": lambda a, b: torch.sub(a, b) if a.dtype != torch.bool and b.dtype != torch.bool else a & b,
+    "maximum": torch.maximum,
+    "where": lambda a, b: torch.where(a > 0, a, b),
+}
+UNARY = {
+    "neg": lambda a: -a if a.dtype != torch.bool else ~a,
+    "sqrt": torch.sqrt,
+    "silu": lambda a: torch.nn.functional.silu(a.float()),
+    "mul-int": lambda a: a * 3,
+    "mul-float": lambda a: a * 0.5,
+    "pow-2": lambda a: a.pow(2),
+}
+
+
+def _meta(shape: tuple[int, ...], dtype: torch.dtype, transposed: bool) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    return t.transpose(0, 1) if transposed and t.dim() >= 2 else t
+
+
+def _metadata(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.shape, t.stride(), t.dtype, t.device.type, t.untyped_storage().nbytes())
+
+
+@st.composite
+def operands(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two meta tensors whose shapes broadcast (a dim of 1 or a missing leading dim), of any dtype and layout."""
+    shape = draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
+    other = [1 if draw(st.booleans()) else n for n in shape][draw(st.integers(0, len(shape) - 1)) :]
+    return (
+        _meta(tuple(shape), draw(st.sampled_from(DTYPES)), draw(st.booleans())),
+        _meta(tuple(other), draw(st.sampled_from(DTYPES)), draw(st.booleans())),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(ab=operands(), op=st.sampled_from(sorted(BINARY)), unary=st.sampled_from(sorted(UNARY)))
+def test_every_answer_has_the_kernels_shape_strides_and_dtype(
+    ab: tuple[torch.Tensor, torch.Tensor], op: str, unary: str
+) -> None:
+    """Each op twice under the cache (the second a repeat) against the kernel alone: broadcasting, transposed
+    strides, type promotion by the other tensor and by an int or float scalar."""
+    a, b = ab
+    calls = [lambda: BINARY[op](a, b), lambda: BINARY[op](b, a), lambda: UNARY[unary](a), lambda: UNARY[unary](b)]
+    for call in calls:
+        try:
+            want = _metadata(call())
+        except RuntimeError:  # the kernel refuses (e.g. sqrt of bool): the cache must refuse too
+            with PointwiseShapeCache(), pytest.raises(RuntimeError):
+                call()
+            continue
+        cache = PointwiseShapeCache()
+        with cache:
+            first, repeat = _metadata(call()), _metadata(call())
+        assert first == repeat == want
+        assert cache.hits >= 1
+
+
+def test_a_transposed_operand_is_not_answered_with_a_contiguous_ones_strides() -> None:
+    """The same shape and dtype with other strides is another key: ``t + t`` of a transposed ``t`` keeps its
+    column-major strides, as the kernel gives them."""
+    a = torch.empty(4, 8, device="meta")
+    t = torch.empty(8, 4, device="meta").t()
+    with PointwiseShapeCache() as cache:
+        contiguous, transposed = a + a, t + t
+    assert contiguous.stride() == (8, 1) and transposed.stride() == (1, 4)
+    assert cache.hits == 0
+
+
+def test_a_scalars_type_decides_the_dtype() -> None:
+    """``aten.mul.Scalar(ints, 2)`` stays int64 and ``(ints, 2.5)`` is float32: a float scalar's type is part of
+    the key (``ints * 2`` reaches the kernel as a 0-d tensor, whose dtype is in the key anyway)."""
+    ints = torch.empty(3, dtype=torch.int64, device="meta")
+    mul = torch.ops.aten.mul.Scalar
+    with PointwiseShapeCache() as cache:
+        assert mul(ints, 2).dtype == torch.int64
+        assert mul(ints, 2.5).dtype == torch.float32
+        assert mul(ints, 7.0).dtype == torch.float32  # a repeat of the float one: answered from the cache
+    assert cache.hits == 1
+
+
+def test_an_in_place_op_returns_its_tensor_and_a_real_tensors_op_runs() -> None:
+    """An in-place repeat on meta is its own first argument, as the kernel returns it; an in-place op on a real
+    tensor (Adam's step counter on the host) runs every time."""
+    a, b = torch.empty(2, 3, device="meta"), torch.empty(2, 3, device="meta")
+    step = torch.zeros(())
+    with PointwiseShapeCache():
+        assert a.mul_(b) is a and a.mul_(b) is a
+        for _ in range(3):
+            step += 1
+    assert step.item() == 3
+
+
+def test_an_estimate_is_the_same_with_the_cache_and_answers_most_ops_from_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A whole QLoRA estimate for CUDA (checkpointing, the foreach AdamW step: new and in-place pointwise ops) is
+    byte for byte the estimate of the kernels alone, and most of its pointwise ops were repeats."""
+    from vramguard.estimate import meta
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=32, batch=2, gradient_checkpointing=True)
+    counts: list[PointwiseShapeCache] = []
+    original = meta.PointwiseShapeCache.__init__
+
+    def counted(self: PointwiseShapeCache) -> None:
+        original(self)
+        counts.append(self)
+
+    monkeypatch.setattr(meta.PointwiseShapeCache, "__init__", counted)
+    cached = run_estimate(config, steps=2, target="cuda")
+    (cache,) = counts
+    assert cache.hits > 2 * cache.misses > 0
+    monkeypatch.setattr(meta.PointwiseShapeCache, "_kind", lambda self, func: 0)  # every op to its kernel
+    kernels = run_estimate(config, steps=2, target="cuda")
+    assert counts[1].hits == 0  # the second run answered nothing from the cache
+    assert _document(cached) == _document(kernels)
+
+
+def _document(report: Any) -> str:
+    """The report as JSON, without its wall time."""
+    doc = report.to_dict()
+    doc.pop("elapsed_s", None)
+    return json.dumps(doc, sort_keys=True, default=str)

@@ -400,6 +400,40 @@ def test_a_killed_rank_leaves_no_process_and_one_line(tmp_path: Path) -> None:
     assert _rank_pids(str(tmp_path)) == [], err
 
 
+FORK_AFTER_PRELOAD = """
+import dataclasses, os, sys, time
+from vramguard.audit.distributed import preload
+from vramguard.workload.models import QLoRAConfig
+preload({"config": dataclasses.asdict(QLoRAConfig()), "sharding": {"sharding": sys.argv[1], "world_size": 2}})
+pid = os.fork()
+if pid == 0:
+    import torch
+    torch.set_num_threads(2)
+    torch.ones(4_000_000).mul_(2).sum()  # a parallel region: hangs where the parent started OpenMP's pool
+    os._exit(0)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.05)
+os.kill(pid, 9)
+sys.exit("the forked child hung in its first parallel region")
+"""
+
+
+def test_a_rank_forked_after_the_launchers_imports_runs_parallel_regions() -> None:
+    """The launcher runs no torch operation before it forks the ranks (``preload`` only imports): an OpenMP
+    pool started in the parent hangs a forked child's first parallel region. The ranks of this machine run one
+    thread each (2 cores, 2 ranks), so this child runs two, after what the launcher imports for FSDP."""
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env.pop("OMP_NUM_THREADS", None)  # torch's default pool, as a user's launcher has it
+    proc = subprocess.run(
+        [sys.executable, "-c", FORK_AFTER_PRELOAD, "fsdp2"], capture_output=True, text=True, timeout=180, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_the_launcher_module_imports_no_torch() -> None:
     """``vramguard.audit.launch`` imports the model stack in :func:`launch_ranks`, once, before it forks the
     ranks: importing the module (its usage line) imports none of it."""

@@ -101,6 +101,19 @@ def test_a_scalars_type_decides_the_dtype() -> None:
     assert cache.hits == 1
 
 
+def test_the_default_dtype_is_part_of_the_key() -> None:
+    """An int tensor's ``sqrt`` is of torch's default dtype: a repeat after ``set_default_dtype`` follows it."""
+    ints = torch.empty(3, dtype=torch.int64, device="meta")
+    before = torch.get_default_dtype()
+    with PointwiseShapeCache():
+        try:
+            assert ints.sqrt().dtype == torch.float32
+            torch.set_default_dtype(torch.float64)
+            assert ints.sqrt().dtype == torch.float64
+        finally:
+            torch.set_default_dtype(before)
+
+
 def test_an_in_place_op_returns_its_tensor_and_a_real_tensors_op_runs() -> None:
     """An in-place repeat on meta is its own first argument, as the kernel returns it; an in-place op on a real
     tensor (Adam's step counter on the host) runs every time."""

@@ -307,11 +307,16 @@ def _check_host_fits(config: QLoRAConfig, world_size: int) -> None:
 
 
 def _child_env() -> dict[str, str]:
-    """The ranks' environment: this one, with vramguard importable the way it is here, gloo on loopback."""
+    """The launcher's and ranks' environment: this one, with vramguard importable the way it is here, gloo on
+    loopback, and no GPU. The ranks run on the host, forked from a launcher that imported what they import:
+    bitsandbytes starts CUDA at import where it sees a GPU (a forked child cannot use the CUDA its parent
+    started), and DeepSpeed picks its accelerator at import (the CPU's, as each rank sets it)."""
     env = dict(os.environ)
     here = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["DS_ACCELERATOR"] = "cpu"
     return env
 
 

@@ -67,13 +67,18 @@ def _fork(rank: Callable[[], int], r: int) -> int:
         _name(RANK_NAME.format(rank=r))
         code = rank()
     except SystemExit as exc:
-        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        if isinstance(exc.code, int) or exc.code is None:
+            code = exc.code or 0
+        else:  # as the interpreter does: the message on stderr, exit 1
+            print(exc.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - said on stderr, the launcher relays the exit code
         traceback.print_exc()
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
 
 
 def _name(name: str) -> None:

@@ -282,9 +282,9 @@ def test_only_the_known_library_line_is_hidden(caplog: pytest.LogCaptureFixture)
 
 
 def test_library_noise_stays_out_of_the_commands_output() -> None:
-    """``--verbose`` notes what a library logged once, in vramguard's words; without it a real audit in a fresh
-    process prints nothing on stderr (that run is the wheel install's in tests/test_models.py, which runs the
-    same command from the installed console script)."""
+    """``--verbose`` notes what a library logged once, in vramguard's words; without it a real audit in a
+    fresh process prints nothing on stderr (that run is the wheel install's in tests/test_models.py, which
+    runs the same command from the installed console script)."""
     raw = subprocess.run(
         [sys.executable, "-c", "import bitsandbytes"],
         check=False,

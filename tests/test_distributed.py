@@ -351,7 +351,8 @@ def _rank_pids(marker: str, role: str = "") -> list[int]:
             name = (entry / "comm").read_text().strip()
         except OSError:
             continue
-        if "vramguard.audit.launch" in cmd and marker in cmd and (role != "rank" or name.startswith("vg-rank-")):
+        named = role != "rank" or name.startswith("vg-rank-")
+        if "vramguard.audit.launch" in cmd and marker in cmd and named:
             pids.append(int(entry.name))
     return pids
 
@@ -386,7 +387,8 @@ def test_a_killed_rank_leaves_no_process_and_one_line(tmp_path: Path) -> None:
             time.sleep(0.2)
         ranks = _rank_pids(str(tmp_path), "rank")
         assert len(ranks) == 2, "the ranks never started"
-        parents = {int((Path("/proc") / str(r) / "stat").read_text().rsplit(")", 1)[1].split()[1]) for r in ranks}
+        stats = [(Path("/proc") / str(r) / "stat").read_text() for r in ranks]
+        parents = {int(stat.rsplit(")", 1)[1].split()[1]) for stat in stats}  # the field after the state
         assert len(parents) == 1 and {_cmdline(r) for r in ranks} == {_cmdline(parents.pop())}
         os.kill(ranks[-1], signal.SIGKILL)
         _out, err = proc.communicate(timeout=120)
@@ -429,7 +431,11 @@ def test_a_rank_forked_after_the_launchers_imports_runs_parallel_regions() -> No
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     env.pop("OMP_NUM_THREADS", None)  # torch's default pool, as a user's launcher has it
     proc = subprocess.run(
-        [sys.executable, "-c", FORK_AFTER_PRELOAD, "fsdp2"], capture_output=True, text=True, timeout=180, env=env
+        [sys.executable, "-c", FORK_AFTER_PRELOAD, "fsdp2"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
 

@@ -364,7 +364,7 @@ def test_a_wheel_install_has_the_presets(tmp_path: Path) -> None:
         cwd=run,
     )
     assert audited.returncode == 0, audited.stderr
-    # what the libraries log (bitsandbytes' kernels-community line) stays out of a quiet run's output: one line
+    # what the libraries log (bitsandbytes' kernels-community line) stays out of a quiet run: one line
     assert audited.stderr == ""
     assert audited.stdout.startswith("OK: ") and len(audited.stdout.splitlines()) == 1, audited.stdout
     probe = subprocess.run(

@@ -1,4 +1,5 @@
-"""The meta step's pointwise cache (:class:`vramguard.estimate.meta.PointwiseShapeCache`) answers as the kernels.
+"""The meta step's pointwise cache (:class:`vramguard.estimate.meta.PointwiseShapeCache`) answers as the
+kernels.
 
 A repeat of a pointwise op on the same metadata gets the first result's shape, strides and dtype; whatever the
 key leaves out must not change them. Each property compares the cache's answers with torch's own meta kernels.
@@ -46,7 +47,7 @@ def _metadata(t: torch.Tensor) -> tuple[Any, ...]:
 
 @st.composite
 def operands(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two meta tensors whose shapes broadcast (a dim of 1 or a missing leading dim), of any dtype and layout."""
+    """Two meta tensors whose shapes broadcast (a dim of 1 or a missing leading dim), any dtype and layout."""
     shape = draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
     other = [1 if draw(st.booleans()) else n for n in shape][draw(st.integers(0, len(shape) - 1)) :]
     return (
@@ -63,7 +64,12 @@ def test_every_answer_has_the_kernels_shape_strides_and_dtype(
     """Each op twice under the cache (the second a repeat) against the kernel alone: broadcasting, transposed
     strides, type promotion by the other tensor and by an int or float scalar."""
     a, b = ab
-    calls = [lambda: BINARY[op](a, b), lambda: BINARY[op](b, a), lambda: UNARY[unary](a), lambda: UNARY[unary](b)]
+    calls = [
+        lambda: BINARY[op](a, b),
+        lambda: BINARY[op](b, a),
+        lambda: UNARY[unary](a),
+        lambda: UNARY[unary](b),
+    ]
     for call in calls:
         try:
             want = _metadata(call())
@@ -90,8 +96,8 @@ def test_a_transposed_operand_is_not_answered_with_a_contiguous_ones_strides() -
 
 
 def test_a_scalars_type_decides_the_dtype() -> None:
-    """``aten.mul.Scalar(ints, 2)`` stays int64 and ``(ints, 2.5)`` is float32: a float scalar's type is part of
-    the key (``ints * 2`` reaches the kernel as a 0-d tensor, whose dtype is in the key anyway)."""
+    """``aten.mul.Scalar(ints, 2)`` stays int64 and ``(ints, 2.5)`` is float32: a float scalar's type is part
+    of the key (``ints * 2`` reaches the kernel as a 0-d tensor, whose dtype is in the key anyway)."""
     ints = torch.empty(3, dtype=torch.int64, device="meta")
     mul = torch.ops.aten.mul.Scalar
     with PointwiseShapeCache() as cache:
@@ -102,7 +108,8 @@ def test_a_scalars_type_decides_the_dtype() -> None:
 
 
 def test_the_default_dtype_is_part_of_the_key() -> None:
-    """An int tensor's ``sqrt`` is of torch's default dtype: a repeat after ``set_default_dtype`` follows it."""
+    """An int tensor's ``sqrt`` is of torch's default dtype: a repeat after ``set_default_dtype`` follows
+    it."""
     ints = torch.empty(3, dtype=torch.int64, device="meta")
     before = torch.get_default_dtype()
     with PointwiseShapeCache():
@@ -115,8 +122,8 @@ def test_the_default_dtype_is_part_of_the_key() -> None:
 
 
 def test_an_in_place_op_returns_its_tensor_and_a_real_tensors_op_runs() -> None:
-    """An in-place repeat on meta is its own first argument, as the kernel returns it; an in-place op on a real
-    tensor (Adam's step counter on the host) runs every time."""
+    """An in-place repeat on meta is its own first argument, as the kernel returns it; an in-place op on a
+    real tensor (Adam's step counter on the host) runs every time."""
     a, b = torch.empty(2, 3, device="meta"), torch.empty(2, 3, device="meta")
     step = torch.zeros(())
     with PointwiseShapeCache():
@@ -129,8 +136,8 @@ def test_an_in_place_op_returns_its_tensor_and_a_real_tensors_op_runs() -> None:
 def test_an_estimate_is_the_same_with_the_cache_and_answers_most_ops_from_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A whole QLoRA estimate for CUDA (checkpointing, the foreach AdamW step: new and in-place pointwise ops) is
-    byte for byte the estimate of the kernels alone, and most of its pointwise ops were repeats."""
+    """A whole QLoRA estimate for CUDA (checkpointing, the foreach AdamW step: new and in-place pointwise ops)
+    is byte for byte the estimate of the kernels alone, and most of its pointwise ops were repeats."""
     from vramguard.estimate import meta
     from vramguard.estimate.run import run_estimate
 

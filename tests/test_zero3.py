@@ -290,21 +290,21 @@ def test_the_docs_table_of_what_deepspeed_keeps_is_this_run(zero3_audit) -> None
     assert_figures(typed, {term: f"{value:,}" for term, value in measured.items()})
 
 
-#: the scalar (8 B) a collective of ``engine.step()`` may leave with gloo's worker thread at the optimizer's peak
+#: the scalar (8 B) a collective of ``engine.step()`` may leave with gloo's thread at the optimizer's peak
 GLOO_SCALAR = 8
 
 
 @needs_deepspeed
 def test_zero3_accumulates_in_the_gradient_partitions_it_made_at_initialize(zero3_audit) -> None:
     """Two micro-batches a step through DeepSpeed's engine, as accelerate runs Trainer's accumulation (every
-    backward told whether it is the boundary, ``engine.step()`` once): unlike FSDP's ranks, which hold the whole
-    unsharded gradient between micro-batches, a ZeRO-3 rank accumulates into the gradient partition it allocated
-    at ``initialize``, so the forward and backward peaks of every rank rise by the second micro-batch's rows alone
-    (batch x seq int64 ids, fetched before the step as Trainer fetches them) and the gradient partitions are the
-    same size. The optimizer phase is held only below a partition's gradient: ``engine.step()``'s collectives can
-    leave a scalar with gloo's worker thread for a moment (8 B more in 1 of 4 runs), which no byte count of that
-    phase can pin: in either run, so the rise may also be that scalar short (2,040 B for 2,048 B of rows, once in
-    five runs of this file)."""
+    backward told whether it is the boundary, ``engine.step()`` once): unlike FSDP's ranks, which hold the
+    whole unsharded gradient between micro-batches, a ZeRO-3 rank accumulates into the gradient partition it
+    allocated at ``initialize``, so the forward and backward peaks of every rank rise by the second
+    micro-batch's rows alone (batch x seq int64 ids, fetched before the step as Trainer fetches them) and the
+    gradient partitions are the same size. The optimizer phase is held only below a partition's gradient:
+    ``engine.step()``'s collectives can leave a scalar with gloo's worker thread for a moment (8 B more in 1
+    of 4 runs), which no byte count of that phase can pin: in either run, so the rise may also be that scalar
+    short (2,040 B for 2,048 B of rows, once in five runs of this file)."""
     from vramguard.audit.distributed import run_distributed_audit
 
     config = QLoRAConfig(gradient_accumulation_steps=2)

@@ -52,7 +52,7 @@ def launch_ranks(spec_path: str) -> int:
 
 def _fork(rank: Callable[[], int], r: int) -> int:
     """Start ``rank()`` in a forked child (its exit code the child's) and return the child's pid. The child
-    never returns here: it leaves through ``os._exit``, so the launcher's own exit handlers never run twice."""
+    never returns here: it leaves through ``os._exit``, so the launcher's exit handlers never run twice."""
     sys.stdout.flush()
     sys.stderr.flush()
     with warnings.catch_warnings():

@@ -72,23 +72,23 @@ class _AnswerScalars(TorchDispatchMode):
 
 
 class PointwiseShapeCache(TorchDispatchMode):
-    """The meta results of pointwise ops (``torch.Tag.pointwise``: ``mul``, ``add``, ``addcdiv_``, ``silu``, ...)
-    answered from the first result of the same op on the same metadata.
+    """The meta results of pointwise ops (``torch.Tag.pointwise``: ``mul``, ``add``, ``addcdiv_``, ``silu``,
+    ...) answered from the first result of the same op on the same metadata.
 
-    torch registers its Python references (``torch._refs``, ``torch._prims``) as the meta kernels of the pointwise
-    ops: about 120 us an op, against 2 us for the same op on a small CPU tensor and 15 us for a meta ``mm``, and
-    most of a meta step (a 1B-shaped QLoRA step: 1.92 s, 1.33 s with this cache; 3,900 of its 3,967 pointwise ops
-    repeat one already seen). A meta kernel reads only metadata, so the output of a pointwise op is fixed by the
-    op, its tensors' shapes, strides, dtypes and devices, and its other arguments, of which a float (or complex)
-    scalar's type alone decides anything (type promotion), and torch's default dtype (an int tensor's ``sqrt``):
-    the key holds exactly these. A repeat gets a new meta
-    tensor of the first result's shape, strides and dtype (``empty_strided``, the storage the kernel makes), or,
-    for an in-place op, its own first argument, as the kernel returns it.
+    torch registers its Python references (``torch._refs``, ``torch._prims``) as the meta kernels of the
+    pointwise ops: about 120 us an op, against 2 us for the same op on a small CPU tensor and 15 us for a meta
+    ``mm``, and most of a meta step (a 1B-shaped QLoRA step: 1.92 s, 1.33 s with this cache; 3,900 of its
+    3,967 pointwise ops repeat one already seen). A meta kernel reads only metadata, so the output of a
+    pointwise op is fixed by the op, its tensors' shapes, strides, dtypes and devices, and its other
+    arguments, of which a float (or complex) scalar's type alone decides anything (type promotion), and
+    torch's default dtype (an int tensor's ``sqrt``): the key holds exactly these. A repeat gets a new meta
+    tensor of the first result's shape, strides and dtype (``empty_strided``, the storage the kernel makes),
+    or, for an in-place op, its own first argument, as the kernel returns it.
 
-    Entered below every other mode of the meta step (first), so the tracker and the other modes see each result
-    as the kernel's. Anything else passes through: ops not tagged pointwise or with several results or an
-    ``out=``, tensor subclasses (FSDP2's DTensors), real tensors other than 0-d ones, an in-place op on a real
-    tensor (Adam's step counter on the host counts), and a first result that is not a fresh meta tensor."""
+    Entered below every other mode of the meta step (first), so the tracker and the other modes see each
+    result as the kernel's. Anything else passes through: ops not tagged pointwise or with several results or
+    an ``out=``, tensor subclasses (FSDP2's DTensors), real tensors other than 0-d ones, an in-place op on a
+    real tensor (Adam's step counter on the host counts), and a first result that is no fresh meta tensor."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -98,7 +98,7 @@ class PointwiseShapeCache(TorchDispatchMode):
         self.misses = 0
 
     def _kind(self, func: Any) -> int:
-        """0: not cached; 1: a pointwise op with a new result; 2: a pointwise op writing its first argument."""
+        """0: not cached; 1: a pointwise op with a new result; 2: one that writes its first argument."""
         kind = self._kinds.get(func)
         if kind is None:
             kind = 0

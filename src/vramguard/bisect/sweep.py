@@ -55,6 +55,28 @@ def _version(text: str, flag: str) -> Version:
         raise UsageError(f"{flag} {text!r} is not a version") from None
 
 
+def check_release_options(
+    versions: str | None = None, start: str | None = None, end: str | None = None, every: int = 1
+) -> list[Version]:
+    """UsageError (one line) for release options that are wrong whatever the index lists: ``--every`` below
+    1, both ``--versions`` and ``--from``/``--to`` or neither, a text that is no version, an empty list or
+    range. Returns the versions ``--versions`` lists (empty for a range)."""
+    if every < 1:
+        raise UsageError(f"--every must be at least 1, not {every}")
+    if versions is not None:
+        if start is not None or end is not None:
+            raise UsageError("give either --versions or --from/--to, not both")
+        wanted = [_version(t, "--versions") for t in versions.split(",") if t.strip()]
+        if not wanted:
+            raise UsageError("--versions lists no version")
+        return wanted
+    if start is None or end is None:
+        raise UsageError("give the releases: --versions A,B,C or --from V1 --to V2 [--every N]")
+    if _version(start, "--from") > _version(end, "--to"):
+        raise UsageError(f"empty range: --from {start} is newer than --to {end}")
+    return []
+
+
 def select_releases(
     available: Sequence[Version],
     versions: str | None = None,
@@ -69,23 +91,14 @@ def select_releases(
     ``end``: every release listed between them (inclusive), every ``every``-th one, the last always
     included so both ends of the range are measured. UsageError when nothing is left.
     """
-    if every < 1:
-        raise UsageError(f"--every must be at least 1, not {every}")
-    if versions is not None:
-        if start is not None or end is not None:
-            raise UsageError("give either --versions or --from/--to, not both")
-        wanted = [_version(t, "--versions") for t in versions.split(",") if t.strip()]
-        if not wanted:
-            raise UsageError("--versions lists no version")
+    wanted = check_release_options(versions, start, end, every)
+    if wanted:
         unknown = [str(v) for v in wanted if v not in available]
         if unknown:
             raise UsageError(f"--versions: {', '.join(unknown)} not listed by {source}"[:400])
         return sorted(set(wanted))
-    if start is None or end is None:
-        raise UsageError("give the releases: --versions A,B,C or --from V1 --to V2 [--every N]")
+    assert start is not None and end is not None  # checked above
     lo, hi = _version(start, "--from"), _version(end, "--to")
-    if lo > hi:
-        raise UsageError(f"empty range: --from {start} is newer than --to {end}")
     inside = [v for v in available if lo <= v <= hi]
     if not inside:
         raise UsageError(f"no release of the package between {start} and {end} is listed by {source}")
@@ -385,9 +398,9 @@ def releases_to_sweep(
     pre: bool = False,
 ) -> list[Version]:
     """Ask the index for ``package``'s releases and pick the ones to sweep (:func:`select_releases`);
-    the options are checked before the index is asked."""
-    if versions is None and (start is None or end is None):
-        raise UsageError("give the releases: --versions A,B,C or --from V1 --to V2 [--every N]")
+    the options are checked before the index is asked (:func:`check_release_options`: no ``pip`` runs for
+    them)."""
+    check_release_options(versions, start, end, every)
     available = available_versions(package, index, pre=True)
     if versions is None:
         available = sort_versions([str(v) for v in available], pre=pre)

@@ -311,12 +311,14 @@ def _child_env() -> dict[str, str]:
     loopback, and no GPU. The ranks run on the host, forked from a launcher that imported what they import:
     bitsandbytes starts CUDA at import where it sees a GPU (a forked child cannot use the CUDA its parent
     started), and DeepSpeed picks its accelerator at import (the CPU's, as each rank sets it)."""
+    from vramguard.workload.zero3 import ACCELERATOR
+
     env = dict(os.environ)
     here = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env["CUDA_VISIBLE_DEVICES"] = ""
-    env["DS_ACCELERATOR"] = "cpu"
+    env.update(ACCELERATOR)
     return env
 
 

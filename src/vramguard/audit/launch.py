@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-#: a rank's name in ``ps``/``top`` (``/proc/PID/comm``, at most 15 bytes): ``vramguard-rank`` and its number
+#: a rank's name in ``ps``/``top`` (``/proc/PID/comm``, at most 15 bytes): ``vg-rank-`` and its number
 RANK_NAME = "vg-rank-{rank}"
 
 

@@ -132,9 +132,7 @@ class PointwiseShapeCache(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        kind = self._kinds.get(func)
-        if kind is None:
-            kind = self._kind(func)
+        kind = self._kind(func)
         if kind == 2 and not (type(args[0]) is torch.Tensor and args[0].device.type == META):
             kind = 0  # written values are real off meta (Adam's step counter on the host): the kernel runs
         key = self._key(func, args, kwargs) if kind else None

@@ -105,11 +105,15 @@ def ds_config(config: Any, hidden_size: int) -> dict[str, Any]:
     }
 
 
+ACCELERATOR: dict[str, str] = {"DS_ACCELERATOR": "cpu"}
+"""DeepSpeed's accelerator for ranks on the host, which it picks when it is imported."""
+
+
 def rank_environment(rank: int, world_size: int) -> dict[str, str]:
     """What DeepSpeed reads from the environment of a rank: its CPU accelerator, and the ranks that
     ``deepspeed.zero`` takes from the launcher's variables (``LOCAL_RANK`` names the device)."""
     return {
-        "DS_ACCELERATOR": "cpu",
+        **ACCELERATOR,
         "LOCAL_RANK": str(rank),
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),

@@ -18,6 +18,7 @@ from vramguard.audit.run import check_fits, resolve_device, run_audit
 from vramguard.cli.options import (
     add_qlora_options,
     add_sharding_options,
+    add_talk_options,
     add_timeline_options,
     check_json_path,
     check_timeline_paths,
@@ -71,11 +72,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--top", type=positive_int, default=3, help="modules listed per layer")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable report here")
     add_timeline_options(p)
-    talk = p.add_mutually_exclusive_group()
-    talk.add_argument("--quiet", action="store_true", help="print only the verdict line")
-    talk.add_argument(
-        "--verbose", action="store_true", help="also show the library log lines vramguard hides (stderr)"
-    )
+    add_talk_options(p, "print only the verdict line")
     p.set_defaults(func=handle)
 
 

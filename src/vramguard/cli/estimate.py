@@ -13,6 +13,7 @@ from vramguard.audit.report import AuditReport
 from vramguard.cli.options import (
     add_qlora_options,
     add_sharding_options,
+    add_talk_options,
     add_timeline_options,
     check_json_path,
     check_timeline_paths,
@@ -106,7 +107,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--top", type=positive_int, default=3, help="modules listed per layer")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the report (the audit's schema) here")
     add_timeline_options(p)
-    p.add_argument("--quiet", action="store_true", help="print only the estimate line")
+    add_talk_options(p, "print only the estimate line")
     p.set_defaults(func=main)
 
 

@@ -166,6 +166,16 @@ def check_json_path(path: Path | None, flag: str = "--json") -> None:
         raise UsageError(f"cannot write {flag} {path}: {parent or path.parent} is not a writable directory")
 
 
+def add_talk_options(p: argparse.ArgumentParser, quiet_help: str) -> None:
+    """``--quiet`` (``quiet_help``) or ``--verbose``: the library log lines that ``vramguard``'s
+    :func:`~vramguard.cli.app.main` hides (:data:`~vramguard.cli.app.LIBRARY_NOISE`) noted on stderr."""
+    talk = p.add_mutually_exclusive_group()
+    talk.add_argument("--quiet", action="store_true", help=quiet_help)
+    talk.add_argument(
+        "--verbose", action="store_true", help="also show the library log lines vramguard hides (stderr)"
+    )
+
+
 def add_timeline_options(p: argparse.ArgumentParser) -> None:
     """``--snapshot`` and ``--html``: the step's allocations as a PyTorch memory snapshot, and as one page."""
     p.add_argument(

@@ -24,6 +24,7 @@ import torch
 
 from vramguard.audit.run import run_audit
 from vramguard.cli import main
+from vramguard.errors import UsageError
 from vramguard.workload.models import QLoRAConfig, build_qlora
 
 SHAPE = {"seq_len": 64, "batch": 2}
@@ -405,12 +406,12 @@ def test_a_sharded_estimate_of_eager_experts_bounds_each_rank_by_its_forced_rout
 
 @pytest.mark.parametrize("command", ["estimate", "audit"])
 def test_fsdp1_with_lora_on_expert_parameters_is_refused_in_one_line(
-    command: str, capsys: pytest.CaptureFixture[str]
+    command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """PEFT's delta of a wrapped parameter (its ParamWrapper: all-linear on the fused expert stacks) cannot be
     made from FSDP1's flat parameters and fails at the first forward: said in one line, exit 2, by the estimate
-    and by the real ranks (whose parent relays it). The estimate of the same model with LoRA on modules only
-    runs."""
+    and by the audit before it starts a rank (the ranks' build on meta; a rank's own refusal is relayed, the
+    test below). The estimate of the same model with LoRA on modules only runs."""
     argv = [command, "--model", "tiny-mixtral", "--seq-len", "40", "--batch", "2", "--steps", "1"]
     sharded = [
         "--world-size",
@@ -419,6 +420,9 @@ def test_fsdp1_with_lora_on_expert_parameters_is_refused_in_one_line(
         "fsdp1",
         *(["--device", "cpu"] if command == "audit" else []),
     ]
+    from vramguard.bisect import procgroup
+
+    monkeypatch.setattr(procgroup, "run_with_tail", None)  # no rank starts
     assert main([*argv, *sharded]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "fsdp1 with LoRA on parameters (experts.down_proj" in err[0], err
@@ -426,25 +430,40 @@ def test_fsdp1_with_lora_on_expert_parameters_is_refused_in_one_line(
         assert main([*argv, *sharded, "--target-modules", "q_proj,k_proj,v_proj,o_proj", "--quiet"]) == 0
 
 
-def test_a_rank_whose_build_peft_refuses_writes_why_for_the_parent(tmp_path: Path) -> None:
+def test_a_rank_whose_build_peft_refuses_writes_why_for_the_parent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A rank of ``audit --world-size`` builds its model before joining the process group; what PEFT refuses
     there (dropout on a ParamWrapper: all-linear on OLMoE's expert stacks) is the rank's exit 2 and a line in
-    the run's folder, which the parent raises as one line (the FSDP1 test above runs the parent; this used to
-    end in an internal error, "the 2 ranks exited")."""
-    import dataclasses
-
+    the run's folder, which the parent raises as one line (this used to end in an internal error, "the 2 ranks
+    exited"). The command says it before any rank starts (the ranks' build on meta); the parent's relay is
+    what ``run_distributed_audit`` does with a rank's refusal that only the rank sees: here the launcher is
+    this process running rank 0 (the launcher's exit code for a failed rank is the killed-rank test's)."""
     from vramguard.audit import distributed
+    from vramguard.bisect import procgroup
     from vramguard.workload.sharding import ShardingConfig
 
-    config = QLoRAConfig(model="tiny-olmoe", seq_len=40, batch=2, lora_dropout=0.1)
+    config = QLoRAConfig(model="tiny-olmoe", seq_len=40, batch=2, lora_dropout=0.1, device="cpu")
     sharding = ShardingConfig(world_size=2, sharding="fsdp2")
-    spec = tmp_path / "spec.json"
-    fields = {"config": dataclasses.asdict(config), "sharding": sharding.to_dict(), "steps": 1, "top": 3}
-    spec.write_text(json.dumps({**fields, "folder": str(tmp_path)}))
-    assert distributed.main(["rank", str(spec), "0"]) == 2
-    why = (tmp_path / distributed.REFUSED).read_text()
+    ranks: list[str] = []
+
+    def launcher(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, list[str]]:
+        assert cmd[-3:-1] == ["vramguard.audit.launch", "ranks"], cmd
+        ranks.append(cmd[-1])
+        return distributed.run_rank(cmd[-1], 0), []
+
+    monkeypatch.setattr(procgroup, "run_with_tail", launcher)
+    with pytest.raises(UsageError) as refused:
+        distributed.run_distributed_audit(config, sharding, steps=1)
+    why = str(refused.value)
     assert why.startswith("PEFT refuses this LoRA setup") and "lora_dropout" in why, why
-    assert not (tmp_path / "store").exists()  # refused before joining the process group
+    (spec,) = ranks
+    assert not (Path(spec).parent / "store").exists()  # refused before joining the process group
+    argv = ["audit", "--model", "tiny-olmoe", "--seq-len", "40", "--batch", "2", "--lora-dropout", "0.1"]
+    monkeypatch.setattr(procgroup, "run_with_tail", None)  # no rank starts
+    assert main([*argv, "--world-size", "2", "--sharding", "fsdp2", "--device", "cpu", "--quiet"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == f"vramguard: error: {why}"
 
 
 def test_the_trainer_audit_keeps_the_builds_notes(tmp_path: Path) -> None:

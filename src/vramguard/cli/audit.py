@@ -127,6 +127,10 @@ def handle(args: argparse.Namespace) -> int:
 
         if events is not None:
             raise UsageError("--snapshot and --html record one process's allocations: leave out --world-size")
+        if sharding.sharding != "zero3":  # what every rank's build would refuse, before one loads the model
+            from vramguard.estimate.distributed import sharded_build
+
+            sharded_build(config, sharding)
         report = with_config_notes(
             run_distributed_audit(config, sharding, steps=args.steps, top=args.top), lines
         )

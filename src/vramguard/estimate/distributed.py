@@ -47,7 +47,7 @@ from vramguard.estimate.meta import META, TARGETS, build_meta, routed_on_meta
 from vramguard.estimate.run import highest_routing, meta_step_contexts, overheads, with_bounds
 from vramguard.measure.storage import local_tensor, storage_key
 from vramguard.measure.tracker import StorageTracker
-from vramguard.workload.models import QLoRAConfig
+from vramguard.workload.models import QLoRAConfig, QLoRAModel
 from vramguard.workload.routing import ROUTINGS, Routing, eager_top_k
 from vramguard.workload.sharding import ShardingConfig, check_adapters
 
@@ -168,6 +168,18 @@ def shard_signature(shapes: list[torch.Size], rank: int, world_size: int) -> tup
     return tuple(rows)
 
 
+def sharded_build(config: QLoRAConfig, sharding: ShardingConfig) -> QLoRAModel:
+    """``config``'s model as each FSDP rank builds it (``build_qlora(sharded=True)``), on meta: what that
+    build refuses (PEFT, transformers) or the engine cannot shard (:func:`~vramguard.workload.sharding.
+    check_adapters`) raises here, in a second, where each of ``audit --world-size``'s ranks would load the
+    model to say it."""
+    if sharding.sharding not in ("fsdp2", "fsdp1"):
+        raise ValueError(f"FSDP ranks' build, not {sharding.sharding}'s (DeepSpeed's is inside its engine)")
+    built = build_meta(config, sharded=True)
+    check_adapters(built.model, sharding)
+    return built
+
+
 def run_distributed_estimate(
     config: QLoRAConfig,
     sharding: ShardingConfig,
@@ -196,8 +208,7 @@ def run_distributed_estimate(
     wanted = list(range(world)) if ranks is None else sorted(set(ranks))
     if not wanted or wanted[0] < 0 or wanted[-1] >= world:
         raise UsageError(f"ranks must be in 0..{world - 1}, got {ranks!r}")
-    built = build_meta(config, sharded=True)
-    check_adapters(built.model, sharding)
+    built = sharded_build(config, sharding)
     # eager experts: a loop over the experts hit, which meta cannot draw; each rank runs every forced routing
     top_k = eager_top_k(built.model)
     shapes = [p.shape for p in built.model.parameters()]

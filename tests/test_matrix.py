@@ -4,41 +4,26 @@ cache installs nothing."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+# what an inner session imports (the root conftest names the processor: torch's CPU capability) is imported
+# here first: pytester restores sys.modules when a test ends, and torch refuses to be imported twice
+import torch  # noqa: F401
+
 from vramguard.bisect import matrix, overlay
 from vramguard.bisect.overlay import MARKER, OverlayCache
+from vramguard.grad import capabilities
+
+pytest_plugins = ["pytester"]
 
 
-def _run_pytest(tmp_path: Path, body: str, xml: Path) -> None:
-    test = tmp_path / "test_fake.py"
-    test.write_text("import pytest\n" + body)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            str(test),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:randomly",
-            f"--junitxml={xml}",
-            "-o",
-            "addopts=",
-            "--rootdir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=tmp_path,
-    )
+def _run_pytest(pytester: pytest.Pytester, body: str, xml: Path) -> None:
+    """pytest's own JUnit XML of a small suite (``test_fake.py``), from a session in this process (a process
+    of its own costs a second of imports: the matrix runs its suites in processes, this reads their XML)."""
+    pytester.makepyfile(test_fake="import pytest\n" + body)
+    pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "-o", "addopts=")
 
 
 GREEN = """
@@ -50,10 +35,10 @@ def test_xfail(): assert False
 """
 
 
-def test_table_counts_outcomes_and_flags_strict_xpass(tmp_path: Path) -> None:
-    _run_pytest(tmp_path, GREEN, tmp_path / "r" / "bitsandbytes-0.46.0" / "tests_grad.xml")
+def test_table_counts_outcomes_and_flags_strict_xpass(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    _run_pytest(pytester, GREEN, tmp_path / "r" / "bitsandbytes-0.46.0" / "tests_grad.xml")
     _run_pytest(
-        tmp_path,
+        pytester,
         GREEN + '@pytest.mark.xfail(strict=True, reason="fixed?")\ndef test_xpass(): pass\n',
         tmp_path / "r" / "bitsandbytes-0.50.2" / "tests_grad.xml",
     )
@@ -65,11 +50,11 @@ def test_table_counts_outcomes_and_flags_strict_xpass(tmp_path: Path) -> None:
     assert "test_xpass" in text
 
 
-def test_table_is_green_only_when_every_suite_is(tmp_path: Path) -> None:
-    _run_pytest(tmp_path, GREEN, tmp_path / "r" / "bitsandbytes-0.47.0" / "tests_grad.xml")
+def test_table_is_green_only_when_every_suite_is(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    _run_pytest(pytester, GREEN, tmp_path / "r" / "bitsandbytes-0.47.0" / "tests_grad.xml")
     assert matrix.table(tmp_path / "r")[1]
     _run_pytest(
-        tmp_path, "def test_bad(): assert 0\n", tmp_path / "r" / "bitsandbytes-0.47.0" / "tests_memory.xml"
+        pytester, "def test_bad(): assert 0\n", tmp_path / "r" / "bitsandbytes-0.47.0" / "tests_memory.xml"
     )
     text, green = matrix.table(tmp_path / "r")
     assert not green and "**1 failed" in text
@@ -104,18 +89,16 @@ def test_warm_cache_installs_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
         matrix.main(["overlay", "bitsandbytes", "0.48.0"])
 
 
-def test_each_row_names_the_processor_its_run_recorded(tmp_path: Path) -> None:
+def test_each_row_names_the_processor_its_run_recorded(pytester: pytest.Pytester, tmp_path: Path) -> None:
     """The root conftest records this machine's processor in every JUnit XML; the table shows it per row,
     and a run that did not record one says so."""
-    from vramguard.grad.capabilities import processor
-
     out = tmp_path / "r" / "bitsandbytes-0.50.2" / "tests_grad.xml"
     repo = Path(__file__).resolve().parents[1]
-    (tmp_path / "conftest.py").write_text((repo / "conftest.py").read_text())
-    _run_pytest(tmp_path, GREEN, out)
-    (tmp_path / "conftest.py").unlink()
-    _run_pytest(tmp_path, GREEN, tmp_path / "r" / "bitsandbytes-0.50.0" / "tests_grad.xml")
+    (pytester.path / "conftest.py").write_text((repo / "conftest.py").read_text())
+    _run_pytest(pytester, GREEN, out)
+    (pytester.path / "conftest.py").unlink()
+    _run_pytest(pytester, GREEN, tmp_path / "r" / "bitsandbytes-0.50.0" / "tests_grad.xml")
     text, _ = matrix.table(tmp_path / "r")
     rows = text.splitlines()
     assert rows[2].startswith("| bitsandbytes-0.50.0 | not recorded |"), text
-    assert rows[3].startswith(f"| bitsandbytes-0.50.2 | {processor()} |"), text
+    assert rows[3].startswith(f"| bitsandbytes-0.50.2 | {capabilities.processor()} |"), text

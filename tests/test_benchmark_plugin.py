@@ -84,9 +84,10 @@ def test_gate_under_xdist_collects_every_worker(bench, monkeypatch, tmp_path: Pa
     store = tmp_path / "store"
     bench.runpytest("-p", "no:cacheprovider", f"--vram-store={store}").assert_outcomes(passed=2)
     monkeypatch.setenv("FAKE_PEAK", "1050000")  # +5 %
-    worse = bench.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-n", "2", f"--vram-store={store}", f"--vram-baseline={store}"
-    )
+    worse = bench.runpytest_subprocess(  # (no hypothesis plugin: not needed)
+        "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-n", "2", f"--vram-store={store}",
+        f"--vram-baseline={store}",
+    )  # fmt: skip
     assert worse.ret == 1  # the controller gated on both workers' records
     worse.stdout.fnmatch_lines(["*memory gate failed*: 4 regression(s)"])
     runs = ResultStore(store).runs()

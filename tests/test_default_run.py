@@ -85,5 +85,6 @@ def test_a_benchmark_json_run_records_its_benchmarks(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "bringing up nodes" not in run.stdout
     assert len(json.loads(out.read_text())["benchmarks"]) >= 1
-    plain = _pytest("tests/test_units.py", "-k", "parse")
+    # one worker shows that -n auto was kept (each worker imports every plugin again)
+    plain = _pytest("tests/test_units.py", "-k", "parse", "--maxprocesses", "1")
     assert plain.returncode == 0 and "bringing up nodes" in plain.stdout, plain.stdout[-2000:]

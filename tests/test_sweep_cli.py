@@ -253,7 +253,9 @@ def test_the_benchmark_plugin_writes_where_the_sweep_says(capsys, wheelhouse, ca
         "    benchmark(lambda: None)\n"
     )
     store = tmp_path / "store"
-    cmd = [sys.executable, "-m", "pytest", str(tests), "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    # (hypothesis' plugin is not needed; with PYTHONDONTWRITEBYTECODE a pytest process rewrites hypothesis)
+    cmd = [sys.executable, "-m", "pytest", str(tests), "-q", "-o", "addopts="]
+    cmd += ["-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
     code, _, err = sweep(capsys, wheelhouse, cache, store, "--versions", "1.4,1.5", command=cmd)
     assert code == 0, err
     assert stored_peaks(store) == {"1.4": 7, "1.5": 8}

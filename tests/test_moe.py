@@ -430,6 +430,17 @@ def test_fsdp1_with_lora_on_expert_parameters_is_refused_in_one_line(
         assert main([*argv, *sharded, "--target-modules", "q_proj,k_proj,v_proj,o_proj", "--quiet"]) == 0
 
 
+def test_the_ranks_build_is_tried_first_only_where_lora_may_wrap_parameters() -> None:
+    """``audit --world-size`` builds the ranks' model on meta before a rank starts only where PEFT may wrap
+    parameters (what its build and FSDP1 refuse): a dense model's parent imports no more than it did."""
+    from vramguard.workload.models import may_wrap_parameters
+
+    assert may_wrap_parameters(QLoRAConfig(model="tiny-mixtral"))
+    assert may_wrap_parameters(QLoRAConfig(model="tiny-olmoe"))
+    assert not may_wrap_parameters(QLoRAConfig())  # tiny-llama
+    assert may_wrap_parameters(QLoRAConfig(target_parameters="mlp.down_proj.weight"))
+
+
 def test_a_rank_whose_build_peft_refuses_writes_why_for_the_parent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -36,7 +36,7 @@ from vramguard.errors import UsageError
 from vramguard.measure.events import AllocationLog
 from vramguard.view.console import progress_bar, stdout_console
 from vramguard.view.report import render, verdict_only
-from vramguard.workload.models import QLoRAConfig
+from vramguard.workload.models import QLoRAConfig, may_wrap_parameters
 
 
 def register(subparsers: Any) -> None:
@@ -127,7 +127,8 @@ def handle(args: argparse.Namespace) -> int:
 
         if events is not None:
             raise UsageError("--snapshot and --html record one process's allocations: leave out --world-size")
-        if sharding.sharding != "zero3":  # what every rank's build would refuse, before one loads the model
+        if sharding.sharding != "zero3" and may_wrap_parameters(config):
+            # what every rank's build would refuse (LoRA on parameters), said before one loads the model
             from vramguard.estimate.distributed import sharded_build
 
             sharded_build(config, sharding)

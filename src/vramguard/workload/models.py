@@ -597,6 +597,17 @@ def weights_line(model: torch.nn.Module, hf_config: Any) -> str | None:
     )
 
 
+def may_wrap_parameters(config: QLoRAConfig) -> bool:
+    """Whether PEFT may put LoRA on parameters of ``config``'s model (its ``ParamWrapper``, as
+    :func:`lora_targets` names them): ``target_parameters`` are given, or the model is a mixture of experts,
+    whose fused expert stacks ``all-linear`` targets. Read from the config alone, without a build: those are
+    the setups PEFT's build refuses with some options (dropout) and FSDP1 cannot shard."""
+    if names_of(config.target_parameters):
+        return True
+    spec = ModelSpec.load(config.model)
+    return spec.hf is not None and experts_of(transformers_config(spec.hf)) is not None
+
+
 def lora_targets(model: torch.nn.Module) -> tuple[set[str], set[str]]:
     """Where PEFT put LoRA in ``model``: the modules it adapts (its ``lora.Linear*`` layers), by their last
     name, and the parameters it wraps (its ``ParamWrapper``: ``target_parameters``, or ``all-linear`` on the

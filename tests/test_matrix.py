@@ -4,13 +4,14 @@ cache installs nothing."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 # what an inner session imports (the root conftest names the processor: torch's CPU capability) is imported
 # here first: pytester restores sys.modules when a test ends, and torch refuses to be imported twice
-import torch  # noqa: F401
+import torch
 
 from vramguard.bisect import matrix, overlay
 from vramguard.bisect.overlay import MARKER, OverlayCache
@@ -89,9 +90,18 @@ def test_warm_cache_installs_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
         matrix.main(["overlay", "bitsandbytes", "0.48.0"])
 
 
-def test_each_row_names_the_processor_its_run_recorded(pytester: pytest.Pytester, tmp_path: Path) -> None:
+def test_each_row_names_the_processor_its_run_recorded(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The root conftest records this machine's processor in every JUnit XML; the table shows it per row,
-    and a run that did not record one says so."""
+    and a run that did not record one says so. Its copy runs in this process: what else its hooks do to a
+    process (one intra-op thread where the run records nothing, ``gc.freeze``) must not reach this session,
+    which may be a recording run that keeps torch's threads."""
+    import gc
+
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads())))
+    monkeypatch.setattr(gc, "freeze", lambda: None)
+    threads = torch.get_num_threads()
     out = tmp_path / "r" / "bitsandbytes-0.50.2" / "tests_grad.xml"
     repo = Path(__file__).resolve().parents[1]
     (pytester.path / "conftest.py").write_text((repo / "conftest.py").read_text())
@@ -102,3 +112,4 @@ def test_each_row_names_the_processor_its_run_recorded(pytester: pytest.Pytester
     rows = text.splitlines()
     assert rows[2].startswith("| bitsandbytes-0.50.0 | not recorded |"), text
     assert rows[3].startswith(f"| bitsandbytes-0.50.2 | {capabilities.processor()} |"), text
+    assert torch.get_num_threads() == threads

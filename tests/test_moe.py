@@ -430,14 +430,57 @@ def test_fsdp1_with_lora_on_expert_parameters_is_refused_in_one_line(
         assert main([*argv, *sharded, "--target-modules", "q_proj,k_proj,v_proj,o_proj", "--quiet"]) == 0
 
 
-def test_the_ranks_build_is_tried_first_only_where_lora_may_wrap_parameters() -> None:
+@pytest.mark.parametrize(
+    "model, sharding, extra, built",
+    [
+        ("tiny-llama", "fsdp2", [], False),  # dense: the parent imports no more than it did
+        ("tiny-mixtral", "fsdp2", [], True),  # all-linear wraps the expert stacks
+        ("tiny-mixtral", "zero3", [], False),  # DeepSpeed's ranks build inside its engine
+        ("tiny-mixtral", "fsdp2", ["optim: adamw_8bit"], False),  # FSDP2 refuses it without a build, first
+    ],
+)
+def test_the_ranks_build_is_tried_first_only_where_lora_may_wrap_parameters(
+    model: str,
+    sharding: str,
+    extra: list[str],
+    built: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """``audit --world-size`` builds the ranks' model on meta before a rank starts only where PEFT may wrap
-    parameters (what its build and FSDP1 refuse): a dense model's parent imports no more than it did."""
+    parameters (what its build and FSDP1 refuse), and only after what needs no build; here the launcher is a
+    stand-in that fails, so the command ends in one line after the ranks would have started."""
+    from vramguard.bisect import procgroup
+    from vramguard.estimate import distributed as estimate_distributed
     from vramguard.workload.models import may_wrap_parameters
 
-    assert may_wrap_parameters(QLoRAConfig(model="tiny-mixtral"))
-    assert may_wrap_parameters(QLoRAConfig(model="tiny-olmoe"))
-    assert not may_wrap_parameters(QLoRAConfig())  # tiny-llama
+    builds: list[str] = []
+    launched: list[list[str]] = []
+    real = estimate_distributed.sharded_build
+
+    def build(config: QLoRAConfig, how: Any) -> Any:
+        builds.append(config.model)
+        return real(config, how)
+
+    def launcher(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, list[str]]:
+        launched.append(cmd)
+        return 1, []
+
+    monkeypatch.setattr(estimate_distributed, "sharded_build", build)
+    monkeypatch.setattr(procgroup, "run_with_tail", launcher)
+    argv = ["audit", "--model", model, "--seq-len", "16", "--batch", "1", "--steps", "1", "--device", "cpu"]
+    if extra:  # a TRL config's 8-bit optimizer, which FSDP2's ranks cannot step
+        qlora = ["use_peft: true", "load_in_4bit: true", "lora_target_modules: all-linear"]
+        (tmp_path / "sft.yaml").write_text("\n".join([*qlora, *extra]) + "\n")
+        argv += ["--config", str(tmp_path / "sft.yaml")]
+    code = main([*argv, "--world-size", "2", "--sharding", sharding, "--quiet"])
+    assert builds == ([model] if built else [])
+    assert may_wrap_parameters(QLoRAConfig(model=model)) is (model != "tiny-llama")
+    if extra:
+        assert code == 2 and not launched and "8-bit optimizers" in capsys.readouterr().err
+    elif sharding != "zero3":
+        assert code == 3 and len(launched) == 1  # the stand-in launcher's failure
     assert may_wrap_parameters(QLoRAConfig(target_parameters="mlp.down_proj.weight"))
 
 
@@ -464,6 +507,7 @@ def test_a_rank_whose_build_peft_refuses_writes_why_for_the_parent(
         return distributed.run_rank(cmd[-1], 0), []
 
     monkeypatch.setattr(procgroup, "run_with_tail", launcher)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # a rank's threads, not this session's
     with pytest.raises(UsageError) as refused:
         distributed.run_distributed_audit(config, sharding, steps=1)
     why = str(refused.value)

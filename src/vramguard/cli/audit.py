@@ -128,9 +128,12 @@ def handle(args: argparse.Namespace) -> int:
         if events is not None:
             raise UsageError("--snapshot and --html record one process's allocations: leave out --world-size")
         if sharding.sharding != "zero3" and may_wrap_parameters(config):
-            # what every rank's build would refuse (LoRA on parameters), said before one loads the model
+            # what each rank's build would refuse (LoRA on parameters), said before one loads the model and
+            # after what is refused without a build; ZeRO-3's ranks build inside DeepSpeed's engine
+            from vramguard.audit.distributed import check_distributed_audit
             from vramguard.estimate.distributed import sharded_build
 
+            check_distributed_audit(config, sharding)
             sharded_build(config, sharding)
         report = with_config_notes(
             run_distributed_audit(config, sharding, steps=args.steps, top=args.top), lines

@@ -23,6 +23,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -216,11 +217,23 @@ FSDP2's ranks can step: bitsandbytes' 8-bit optimizers fail on its DTensor param
 does not have a sharding strategy registered"). FSDP1's flat parameters and ZeRO-3's partitions run them too."""
 
 
-def check_distributed_audit(config: QLoRAConfig, sharding: ShardingConfig) -> None:
-    """What :func:`run_distributed_audit` refuses before it builds anything or starts a rank (each a
-    :class:`UsageError`): the options, a device other than the host, FSDP2 with an 8-bit optimizer, ZeRO-3
-    without DeepSpeed or with what it cannot run, a model that cannot fit, N ranks the host's memory cannot
-    hold. A caller with a slower check of its own (the command's build on meta) makes these first."""
+def run_distributed_audit(
+    config: QLoRAConfig,
+    sharding: ShardingConfig,
+    steps: int = 3,
+    top: int = 3,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    before_ranks: Callable[[], object] | None = None,
+) -> AuditReport:
+    """Launch ``sharding.world_size`` ranks of ``config``'s step on this host and return the merged report.
+
+    CPU only (gloo): one process per rank needs one device per rank, and NCCL ranks on GPUs are not wired
+    here yet. A rank that fails, or a run past ``timeout``, is one line (:class:`UsageError` for what the
+    user can change, RuntimeError otherwise), with nothing left running. ``before_ranks``: a slower refusal of
+    the caller's, made after those that need no build and before any rank starts (the command's build of the
+    ranks' model on meta, :func:`vramguard.estimate.distributed.sharded_build`)."""
+    from vramguard.bisect.procgroup import run_with_tail
+
     sharding.validate()
     config.validate()
     if torch.device(config.device).type != "cpu":
@@ -236,23 +249,8 @@ def check_distributed_audit(config: QLoRAConfig, sharding: ShardingConfig) -> No
         check_config(config)
     check_fits(config)
     _check_host_fits(config, sharding.world_size)
-
-
-def run_distributed_audit(
-    config: QLoRAConfig,
-    sharding: ShardingConfig,
-    steps: int = 3,
-    top: int = 3,
-    timeout: float = DEFAULT_TIMEOUT_S,
-) -> AuditReport:
-    """Launch ``sharding.world_size`` ranks of ``config``'s step on this host and return the merged report.
-
-    CPU only (gloo): one process per rank needs one device per rank, and NCCL ranks on GPUs are not wired
-    here yet. A rank that fails, or a run past ``timeout``, is one line (:class:`UsageError` for what the
-    user can change, RuntimeError otherwise), with nothing left running."""
-    from vramguard.bisect.procgroup import run_with_tail
-
-    check_distributed_audit(config, sharding)
+    if before_ranks is not None:
+        before_ranks()
     with tempfile.TemporaryDirectory(prefix="vramguard-ranks-") as tmp:
         spec = Path(tmp) / "spec.json"
         spec.write_text(

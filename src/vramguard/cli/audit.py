@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import tempfile
 from pathlib import Path
@@ -127,16 +128,16 @@ def handle(args: argparse.Namespace) -> int:
 
         if events is not None:
             raise UsageError("--snapshot and --html record one process's allocations: leave out --world-size")
+        build_first = None
         if sharding.sharding != "zero3" and may_wrap_parameters(config):
-            # what each rank's build would refuse (LoRA on parameters), said before one loads the model and
-            # after what is refused without a build; ZeRO-3's ranks build inside DeepSpeed's engine
-            from vramguard.audit.distributed import check_distributed_audit
+            # what each rank's build would refuse (LoRA on parameters), said before one loads the model;
+            # ZeRO-3's ranks build inside DeepSpeed's engine
             from vramguard.estimate.distributed import sharded_build
 
-            check_distributed_audit(config, sharding)
-            sharded_build(config, sharding)
+            build_first = functools.partial(sharded_build, config, sharding)
         report = with_config_notes(
-            run_distributed_audit(config, sharding, steps=args.steps, top=args.top), lines
+            run_distributed_audit(config, sharding, steps=args.steps, top=args.top, before_ranks=build_first),
+            lines,
         )
         report = lint_lines(report, config, sharding, settings)
         return _show(report, args, console, "distributed-audit", lines + _lint_of(report))

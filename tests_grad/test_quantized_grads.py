@@ -17,11 +17,15 @@ from vramguard.grad.patches import Patch
 
 
 def covering(cases: list[gradcheck.Case]):  # type: ignore[no-untyped-def]
-    """Run every supported case of ``cases`` as an explicit example before the generated ones, so that
-    each combination of the path-deciding axes is exercised whatever hypothesis happens to draw."""
+    """Run every case of ``cases`` as an explicit example before the generated ones, so that each
+    combination of the path-deciding axes is exercised whatever hypothesis happens to draw. A case this
+    bitsandbytes cannot run here is assumed away when its example runs, as a drawn one is (hypothesis passes
+    an explicit example that ``assume`` rejects), not filtered out at import: deciding it probes the kernels
+    (:func:`~vramguard.grad.runner.dequantize_4bit_defect`), and bitsandbytes compiles its CPU fallback once a
+    shape, so filtering at import compiled every covering shape in every xdist worker while it collected."""
 
     def decorate(test):  # type: ignore[no-untyped-def]
-        for case in reversed(gradcheck.supported_cases(cases)):
+        for case in reversed(cases):
             test = example(case=case)(test)
         return test
 

@@ -199,7 +199,7 @@ def _quantized_tensor(case: Linear4bitCase | LoraCase) -> torch.Tensor:
 
 
 def supported_cases(cases: list[Case]) -> list[Case]:
-    """The cases :func:`check_supported` lets through (explicit examples are filtered up front)."""
+    """The cases :func:`check_supported` lets through."""
     out = []
     for case in cases:
         try:

@@ -78,6 +78,24 @@ def test_keyed_by_versions_and_device(tmp_path: Path) -> None:
     assert "/" not in gpu and " " not in gpu and gpu.startswith("NVIDIA-H100")
 
 
+def test_a_version_is_read_again_for_another_search_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Versions are read once a process for each search path (environment.package_version): a distribution
+    that a new ``sys.path`` entry brings (a release overlaid on ``PYTHONPATH``) is seen, and leaving that
+    path again gives the answer of the path before."""
+    from vramguard.environment import package_version
+
+    info = tmp_path / "vg_overlaid-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vg-overlaid\nVersion: 1.2.3\n")
+    assert package_version("vg-overlaid") is None
+    with monkeypatch.context() as m:
+        m.syspath_prepend(str(tmp_path))
+        assert package_version("vg-overlaid") == "1.2.3"
+    assert package_version("vg-overlaid") is None
+
+
 def test_select_latest_previous_and_by_id(tmp_path: Path) -> None:
     store = ResultStore(tmp_path)
     store.add(_doc(1, 0), run_id="20260101T000000Z-aaaa")

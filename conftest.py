@@ -101,11 +101,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # machine, in this run) and the others read its result from the run's shared temporary folder.
 
 
-# The workers need the probes while collecting tests_grad, after importing what comes before it: the first
-# one ran the child while the other waited on the lock, a core idle for the child's ~8 s. So the controller of
-# a run that collects tests_grad starts the same probes (in the same way, into the same file, under the same
-# lock) as its session starts, while the workers start and collect; a worker that finds the lock taken waits
-# for it. A run that starts no workers (``--markers``, ``--fixtures``, ``--collect-only``, ``-n 0``) starts none.
+# The workers need the probes when the first test that reads them runs (tests_grad's strict xfails evaluate
+# their conditions then, not at import): the first one ran the child while the other waited on the lock, a core
+# idle for the child's ~8 s. So the controller of a run that collects tests_grad starts the same probes (in the
+# same way, into the same file, under the same lock) as its session starts, while the workers start and
+# collect; a worker that finds the lock taken waits for it. A run that starts no workers (``--markers``, ``--fixtures``, ``--collect-only``, ``-n 0``) starts none.
 
 SHARED_PROBES = "vramguard-capabilities.json"
 

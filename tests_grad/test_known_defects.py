@@ -43,12 +43,16 @@ def defect(message: str) -> Iterator[None]:
 
 
 def known_defect(key: str, raises: type[BaseException] = KnownDefect) -> pytest.MarkDecorator:
+    """A strict xfail where the defect is expected here. The condition is a string, which pytest evaluates
+    when the test runs, not at import: a defect that depends on the processor asks this machine's probes
+    (:func:`~vramguard.grad.capabilities.get`), and a worker collecting this module would otherwise wait for
+    the probes' child that the root conftest starts with the run."""
     d = capabilities.KNOWN_DEFECTS[key]
     where = (
         f"on this CPU: {capabilities.cpu_description()} [{capabilities.cpu_flags()}], " if d.hardware else ""
     )
     return pytest.mark.xfail(
-        condition=d.expected_here(),
+        condition=f"capabilities.KNOWN_DEFECTS[{key!r}].expected_here()",
         strict=True,
         raises=raises,
         reason=f"bitsandbytes {BNB_VERSION} ({where}known in {d.first}..{d.last}): {d.what}",

@@ -102,10 +102,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 # The workers need the probes when the first test that reads them runs (tests_grad's strict xfails evaluate
-# their conditions then, not at import): the first one ran the child while the other waited on the lock, a core
-# idle for the child's ~8 s. So the controller of a run that collects tests_grad starts the same probes (in the
-# same way, into the same file, under the same lock) as its session starts, while the workers start and
-# collect; a worker that finds the lock taken waits for it. A run that starts no workers (``--markers``, ``--fixtures``, ``--collect-only``, ``-n 0``) starts none.
+# their conditions then, not at import). Left to the workers, the first one ran the child while the other
+# waited on the lock, a core idle for the child's ~8 s. So the controller of a run that collects tests_grad
+# starts the same probes (in the same way, into the same file, under the same lock) as its session starts,
+# while the workers start and collect; a worker that finds the lock taken waits for it. A run that starts no
+# workers (``--markers``, ``--fixtures``, ``--collect-only``, ``-n 0``) starts none.
 
 SHARED_PROBES = "vramguard-capabilities.json"
 

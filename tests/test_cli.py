@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import pytest
 
 from vramguard.cli import app as cli
+from vramguard.errors import RunKilled
 
 
-def _crashing_subcommand(monkeypatch: pytest.MonkeyPatch) -> None:
+def _crashing_subcommand(
+    monkeypatch: pytest.MonkeyPatch, func: Callable[[object], int] = lambda args: 1 / 0
+) -> None:
     real = cli.build_parser
 
     def build(command: str | None = None) -> argparse.ArgumentParser:
         parser = real(command)
-        parser.set_defaults(func=lambda args: 1 / 0)
+        parser.set_defaults(func=func)
         return parser
 
     monkeypatch.setattr(cli, "build_parser", build)
@@ -29,6 +33,21 @@ def test_an_internal_error_is_one_line_and_exit_3(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("vramguard: internal error: ZeroDivisionError: division by zero")
+
+
+def test_a_run_killed_from_outside_is_one_line_exit_3_and_no_bug(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A process of the run ended by a signal (the out-of-memory killer): the run did not finish (3), but the
+    line says what happened instead of asking for a bug report."""
+
+    def killed(args: object) -> int:
+        raise RunKilled("rank 1 of 2 was killed by SIGKILL before the run finished")
+
+    _crashing_subcommand(monkeypatch, killed)
+    assert cli.main([]) == cli.EXIT_INTERNAL_ERROR
+    err = capsys.readouterr().err
+    assert err == "vramguard: error: rank 1 of 2 was killed by SIGKILL before the run finished\n"
 
 
 def test_vramguard_debug_shows_the_traceback(

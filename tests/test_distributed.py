@@ -358,10 +358,11 @@ def _rank_pids(marker: str, role: str = "") -> list[int]:
 
 
 def test_a_killed_rank_leaves_no_process_and_one_line(tmp_path: Path) -> None:
-    """SIGKILL one rank mid-run: the launcher kills the group (the other rank would wait in a collective),
-    vramguard says so in one line (exit 3: nothing the user typed was wrong), and no rank is left. The ranks
-    were forked by the launcher (its command line, no interpreter of their own: the model stack is imported
-    once a run, not once a rank)."""
+    """SIGKILL one rank mid-run (as the out-of-memory killer does): the launcher kills the group (the other
+    rank would wait in a collective), vramguard says so in one line that names the rank and the signal and
+    calls it no bug (exit 3: the run did not finish, but nothing the user typed was wrong), and no rank is
+    left. The ranks were forked by the launcher (its command line, no interpreter of their own: the model
+    stack is imported once a run, not once a rank)."""
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(SRC)}
     proc = subprocess.Popen(
         [
@@ -390,6 +391,7 @@ def test_a_killed_rank_leaves_no_process_and_one_line(tmp_path: Path) -> None:
         stats = [(Path("/proc") / str(r) / "stat").read_text() for r in ranks]
         parents = {int(stat.rsplit(")", 1)[1].split()[1]) for stat in stats}  # the field after the state
         assert len(parents) == 1 and {_cmdline(r) for r in ranks} == {_cmdline(parents.pop())}
+        killed = (Path("/proc") / str(ranks[-1]) / "comm").read_text().strip().removeprefix("vg-rank-")
         os.kill(ranks[-1], signal.SIGKILL)
         _out, err = proc.communicate(timeout=120)
     finally:
@@ -397,9 +399,45 @@ def test_a_killed_rank_leaves_no_process_and_one_line(tmp_path: Path) -> None:
             proc.kill()
     assert proc.returncode == 3, err  # (failed once under -n 2 without saying why: the message is kept now)
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "ranks exited" in lines[0], err
+    assert len(lines) == 1 and f"rank {killed} of 2 was killed by SIGKILL" in lines[0], err
+    assert "out-of-memory killer" in lines[0] and "a bug" not in lines[0], err
     time.sleep(0.5)
     assert _rank_pids(str(tmp_path)) == [], err
+
+
+@pytest.mark.parametrize(
+    "failed, code, error, line",
+    [
+        # a rank ended by a signal it did not send: the launcher's record names it; SIGKILL gets the OOM hint
+        ({"rank": 1, "code": -9}, -9, "RunKilled",
+         "rank 1 of 2 was killed by SIGKILL before the run finished (on Linux, the out-of-memory killer's"),
+        ({"rank": 0, "code": -15}, -9, "RunKilled", "rank 0 of 2 was killed by SIGTERM before the run"),
+        # the launcher itself killed (it writes the record before it kills its own group)
+        (None, -9, "RunKilled",
+         "the ranks' launcher was killed by SIGKILL before the run finished (on Linux, the out-of-memory"),
+        # a rank that failed on its own (a traceback) or a run past its time: an internal error, as before
+        ({"rank": 1, "code": 1}, -9, "RuntimeError", "the 2 ranks exited with 1: last words"),
+        (None, None, "RuntimeError", "the 2 ranks timed out: last words"),
+    ],
+)  # fmt: skip
+def test_a_failed_run_says_which_rank_and_blames_no_bug_for_a_signal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], failed: dict | None, code: int | None, error: str,
+    line: str,
+) -> None:
+    """The launcher's exit code is its own (it kills its group, itself included: -9 whatever the rank did);
+    the record it writes first says which rank failed and how. The command's line and exit code follow it."""
+    from vramguard.audit import distributed
+    from vramguard.audit.launch import FAILED
+    from vramguard.errors import RunKilled
+
+    if failed is not None:
+        (tmp_path / FAILED).write_text(json.dumps(failed))
+    with pytest.raises((RunKilled, RuntimeError)) as raised:
+        tail = ["", "last words", " ", "[vramguard] rank 1 exited with -9"]  # the launcher's note comes last
+        distributed._raise_failed(tmp_path, code, tail, 2)
+    assert type(raised.value).__name__ == error and line in str(raised.value)
+    assert ("out-of-memory" in line) == ("out-of-memory" in str(raised.value))  # SIGKILL's hint alone
+    assert str(raised.value).endswith(": last words")  # the ranks' last line, not the launcher's note
 
 
 FORK_AFTER_PRELOAD = """

@@ -1,10 +1,19 @@
-"""The one exception that means "the user asked for something wrong" (one line, exit code 2)."""
+"""The exceptions the CLI turns into one line: :class:`UsageError` (the user asked for something wrong, exit
+code 2) and :class:`RunKilled` (a process of the run was ended from outside, exit code 3 without calling it a
+bug)."""
 
 from __future__ import annotations
 
 
 class UsageError(Exception):
     """Bad input: the CLI prints ``vramguard: error: <message>`` and exits with code 2."""
+
+
+class RunKilled(Exception):
+    """A process of the run ended by a signal it did not send itself (on Linux the out-of-memory killer's
+    SIGKILL is the likely one for a run that holds a model per rank): the CLI prints ``vramguard: error:
+    <message>`` and exits with code 3. The run did not finish, but neither the input nor vramguard is at
+    fault."""
 
 
 def first_line(exc: BaseException) -> str:

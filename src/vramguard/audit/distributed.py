@@ -20,12 +20,13 @@ import dataclasses
 import datetime
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -33,7 +34,7 @@ from vramguard.atomic import write_text_atomic
 from vramguard.audit import verdict as checks
 from vramguard.audit.report import AuditReport, DistributedSection, Finding, RankRow
 from vramguard.audit.run import assemble_report, check_fits
-from vramguard.errors import UsageError
+from vramguard.errors import RunKilled, UsageError
 from vramguard.measure.tracker import MemorySource, MemoryTracker
 from vramguard.model.analytic import Expectation, weights_expectation
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
@@ -269,9 +270,7 @@ def run_distributed_audit(
         if code != 0 and (Path(tmp) / REFUSED).exists():
             raise UsageError((Path(tmp) / REFUSED).read_text())
         if code != 0:
-            why = "timed out" if code is None else f"exited with {code}"
-            last = next((line for line in reversed(tail) if line.strip()), "no output")
-            raise RuntimeError(f"the {sharding.world_size} ranks {why}: {last.strip()}")
+            _raise_failed(Path(tmp), code, tail, sharding.world_size)
         reports = [
             AuditReport.from_dict(json.loads((Path(tmp) / f"rank{r}.json").read_text()))
             for r in range(sharding.world_size)
@@ -281,6 +280,40 @@ def run_distributed_audit(
             for r in range(sharding.world_size)
         ]
     return merged(reports, rows, sharding, _engine_line(sharding))
+
+
+_LAUNCHER_NOTE = "[vramguard] rank "
+"""How the launcher's own line on a failed rank starts (:func:`vramguard.audit.launch.launch_ranks`)."""
+
+
+def _raise_failed(folder: Path, code: int | None, tail: list[str], world: int) -> NoReturn:
+    """Why the ranks' launcher ended with ``code`` (None: past the run's time): :class:`RunKilled` where a
+    rank, or the launcher itself, was ended by a signal it did not send (the out-of-memory killer's SIGKILL
+    when the host runs out of memory: one line, exit 3, no bug claimed); RuntimeError (an internal error)
+    where a rank failed on its own or the run timed out."""
+    from vramguard.audit.launch import FAILED
+
+    # what the ranks printed last, not the launcher's own note of the failure (the record says it)
+    said = [line.strip() for line in tail if line.strip() and not line.startswith(_LAUNCHER_NOTE)]
+    last = said[-1] if said else "no output"
+    failed = folder / FAILED
+    if failed.exists():
+        record = json.loads(failed.read_text())
+        rank, code = f"rank {record['rank']} of {world}", int(record["code"])
+    else:  # the launcher never saw a rank fail: it was ended itself (its own kill of the group writes first)
+        rank = "the ranks' launcher"
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = ""
+        if name == "SIGKILL":
+            hint = " (on Linux, the out-of-memory killer's signal: `dmesg` names what it killed)"
+        printed = f"; the last line printed: {last}" if said else ""
+        raise RunKilled(f"{rank} was killed by {name} before the run finished{hint}{printed}")
+    why = "timed out" if code is None else f"exited with {code}"
+    raise RuntimeError(f"the {world} ranks {why}: {last}")
 
 
 def _engine_line(sharding: ShardingConfig) -> str:

@@ -26,6 +26,10 @@ from pathlib import Path
 #: a rank's name in ``ps``/``top`` (``/proc/PID/comm``, at most 15 bytes): ``vg-rank-`` and its number
 RANK_NAME = "vg-rank-{rank}"
 
+#: the file in the run's folder where the launcher writes the first rank that failed, before it kills the
+#: group: ``{"rank": R, "code": C}``, C as ``os.waitstatus_to_exitcode`` gives it (-N: ended by signal N)
+FAILED = "failed-rank.json"
+
 
 def launch_ranks(spec_path: str) -> int:
     """The launcher: import the stack, fork every rank, wait; when one fails, say which and kill the whole
@@ -46,8 +50,20 @@ def launch_ranks(spec_path: str) -> int:
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
             print(f"[vramguard] rank {r} exited with {code}", file=sys.stderr, flush=True)
+            _write_failed(Path(spec["folder"]), r, code)
             os.killpg(0, signal.SIGKILL)
     return 0
+
+
+def _write_failed(folder: Path, rank: int, code: int) -> None:
+    """Say which rank failed and how (:data:`FAILED`), whole or not at all: the parent tells a rank ended by
+    a signal from outside (the out-of-memory killer's SIGKILL) from a rank that failed on its own (a bug)."""
+    from vramguard.atomic import write_text_atomic  # standard library only
+
+    try:
+        write_text_atomic(folder / FAILED, json.dumps({"rank": rank, "code": code}))
+    except OSError:  # the folder gone or full: the parent falls back to the launcher's last line
+        pass
 
 
 def _fork(rank: Callable[[], int], r: int) -> int:

@@ -4,8 +4,10 @@ A subcommand's ``register`` adds its parser and sets ``func(args) -> int``. Bad 
 raises :class:`UsageError`, which becomes one line on stderr and exit code 2, never a traceback.
 
 Exit codes: 0 fine, 1 the verdict is a failure (a regression, a weight copy, a leak), 2 bad input,
-3 an internal error (a bug: one line, and the traceback with ``VRAMGUARD_DEBUG=1``), 130 interrupted.
-An unexpected exception must never exit 1, which a CI job would read as a verdict.
+3 the run did not finish: an internal error (a bug: one line, and the traceback with
+``VRAMGUARD_DEBUG=1``) or a process of the run killed from outside (:class:`~vramguard.errors.RunKilled`:
+the line names the signal and calls it no bug), 130 interrupted. An unexpected exception must never exit 1,
+which a CI job would read as a verdict.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 
 from vramguard import __version__
-from vramguard.errors import UsageError
+from vramguard.errors import RunKilled, UsageError
 
 # Modules that contribute a subcommand (``register(subparsers) -> None``).
 SUBCOMMAND_MODULES: tuple[str, ...] = (
@@ -32,7 +34,8 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "vramguard.cli.bisect",
 )
 
-#: Exit code of an unexpected exception (a bug), distinct from a failed verdict (1) and bad input (2).
+#: Exit code of a run that did not finish (an unexpected exception, a bug, or a process of the run killed
+#: from outside), distinct from a failed verdict (1) and bad input (2).
 EXIT_INTERNAL_ERROR = 3
 
 
@@ -119,8 +122,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``vramguard`` with ``argv`` and return its exit code (0 fine, 1 failed verdict, 2 bad input, 3
-    internal error); library log noise is hidden unless ``--verbose``."""
+    """Run ``vramguard`` with ``argv`` and return its exit code (0 fine, 1 failed verdict, 2 bad input, 3 the
+    run did not finish); library log noise is hidden unless ``--verbose``."""
     parsed: list[argparse.Namespace] = []
     with library_noise_hidden() as hidden:
         code = _run(argv, parsed)
@@ -143,6 +146,9 @@ def _run(argv: Sequence[str] | None, parsed: list[argparse.Namespace]) -> int:
     except UsageError as exc:
         print(f"vramguard: error: {exc}", file=sys.stderr)
         return 2
+    except RunKilled as exc:
+        print(f"vramguard: error: {exc}", file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
     except KeyboardInterrupt:
         print("vramguard: interrupted", file=sys.stderr)
         return 130

@@ -142,14 +142,8 @@ def test_an_estimate_is_the_same_with_the_cache_and_answers_most_ops_from_it(
     from vramguard.estimate.run import run_estimate
 
     config = QLoRAConfig(seq_len=32, batch=2, gradient_checkpointing=True)
-    counts: list[PointwiseShapeCache] = []
-    original = meta.PointwiseShapeCache.__init__
-
-    def counted(self: PointwiseShapeCache) -> None:
-        original(self)
-        counts.append(self)
-
-    monkeypatch.setattr(meta.PointwiseShapeCache, "__init__", counted)
+    counts = _count_caches(monkeypatch)
+    monkeypatch.setattr(meta, "PROCESS_ANSWERS", {})  # nothing answered yet in this process
     cached = run_estimate(config, steps=2, target="cuda")
     (cache,) = counts
     assert cache.hits > 2 * cache.misses > 0
@@ -157,6 +151,88 @@ def test_an_estimate_is_the_same_with_the_cache_and_answers_most_ops_from_it(
     kernels = run_estimate(config, steps=2, target="cuda")
     assert counts[1].hits == 0  # the second run answered nothing from the cache
     assert _document(cached) == _document(kernels)
+
+
+def test_a_second_estimate_in_the_process_answers_from_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The meta step keeps its answers for the process (``--fit`` and the cheaper changes run estimate after
+    estimate): the same estimate again computes no pointwise result anew and is byte for byte the first."""
+    from vramguard.estimate import meta
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=32, batch=2)
+    counts = _count_caches(monkeypatch)
+    monkeypatch.setattr(meta, "PROCESS_ANSWERS", {})
+    first = run_estimate(config, steps=2, target="cuda")
+    second = run_estimate(config, steps=2, target="cuda")
+    assert counts[0].misses > 0 and counts[1].misses == 0 and counts[1].hits > 0
+    assert _document(first) == _document(second)
+
+
+FOREACH = {  # the foreach ops of CUDA's AdamW step, and an out-of-place one with a scalar
+    "sqrt": lambda a, b: torch._foreach_sqrt(a),
+    "mul-float": lambda a, b: torch._foreach_mul(a, 0.5),
+    "add-list": lambda a, b: torch._foreach_add(a, b),
+    "lerp_": lambda a, b: torch._foreach_lerp_(a, b, 0.1),
+    "addcmul_": lambda a, b: torch._foreach_addcmul_(a, b, b, value=0.01),
+    "addcdiv_": lambda a, b: torch._foreach_addcdiv_(a, b, b, [0.5] * len(a)),
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(pairs=st.lists(operands(), min_size=1, max_size=3), op=st.sampled_from(sorted(FOREACH)), 
+       same=st.booleans())
+def test_a_foreach_ops_answers_are_its_kernels(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], op: str, same: bool
+) -> None:
+    """A foreach op of a pointwise op on lists of meta tensors (any shapes, dtypes, strides; the second list
+    the first's shapes, or broadcasting ones the kernel refuses), twice under the cache: a new list of the
+    kernel's results, or for an in-place op nothing, and the tensors as the kernel leaves them."""
+    a = [x for x, _ in pairs]
+    b = [y for _, y in pairs]
+    if same:  # the first list's shapes and strides, the second's dtypes
+        b = [torch.empty_strided(x.shape, x.stride(), dtype=y.dtype, device="meta") for x, y in pairs]
+
+    def call(written: list[torch.Tensor]) -> Any:
+        out = FOREACH[op](written, b)
+        return [_metadata(t) for t in written], None if out is None else [_metadata(t) for t in out]
+
+    copies = [[t.clone() for t in a] for _ in range(4)]  # an in-place op writes its own copy each time
+    try:
+        want = call(copies[0])
+    except RuntimeError:
+        with PointwiseShapeCache(), pytest.raises(RuntimeError):
+            call(copies[1])
+        return
+    cache = PointwiseShapeCache()
+    with cache:
+        first, repeat = call(copies[2]), call(copies[3])
+    assert first == repeat == want
+    assert cache.hits == 1
+
+
+def test_a_foreach_op_on_host_tensors_runs() -> None:
+    """Adam's step counters on the host go through ``_foreach_add_``: their values count, the kernel runs
+    every time."""
+    steps = [torch.zeros(()), torch.zeros(())]
+    with PointwiseShapeCache() as cache:
+        for _ in range(3):
+            torch._foreach_add_(steps, 1)
+    assert [s.item() for s in steps] == [3, 3] and cache.hits == 0
+
+
+def _count_caches(monkeypatch: pytest.MonkeyPatch) -> list[PointwiseShapeCache]:
+    """The :class:`PointwiseShapeCache` objects made from now on (the meta steps'), in order."""
+    from vramguard.estimate import meta
+
+    counts: list[PointwiseShapeCache] = []
+    original = meta.PointwiseShapeCache.__init__
+
+    def counted(self: PointwiseShapeCache, *args: Any) -> None:
+        original(self, *args)
+        counts.append(self)
+
+    monkeypatch.setattr(meta.PointwiseShapeCache, "__init__", counted)
+    return counts
 
 
 def _document(report: Any) -> str:

@@ -26,6 +26,7 @@ padding mask), while still running the function's own ops, so the temporaries ar
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -85,49 +86,61 @@ class PointwiseShapeCache(TorchDispatchMode):
     tensor of the first result's shape, strides and dtype (``empty_strided``, the storage the kernel makes),
     or, for an in-place op, its own first argument, as the kernel returns it.
 
+    The foreach ops of pointwise ops (``_foreach_sqrt``, ``_foreach_addcdiv_``: CUDA's AdamW step on meta)
+    are answered the same way, a list of results or, for one that writes its first list, nothing (what the
+    kernel returns). ``answers``: where the first results are kept; the meta step passes the process's
+    (:data:`PROCESS_ANSWERS`), so a second estimate in a process (``--fit``'s, the cheaper changes') answers
+    what the first one computed; None: a cache of its own.
+
     Entered below every other mode of the meta step (first), so the tracker and the other modes see each
     result as the kernel's. Anything else passes through: ops not tagged pointwise or with several results or
     an ``out=``, tensor subclasses (FSDP2's DTensors), real tensors other than 0-d ones, an in-place op on a
     real tensor (Adam's step counter on the host counts), and a first result that is no fresh meta tensor."""
 
-    def __init__(self) -> None:
+    def __init__(self, answers: dict[tuple[Any, ...], Any] | None = None) -> None:
         super().__init__()
-        self._shapes: dict[tuple[Any, ...], tuple[torch.Size, tuple[int, ...], torch.dtype]] = {}
-        self._kinds: dict[Any, int] = {}
+        self._shapes: dict[tuple[Any, ...], Any] = {} if answers is None else answers
         self.hits = 0
         self.misses = 0
 
     def _kind(self, func: Any) -> int:
-        """0: not cached; 1: a pointwise op with a new result; 2: one that writes its first argument."""
-        kind = self._kinds.get(func)
+        """0: not cached; 1: a pointwise op with a new result; 2: one that writes its first argument; 3: a
+        foreach op of a pointwise op (``_foreach_sqrt``) with a new list of results; 4: one that writes its
+        first list (``_foreach_lerp_``, which returns nothing)."""
+        kind = _KINDS.get(func)
         if kind is None:
             kind = 0
             schema = func._schema
+            written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+            out = any(a.name == "out" for a in schema.arguments)
+            writes_first = written == [schema.arguments[0]] and not out
             if torch.Tag.pointwise in func.tags and len(schema.returns) == 1:
-                written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
                 if not written:
                     kind = 1
-                elif written == [schema.arguments[0]] and not any(a.name == "out" for a in schema.arguments):
+                elif writes_first:
                     kind = 2
-            self._kinds[func] = kind
+            elif _foreach_of_pointwise(schema.name):
+                if not written and [str(r.type) for r in schema.returns] == ["List[Tensor]"]:
+                    kind = 3
+                elif writes_first and not schema.returns:
+                    kind = 4
+            _KINDS[func] = kind
         return kind
 
     def _key(self, func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
         key: list[Any] = [func, torch.get_default_dtype()]  # an int tensor's sqrt is of the default dtype
         for name, value in (*((None, a) for a in args), *kwargs.items()):
             key.append(name)
-            if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
-                if value.layout is not torch.strided or (value.device.type != META and value.dim()):
+            if type(value) is list or type(value) is tuple:  # a foreach op's tensors or scalars
+                items = [_value_key(v) for v in value]
+                if _UNKEYED in items:
                     return None
-                key.append((value.shape, value.stride(), value.dtype, value.device))
-            elif isinstance(value, torch.Tensor):  # a subclass: its own dispatch decides
+                key.append((type(value), tuple(items)))
+                continue
+            item = _value_key(value)
+            if item is _UNKEYED:
                 return None
-            elif type(value) in (float, complex):
-                key.append(type(value))
-            elif value is None or type(value) in _KEYED_BY_VALUE:
-                key.append((type(value), value))
-            else:
-                return None
+            key.append(item)
         return tuple(key)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -135,6 +148,8 @@ class PointwiseShapeCache(TorchDispatchMode):
         kind = self._kind(func)
         if kind == 2 and not (type(args[0]) is torch.Tensor and args[0].device.type == META):
             kind = 0  # written values are real off meta (Adam's step counter on the host): the kernel runs
+        if kind == 4 and not all(isinstance(t, torch.Tensor) and t.device.type == META for t in args[0]):
+            kind = 0  # the same for a foreach op (Adam's step counters on the host, one a parameter)
         key = self._key(func, args, kwargs) if kind else None
         if key is None:
             return func(*args, **kwargs)
@@ -142,15 +157,72 @@ class PointwiseShapeCache(TorchDispatchMode):
         if known is None:
             self.misses += 1
             out = func(*args, **kwargs)
-            fresh = kind == 1 and type(out) is torch.Tensor and out.device.type == META
-            if (fresh and out.storage_offset() == 0) or (kind == 2 and out is args[0]):
+            if kind == 1 and _fresh(out):
                 self._shapes[key] = (out.shape, out.stride(), out.dtype)
+            elif kind == 2 and out is args[0]:
+                self._shapes[key] = (out.shape, out.stride(), out.dtype)
+            elif kind == 3 and type(out) is list and all(_fresh(t) for t in out):
+                self._shapes[key] = tuple((t.shape, t.stride(), t.dtype) for t in out)
+            elif kind == 4 and out is None:
+                self._shapes[key] = ()
             return out
         self.hits += 1
         if kind == 2:
             return args[0]
+        if kind == 4:
+            return None
+        if kind == 3:
+            return [torch.empty_strided(shape, stride, dtype=dtype, device=META) 
+                    for shape, stride, dtype in known]
         shape, stride, dtype = known
         return torch.empty_strided(shape, stride, dtype=dtype, device=META)
+
+
+PROCESS_ANSWERS: dict[tuple[Any, ...], Any] = {}
+"""The meta step's :class:`PointwiseShapeCache` answers, kept for the process: a key holds everything a meta
+kernel's result depends on (torch's default dtype included), so an answer holds for any later step."""
+
+_KINDS: dict[Any, int] = {}
+""":meth:`PointwiseShapeCache._kind` of each op seen (a function of the op's schema and tags alone)."""
+
+_UNKEYED = object()
+""":func:`_value_key` of an argument the cache cannot key (the op then runs its kernel)."""
+
+
+def _value_key(value: Any) -> Any:
+    """What a pointwise op's key holds of one argument: a tensor's metadata (a meta tensor, or a real one of
+    0 dimensions), a float's or complex's type, another scalar's value; :data:`_UNKEYED` for anything else
+    (a real tensor with dimensions, a tensor subclass, which its own dispatch decides, another layout)."""
+    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
+        if value.layout is not torch.strided or (value.device.type != META and value.dim()):
+            return _UNKEYED
+        return (value.shape, value.stride(), value.dtype, value.device)
+    if isinstance(value, torch.Tensor):
+        return _UNKEYED
+    if type(value) in (float, complex):
+        return type(value)
+    if value is None or type(value) in _KEYED_BY_VALUE:
+        return (type(value), value)
+    return _UNKEYED
+
+
+def _fresh(out: Any) -> bool:
+    """Whether a kernel's result is a new meta tensor of its own (no view into another's storage)."""
+    return type(out) is torch.Tensor and out.device.type == META and out.storage_offset() == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _foreach_of_pointwise(name: str) -> bool:
+    """Whether the op named ``name`` (``aten::_foreach_sqrt``, ``aten::_foreach_addcdiv_``) applies a
+    pointwise op (``sqrt``, ``addcdiv``: one tagged ``torch.Tag.pointwise``) to each tensor of its lists: its
+    meta results are each that op's, fixed by the metadata alone (``_foreach_norm`` reduces: not one)."""
+    prefix = "aten::_foreach_"
+    if not name.startswith(prefix):
+        return False
+    packet = getattr(torch.ops.aten, name[len(prefix) :].rstrip("_"), None)
+    if packet is None:
+        return False
+    return any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
 
 
 #: the non-tensor arguments a pointwise op's key holds by value (a float's or complex's type is enough)
@@ -272,7 +344,7 @@ def forced_decisions(
     original_fused = torch_optimizer._get_fused_kernels_supported_devices
     torch_optimizer._get_foreach_kernels_supported_devices = foreach_devices  # type: ignore[attr-defined]
     torch_optimizer._get_fused_kernels_supported_devices = fused_devices  # type: ignore[attr-defined]
-    shapes = PointwiseShapeCache()
+    shapes = PointwiseShapeCache(PROCESS_ANSWERS)
     try:
         with shapes, grouped:  # the cache first: below every mode the step pushes (it answers as the kernels)
             yield taken

@@ -8,6 +8,7 @@ key leaves out must not change them. Each property compares the cache's answers 
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any
 
 import pytest
@@ -208,6 +209,38 @@ def test_a_foreach_ops_answers_are_its_kernels(
         first, repeat = call(copies[2]), call(copies[3])
     assert first == repeat == want
     assert cache.hits == 1
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda a, b: torch.ops.aten.clamp_min_.Tensor(a, b),
+        lambda a, b: torch.ops.aten._foreach_maximum_.List([a], [b]),
+        lambda a, b: torch.ops.aten._foreach_clamp_max_.List([a], [b]),
+    ],
+    ids=["clamp_min_", "_foreach_maximum_", "_foreach_clamp_max_"],
+)
+def test_an_in_place_op_that_resizes_what_it_writes_is_its_kernels_every_time(call: Any) -> None:
+    """On meta, these in-place ops resize a 0-d first argument to the broadcast shape (with a deprecation
+    warning): a repeat on the same metadata must resize it too, which only the kernel does."""
+
+    def resized() -> tuple[int, ...]:
+        a, b = torch.empty((), device="meta"), torch.empty(3, 4, device="meta")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            call(a, b)
+        return tuple(a.shape)
+
+    want = resized()
+    with PointwiseShapeCache():
+        assert resized() == resized() == want == (3, 4)
+
+
+def test_an_op_of_no_argument_passes_through() -> None:
+    """``torch.backends.nnpack.is_available()`` (what RNN modules ask) is an op of no argument."""
+    want = torch.backends.nnpack.is_available()
+    with PointwiseShapeCache():
+        assert torch.backends.nnpack.is_available() == want
 
 
 def test_a_foreach_op_on_host_tensors_runs() -> None:

@@ -95,7 +95,8 @@ class PointwiseShapeCache(TorchDispatchMode):
     Entered below every other mode of the meta step (first), so the tracker and the other modes see each
     result as the kernel's. Anything else passes through: ops not tagged pointwise or with several results or
     an ``out=``, tensor subclasses (FSDP2's DTensors), real tensors other than 0-d ones, an in-place op on a
-    real tensor (Adam's step counter on the host counts), and a first result that is no fresh meta tensor."""
+    real tensor (Adam's step counter on the host counts), an in-place op that resized what it wrote, and a
+    first result that is no fresh meta tensor."""
 
     def __init__(self, answers: dict[tuple[Any, ...], Any] | None = None) -> None:
         super().__init__()
@@ -113,7 +114,7 @@ class PointwiseShapeCache(TorchDispatchMode):
             schema = func._schema
             written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
             out = any(a.name == "out" for a in schema.arguments)
-            writes_first = written == [schema.arguments[0]] and not out
+            writes_first = bool(written) and written == schema.arguments[:1] and not out
             if torch.Tag.pointwise in func.tags and len(schema.returns) == 1:
                 if not written:
                     kind = 1
@@ -156,15 +157,13 @@ class PointwiseShapeCache(TorchDispatchMode):
         known = self._shapes.get(key)
         if known is None:
             self.misses += 1
+            written = args[0] if kind == 4 else [args[0]] if kind == 2 else []
+            before = [(t.shape, t.stride(), t.dtype) for t in written]
             out = func(*args, **kwargs)
-            if kind == 1 and _fresh(out):
-                self._shapes[key] = (out.shape, out.stride(), out.dtype)
-            elif kind == 2 and out is args[0]:
-                self._shapes[key] = (out.shape, out.stride(), out.dtype)
-            elif kind == 3 and type(out) is list and all(_fresh(t) for t in out):
-                self._shapes[key] = tuple((t.shape, t.stride(), t.dtype) for t in out)
-            elif kind == 4 and out is None:
-                self._shapes[key] = ()
+            # an in-place op that resized what it wrote (``clamp_min_`` of a 0-d tensor by a (3, 4) one, the
+            # foreach ``maximum_``'s broadcast) is left to its kernel every time: a repeat must change it too
+            if [(t.shape, t.stride(), t.dtype) for t in written] == before:
+                self._remember(kind, key, args, out)
             return out
         self.hits += 1
         if kind == 2:
@@ -176,6 +175,17 @@ class PointwiseShapeCache(TorchDispatchMode):
                     for shape, stride, dtype in known]
         shape, stride, dtype = known
         return torch.empty_strided(shape, stride, dtype=dtype, device=META)
+
+    def _remember(self, kind: int, key: tuple[Any, ...], args: Any, out: Any) -> None:
+        """Keep the kernel's answer of a first call under ``key``, where a repeat can be answered as it."""
+        if kind == 1 and _fresh(out):
+            self._shapes[key] = (out.shape, out.stride(), out.dtype)
+        elif kind == 2 and out is args[0]:
+            self._shapes[key] = (out.shape, out.stride(), out.dtype)
+        elif kind == 3 and type(out) is list and all(_fresh(t) for t in out):
+            self._shapes[key] = tuple((t.shape, t.stride(), t.dtype) for t in out)
+        elif kind == 4 and out is None:
+            self._shapes[key] = ()
 
 
 PROCESS_ANSWERS: dict[tuple[Any, ...], Any] = {}

@@ -406,38 +406,72 @@ def test_a_killed_rank_leaves_no_process_and_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "failed, code, error, line",
+    "failed, noted, code, error, line",
     [
-        # a rank ended by a signal it did not send: the launcher's record names it; SIGKILL gets the OOM hint
-        ({"rank": 1, "code": -9}, -9, "RunKilled",
+        # a rank ended from outside: the launcher's record names it; SIGKILL gets the out-of-memory hint
+        ({"rank": 1, "code": -9}, -9, -9, "RunKilled",
          "rank 1 of 2 was killed by SIGKILL before the run finished (on Linux, the out-of-memory killer's"),
-        ({"rank": 0, "code": -15}, -9, "RunKilled", "rank 0 of 2 was killed by SIGTERM before the run"),
-        # the launcher itself killed (it writes the record before it kills its own group)
-        (None, -9, "RunKilled",
+        ({"rank": 0, "code": -15}, -15, -9, "RunKilled", "rank 0 of 2 was killed by SIGTERM before the run"),
+        # a rank that crashed (a native library's SIGSEGV) or failed on its own (a traceback): a bug
+        ({"rank": 0, "code": -11}, -11, -9, "RuntimeError", "rank 0 of 2 crashed with SIGSEGV: last words"),
+        ({"rank": 1, "code": 1}, 1, -9, "RuntimeError", "the 2 ranks exited with 1: last words"),
+        # no record (its folder gone or full): the launcher's note on stderr says the same
+        (None, 1, -9, "RuntimeError", "the 2 ranks exited with 1: last words"),
+        (None, -9, -9, "RunKilled",
+         "rank 1 of 2 was killed by SIGKILL before the run finished (on Linux, the out-of-memory killer's"),
+        # neither: the launcher itself was killed
+        (None, None, -9, "RunKilled",
          "the ranks' launcher was killed by SIGKILL before the run finished (on Linux, the out-of-memory"),
-        # a rank that failed on its own (a traceback) or a run past its time: an internal error, as before
-        ({"rank": 1, "code": 1}, -9, "RuntimeError", "the 2 ranks exited with 1: last words"),
-        (None, None, "RuntimeError", "the 2 ranks timed out: last words"),
+        (None, None, None, "RuntimeError", "the 2 ranks timed out: last words"),  # past the run's time
     ],
 )  # fmt: skip
-def test_a_failed_run_says_which_rank_and_blames_no_bug_for_a_signal(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], failed: dict | None, code: int | None, error: str,
-    line: str,
+def test_a_failed_run_says_which_rank_and_blames_no_bug_for_a_signal_from_outside(
+    tmp_path: Path, failed: dict | None, noted: int | None, code: int | None, error: str, line: str
 ) -> None:
     """The launcher's exit code is its own (it kills its group, itself included: -9 whatever the rank did);
-    the record it writes first says which rank failed and how. The command's line and exit code follow it."""
+    the record it writes first, or else its note on stderr, says which rank failed and how. The command's
+    line and exit code follow it: a signal from outside is no bug, a crash or an error is."""
     from vramguard.audit import distributed
-    from vramguard.audit.launch import FAILED
+    from vramguard.audit.launch import FAILED, NOTE
     from vramguard.errors import RunKilled
 
     if failed is not None:
         (tmp_path / FAILED).write_text(json.dumps(failed))
+    tail = ["", "last words", " "]
+    if noted is not None:  # the launcher's note comes last
+        tail.append(NOTE.format(rank=(failed or {"rank": 1})["rank"], code=noted))
     with pytest.raises((RunKilled, RuntimeError)) as raised:
-        tail = ["", "last words", " ", "[vramguard] rank 1 exited with -9"]  # the launcher's note comes last
         distributed._raise_failed(tmp_path, code, tail, 2)
     assert type(raised.value).__name__ == error and line in str(raised.value)
     assert ("out-of-memory" in line) == ("out-of-memory" in str(raised.value))  # SIGKILL's hint alone
     assert str(raised.value).endswith(": last words")  # the ranks' last line, not the launcher's note
+
+
+def test_the_launcher_names_a_rank_killed_by_a_signal_before_one_its_death_failed() -> None:
+    """When the out-of-memory killer ends rank 1 and rank 0 then exits 1 (its peer gone), both may have
+    exited before the launcher waits: the kernel reports rank 0 first, the launcher names rank 1 (the
+    cause)."""
+    from vramguard.audit import launch
+
+    children = {}
+    for r in range(2):
+        pid = os.fork()
+        if pid == 0:  # rank 0 exits 1 once rank 1 is dead; rank 1 waits to be killed
+            if r == 0:
+                time.sleep(0.5)
+            else:
+                time.sleep(60)
+            os._exit(1)
+        children[pid] = r
+    rank1 = next(pid for pid, r in children.items() if r == 1)
+    time.sleep(0.1)
+    os.kill(rank1, signal.SIGKILL)
+    time.sleep(1.5)  # both have exited now
+    pid, status = os.wait()
+    first = (children.pop(pid), os.waitstatus_to_exitcode(status))
+    others = launch._exited_too(children)
+    assert first == (0, 1) and others == [(1, -9)]  # the order the kernel reports them in
+    assert launch._first_cause([first, *others]) == (1, -9)
 
 
 FORK_AFTER_PRELOAD = """

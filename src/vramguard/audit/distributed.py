@@ -230,7 +230,8 @@ def run_distributed_audit(
 
     CPU only (gloo): one process per rank needs one device per rank, and NCCL ranks on GPUs are not wired
     here yet. A rank that fails, or a run past ``timeout``, is one line (:class:`UsageError` for what the
-    user can change, RuntimeError otherwise), with nothing left running. ``before_ranks``: a slower refusal of
+    user can change, :class:`RunKilled` for a rank ended from outside, RuntimeError otherwise), with nothing
+    left running. ``before_ranks``: a slower refusal of
     the caller's, made after those that need no build and before any rank starts (the command's build of the
     ranks' model on meta, :func:`vramguard.estimate.distributed.sharded_build`)."""
     from vramguard.bisect.procgroup import run_with_tail
@@ -282,36 +283,45 @@ def run_distributed_audit(
     return merged(reports, rows, sharding, _engine_line(sharding))
 
 
-_LAUNCHER_NOTE = "[vramguard] rank "
-"""How the launcher's own line on a failed rank starts (:func:`vramguard.audit.launch.launch_ranks`)."""
+EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT})
+"""The signals that end a rank from outside (the out-of-memory killer's SIGKILL, a scheduler's or a user's
+SIGTERM): :class:`RunKilled`, not a bug. A rank that dies of another (SIGSEGV, SIGABRT, SIGBUS, ...) crashed:
+an internal error."""
 
 
 def _raise_failed(folder: Path, code: int | None, tail: list[str], world: int) -> NoReturn:
     """Why the ranks' launcher ended with ``code`` (None: past the run's time): :class:`RunKilled` where a
-    rank, or the launcher itself, was ended by a signal it did not send (the out-of-memory killer's SIGKILL
-    when the host runs out of memory: one line, exit 3, no bug claimed); RuntimeError (an internal error)
-    where a rank failed on its own or the run timed out."""
-    from vramguard.audit.launch import FAILED
+    rank, or the launcher itself, was ended by one of :data:`EXTERNAL_SIGNALS` (the out-of-memory killer's
+    SIGKILL when the host runs out of memory: one line, exit 3, no bug claimed); RuntimeError (an internal
+    error) where a rank failed on its own, crashed, or the run timed out. The launcher's record
+    (:data:`~vramguard.audit.launch.FAILED`) names the rank, or else its note on stderr does."""
+    from vramguard.audit.launch import FAILED, NOTED
 
     # what the ranks printed last, not the launcher's own note of the failure (the record says it)
-    said = [line.strip() for line in tail if line.strip() and not line.startswith(_LAUNCHER_NOTE)]
+    said = [line.strip() for line in tail if line.strip() and not NOTED.fullmatch(line.strip())]
     last = said[-1] if said else "no output"
+    noted = [m for m in (NOTED.fullmatch(line.strip()) for line in tail) if m]
     failed = folder / FAILED
     if failed.exists():
         record = json.loads(failed.read_text())
         rank, code = f"rank {record['rank']} of {world}", int(record["code"])
-    else:  # the launcher never saw a rank fail: it was ended itself (its own kill of the group writes first)
+    elif noted:  # the record could not be written (the folder gone or full): the note says the same
+        rank, code = f"rank {noted[-1]['rank']} of {world}", int(noted[-1]["code"])
+    else:  # the launcher never saw a rank fail: it was ended itself
         rank = "the ranks' launcher"
     if code is not None and code < 0:
         try:
-            name = signal.Signals(-code).name
+            sig: signal.Signals | None = signal.Signals(-code)
+            name = sig.name
         except ValueError:
-            name = f"signal {-code}"
-        hint = ""
-        if name == "SIGKILL":
-            hint = " (on Linux, the out-of-memory killer's signal: `dmesg` names what it killed)"
-        printed = f"; the last line printed: {last}" if said else ""
-        raise RunKilled(f"{rank} was killed by {name} before the run finished{hint}{printed}")
+            sig, name = None, f"signal {-code}"
+        if sig in EXTERNAL_SIGNALS:
+            hint = ""
+            if sig == signal.SIGKILL:
+                hint = " (on Linux, the out-of-memory killer's signal: `dmesg` names what it killed)"
+            printed = f"; the last line printed: {last}" if said else ""
+            raise RunKilled(f"{rank} was killed by {name} before the run finished{hint}{printed}")
+        raise RuntimeError(f"{rank} crashed with {name}: {last}")
     why = "timed out" if code is None else f"exited with {code}"
     raise RuntimeError(f"the {world} ranks {why}: {last}")
 

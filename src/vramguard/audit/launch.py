@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import traceback
@@ -29,6 +30,11 @@ RANK_NAME = "vg-rank-{rank}"
 #: the file in the run's folder where the launcher writes the first rank that failed, before it kills the
 #: group: ``{"rank": R, "code": C}``, C as ``os.waitstatus_to_exitcode`` gives it (-N: ended by signal N)
 FAILED = "failed-rank.json"
+
+#: the launcher's line on stderr for that rank (where the record cannot be written, the parent reads this),
+#: and the pattern that reads it
+NOTE = "[vramguard] rank {rank} exited with {code}"
+NOTED = re.compile(r"\[vramguard\] rank (?P<rank>\d+) exited with (?P<code>-?\d+)")
 
 
 def launch_ranks(spec_path: str) -> int:
@@ -49,10 +55,35 @@ def launch_ranks(spec_path: str) -> int:
             continue
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
-            print(f"[vramguard] rank {r} exited with {code}", file=sys.stderr, flush=True)
+            r, code = _first_cause([(r, code), *_exited_too(ranks)])
+            print(NOTE.format(rank=r, code=code), file=sys.stderr, flush=True)
             _write_failed(Path(spec["folder"]), r, code)
             os.killpg(0, signal.SIGKILL)
     return 0
+
+
+def _exited_too(ranks: dict[int, int]) -> list[tuple[int, int]]:
+    """The ranks that have exited already as well (reaped now, without waiting), with their exit codes."""
+    found = []
+    while ranks:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        if pid in ranks:
+            found.append((ranks.pop(pid), os.waitstatus_to_exitcode(status)))
+    return found
+
+
+def _first_cause(failed: list[tuple[int, int]]) -> tuple[int, int]:
+    """Of the ranks found failed at once, the one to name: a rank ended by a signal before one that exited
+    with an error, which is what its peer does when that peer dies (gloo: "Connection closed by peer"). When
+    the out-of-memory killer ends rank 1, rank 0 may exit 1 before the launcher has waited for either, and
+    the kernel then reports rank 0 first (it reaps in the order the children were made)."""
+    failed = [(r, code) for r, code in failed if code != 0]
+    return next(((r, code) for r, code in failed if code < 0), failed[0])
 
 
 def _write_failed(folder: Path, rank: int, code: int) -> None:
@@ -62,7 +93,7 @@ def _write_failed(folder: Path, rank: int, code: int) -> None:
 
     try:
         write_text_atomic(folder / FAILED, json.dumps({"rank": rank, "code": code}))
-    except OSError:  # the folder gone or full: the parent falls back to the launcher's last line
+    except OSError:  # the folder gone or full: the parent reads the launcher's NOTE instead
         pass
 
 

@@ -447,39 +447,116 @@ def test_a_failed_run_says_which_rank_and_blames_no_bug_for_a_signal_from_outsid
     assert str(raised.value).endswith(": last words")  # the ranks' last line, not the launcher's note
 
 
-def _exited(pid: int) -> bool:
-    """Whether the child ``pid`` has exited and not been waited for (a zombie: state Z)."""
-    return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+FAKE_RANKS = """
+import json, os, signal, sys, time, types
+from pathlib import Path
+
+def exited(pid):  # a zombie (state Z), or waited for already
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+def pid_of(path):  # the pid a rank wrote, once it is there whole
+    while True:
+        try:
+            return int(path.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.01)
+
+def run_rank(spec_path, r):
+    spec = json.loads(Path(spec_path).read_text())
+    pids = Path(spec["pids"])
+    (pids / f"rank{r}.tmp").write_text(str(os.getpid()))
+    os.replace(pids / f"rank{r}.tmp", pids / f"rank{r}")
+    if spec["mode"] == "oom":  # rank 1 is killed, then rank 0 fails: both before the launcher waits
+        if r == 1:
+            while not (pids / "held").exists():
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+        rank1 = pid_of(pids / "rank1")  # (the launcher has forked it: it may be held now)
+        launcher = os.getppid()
+        os.kill(launcher, signal.SIGSTOP)
+        (pids / "held").write_text("")
+        while not exited(rank1):
+            time.sleep(0.01)
+        me = os.getpid()
+        if os.fork() == 0:  # the launcher goes on once this rank has exited too
+            while not exited(me):
+                time.sleep(0.01)
+            os.kill(launcher, signal.SIGCONT)
+            os._exit(0)
+        print("RuntimeError: Connection closed by peer", file=sys.stderr)
+        return 1
+    if spec["mode"] == "segv mid-line" and r == 1:
+        sys.stderr.write("loading a kernel")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(60)
+    return 0
+
+fake = types.ModuleType("vramguard.audit.distributed")  # the ranks' stack, without torch
+fake.preload, fake.run_rank = (lambda spec: None), run_rank
+sys.modules["vramguard.audit.distributed"] = fake
+from vramguard.audit import launch
+sys.exit(launch.main(sys.argv[1:]))
+"""
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="reads a child's state in /proc")
-def test_the_launcher_names_a_rank_killed_by_a_signal_before_one_its_death_failed() -> None:
-    """When the out-of-memory killer ends rank 1 and rank 0 then exits 1 (its peer gone), both may have
-    exited before the launcher waits: the kernel reports rank 0 first, the launcher names rank 1 (the
-    cause)."""
-    from vramguard.audit import launch
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the ranks' state in /proc")
+@pytest.mark.parametrize(
+    "mode, record, error, line",
+    [
+        # the out-of-memory killer ends rank 1, rank 0 then exits 1: the kernel reports rank 0 first
+        ("oom", True, "RunKilled", "rank 1 of 2 was killed by SIGKILL before the run finished"),
+        # a crash mid-line, and no record (the run's folder gone): the launcher's note, on a line of its own
+        ("segv mid-line", False, "RuntimeError", "rank 1 of 2 crashed with SIGSEGV: loading a kernel"),
+    ],
+)
+def test_the_launcher_names_the_rank_that_caused_the_failure(
+    tmp_path: Path, mode: str, record: bool, error: str, line: str
+) -> None:
+    """The real launcher with stand-in ranks (no torch), run as the command runs it (its own process group,
+    killed whole): the line names the cause. When rank 1 is killed and rank 0 fails because of it, both
+    exited before the launcher waited, so it names the one a signal ended, not the one the kernel reports
+    first (it reports the children in the order they were made)."""
+    from vramguard.audit import distributed
+    from vramguard.bisect.procgroup import run_with_tail
+    from vramguard.errors import RunKilled
 
-    children = {}
-    for r in range(2):
-        pid = os.fork()
-        if pid == 0:  # rank 0 exits 1 once rank 1 is dead; rank 1 waits to be killed
-            if r == 0:
-                time.sleep(0.5)
-            else:
-                time.sleep(60)
-            os._exit(1)
-        children[pid] = r
-    rank1 = next(pid for pid, r in children.items() if r == 1)
-    os.kill(rank1, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not all(_exited(pid) for pid in children):
-        time.sleep(0.05)
-    assert all(_exited(pid) for pid in children)  # both have exited before the launcher waits
-    pid, status = os.wait()
-    first = (children.pop(pid), os.waitstatus_to_exitcode(status))
-    others = launch._exited_too(children)
-    assert sorted([first, *others]) == [(0, 1), (1, -9)]  # (Linux reported rank 0 first, the order made)
-    assert launch._first_cause([first, *others]) == launch._first_cause([(0, 1), (1, -9)]) == (1, -9)
+    spec = tmp_path / "spec.json"
+    folder = tmp_path if record else tmp_path / "gone"
+    spec.write_text(json.dumps(
+        {"sharding": {"world_size": 2}, "folder": str(folder), "pids": str(tmp_path), "mode": mode}
+    ))  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    code, tail = run_with_tail([sys.executable, "-c", FAKE_RANKS, "ranks", str(spec)], env, 120)
+    assert code == -9, tail  # the launcher kills its own group
+    assert (tmp_path / "failed-rank.json").exists() == record
+    with pytest.raises((RunKilled, RuntimeError)) as raised:
+        distributed._raise_failed(tmp_path, code, tail, 2)
+    assert type(raised.value).__name__ == error and line in str(raised.value), tail
+
+
+def test_of_ranks_failed_at_once_a_signal_from_outside_is_named_first() -> None:
+    """A rank killed from outside, then one that crashed, before one that exited with an error; the first in
+    the order found among equals."""
+    from vramguard.audit.launch import _first_cause
+
+    assert _first_cause([(0, 1), (1, -9)]) == _first_cause([(1, -9), (0, 1)]) == (1, -9)
+    assert _first_cause([(0, -6), (1, -15)]) == (1, -15)  # SIGABRT (a crash) after SIGTERM
+    assert _first_cause([(0, 1), (1, -11)]) == (1, -11)
+    assert _first_cause([(0, 1), (1, 2), (2, 0)]) == (0, 1)
+
+
+def test_a_note_after_half_a_line_is_still_read() -> None:
+    """A rank that died mid-line leaves half a line before the launcher's note on the same line (an older
+    launcher, or output from elsewhere): the note is still found, and the half line is what was printed."""
+    from vramguard.audit import distributed
+
+    with pytest.raises(RuntimeError, match=r"^rank 1 of 2 crashed with SIGSEGV: loading a kernel$"):
+        glued = ["loading a kernel[vramguard] rank 1 exited with -11"]
+        distributed._raise_failed(Path("/nonexistent"), -9, glued, 2)
 
 
 FORK_AFTER_PRELOAD = """

@@ -180,7 +180,7 @@ FOREACH = {  # the foreach ops of CUDA's AdamW step, and an out-of-place one wit
 
 
 @settings(max_examples=40, deadline=None)
-@given(pairs=st.lists(operands(), min_size=1, max_size=3), op=st.sampled_from(sorted(FOREACH)), 
+@given(pairs=st.lists(operands(), min_size=1, max_size=3), op=st.sampled_from(sorted(FOREACH)),
        same=st.booleans())
 def test_a_foreach_ops_answers_are_its_kernels(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], op: str, same: bool

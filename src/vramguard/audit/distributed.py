@@ -283,24 +283,20 @@ def run_distributed_audit(
     return merged(reports, rows, sharding, _engine_line(sharding))
 
 
-EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT})
-"""The signals that end a rank from outside (the out-of-memory killer's SIGKILL, a scheduler's or a user's
-SIGTERM): :class:`RunKilled`, not a bug. A rank that dies of another (SIGSEGV, SIGABRT, SIGBUS, ...) crashed:
-an internal error."""
-
-
 def _raise_failed(folder: Path, code: int | None, tail: list[str], world: int) -> NoReturn:
     """Why the ranks' launcher ended with ``code`` (None: past the run's time): :class:`RunKilled` where a
-    rank, or the launcher itself, was ended by one of :data:`EXTERNAL_SIGNALS` (the out-of-memory killer's
-    SIGKILL when the host runs out of memory: one line, exit 3, no bug claimed); RuntimeError (an internal
-    error) where a rank failed on its own, crashed, or the run timed out. The launcher's record
-    (:data:`~vramguard.audit.launch.FAILED`) names the rank, or else its note on stderr does."""
-    from vramguard.audit.launch import FAILED, NOTED
+    rank, or the launcher itself, was ended by one of :data:`~vramguard.audit.launch.EXTERNAL_SIGNALS` (the
+    out-of-memory killer's SIGKILL when the host runs out of memory: one line, exit 3, no bug claimed);
+    RuntimeError (an internal error) where a rank failed on its own, crashed, or the run timed out. The
+    launcher's record (:data:`~vramguard.audit.launch.FAILED`) names the rank, or else its note on stderr
+    does."""
+    from vramguard.audit.launch import EXTERNAL_SIGNALS, FAILED, NOTED
 
     # what the ranks printed last, not the launcher's own note of the failure (the record says it)
-    said = [line.strip() for line in tail if line.strip() and not NOTED.fullmatch(line.strip())]
+    lines = [line.strip() for line in tail]
+    noted = [m for m in (NOTED.search(line) for line in lines) if m]
+    said = [kept for kept in (NOTED.sub("", line).strip() for line in lines) if kept]
     last = said[-1] if said else "no output"
-    noted = [m for m in (NOTED.fullmatch(line.strip()) for line in tail) if m]
     failed = folder / FAILED
     if failed.exists():
         record = json.loads(failed.read_text())

@@ -32,9 +32,13 @@ RANK_NAME = "vg-rank-{rank}"
 FAILED = "failed-rank.json"
 
 #: the launcher's line on stderr for that rank (where the record cannot be written, the parent reads this),
-#: and the pattern that reads it
+#: and the pattern that finds it at the end of a line (a rank that died mid-line leaves half a line first)
 NOTE = "[vramguard] rank {rank} exited with {code}"
-NOTED = re.compile(r"\[vramguard\] rank (?P<rank>\d+) exited with (?P<code>-?\d+)")
+NOTED = re.compile(r"\[vramguard\] rank (?P<rank>\d+) exited with (?P<code>-?\d+)$")
+
+#: the signals that end a rank from outside (the out-of-memory killer's SIGKILL, a scheduler's or a user's
+#: SIGTERM): not a bug. A rank that dies of another (SIGSEGV, SIGABRT, SIGBUS, ...) crashed.
+EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT})
 
 
 def launch_ranks(spec_path: str) -> int:
@@ -56,7 +60,7 @@ def launch_ranks(spec_path: str) -> int:
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
             r, code = _first_cause([(r, code), *_exited_too(ranks)])
-            print(NOTE.format(rank=r, code=code), file=sys.stderr, flush=True)
+            print("\n" + NOTE.format(rank=r, code=code), file=sys.stderr, flush=True)  # (after a half line)
             _write_failed(Path(spec["folder"]), r, code)
             os.killpg(0, signal.SIGKILL)
     return 0
@@ -78,12 +82,13 @@ def _exited_too(ranks: dict[int, int]) -> list[tuple[int, int]]:
 
 
 def _first_cause(failed: list[tuple[int, int]]) -> tuple[int, int]:
-    """Of the ranks found failed at once, the one to name: a rank ended by a signal before one that exited
-    with an error, which is what its peer does when that peer dies (gloo: "Connection closed by peer"). When
-    the out-of-memory killer ends rank 1, rank 0 may exit 1 before the launcher has waited for either, and
-    the kernel then reports rank 0 first (it reaps in the order the children were made)."""
+    """Of the ranks found failed at once, the one to name: a rank ended by a signal from outside
+    (:data:`EXTERNAL_SIGNALS`), then one that crashed, before one that exited with an error, which is what
+    its peer does when that peer dies (gloo: "Connection closed by peer"). When the out-of-memory killer ends
+    rank 1, rank 0 may exit 1 before the launcher has waited for either, and the kernel then reports rank 0
+    first (it reaps in the order the children were made)."""
     failed = [(r, code) for r, code in failed if code != 0]
-    return next(((r, code) for r, code in failed if code < 0), failed[0])
+    return min(failed, key=lambda rc: 0 if -rc[1] in EXTERNAL_SIGNALS else 1 if rc[1] < 0 else 2)
 
 
 def _write_failed(folder: Path, rank: int, code: int) -> None:

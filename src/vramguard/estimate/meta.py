@@ -171,7 +171,7 @@ class PointwiseShapeCache(TorchDispatchMode):
         if kind == 4:
             return None
         if kind == 3:
-            return [torch.empty_strided(shape, stride, dtype=dtype, device=META) 
+            return [torch.empty_strided(shape, stride, dtype=dtype, device=META)
                     for shape, stride, dtype in known]
         shape, stride, dtype = known
         return torch.empty_strided(shape, stride, dtype=dtype, device=META)

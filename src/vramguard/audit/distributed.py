@@ -231,9 +231,9 @@ def run_distributed_audit(
     CPU only (gloo): one process per rank needs one device per rank, and NCCL ranks on GPUs are not wired
     here yet. A rank that fails, or a run past ``timeout``, is one line (:class:`UsageError` for what the
     user can change, :class:`RunKilled` for a rank ended from outside, RuntimeError otherwise), with nothing
-    left running. ``before_ranks``: a slower refusal of
-    the caller's, made after those that need no build and before any rank starts (the command's build of the
-    ranks' model on meta, :func:`vramguard.estimate.distributed.sharded_build`)."""
+    left running. ``before_ranks``: a slower refusal of the caller's, made after those that need no build and
+    before any rank starts (the command's build of the ranks' model on meta,
+    :func:`vramguard.estimate.distributed.sharded_build`)."""
     from vramguard.bisect.procgroup import run_with_tail
 
     sharding.validate()

@@ -406,42 +406,36 @@ def test_a_killed_rank_leaves_no_process_and_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "failed, noted, code, error, line",
+    "noted, code, error, line",
     [
-        # a rank ended from outside: the launcher's record names it; SIGKILL gets the out-of-memory hint
-        ({"rank": 1, "code": -9}, -9, -9, "RunKilled",
+        # a rank ended from outside: the launcher's note names it; SIGKILL gets the out-of-memory hint
+        ((1, -9), -9, "RunKilled",
          "rank 1 of 2 was killed by SIGKILL before the run finished (on Linux, the out-of-memory killer's"),
-        ({"rank": 0, "code": -15}, -15, -9, "RunKilled", "rank 0 of 2 was killed by SIGTERM before the run"),
+        ((0, -15), -9, "RunKilled", "rank 0 of 2 was killed by SIGTERM before the run"),
         # a rank that crashed (a native library's SIGSEGV) or failed on its own (a traceback): a bug
-        ({"rank": 0, "code": -11}, -11, -9, "RuntimeError", "rank 0 of 2 crashed with SIGSEGV: last words"),
-        ({"rank": 1, "code": 1}, 1, -9, "RuntimeError", "the 2 ranks exited with 1: last words"),
-        # no record (its folder gone or full): the launcher's note on stderr says the same
-        (None, 1, -9, "RuntimeError", "the 2 ranks exited with 1: last words"),
-        (None, -9, -9, "RunKilled",
-         "rank 1 of 2 was killed by SIGKILL before the run finished (on Linux, the out-of-memory killer's"),
-        # neither: the launcher itself was killed
-        (None, None, -9, "RunKilled",
+        ((0, -11), -9, "RuntimeError", "rank 0 of 2 crashed with SIGSEGV: last words"),
+        ((1, 1), -9, "RuntimeError", "the 2 ranks exited with 1: last words"),
+        # no note: the launcher itself was killed
+        (None, -9, "RunKilled",
          "the ranks' launcher was killed by SIGKILL before the run finished (on Linux, the out-of-memory"),
-        (None, None, None, "RuntimeError", "the 2 ranks timed out: last words"),  # past the run's time
+        (None, None, "RuntimeError", "the 2 ranks timed out: last words"),  # past the run's time
     ],
 )  # fmt: skip
 def test_a_failed_run_says_which_rank_and_blames_no_bug_for_a_signal_from_outside(
-    tmp_path: Path, failed: dict | None, noted: int | None, code: int | None, error: str, line: str
+    noted: tuple[int, int] | None, code: int | None, error: str, line: str
 ) -> None:
     """The launcher's exit code is its own (it kills its group, itself included: -9 whatever the rank did);
-    the record it writes first, or else its note on stderr, says which rank failed and how. The command's
-    line and exit code follow it: a signal from outside is no bug, a crash or an error is."""
+    the note it writes first says which rank failed and how. The command's line and exit code follow it: a
+    signal from outside is no bug, a crash or an error is."""
     from vramguard.audit import distributed
-    from vramguard.audit.launch import FAILED, NOTE
+    from vramguard.audit.launch import NOTE
     from vramguard.errors import RunKilled
 
-    if failed is not None:
-        (tmp_path / FAILED).write_text(json.dumps(failed))
     tail = ["", "last words", " "]
     if noted is not None:  # the launcher's note comes last
-        tail.append(NOTE.format(rank=(failed or {"rank": 1})["rank"], code=noted))
+        tail.append(NOTE.format(rank=noted[0], code=noted[1]))
     with pytest.raises((RunKilled, RuntimeError)) as raised:
-        distributed._raise_failed(tmp_path, code, tail, 2)
+        distributed._raise_failed(code, tail, 2)
     assert type(raised.value).__name__ == error and line in str(raised.value)
     assert ("out-of-memory" in line) == ("out-of-memory" in str(raised.value))  # SIGKILL's hint alone
     assert str(raised.value).endswith(": last words")  # the ranks' last line, not the launcher's note
@@ -505,16 +499,16 @@ sys.exit(launch.main(sys.argv[1:]))
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the ranks' state in /proc")
 @pytest.mark.parametrize(
-    "mode, record, error, line",
+    "mode, error, line",
     [
         # the out-of-memory killer ends rank 1, rank 0 then exits 1: the kernel reports rank 0 first
-        ("oom", True, "RunKilled", "rank 1 of 2 was killed by SIGKILL before the run finished"),
-        # a crash mid-line, and no record (the run's folder gone): the launcher's note, on a line of its own
-        ("segv mid-line", False, "RuntimeError", "rank 1 of 2 crashed with SIGSEGV: loading a kernel"),
+        ("oom", "RunKilled", "rank 1 of 2 was killed by SIGKILL before the run finished"),
+        # a crash mid-line: the launcher's note on a line of its own, the half line what the rank printed
+        ("segv mid-line", "RuntimeError", "rank 1 of 2 crashed with SIGSEGV: loading a kernel"),
     ],
 )
 def test_the_launcher_names_the_rank_that_caused_the_failure(
-    tmp_path: Path, mode: str, record: bool, error: str, line: str
+    tmp_path: Path, mode: str, error: str, line: str
 ) -> None:
     """The real launcher with stand-in ranks (no torch), run as the command runs it (its own process group,
     killed whole): the line names the cause. When rank 1 is killed and rank 0 fails because of it, both
@@ -525,16 +519,12 @@ def test_the_launcher_names_the_rank_that_caused_the_failure(
     from vramguard.errors import RunKilled
 
     spec = tmp_path / "spec.json"
-    folder = tmp_path if record else tmp_path / "gone"
-    spec.write_text(json.dumps(
-        {"sharding": {"world_size": 2}, "folder": str(folder), "pids": str(tmp_path), "mode": mode}
-    ))  # fmt: skip
+    spec.write_text(json.dumps({"sharding": {"world_size": 2}, "pids": str(tmp_path), "mode": mode}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     code, tail = run_with_tail([sys.executable, "-c", FAKE_RANKS, "ranks", str(spec)], env, 120)
     assert code == -9, tail  # the launcher kills its own group
-    assert (tmp_path / "failed-rank.json").exists() == record
     with pytest.raises((RunKilled, RuntimeError)) as raised:
-        distributed._raise_failed(tmp_path, code, tail, 2)
+        distributed._raise_failed(code, tail, 2)
     assert type(raised.value).__name__ == error and line in str(raised.value), tail
 
 
@@ -550,13 +540,13 @@ def test_of_ranks_failed_at_once_a_signal_from_outside_is_named_first() -> None:
 
 
 def test_a_note_after_half_a_line_is_still_read() -> None:
-    """A rank that died mid-line leaves half a line before the launcher's note on the same line (an older
-    launcher, or output from elsewhere): the note is still found, and the half line is what was printed."""
+    """A rank that died mid-line leaves half a line before the launcher's note on the same line (were the
+    note not to start a line of its own): the note is still found, and the half line is what was printed."""
     from vramguard.audit import distributed
 
     with pytest.raises(RuntimeError, match=r"^rank 1 of 2 crashed with SIGSEGV: loading a kernel$"):
         glued = ["loading a kernel[vramguard] rank 1 exited with -11"]
-        distributed._raise_failed(Path("/nonexistent"), -9, glued, 2)
+        distributed._raise_failed(-9, glued, 2)
 
 
 FORK_AFTER_PRELOAD = """

@@ -271,7 +271,7 @@ def run_distributed_audit(
         if code != 0 and (Path(tmp) / REFUSED).exists():
             raise UsageError((Path(tmp) / REFUSED).read_text())
         if code != 0:
-            _raise_failed(Path(tmp), code, tail, sharding.world_size)
+            _raise_failed(code, tail, sharding.world_size)
         reports = [
             AuditReport.from_dict(json.loads((Path(tmp) / f"rank{r}.json").read_text()))
             for r in range(sharding.world_size)
@@ -283,25 +283,22 @@ def run_distributed_audit(
     return merged(reports, rows, sharding, _engine_line(sharding))
 
 
-def _raise_failed(folder: Path, code: int | None, tail: list[str], world: int) -> NoReturn:
-    """Why the ranks' launcher ended with ``code`` (None: past the run's time): :class:`RunKilled` where a
-    rank, or the launcher itself, was ended by one of :data:`~vramguard.audit.launch.EXTERNAL_SIGNALS` (the
-    out-of-memory killer's SIGKILL when the host runs out of memory: one line, exit 3, no bug claimed);
-    RuntimeError (an internal error) where a rank failed on its own, crashed, or the run timed out. The
-    launcher's record (:data:`~vramguard.audit.launch.FAILED`) names the rank, or else its note on stderr
-    does."""
-    from vramguard.audit.launch import EXTERNAL_SIGNALS, FAILED, NOTED
+def _raise_failed(code: int | None, tail: list[str], world: int) -> NoReturn:
+    """Why the ranks' launcher ended with ``code`` (None: past the run's time), from the end of its output
+    (``tail``): :class:`RunKilled` where a rank, or the launcher itself, was ended by one of
+    :data:`~vramguard.audit.launch.EXTERNAL_SIGNALS` (the out-of-memory killer's SIGKILL when the host runs
+    out of memory: one line, exit 3, no bug claimed); RuntimeError (an internal error) where a rank failed on
+    its own, crashed, or the run timed out. The launcher's note (:data:`~vramguard.audit.launch.NOTE`) names
+    the rank and how it ended; the launcher's own ``code`` is -9 whatever the rank did (it kills its
+    group)."""
+    from vramguard.audit.launch import EXTERNAL_SIGNALS, NOTED
 
-    # what the ranks printed last, not the launcher's own note of the failure (the record says it)
+    # what the ranks printed last, not the launcher's note of the failure
     lines = [line.strip() for line in tail]
     noted = [m for m in (NOTED.search(line) for line in lines) if m]
     said = [kept for kept in (NOTED.sub("", line).strip() for line in lines) if kept]
     last = said[-1] if said else "no output"
-    failed = folder / FAILED
-    if failed.exists():
-        record = json.loads(failed.read_text())
-        rank, code = f"rank {record['rank']} of {world}", int(record["code"])
-    elif noted:  # the record could not be written (the folder gone or full): the note says the same
+    if noted:
         rank, code = f"rank {noted[-1]['rank']} of {world}", int(noted[-1]["code"])
     else:  # the launcher never saw a rank fail: it was ended itself
         rank = "the ranks' launcher"

@@ -27,12 +27,9 @@ from pathlib import Path
 #: a rank's name in ``ps``/``top`` (``/proc/PID/comm``, at most 15 bytes): ``vg-rank-`` and its number
 RANK_NAME = "vg-rank-{rank}"
 
-#: the file in the run's folder where the launcher writes the first rank that failed, before it kills the
-#: group: ``{"rank": R, "code": C}``, C as ``os.waitstatus_to_exitcode`` gives it (-N: ended by signal N)
-FAILED = "failed-rank.json"
-
-#: the launcher's line on stderr for that rank (where the record cannot be written, the parent reads this),
-#: and the pattern that finds it at the end of a line (a rank that died mid-line leaves half a line first)
+#: the launcher's line on stderr for the first rank that failed, written before it kills the group (the
+#: parent reads it: C as ``os.waitstatus_to_exitcode`` gives it, -N for a rank ended by signal N), and the
+#: pattern that finds it at the end of a line (a rank that died mid-line leaves half a line first)
 NOTE = "[vramguard] rank {rank} exited with {code}"
 NOTED = re.compile(r"\[vramguard\] rank (?P<rank>\d+) exited with (?P<code>-?\d+)$")
 
@@ -61,7 +58,6 @@ def launch_ranks(spec_path: str) -> int:
         if code != 0:
             r, code = _first_cause([(r, code), *_exited_too(ranks)])
             print("\n" + NOTE.format(rank=r, code=code), file=sys.stderr, flush=True)  # (after a half line)
-            _write_failed(Path(spec["folder"]), r, code)
             os.killpg(0, signal.SIGKILL)
     return 0
 
@@ -89,17 +85,6 @@ def _first_cause(failed: list[tuple[int, int]]) -> tuple[int, int]:
     first (it reaps in the order the children were made)."""
     failed = [(r, code) for r, code in failed if code != 0]
     return min(failed, key=lambda rc: 0 if -rc[1] in EXTERNAL_SIGNALS else 1 if rc[1] < 0 else 2)
-
-
-def _write_failed(folder: Path, rank: int, code: int) -> None:
-    """Say which rank failed and how (:data:`FAILED`), whole or not at all: the parent tells a rank ended by
-    a signal from outside (the out-of-memory killer's SIGKILL) from a rank that failed on its own (a bug)."""
-    from vramguard.atomic import write_text_atomic  # standard library only
-
-    try:
-        write_text_atomic(folder / FAILED, json.dumps({"rank": rank, "code": code}))
-    except OSError:  # the folder gone or full: the parent reads the launcher's NOTE instead
-        pass
 
 
 def _fork(rank: Callable[[], int], r: int) -> int:

@@ -165,6 +165,7 @@ def test_finds_first_bad_within_the_probe_bound(
         assert probe["exit_code"] == (1 if probe["verdict"] == "bad" else 0) and probe["duration_s"] >= 0
     assert [p["version"] for p in data["probes"]][:2] == ["1.0", "1.9"]  # endpoints verified first
     assert err.count("step ") == len(data["probes"])  # one progress line per probe
+    assert "step 1 (≤ 6): vg-dummy 1.0 -> good (exit 0, " in err  # the line as it is: no markup left in it
     assert_cache_consistent(shared_cache)
 
 

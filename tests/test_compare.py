@@ -153,6 +153,23 @@ def test_one_sided_benchmarks_are_reported(tmp_path: Path, capsys: pytest.Captur
     assert main(["compare", base, cur, "--allow-missing", "--fail-on-missing"]) == 2
 
 
+def test_names_and_labels_are_printed_as_they_are(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Parameter values and paths are printed as they are: read as rich markup, ``[r8]`` was an unknown style
+    and vanished from the line, and ``[/]`` made ``compare`` an internal error."""
+    folder = tmp_path / "runs[/]x"  # the folders "runs[" and "]x"
+    folder.mkdir(parents=True)
+    base_doc, cur_doc = _doc(**{"[r8]": 1.0 * GIB}), _doc(**{"[/]": 2.0 * GIB})
+    for doc in (base_doc, cur_doc):
+        doc["benchmarks"][0]["extra_info"]["vramguard"]["metrics"]["[b]odd[/b]"] = 1.0
+    base, cur = _write(folder / "a.json", base_doc), _write(folder / "b.json", cur_doc)
+    assert main(["compare", base, cur, "--verbose"]) == 1
+    out = capsys.readouterr().out
+    assert f"baseline: {base}" in out and f"current:  {cur}" in out
+    assert "only in baseline: test_qlora_step_gpu case=[r8]," in out
+    assert "only in current:  test_qlora_step_gpu case=[/]," in out
+    assert "[b]odd[/b]" in out
+
+
 def _edit_metric(doc: dict, case: str, metric: str, value: object = "delete") -> dict:
     doc = copy.deepcopy(doc)
     for bench in doc["benchmarks"]:

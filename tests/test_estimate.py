@@ -245,6 +245,18 @@ def test_unknown_model_type_and_rejected_config_are_one_line(
         assert err.startswith("vramguard: error: ") and err.count("\n") == 1, err
 
 
+def test_a_models_path_is_printed_as_it_is(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The header names the ``--model`` file as given: read as rich markup, ``[b]`` turned the rest bold and
+    vanished, and ``[/]`` (a folder ending in ``[``) made the estimate an internal error after its run."""
+    folder = tmp_path / "models[/]x"  # the folders "models[" and "]x"
+    folder.mkdir(parents=True)
+    path = folder / "[b]tiny.json"
+    path.write_text(presets()["tiny-llama"].read_text())
+    assert main(["estimate", "--model", str(path), "--seq-len", "8", "--batch", "1", "--target", "cpu"]) == 0
+    unwrapped = "".join(capsys.readouterr().out.split())  # COLUMNS=80 under xdist wraps the header
+    assert f"vramguardestimate{path}(llama" in unwrapped
+
+
 def test_absurd_seq_len_is_answered_with_the_number(capsys: pytest.CaptureFixture[str]) -> None:
     """seq 10^9: one line, exit 2, with the estimate's figure; nothing of that size is allocated."""
     argv = ["estimate", "--model", "tiny-llama", "--seq-len", str(10**9), "--batch", "1"]

@@ -309,7 +309,7 @@ class Reporter(Protocol):
         """A context in which a long step (an install, a probe) shows ``status`` as under way."""
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
-        """Show one progress line (rich markup allowed)."""
+        """Show one progress line as it is (never read as markup); ``style=`` colours the whole line."""
 
 
 class Silent:
@@ -447,11 +447,12 @@ class BisectRun(LoggedRun):
         colour = {"good": "green", "bad": "red", "skip": "yellow"}[p.verdict]
         how = "timeout" if p.reason == "timeout" else f"exit {p.exit_code}"
         src = f"installed in {p.install_s:.1f} s" if p.overlay == "installed" else p.overlay
-        self.console.print(
-            f"[bold]step {len(self.probes)}[/] (≤ {bound}): {self.package} {p.version} -> "
-            f"[{colour}]{p.verdict}[/] ({how}, {p.duration_s:.1f} s, {src})"
+        self.console.print(  # in the verdict's colour; the reason (a probe's or pip's words) is never markup
+            f"step {len(self.probes)} (≤ {bound}): {self.package} {p.version} -> "
+            f"{p.verdict} ({how}, {p.duration_s:.1f} s, {src})"
             + (f" - {p.reason}" if p.reason and p.reason != "timeout" else "")
-            + f"  [dim]range {lo} .. {hi}[/]",
+            + f"  range {lo} .. {hi}",
+            style=colour,
             highlight=False,
             soft_wrap=True,
         )

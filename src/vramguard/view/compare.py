@@ -8,6 +8,7 @@ import math
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from vramguard.history import compare as _compare
 from vramguard.history.compare import MEMORY_METRICS, Comparison, Row, params_label
@@ -40,8 +41,8 @@ def _interesting(rows: list[Row], verbose: bool) -> list[Row]:
 def render(comparison: Comparison, console: Console, verbose: bool = False) -> None:
     """Print a comparison as a rich table (the version changes above it, the verdict below); ``verbose`` also
     lists the metrics that did not move."""
-    console.print(f"[bold]baseline[/]: {comparison.baseline_label}")
-    console.print(f"[bold]current[/]:  {comparison.current_label}")
+    console.print(Text.assemble(("baseline", "bold"), f": {comparison.baseline_label}"))
+    console.print(Text.assemble(("current", "bold"), f":  {comparison.current_label}"))
     for name, (old, new) in comparison.version_changes.items():
         console.print(f"  {name}: {old} -> {new}")
     table = Table(title="vramguard compare", show_lines=False)
@@ -70,16 +71,14 @@ def render(comparison: Comparison, console: Console, verbose: bool = False) -> N
             _fmt(r.metric, r.delta, signed=True),
             _pct(r.relative),
             "-" if r.threshold is None else f"{r.threshold * 100:g}%",
-            f"[{style}]{r.status}[/]" if style else r.status,
+            Text(r.status, style=style),
         )
     console.print(table)
     for key in comparison.only_baseline:
         console.print(f"only in baseline: {key[0]} {params_label(key[1])} (missing from the current run)")
     for key in comparison.only_current:
         console.print(f"only in current:  {key[0]} {params_label(key[1])}")
-    console.print(
-        f"[bold red]{comparison.verdict()}[/]" if comparison.failed else f"[green]{comparison.verdict()}[/]"
-    )
+    console.print(comparison.verdict(), style="bold red" if comparison.failed else "green")
 
 
 def markdown(comparison: Comparison, verbose: bool = False) -> str:

@@ -1,5 +1,10 @@
 """The consoles every face prints to (the CLI, the pytest plugins, the Trainer callback) and the audit's
-progress bar: rich, imported only when one is asked for."""
+progress bar: rich, imported only when one is asked for.
+
+None of them reads rich markup in what it prints: the data in a line (a benchmark's name such as
+``test_step[tiny-llama-r8]``, a path, a library's message) is printed as it is, where markup would drop
+``[tiny-llama-r8]`` as an unknown style and fail on ``[/]``. Styles are given as ``style=`` or ``rich.text.Text``.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +21,9 @@ def stdout_console() -> Any:
     set, wide enough that nothing wraps (rich's default there is 80 columns)."""
     from rich.console import Console
 
-    console = Console()
+    console = Console(markup=False)
     if not console.is_terminal and not os.environ.get("COLUMNS"):
-        console = Console(width=UNWRAPPED_WIDTH)
+        console = Console(width=UNWRAPPED_WIDTH, markup=False)
     return console
 
 
@@ -26,21 +31,21 @@ def wide_stdout_console() -> Any:
     """rich's console on stdout, 200 columns wide when stdout is no terminal (``vramguard compare``)."""
     from rich.console import Console
 
-    return Console(file=sys.stdout, width=200 if not sys.stdout.isatty() else None)
+    return Console(file=sys.stdout, width=200 if not sys.stdout.isatty() else None, markup=False)
 
 
 def stderr_console() -> Any:
     """rich's console on stderr (progress and status lines)."""
     from rich.console import Console
 
-    return Console(stderr=True)
+    return Console(stderr=True, markup=False)
 
 
 def text_console(file: Any, width: int = 200) -> Any:
     """A rich console writing plain text (no colour, no terminal codes) to ``file``."""
     from rich.console import Console
 
-    return Console(file=file, width=width, force_terminal=False, color_system=None)
+    return Console(file=file, width=width, force_terminal=False, color_system=None, markup=False)
 
 
 def progress_bar(quiet: bool) -> Any:
@@ -50,7 +55,7 @@ def progress_bar(quiet: bool) -> Any:
 
     console = stderr_console()
     return Progress(
-        TextColumn("[progress.description]{task.description}"),
+        TextColumn("{task.description}", style="progress.description", markup=False),
         BarColumn(),
         TimeElapsedColumn(),
         console=console,

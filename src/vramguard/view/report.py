@@ -42,6 +42,13 @@ def _checkpointing(c: dict[str, Any]) -> str:
     return f"checkpointing {'on' if c['gradient_checkpointing'] else 'off'}"
 
 
+def _bold_first(head: str, rest: str) -> Any:
+    """``head`` in bold, then ``rest``: data (a model's path, a trainer's name) is never read as markup."""
+    from rich.text import Text
+
+    return Text.assemble((head, "bold"), rest)
+
+
 def audit_header(report: AuditReport, console: Any) -> None:
     """The run's shape and what ran it, then the library versions (dim)."""
     c = report.config
@@ -52,11 +59,14 @@ def audit_header(report: AuditReport, console: Any) -> None:
         else ""
     )
     console.print(
-        f"[bold]vramguard audit[/] {c['model']}{kind} on {report.device}: {batch_text(c)}, "
-        f"{_lora(c)}, compute {c['compute_dtype']}, {_checkpointing(c)}, {len(report.steps)} steps"
+        _bold_first(
+            "vramguard audit",
+            f" {c['model']}{kind} on {report.device}: {batch_text(c)}, "
+            f"{_lora(c)}, compute {c['compute_dtype']}, {_checkpointing(c)}, {len(report.steps)} steps",
+        )
     )
     env = report.environment.get("packages", {})
-    console.print("[dim]" + ", ".join(f"{k} {v}" for k, v in env.items() if v) + "[/]", highlight=False)
+    console.print(", ".join(f"{k} {v}" for k, v in env.items() if v), style="dim", highlight=False)
 
 
 def batch_text(c: dict[str, Any]) -> str:
@@ -80,12 +90,15 @@ def estimate_header(report: AuditReport, console: Any) -> None:
     arch = report.architecture
     step = c.get("extra", {})
     console.print(
-        f"[bold]vramguard estimate[/] {c['model']} ({arch.get('model_type')}, {arch.get('model_class')}, "
-        f"{arch.get('attn_implementation')} attention) on {report.device}: {batch_text(c)}, "
-        f"{_method(c)}, compute {c['compute_dtype']}, {_checkpointing(c)}, "
-        f"optimizer {step.get('optimizer', 'adamw')}, "
-        + ("activations offloaded to the host, " if step.get("offload_activations") else "")
-        + f"{len(report.steps)} steps in {report.elapsed_s:.1f} s",
+        _bold_first(
+            "vramguard estimate",
+            f" {c['model']} ({arch.get('model_type')}, {arch.get('model_class')}, "
+            f"{arch.get('attn_implementation')} attention) on {report.device}: {batch_text(c)}, "
+            f"{_method(c)}, compute {c['compute_dtype']}, {_checkpointing(c)}, "
+            f"optimizer {step.get('optimizer', 'adamw')}, "
+            + ("activations offloaded to the host, " if step.get("offload_activations") else "")
+            + f"{len(report.steps)} steps in {report.elapsed_s:.1f} s",
+        ),
         highlight=False,
     )
 
@@ -94,8 +107,11 @@ def trainer_header(report: AuditReport, console: Any) -> None:
     """Which trainer ran which model, and the batch."""
     c = report.config
     console.print(
-        f"[bold]vramguard[/] {c.get('trainer')} run of {report.architecture.get('model_class')} on {report.device}: "
-        f"{batch_text({'seq_len': '?', **c})}, {len(report.steps)} steps",
+        _bold_first(
+            "vramguard",
+            f" {c.get('trainer')} run of {report.architecture.get('model_class')} on {report.device}: "
+            f"{batch_text({'seq_len': '?', **c})}, {len(report.steps)} steps",
+        ),
         highlight=False,
     )
 
@@ -125,7 +141,9 @@ def _tops(row: LayerRow) -> str:
 
 
 def _copies(row: LayerRow) -> str:
-    return f"[red]{fb(row.weight_copy_bytes)}[/]" if row.weight_copy_bytes else fb(0)
+    from rich.text import Text
+
+    return Text(fb(row.weight_copy_bytes), style="red") if row.weight_copy_bytes else fb(0)
 
 
 def _analytic(row: LayerRow) -> str:
@@ -283,15 +301,17 @@ def step_lines(report: AuditReport, console: Any) -> None:
 
 def notes(report: AuditReport, console: Any) -> None:
     """The verdict's notes, one line each."""
+    from rich.text import Text
+
     for n in report.verdict.notes:
-        console.print(f"[yellow]note:[/] {n}", highlight=False)
+        console.print(Text.assemble(("note:", "yellow"), f" {n}"), highlight=False)
 
 
 def verdict_line(report: AuditReport, console: Any) -> None:
     """The verdict, green or red: one greppable line whatever the width (COLUMNS=80 is set under
     pytest-xdist, and by some CI runners)."""
     style = "bold green" if report.verdict.ok else "bold red"
-    console.print(f"[{style}]{report.verdict.line}[/]", highlight=False, soft_wrap=True)
+    console.print(report.verdict.line, style=style, highlight=False, soft_wrap=True)
 
 
 # -- per rank (--world-size) ---------------------------------------------------------------------------------
@@ -308,8 +328,11 @@ def distributed_header(report: AuditReport, console: Any) -> None:
         else ("FSDP + QLoRA recipe")
     )
     console.print(
-        f"[bold]{d.sharding}[/] over {d.world_size} ranks{offload} ({d.engine}); {recipe}: packed "
-        "4-bit weights stored in the compute dtype, no fp32 upcast; every rank measured with the ledger and tracker",
+        _bold_first(
+            d.sharding,
+            f" over {d.world_size} ranks{offload} ({d.engine}); {recipe}: packed 4-bit weights stored in the "
+            "compute dtype, no fp32 upcast; every rank measured with the ledger and tracker",
+        ),
         highlight=False,
     )
 

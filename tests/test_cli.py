@@ -50,6 +50,23 @@ def test_a_run_killed_from_outside_is_one_line_exit_3_and_no_bug(
     assert err == "vramguard: error: rank 1 of 2 was killed by SIGKILL before the run finished\n"
 
 
+def test_a_path_the_system_refuses_is_bad_input_and_other_os_errors_are_bugs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    """A name too long for the file system (found by fuzzing ``report`` and ``compare --html``) is the user's
+    path: one line naming it, exit 2. An OSError about no file stays an internal error."""
+    long = str(tmp_path / ("a" * 300))
+    assert cli.main(["report", long, "-o", str(tmp_path / "r.html")]) == 2
+    assert capsys.readouterr().err == f"vramguard: error: {long}: File name too long\n"
+
+    def no_file(args: object) -> int:
+        raise OSError(5, "Input/output error")
+
+    _crashing_subcommand(monkeypatch, no_file)
+    assert cli.main([]) == cli.EXIT_INTERNAL_ERROR
+    assert capsys.readouterr().err.startswith("vramguard: internal error: OSError: [Errno 5] Input/output error")
+
+
 def test_vramguard_debug_shows_the_traceback(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -152,15 +152,26 @@ def _run(argv: Sequence[str] | None, parsed: list[argparse.Namespace]) -> int:
     except KeyboardInterrupt:
         print("vramguard: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        if exc.filename is None:  # not about a file: the last line of defence below
+            return _internal_error(exc)
+        # a path the system refused (too long a name, a folder where a file was asked for, no room, no
+        # permission): the user's path or their machine, not a bug
+        print(f"vramguard: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, never exit 1
-        if os.environ.get("VRAMGUARD_DEBUG"):
-            traceback.print_exc()
-        print(
-            f"vramguard: internal error: {type(exc).__name__}: {exc} "
-            "(a bug; VRAMGUARD_DEBUG=1 shows the traceback)",
-            file=sys.stderr,
-        )
-        return EXIT_INTERNAL_ERROR
+        return _internal_error(exc)
+
+
+def _internal_error(exc: BaseException) -> int:
+    """One line naming ``exc`` as a bug (the traceback with ``VRAMGUARD_DEBUG=1``); exit 3."""
+    if os.environ.get("VRAMGUARD_DEBUG"):
+        traceback.print_exception(exc)
+    print(
+        f"vramguard: internal error: {type(exc).__name__}: {exc} (a bug; VRAMGUARD_DEBUG=1 shows the traceback)",
+        file=sys.stderr,
+    )
+    return EXIT_INTERNAL_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

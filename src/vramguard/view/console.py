@@ -3,7 +3,8 @@ progress bar: rich, imported only when one is asked for.
 
 None of them reads rich markup in what it prints: the data in a line (a benchmark's name such as
 ``test_step[tiny-llama-r8]``, a path, a library's message) is printed as it is, where markup would drop
-``[tiny-llama-r8]`` as an unknown style and fail on ``[/]``. Styles are given as ``style=`` or ``rich.text.Text``.
+``[tiny-llama-r8]`` as an unknown style and fail on ``[/]``. Styles are given as ``style=`` or
+``rich.text.Text``.
 """
 
 from __future__ import annotations

@@ -220,6 +220,9 @@ def test_audit_json_still_round_trips_without_an_estimate() -> None:
         (["--model", "no-such-model"], "unknown model"),
         (["--seq-len", "0"], "must be positive"),
         (["--dtype", "int3"], "unknown dtype"),
+        # past torch's 64-bit sizes: was an internal error from torch.empty (fuzzing)
+        (["--seq-len", str(10**29)], "must be at most 2,147,483,647"),
+        (["--lora-rank", str(2**31)], "must be at most 2,147,483,647"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

@@ -165,6 +165,7 @@ def test_default_config_is_valid() -> None:
         ({"seq_len": 0}, r"seq-len must be positive, got 0"),
         ({"batch": -1}, r"batch must be positive, got -1"),
         ({"lora_rank": 0}, r"lora-rank must be positive, got 0"),
+        ({"batch": 10**29}, r"batch must be at most 2,147,483,647, got 1e\+29"),  # a run config's value
         ({"lora_dropout": 1.0}, r"lora dropout must be in \[0, 1\), got 1\.0"),
         ({"lora_dropout": -0.1}, r"lora dropout must be in \[0, 1\)"),
         ({"compute_dtype": "int8"}, r"unknown dtype 'int8' \(choose from bf16, fp16, fp32\)"),

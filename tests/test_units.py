@@ -60,6 +60,7 @@ def test_parse_size_known_answers(text: str | int | float, expected: int) -> Non
         float("inf"),
         "nan",
         "inf",
+        "1" + "0" * 400 + " GiB",  # past a float: was an OverflowError (fuzzing --fit and --cache-max)
     ],
 )
 def test_parse_size_rejects_bad_input(text: object) -> None:

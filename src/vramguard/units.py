@@ -22,6 +22,11 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([+-]?\d+(?:\.\d*)?|[+-]?\.\d+)\s*([a-zA-Z]*)\s*$")
 
 
+MAX_COUNT = 2**31 - 1
+"""The largest count (sequence length, batch, rank, steps, ranks) a run takes: counts beyond it are no run
+anyone launches, and their products with the model's widths overflow torch's 64-bit sizes."""
+
+
 def parse_size(text: str | int | float) -> int:
     """Bytes from ``"12 MiB"`` / ``"1.5GB"`` / ``4096``; raises UsageError on anything else."""
     if isinstance(text, bool):
@@ -38,6 +43,8 @@ def parse_size(text: str | int | float) -> int:
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if value < 0:
         raise UsageError(f"a size cannot be negative: {text!r}")
+    if not math.isfinite(value):
+        raise UsageError(f"not a size: {str(text)[:40]!r}... is beyond any memory")
     return int(round(value))
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from vramguard.audit import verdict as checks
 from vramguard.audit.report import AuditReport
 from vramguard.errors import UsageError
+from vramguard.units import MAX_COUNT
 from vramguard.workload.models import ATTN_IMPLEMENTATIONS, QLoRAConfig
 from vramguard.workload.sharding import SHARDINGS, ShardingConfig
 
@@ -25,6 +26,8 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT:,}: {text[:40]!r}")
     return value
 
 

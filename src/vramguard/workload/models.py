@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from vramguard.errors import UsageError, first_line
+from vramguard.units import MAX_COUNT
 from vramguard.workload.families import experts_of, is_hf_config, spec_from_hf, transformers_config
 
 DTYPES: dict[str, torch.dtype] = {
@@ -287,6 +288,9 @@ class QLoRAConfig:
                 raise UsageError(f"{name.replace('_', '-')} must be an integer, got {getattr(self, name)!r}")
             if getattr(self, name) <= 0:
                 raise UsageError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+            if getattr(self, name) > MAX_COUNT:
+                too_big = f"must be at most {MAX_COUNT:,}, got {getattr(self, name):.3g}"
+                raise UsageError(f"{name.replace('_', '-')} {too_big}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise UsageError(f"lora dropout must be in [0, 1), got {self.lora_dropout}")
         for name in ("use_dora", "padding_free", "packing", "use_liger_kernel"):

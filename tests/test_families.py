@@ -104,6 +104,15 @@ def test_unknown_family_console_report_shows_no_ratio(
             {"model_type": "gemma2", "head_dim": 7},
             "RoPE requires an even rotary dimension",
         ),  # transformers' check
+        # found by fuzzing: internal errors before
+        ({"model_type": "llama", "num_key_value_heads": 0}, "num_key_value_heads must be a positive divisor"),
+        ({"model_type": "llama", "hidden_act": "gelu2"}, "transformers cannot build config: KeyError 'gelu2'"),
+        ({"model_type": "llama", "quantization_config": "nf4"}, "cannot build config: AttributeError"),
+        ({"model_type": "mixtral", "num_local_experts": 0}, "no experts to route each token's 2 to"),
+        (
+            {"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 5},
+            "num_experts_per_tok must be between 1 and the 2 experts, got 5",
+        ),
     ],
 )
 def test_refused_configs_are_one_line(
@@ -119,9 +128,10 @@ def test_refused_configs_are_one_line(
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**shape, **config}))
-    assert main(["audit", "--model", str(path), "--quiet"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0], err
+    for command in ("audit", "estimate"):  # a real model on the host, and one on meta
+        assert main([command, "--model", str(path), "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
 
 
 @pytest.mark.parametrize(

@@ -140,6 +140,13 @@ def test_deeply_nested_model_file_is_a_usage_error(tmp_path: Path) -> None:
         ModelSpec.load(path)
 
 
+def test_a_number_too_long_to_read_is_a_usage_error(tmp_path: Path) -> None:
+    """Python refuses to read an integer of over 4,300 digits: a ValueError traceback before (fuzzing)."""
+    path = _write(tmp_path, '{"vocab_size": ' + "9" * 5000 + "}", "long.json")
+    with pytest.raises(UsageError, match=r"cannot read model config .*long\.json: Exceeds the limit"):
+        ModelSpec.load(path)
+
+
 def test_huge_model_file_is_refused_without_reading_it_all(tmp_path: Path) -> None:
     path = _write(tmp_path, " " * (models.MAX_CONFIG_BYTES + 1), "huge.json")
     with pytest.raises(UsageError, match=r"huge\.json is over 1048576 bytes: not a JSON model config"):

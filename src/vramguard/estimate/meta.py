@@ -38,11 +38,13 @@ from vramguard.errors import UsageError, first_line
 from vramguard.estimate.autocast import autocast_off
 from vramguard.model.layers import sdpa_kernel
 from vramguard.workload.models import (
+    BUILD_ERRORS,
     METHODS,
     ModelSpec,
     QLoRAConfig,
     QLoRAModel,
     bnb_4bit_config,
+    build_error,
     padding_free_batch,
     parse_dtype,
     prepare_for_training,
@@ -770,8 +772,8 @@ def build_meta(
         try:
             with torch.device(device):
                 model = model_class._from_config(hf_config, dtype=weights_dtype, attn_implementation=built)
-        except (ValueError, TypeError, RuntimeError, ImportError) as exc:
-            raise UsageError(f"transformers cannot build {spec.name}: {first_line(exc)}") from None
+        except (*BUILD_ERRORS, RuntimeError) as exc:
+            raise UsageError(f"transformers cannot build {spec.name}: {build_error(exc)}") from None
         if method == "qlora":
             quantizer = AutoHfQuantizer.from_config(
                 bnb_4bit_config(config, sharded=sharded), pre_quantized=False

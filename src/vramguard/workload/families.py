@@ -149,7 +149,8 @@ def spec_from_hf(path: Path, data: dict[str, Any]) -> tuple[str, dict[str, Any]]
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise UsageError(f"model config {path}: {key} must be a positive integer, got {value!r}")
         fields[key] = value
-    kv = _value(config, "num_key_value_heads") or fields["num_attention_heads"]
+    kv = _value(config, "num_key_value_heads")
+    kv = fields["num_attention_heads"] if kv is None else kv  # 0 is no head count (it was taken for "unset")
     if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0 or fields["num_attention_heads"] % kv:
         raise UsageError(
             f"model config {path}: num_key_value_heads must be a positive divisor of num_attention_heads, "
@@ -165,6 +166,18 @@ def spec_from_hf(path: Path, data: dict[str, Any]) -> tuple[str, dict[str, Any]]
         raise UsageError(f"model config {path}: head_dim must be a positive even integer, got {head_dim!r}")
     fields["head_dim"] = head_dim
     fields["tie_word_embeddings"] = bool(_value(config, "tie_word_embeddings"))
+    for key in (*MOE_KEYS, "num_experts_per_tok"):
+        value = _value(config, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise UsageError(f"model config {path}: {key} must be a whole number, got {value!r}")
+    count = next((_value(config, k) for k in MOE_KEYS if _value(config, k)), 0)
+    top_k = _value(config, "num_experts_per_tok")
+    if not count and top_k and any(_value(config, k) == 0 for k in MOE_KEYS):
+        raise UsageError(f"model config {path}: no experts to route each token's {top_k} to")
+    if count and top_k is not None and not 0 < top_k <= count:
+        raise UsageError(
+            f"model config {path}: num_experts_per_tok must be between 1 and the {count} experts, got {top_k}"
+        )
     return model_type, fields
 
 

@@ -112,6 +112,8 @@ class ModelSpec:
             raise UsageError(f"cannot read model config {path}: {exc}") from None
         except RecursionError:
             raise UsageError(f"cannot read model config {path}: JSON nested too deeply") from None
+        except ValueError as exc:  # a number of over 4,300 digits
+            raise UsageError(f"cannot read model config {path}: {first_line(exc)}") from None
         if not isinstance(data, dict):
             raise UsageError(f"model config {path} must be a JSON object")
         if is_hf_config(data):
@@ -681,6 +683,18 @@ def storage_bytes_of(p: torch.Tensor, quant_state: Any) -> int:
     return total
 
 
+BUILD_ERRORS = (ValueError, TypeError, ImportError, KeyError, AttributeError, ZeroDivisionError, IndexError)
+"""What transformers raises building a model from a config it cannot build (an unknown ``hidden_act`` or
+``rope_scaling`` type is a KeyError, a ``quantization_config`` that is no mapping an AttributeError): the
+user's file, one line; the model classes run no vramguard code."""
+
+
+def build_error(exc: BaseException) -> str:
+    """One line of ``exc`` for :data:`BUILD_ERRORS`: its type where its text alone says little (``'gelu2'``)."""
+    text = first_line(exc)
+    return text if isinstance(exc, (ValueError, TypeError, ImportError)) else f"{type(exc).__name__} {text}"
+
+
 def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: bool = False) -> QLoRAModel:
     """Random-weight model -> 4-bit via ``BitsAndBytesConfig`` -> PEFT LoRA on all linear layers.
 
@@ -714,8 +728,8 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: boo
                     random_model = model_class._from_config(hf_config, dtype=compute_dtype)
             else:
                 random_model = model_class(hf_config)
-        except (ValueError, TypeError, ImportError) as exc:  # the config asks what transformers cannot build
-            raise UsageError(f"transformers cannot build {spec.name}: {first_line(exc)}") from None
+        except BUILD_ERRORS as exc:  # the config asks what transformers cannot build
+            raise UsageError(f"transformers cannot build {spec.name}: {build_error(exc)}") from None
         random_model.save_pretrained(tmp)
         del random_model
         quant = bnb_4bit_config(config, sharded=sharded)

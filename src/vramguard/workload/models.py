@@ -690,7 +690,8 @@ user's file, one line; the model classes run no vramguard code."""
 
 
 def build_error(exc: BaseException) -> str:
-    """One line of ``exc`` for :data:`BUILD_ERRORS`: its type where its text alone says little (``'gelu2'``)."""
+    """One line of ``exc`` for :data:`BUILD_ERRORS`, with its type where its text alone says little
+    (``'gelu2'``)."""
     text = first_line(exc)
     return text if isinstance(exc, (ValueError, TypeError, ImportError)) else f"{type(exc).__name__} {text}"
 

@@ -353,6 +353,8 @@ def test_probe_timeout_counts_as_bad(capsys, wheelhouse: Path, shared_cache: Pat
         (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--timeout", "-1"], PROBE_LEAK, "must be positive"),
         (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--timeout", "nan"], PROBE_LEAK, "must be positive"),
         (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--timeout", "inf"], PROBE_LEAK, "must be positive"),
+        # past the OS's timers: an OverflowError from subprocess before (fuzzing)
+        (["vg-dummy", "--good", "1.0", "--bad", "1.9", "--index-timeout", "1e300"], PROBE_LEAK, "at most"),
         (
             ["../vg-dummy", "--good", "1.0", "--bad", "1.9", "--versions", ALL],
             PROBE_LEAK,

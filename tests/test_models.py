@@ -147,6 +147,18 @@ def test_a_number_too_long_to_read_is_a_usage_error(tmp_path: Path) -> None:
         ModelSpec.load(path)
 
 
+def test_a_pipe_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """Opening a FIFO waits for a writer: ``--model`` naming one hung for ever (fuzzing)."""
+    import os
+
+    from test_run_config import release_a_reader_after
+
+    os.mkfifo(tmp_path / "model.json")
+    release_a_reader_after(tmp_path / "model.json", 10)
+    with pytest.raises(UsageError, match=r"model config .*model\.json is a pipe, not a file"):
+        ModelSpec.load(tmp_path / "model.json")
+
+
 def test_huge_model_file_is_refused_without_reading_it_all(tmp_path: Path) -> None:
     path = _write(tmp_path, " " * (models.MAX_CONFIG_BYTES + 1), "huge.json")
     with pytest.raises(UsageError, match=r"huge\.json is over 1048576 bytes: not a JSON model config"):

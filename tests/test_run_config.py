@@ -8,7 +8,9 @@ meta with the CPU's kernels equals the audit of the same file to the byte.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +258,21 @@ def test_a_bad_file_or_value_is_one_line_and_exit_2(
     assert err.startswith("vramguard: error: ") and err.count("\n") == 1 and needle in err, err
 
 
+def release_a_reader_after(fifo: Path, seconds: float) -> None:
+    """Were the code under test to open ``fifo`` and wait for a writer, a writer comes after ``seconds``: the
+    test then fails on what was read instead of hanging the run."""
+
+    def release() -> None:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # fails at once when no reader waits
+        except OSError:
+            pass
+
+    timer = threading.Timer(seconds, release)
+    timer.daemon = True
+    timer.start()
+
+
 @pytest.mark.parametrize(
     ("content", "needle"),
     [
@@ -263,13 +280,17 @@ def test_a_bad_file_or_value_is_one_line_and_exit_2(
         (b"- 1\n- 2\n", "must be a mapping"),
         (b"\xff\xfe\x00binary", "not UTF-8"),
         (None, "no such file"),
+        ("fifo", "is a pipe, not a file"),  # opening it waited for a writer for ever (fuzzing)
     ],
 )
 def test_a_file_that_is_no_config_is_one_line(
-    content: bytes | None, needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    content: bytes | str | None, needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "run.yaml"
-    if content is not None:
+    if content == "fifo":
+        os.mkfifo(path)
+        release_a_reader_after(path, 10)
+    elif isinstance(content, bytes):
         path.write_bytes(content)
     for command in ("estimate", "audit"):
         assert main([command, "--config", str(path)]) == 2

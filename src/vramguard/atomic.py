@@ -13,8 +13,15 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` via a temporary file in the same directory and ``os.replace``."""
+    """Write ``data`` to ``path`` via a temporary file in the same directory and ``os.replace``.
+
+    A path that is a device or a pipe (``--json /dev/null``, a FIFO a reader waits on) is written to as it is:
+    replacing it would put a regular file in its place (as root, in ``/dev``)."""
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():
+        with path.open("wb") as f:
+            f.write(data)
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

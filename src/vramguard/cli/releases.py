@@ -16,6 +16,9 @@ from vramguard.bisect.run import Terminated, signals_end_the_run
 from vramguard.errors import UsageError
 
 
+MAX_TIMEOUT_S = 365 * 24 * 3600
+
+
 def positive_float(text: str) -> float:
     """argparse type of a timeout: a positive, finite number of seconds."""
     try:
@@ -24,6 +27,8 @@ def positive_float(text: str) -> float:
         raise UsageError(f"not a number of seconds: {text!r}") from None
     if not value > 0 or not math.isfinite(value):
         raise UsageError(f"a timeout must be positive and finite: {text!r}")
+    if value > MAX_TIMEOUT_S:  # the OS's timers stop at about 2**63 ns (292 years); a year is never meant
+        raise UsageError(f"a timeout must be at most {MAX_TIMEOUT_S:,} s (a year): {text!r}")
     return value
 
 

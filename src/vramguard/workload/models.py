@@ -95,6 +95,8 @@ class ModelSpec:
                     f"unknown model {str(ref)!r}: use a preset ({', '.join(known)}) or a JSON path"
                 )
             path = known[str(ref)]
+        if path.is_fifo():  # opening it would wait for a writer, for ever
+            raise UsageError(f"model config {path} is a pipe, not a file")
         try:
             with path.open("rb") as fh:
                 raw = fh.read(MAX_CONFIG_BYTES + 1)

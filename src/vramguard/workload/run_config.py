@@ -202,6 +202,8 @@ def read_file(path: Path) -> dict[str, Any]:
     missing, binary, oversized or malformed file, or one that is no mapping, is a one-line UsageError."""
     import yaml
 
+    if path.is_fifo():  # opening it would wait for a writer, for ever
+        raise UsageError(f"--config {path} is a pipe, not a file")
     try:
         with path.open("rb") as fh:
             raw = fh.read(MAX_CONFIG_BYTES + 1)

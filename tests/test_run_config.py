@@ -243,6 +243,10 @@ def test_quiet_still_names_what_is_not_priced(tmp_path: Path, capsys: pytest.Cap
         ({"lora_target_modules": 3}, "lora_target_modules must be a list of names"),
         ({"dtype": "int3"}, "dtype must be"),
         ({"model_name_or_path": "meta-llama/Llama-3.1-8B"}, "downloads nothing"),
+        # found by fuzzing, internal errors before: transformers opened 5 as a file descriptor, and raised
+        # FileNotFoundError for a missing accelerator config
+        ({"accelerator_config": 5}, "accelerator_config must be a file's path or a mapping, got 5"),
+        ({"accelerator_config": "/nonexistent/acc.json"}, "No such file or directory: '/nonexistent/acc.json'"),
     ],
 )
 def test_a_bad_file_or_value_is_one_line_and_exit_2(

@@ -251,6 +251,9 @@ def parse_trl(path: Path, data: dict[str, Any]) -> tuple[Any, Any, dict[str, Any
             data.setdefault(name, None)  # trl sft would read the data; the step's memory does not depend on it
     for key in launch_keys(set(data) - fields):  # trl sft hands these to accelerate launch: not the step's
         del data[key]
+    for key in ("accelerator_config", "deepspeed", "fsdp_config"):  # paths transformers opens, or mappings
+        if isinstance(data.get(key), (bool, int, float)):  # an int is opened as a file descriptor
+            raise UsageError(f"--config {path}: {key} must be a file's path or a mapping, got {data[key]!r}")
     parser = HfArgumentParser(types)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. gradient_checkpointing's deprecation in favour of its new name
@@ -262,8 +265,10 @@ def parse_trl(path: Path, data: dict[str, Any]) -> tuple[Any, Any, dict[str, Any
                 default = cls(**base) if cls is SFTConfig else cls(**dict.fromkeys(required[cls]))
                 trl_defaults.update(default.to_dict() if cls is SFTConfig else dataclasses.asdict(default))
             defaults = [trl_defaults, TrainingArguments(**base).to_dict()]
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, OSError) as exc:  # OSError: a path in it that cannot be read
             raise UsageError(f"--config {path}: {first_line(exc)}") from None
+        except ImportError as exc:  # deepspeed: ... without DeepSpeed installed
+            raise UsageError(f"--config {path} needs a package that is not installed: {first_line(exc)}") from None
     sft = next(obj for obj in parsed_all if isinstance(obj, SFTConfig))
     model_args = next(obj for obj in parsed_all if isinstance(obj, ModelConfig))
     parsed: dict[str, Any] = {}
@@ -353,7 +358,10 @@ def load_run_config(path: str | Path) -> RunConfig:
     # the model: a local directory with config.json, or the config.json itself
     ref = model_args.model_name_or_path
     if ref is not None:
-        candidate = Path(str(ref)).expanduser()
+        try:
+            candidate = Path(str(ref)).expanduser()
+        except RuntimeError as exc:  # ~user that does not exist, or no home directory
+            raise UsageError(f"--config {path}: model_name_or_path {ref!r}: {exc}") from None
         if not candidate.is_absolute():
             candidate = (path.parent / candidate) if (path.parent / candidate).exists() else candidate
         if candidate.is_dir() and (candidate / "config.json").is_file():

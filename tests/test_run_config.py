@@ -246,7 +246,7 @@ def test_quiet_still_names_what_is_not_priced(tmp_path: Path, capsys: pytest.Cap
         # found by fuzzing, internal errors before: transformers opened 5 as a file descriptor, and raised
         # FileNotFoundError for a missing accelerator config
         ({"accelerator_config": 5}, "accelerator_config must be a file's path or a mapping, got 5"),
-        ({"accelerator_config": "/nonexistent/acc.json"}, "No such file or directory: '/nonexistent/acc.json'"),
+        ({"accelerator_config": "/nonexistent/acc.json"}, "No such file or directory: '/nonexistent/acc"),
     ],
 )
 def test_a_bad_file_or_value_is_one_line_and_exit_2(

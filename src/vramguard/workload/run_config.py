@@ -268,7 +268,8 @@ def parse_trl(path: Path, data: dict[str, Any]) -> tuple[Any, Any, dict[str, Any
         except (ValueError, TypeError, KeyError, OSError) as exc:  # OSError: a path in it that cannot be read
             raise UsageError(f"--config {path}: {first_line(exc)}") from None
         except ImportError as exc:  # deepspeed: ... without DeepSpeed installed
-            raise UsageError(f"--config {path} needs a package that is not installed: {first_line(exc)}") from None
+            missing = first_line(exc)
+            raise UsageError(f"--config {path} needs a package that is not installed: {missing}") from None
     sft = next(obj for obj in parsed_all if isinstance(obj, SFTConfig))
     model_args = next(obj for obj in parsed_all if isinstance(obj, ModelConfig))
     parsed: dict[str, Any] = {}

@@ -3,6 +3,7 @@ and the HTML / markdown rendering, from stores built here record by record."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,41 @@ def test_runs_without_memory_fields_are_listed_and_an_empty_store_is_an_error(tm
     )
     with pytest.raises(UsageError, match="holds no runs"):
         build(ResultStore(tmp_path / "empty"))
+
+
+def test_records_of_another_shape_are_skipped_with_the_reason_and_the_rest_is_drawn(tmp_path: Path) -> None:
+    """Found by fuzzing ``report``: each of these was an internal error (AttributeError, TypeError,
+    ValueError) for the whole report. A record whose machine_info or sweep marker is no mapping is now a
+    skipped run with its reason; a per-layer byte count that is no number draws no bars for that run."""
+    good = doc("1.0", 1.0, layers={"model.layers.0": {"activation": 100}})
+    odd_bytes = doc("1.2", 1.0, layers={"model.layers.0": {"activation": 1}})
+    odd_bytes["benchmarks"][0]["extra_info"]["vramguard"]["saved_per_layer"]["by_layer_kind"] = {
+        "model.layers.0": {"activation": "abc"}
+    }
+    store = store_of(tmp_path, good)
+    odd_info = store.add(doc("1.1", 1.0))  # then edited by hand (ResultStore.add refuses such a record)
+    odd_info.write_text(json.dumps({**json.loads(odd_info.read_text()), "machine_info": "abc"}))
+    store.add(odd_bytes)
+    swept = doc("1.3", 1.0)
+    store.add(swept, "run-with-an-odd-marker")
+    empty = {"machine_info": swept["machine_info"], "benchmarks": []}
+    marker = store.add(empty, "run-with-an-odd-marker", "sweep")
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "vramguard_sweep": "ok"}))
+    trend = build(store)
+    assert [r.versions["bitsandbytes"] for r in trend.runs] == ["1.0", "1.2"]
+    reasons = dict(trend.skipped_runs)
+    assert len(reasons) == 2
+    assert "its sweep record holds str" in reasons["run-with-an-odd-marker"]
+    assert any("'str' object has no attribute 'get'" in why for why in reasons.values())
+    (bars,) = build(store).layers
+    assert bars.run == 0 and bars.kinds == {"activation": [100]}  # run 1.2's count is no number: no bars
+    render_html(trend, "s")
+    only_odd = store_of(tmp_path / "only-odd")
+    (tmp_path / "only-odd").mkdir(exist_ok=True)
+    odd = only_odd.add(doc("1.1", 1.0))
+    odd.write_text(json.dumps({**json.loads(odd.read_text()), "machine_info": ["abc"]}))
+    with pytest.raises(UsageError, match=r"memory fields \(run .*: not a vramguard record"):
+        build(only_odd)
 
 
 def test_html_is_self_contained_and_marks_the_regression(tmp_path: Path) -> None:

@@ -163,29 +163,37 @@ def build(store: ResultStore, threshold: float | None = DEFAULT_MEMORY_THRESHOLD
     skipped: list[tuple[str, str]] = []
     for run in runs:
         doc = store.load(run)
-        sweep = next(
-            (
-                json.loads(f.read_text()).get("vramguard_sweep")
-                for f in run.files
-                if f.name.startswith("sweep-")
-            ),
-            None,
-        )
         try:
+            sweep = next(
+                (
+                    json.loads(f.read_text()).get("vramguard_sweep")
+                    for f in run.files
+                    if f.name.startswith("sweep-")
+                ),
+                None,
+            )
+            if sweep is not None and not isinstance(sweep, dict):
+                raise TypeError(f"its sweep record holds {type(sweep).__name__}, not a mapping")
             measured = entries(doc, run.run_id)
+            info = (doc.get("machine_info") or {}).get("vramguard") or {}
+            if not isinstance(info, dict):
+                raise TypeError(f"machine_info.vramguard is {type(info).__name__}, not a mapping")
+            run_versions = versions(doc, run.run_id)
+            run_payloads = _payloads(doc)
         except UsageError as exc:
             skipped.append((run.run_id, str(exc)))
             continue
-        info = (doc.get("machine_info") or {}).get("vramguard") or {}
-        infos.append(
-            RunInfo(
-                run.seq, run.run_id, run.key, "", versions(doc, run.run_id), info, doc.get("datetime"), sweep
-            )
-        )
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:  # a record of another shape
+            skipped.append((run.run_id, f"not a vramguard record ({type(exc).__name__}: {exc})"))
+            continue
+        when = doc.get("datetime")
+        infos.append(RunInfo(run.seq, run.run_id, run.key, "", run_versions, info, when, sweep))
         data.append(measured)
-        payloads.append(_payloads(doc))
+        payloads.append(run_payloads)
     if not infos:
-        raise UsageError(f"results store {store.root} holds no run with vramguard memory fields")
+        others = ", and others" if len(skipped) > 1 else ""
+        why = f" (run {skipped[0][0]}: {skipped[0][1]}{others})" if skipped else ""
+        raise UsageError(f"results store {store.root} holds no run with vramguard memory fields{why}")
     _labels(infos)
     series = _series(infos, data, threshold)
     return Trend(infos, series, _layers(payloads), skipped, threshold)
@@ -245,10 +253,15 @@ def _by_kind(payload: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, in
     if not isinstance(per, dict) or not isinstance(per.get("by_layer"), dict) or not per["by_layer"]:
         return None
     kinds = per.get("by_layer_kind")
-    if isinstance(kinds, dict) and kinds:
-        table = {layer: {k: int(v) for k, v in (kinds.get(layer) or {}).items()} for layer in per["by_layer"]}
-    else:
-        table = {layer: {"saved": int(v)} for layer, v in per["by_layer"].items()}
+    try:
+        if isinstance(kinds, dict) and kinds:
+            table = {
+                layer: {k: int(v) for k, v in (kinds.get(layer) or {}).items()} for layer in per["by_layer"]
+            }
+        else:
+            table = {layer: {"saved": int(v)} for layer, v in per["by_layer"].items()}
+    except (ValueError, TypeError, AttributeError):  # a byte count that is no number: no bars for it
+        return None
     return sorted(table, key=_layer_order), table
 
 

@@ -20,7 +20,7 @@ from test_bisect_cli import (  # wheelhouse_fixture: the fixture `wheelhouse`, b
     wheelhouse_fixture,  # noqa: F401
 )
 
-from vramguard.bisect.sweep import select_releases
+from vramguard.bisect.sweep import MARKER_WRITER, done_runs, same_environment, select_releases
 from vramguard.cli import main
 from vramguard.history.compare import entries
 from vramguard.history.store import ResultStore
@@ -285,3 +285,26 @@ def test_the_device_of_a_cpu_only_torch_is_known_without_importing_it() -> None:
     device, imported = proc.stdout.split()
     assert device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert imported == str(not torch.__version__.endswith("+cpu"))
+
+
+def test_markers_of_another_shape_resume_nothing() -> None:
+    """Found by fuzzing ``sweep``: a marker without machine_info, with machine_info as a list, or recording a
+    version that is no version was an internal error (KeyError, AttributeError, InvalidVersion) before any
+    release ran. Such a marker now resumes nothing: its release is measured again."""
+    import tempfile
+
+    env = {"packages": {"torch": "2.13.0"}, "python": "3.11", "device": "cpu"}
+    with tempfile.TemporaryDirectory() as folder:
+        store = ResultStore(folder)
+        ok = {"package": "vg-dummy", "version": "1.0", "outcome": "ok"}
+        for machine_info in (None, [1], {"vramguard": {**env, "packages": {"torch": "x.y"}}}):
+            path = store.add({"machine_info": {"vramguard": env}, "benchmarks": []}, None, MARKER_WRITER)
+            record = {**json.loads(path.read_text()), "vramguard_sweep": ok}
+            if machine_info is None:
+                del record["machine_info"]
+            else:
+                record["machine_info"] = machine_info
+            path.write_text(json.dumps(record))
+        markers = done_runs(store)
+    assert len(markers) == 1 and not same_environment(markers[0]["info"], env)  # "x.y" is not 2.13.0
+    assert same_environment({**env, "packages": {"torch": "x.y"}}, {**env, "packages": {"torch": "x.y"}})

@@ -138,6 +138,14 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _version(text: object) -> Version | str:
+    """A version to compare; a recorded string that is no version compares as itself (equal only to itself)."""
+    try:
+        return Version(str(text))
+    except InvalidVersion:
+        return str(text)
+
+
 def same_environment(info: dict[str, Any], env: dict[str, Any]) -> bool:
     """Whether a record's ``machine_info.vramguard`` block describes ``env``."""
     if not isinstance(info, dict) or not isinstance(info.get("packages"), dict):
@@ -147,7 +155,7 @@ def same_environment(info: dict[str, Any], env: dict[str, Any]) -> bool:
         got = recorded.get(canonicalize_name(name))
         if (got is None) != (version is None):
             return False
-        if got is not None and Version(str(got)) != Version(str(version)):
+        if got is not None and _version(got) != _version(version):
             return False
     return info.get("python") == env["python"] and info.get("device") == env["device"]
 
@@ -163,9 +171,11 @@ def done_runs(store: ResultStore) -> list[dict[str, Any]]:
                 doc = read_json(path)
             except UsageError:
                 continue
-            marker = doc.get("vramguard_sweep")
-            if isinstance(marker, dict) and marker.get("outcome") == "ok":
-                out.append(dict(marker, run_id=run.run_id, info=doc["machine_info"].get("vramguard")))
+            marker = doc.get("vramguard_sweep") if isinstance(doc, dict) else None
+            info = doc.get("machine_info") if isinstance(doc, dict) else None
+            if isinstance(marker, dict) and marker.get("outcome") == "ok" and isinstance(info, dict):
+                # a marker of another shape resumes nothing: that release is measured again
+                out.append(dict(marker, run_id=run.run_id, info=info.get("vramguard")))
     return out
 
 

@@ -138,8 +138,8 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _version(text: object) -> Version | str:
-    """A version to compare; a recorded string that is no version compares as itself (equal only to itself)."""
+def _comparable(text: object) -> Version | str:
+    """A version to compare; a recorded string that is no version compares as itself (equal only to it)."""
     try:
         return Version(str(text))
     except InvalidVersion:
@@ -155,7 +155,7 @@ def same_environment(info: dict[str, Any], env: dict[str, Any]) -> bool:
         got = recorded.get(canonicalize_name(name))
         if (got is None) != (version is None):
             return False
-        if got is not None and _version(got) != _version(version):
+        if got is not None and _comparable(got) != _comparable(version):
             return False
     return info.get("python") == env["python"] and info.get("device") == env["device"]
 

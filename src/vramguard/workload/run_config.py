@@ -223,7 +223,33 @@ def read_file(path: Path) -> dict[str, Any]:
         raise UsageError(f"--config {path}: cannot parse it: {first_line(exc)}") from None
     if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
         raise UsageError(f"--config {path} must be a mapping of TRL / TrainingArguments keys")
+    if _values_past(data, MAX_CONFIG_VALUES):
+        raise UsageError(
+            f"--config {path} expands to over {MAX_CONFIG_VALUES:,} values (YAML aliases): "
+            "not a training config"
+        )
     return data
+
+
+MAX_CONFIG_VALUES = 100_000
+"""Values a config may expand to. A YAML alias repeats a whole node, so 500 bytes of nested aliases expand to
+10^9 values: read, they share memory, but every copy that prints or converts them (the NOT PRICED line,
+TrainingArguments) expands them all (580 MB of stderr for 10^8, found by fuzzing)."""
+
+
+def _values_past(data: Any, budget: int) -> bool:
+    """Whether ``data`` holds more than ``budget`` values, counting each alias's copy; stops at ``budget``."""
+    stack, seen = [data], 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > budget:
+            return True
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 def parse_trl(path: Path, data: dict[str, Any]) -> tuple[Any, Any, dict[str, Any], list[dict[str, Any]]]:

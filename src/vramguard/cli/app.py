@@ -1,7 +1,8 @@
 """The ``vramguard`` command: one subcommand per module, each exposing ``register(subparsers)``.
 
 A subcommand's ``register`` adds its parser and sets ``func(args) -> int``. Bad input anywhere
-raises :class:`UsageError`, which becomes one line on stderr and exit code 2, never a traceback.
+raises :class:`UsageError`, which becomes one line on stderr and exit code 2, never a traceback; so does
+an OSError about a file (a name too long, a folder where a file was asked for): the user's path.
 
 Exit codes: 0 fine, 1 the verdict is a failure (a regression, a weight copy, a leak), 2 bad input,
 3 the run did not finish: an internal error (a bug: one line, and the traceback with

@@ -1,4 +1,5 @@
-"""Atomic writes (every report, log and record vramguard writes): a reader sees the old file or the new one."""
+"""Atomic writes (every report, log and record vramguard writes): a reader sees the old file or the new
+one."""
 
 from __future__ import annotations
 
@@ -28,3 +29,30 @@ def test_a_pipe_is_written_to_not_replaced(tmp_path: Path) -> None:
     write_text_atomic(fifo, "report")
     reader.join(10)
     assert got == ["report"] and stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_a_pipe_nobody_reads_is_an_error_not_a_wait(tmp_path: Path) -> None:
+    import errno
+
+    import pytest
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    late_reader = threading.Timer(10, lambda: os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)))
+    late_reader.daemon = True  # were the write to wait for a reader, one comes: the test fails, not hangs
+    late_reader.start()
+    with pytest.raises(OSError) as raised:
+        write_text_atomic(fifo, "report")
+    late_reader.cancel()
+    assert raised.value.errno == errno.ENXIO and stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_a_symlink_keeps_pointing_at_its_target_which_is_replaced(tmp_path: Path) -> None:
+    """As root, ``--json /dev/stdout`` with stdout redirected to a file had replaced the link ``/dev/stdout``
+    itself with a regular file (the reviewer's finding); here a link in a scratch folder."""
+    target = tmp_path / "out.txt"
+    target.write_text("old")
+    link = tmp_path / "stdout"
+    link.symlink_to(target)
+    assert write_text_atomic(link, "new") == link
+    assert link.is_symlink() and target.read_text() == "new"

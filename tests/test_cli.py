@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 from collections.abc import Callable
 
 import pytest
@@ -54,17 +55,22 @@ def test_a_path_the_system_refuses_is_bad_input_and_other_os_errors_are_bugs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path
 ) -> None:
     """A name too long for the file system (found by fuzzing ``report`` and ``compare --html``) is the user's
-    path: one line naming it, exit 2. An OSError about no file stays an internal error."""
+    path: one line naming it, exit 2; a rename names its destination. A missing file that reaches the top
+    (the commands name the user's missing files themselves) or an OSError about no file stays a bug."""
     long = str(tmp_path / ("a" * 300))
     assert cli.main(["report", long, "-o", str(tmp_path / "r.html")]) == 2
     assert capsys.readouterr().err == f"vramguard: error: {long}: File name too long\n"
-
-    def no_file(args: object) -> int:
-        raise OSError(5, "Input/output error")
-
-    _crashing_subcommand(monkeypatch, no_file)
-    assert cli.main([]) == cli.EXIT_INTERNAL_ERROR
-    assert capsys.readouterr().err.startswith("vramguard: internal error: OSError: [Errno 5] Input/output error")
+    raised = [
+        OSError(errno.EISDIR, "Is a directory", "/tmp/.out.tmp", None, "/home/u/out"),
+        FileNotFoundError(errno.ENOENT, "No such file or directory", "/tmp/vramguard-ranks-x/rank1.json"),
+        OSError(errno.EIO, "Input/output error"),
+    ]
+    _crashing_subcommand(monkeypatch, lambda args: (_ for _ in ()).throw(raised.pop(0)))
+    assert cli.main([]) == 2
+    assert capsys.readouterr().err == "vramguard: error: /home/u/out: Is a directory\n"
+    for name in ("FileNotFoundError: [Errno 2]", "OSError: [Errno 5] Input/output error"):
+        assert cli.main([]) == cli.EXIT_INTERNAL_ERROR
+        assert capsys.readouterr().err.startswith(f"vramguard: internal error: {name}")
 
 
 def test_vramguard_debug_shows_the_traceback(

@@ -14,6 +14,7 @@ from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.meters import SavedBytesMeter
 from vramguard.model.analytic import activation_expectation
 from vramguard.workload.families import FAMILIES, NoAnalyticModel
+from vramguard.workload.models import presets
 from vramguard.workload.models import ModelSpec, presets
 
 PRESETS = Path(__file__).resolve().parents[1] / "src" / "vramguard" / "workload" / "presets"
@@ -132,6 +133,16 @@ def test_refused_configs_are_one_line(
         assert main([command, "--model", str(path), "--quiet"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+
+
+def test_zero_experts_is_a_dense_model_where_transformers_reads_it_so(tmp_path: Path) -> None:
+    """Qwen3-MoE with ``num_experts: 0`` builds dense layers in transformers: not refused as Mixtral's is
+    (a first version of the experts check refused it; the reviewer's finding)."""
+    from vramguard.workload.models import ModelSpec
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(presets()["tiny-qwen3-moe"].read_text()), "num_experts": 0}))
+    assert ModelSpec.load(path).model_type == "qwen3_moe"
 
 
 @pytest.mark.parametrize(

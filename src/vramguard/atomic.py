@@ -15,13 +15,18 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` via a temporary file in the same directory and ``os.replace``.
 
-    A path that is a device or a pipe (``--json /dev/null``, a FIFO a reader waits on) is written to as it is:
-    replacing it would put a regular file in its place (as root, in ``/dev``)."""
-    path = Path(path)
-    if path.exists() and not path.is_file() and not path.is_dir():
-        with path.open("wb") as f:
+    A symlink's target is what is replaced, not the link (``--json /dev/stdout`` redirected to a file, as
+    root, had replaced ``/dev/stdout`` itself). A device or a pipe (``--json /dev/null``, a FIFO a reader waits on)
+    is written into: replacing it would put a regular file in its place. A FIFO nobody reads is an OSError
+    (ENXIO) at once, not a wait for ever."""
+    given = Path(path)
+    path = Path(os.path.realpath(given))
+    if given.exists() and not path.is_file() and not path.is_dir():
+        fd = os.open(given, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: a FIFO with no reader
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
-        return path
+        return given
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -33,4 +38,4 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+    return given

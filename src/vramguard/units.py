@@ -32,7 +32,7 @@ def parse_size(text: str | int | float) -> int:
     if isinstance(text, bool):
         raise UsageError(f"not a size: {text!r}")
     if isinstance(text, (int, float)):
-        if not math.isfinite(text):
+        if isinstance(text, float) and not math.isfinite(text):
             raise UsageError(f"not a size: {text!r}")
         if text < 0:
             raise UsageError(f"a size cannot be negative: {text!r}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib
 import logging
 import os
@@ -154,14 +155,21 @@ def _run(argv: Sequence[str] | None, parsed: list[argparse.Namespace]) -> int:
         print("vramguard: interrupted", file=sys.stderr)
         return 130
     except OSError as exc:
-        if exc.filename is None:  # not about a file: the last line of defence below
+        if exc.filename is None or exc.errno not in PATH_ERRNOS:  # a missing file of vramguard's own is a bug
             return _internal_error(exc)
-        # a path the system refused (too long a name, a folder where a file was asked for, no room, no
-        # permission): the user's path or their machine, not a bug
-        print(f"vramguard: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        # a path the system refused (too long a name, a folder where a file was asked for, no permission): the
+        # user's path or their machine, not a bug. filename2: the destination of a rename
+        print(f"vramguard: error: {exc.filename2 or exc.filename}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, never exit 1
         return _internal_error(exc)
+
+
+PATH_ERRNOS = frozenset(
+    {errno.ENAMETOOLONG, errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS, errno.ELOOP}
+)
+"""What the system says of a path itself. ENOENT is not among them: the commands name the user's missing
+files themselves, so a missing file that reaches here is one of vramguard's own (a rank's record)."""
 
 
 def _internal_error(exc: BaseException) -> int:
@@ -169,7 +177,8 @@ def _internal_error(exc: BaseException) -> int:
     if os.environ.get("VRAMGUARD_DEBUG"):
         traceback.print_exception(exc)
     print(
-        f"vramguard: internal error: {type(exc).__name__}: {exc} (a bug; VRAMGUARD_DEBUG=1 shows the traceback)",
+        f"vramguard: internal error: {type(exc).__name__}: {exc} "
+        "(a bug; VRAMGUARD_DEBUG=1 shows the traceback)",
         file=sys.stderr,
     )
     return EXIT_INTERNAL_ERROR

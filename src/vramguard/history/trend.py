@@ -260,7 +260,7 @@ def _by_kind(payload: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, in
             }
         else:
             table = {layer: {"saved": int(v)} for layer, v in per["by_layer"].items()}
-    except (ValueError, TypeError, AttributeError):  # a byte count that is no number: no bars for it
+    except (ValueError, TypeError, AttributeError, OverflowError):  # a count that is no number (or inf)
         return None
     return sorted(table, key=_layer_order), table
 

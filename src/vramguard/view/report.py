@@ -140,7 +140,7 @@ def _tops(row: LayerRow) -> str:
     return ", ".join(f"{m} {fb(b)}" for m, b in row.top_modules)
 
 
-def _copies(row: LayerRow) -> str:
+def _copies(row: LayerRow) -> Any:
     from rich.text import Text
 
     return Text(fb(row.weight_copy_bytes), style="red") if row.weight_copy_bytes else fb(0)

@@ -88,6 +88,9 @@ FAMILIES: dict[str, Family] = {
 }
 
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+ZERO_EXPERTS_FAIL = frozenset({"mixtral"})
+"""Model types transformers builds with 0 experts and then fails at the first forward (Mixtral's router: "k
+not in range"); Qwen2/3-MoE and GraniteMoeHybrid read 0 experts as a dense model."""
 
 
 def family(model_type: str) -> Family | None:
@@ -172,7 +175,7 @@ def spec_from_hf(path: Path, data: dict[str, Any]) -> tuple[str, dict[str, Any]]
             raise UsageError(f"model config {path}: {key} must be a whole number, got {value!r}")
     count = next((_value(config, k) for k in MOE_KEYS if _value(config, k)), 0)
     top_k = _value(config, "num_experts_per_tok")
-    if not count and top_k and any(_value(config, k) == 0 for k in MOE_KEYS):
+    if model_type in ZERO_EXPERTS_FAIL and not count and any(_value(config, k) == 0 for k in MOE_KEYS):
         raise UsageError(f"model config {path}: no experts to route each token's {top_k} to")
     if count and top_k is not None and not 0 < top_k <= count:
         raise UsageError(

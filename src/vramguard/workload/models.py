@@ -9,6 +9,7 @@ projections. What is measured is therefore the libraries' real code, not a re-im
 from __future__ import annotations
 
 import json
+import os
 import math
 import re
 import tempfile
@@ -70,6 +71,16 @@ def parse_dtype(name: str) -> torch.dtype:
         raise UsageError(f"unknown dtype {name!r} (choose from bf16, fp16, fp32)") from None
 
 
+def read_at_most(path: Path, limit: int) -> bytes:
+    """Up to ``limit`` bytes of ``path``. A pipe is opened without waiting for a writer: a named one nobody
+    writes reads as empty (opening it plainly waited for ever), one with a writer (``<(cat ...)``,
+    ``/dev/stdin``) reads as any file. OSError as :func:`open`'s."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    os.set_blocking(fd, True)  # then wait for what a writer has still to write, as a plain open would
+    with os.fdopen(fd, "rb") as fh:
+        return fh.read(limit)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model config: preset name or JSON path, resolved to its shape fields.
@@ -95,11 +106,8 @@ class ModelSpec:
                     f"unknown model {str(ref)!r}: use a preset ({', '.join(known)}) or a JSON path"
                 )
             path = known[str(ref)]
-        if path.is_fifo():  # opening it would wait for a writer, for ever
-            raise UsageError(f"model config {path} is a pipe, not a file")
         try:
-            with path.open("rb") as fh:
-                raw = fh.read(MAX_CONFIG_BYTES + 1)
+            raw = read_at_most(path, MAX_CONFIG_BYTES + 1)
         except FileNotFoundError:
             raise UsageError(f"model config not found: {path}") from None
         except OSError as exc:
@@ -293,7 +301,7 @@ class QLoRAConfig:
             if getattr(self, name) <= 0:
                 raise UsageError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
             if getattr(self, name) > MAX_COUNT:
-                too_big = f"must be at most {MAX_COUNT:,}, got {getattr(self, name):.3g}"
+                too_big = f"must be at most {MAX_COUNT:,}, got {str(getattr(self, name))[:40]}"
                 raise UsageError(f"{name.replace('_', '-')} {too_big}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise UsageError(f"lora dropout must be in [0, 1), got {self.lora_dropout}")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vramguard.errors import UsageError, first_line
-from vramguard.workload.models import MAX_CONFIG_BYTES, QLoRAConfig
+from vramguard.workload.models import MAX_CONFIG_BYTES, QLoRAConfig, read_at_most
 
 Reading = Literal["priced", "no-byte", "not-priced"]
 
@@ -202,11 +202,8 @@ def read_file(path: Path) -> dict[str, Any]:
     missing, binary, oversized or malformed file, or one that is no mapping, is a one-line UsageError."""
     import yaml
 
-    if path.is_fifo():  # opening it would wait for a writer, for ever
-        raise UsageError(f"--config {path} is a pipe, not a file")
     try:
-        with path.open("rb") as fh:
-            raw = fh.read(MAX_CONFIG_BYTES + 1)
+        raw = read_at_most(path, MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise UsageError(f"--config {path}: no such file") from None
     except OSError as exc:
@@ -247,7 +244,7 @@ def _values_past(data: Any, budget: int) -> bool:
             return True
         if isinstance(node, dict):
             stack.extend(node.values())
-        elif isinstance(node, list):
+        elif isinstance(node, (list, tuple)):  # !!pairs and !!omap load as lists of tuples
             stack.extend(node)
     return False
 

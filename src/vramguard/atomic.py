@@ -16,9 +16,9 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` via a temporary file in the same directory and ``os.replace``.
 
     A symlink's target is what is replaced, not the link (``--json /dev/stdout`` redirected to a file, as
-    root, had replaced ``/dev/stdout`` itself). A device or a pipe (``--json /dev/null``, a FIFO a reader waits on)
-    is written into: replacing it would put a regular file in its place. A FIFO nobody reads is an OSError
-    (ENXIO) at once, not a wait for ever."""
+    root, had replaced ``/dev/stdout`` itself). A device or a pipe (``--json /dev/null``, a FIFO a reader
+    waits on) is written into: replacing it would put a regular file in its place. A FIFO nobody reads is an
+    OSError (ENXIO) at once, not a wait for ever."""
     given = Path(path)
     path = Path(os.path.realpath(given))
     if given.exists() and not path.is_file() and not path.is_dir():

@@ -23,12 +23,12 @@ def test_a_pipe_is_written_to_not_replaced(tmp_path: Path) -> None:
     file in its place, and as root that is ``/dev/null`` itself (found by fuzzing the CLI)."""
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    got: list[str] = []
-    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
-    reader.start()
-    write_text_atomic(fifo, "report")
-    reader.join(10)
-    assert got == ["report"] and stat.S_ISFIFO(fifo.stat().st_mode)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # the reader is there before the write: no race
+    try:
+        write_text_atomic(fifo, "report")
+        assert os.read(reader, 100) == b"report" and stat.S_ISFIFO(fifo.stat().st_mode)
+    finally:
+        os.close(reader)
 
 
 def test_a_pipe_nobody_reads_is_an_error_not_a_wait(tmp_path: Path) -> None:

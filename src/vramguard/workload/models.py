@@ -9,8 +9,8 @@ projections. What is measured is therefore the libraries' real code, not a re-im
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import re
 import tempfile
 import warnings
@@ -301,8 +301,8 @@ class QLoRAConfig:
             if getattr(self, name) <= 0:
                 raise UsageError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
             if getattr(self, name) > MAX_COUNT:
-                too_big = f"must be at most {MAX_COUNT:,}, got {str(getattr(self, name))[:40]}"
-                raise UsageError(f"{name.replace('_', '-')} {too_big}")
+                got = str(getattr(self, name))[:40]
+                raise UsageError(f"{name.replace('_', '-')} must be at most {MAX_COUNT:,}, got {got}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise UsageError(f"lora dropout must be in [0, 1), got {self.lora_dropout}")
         for name in ("use_dora", "padding_free", "packing", "use_liger_kernel"):

@@ -371,3 +371,58 @@ def lint_lines(
     from vramguard.estimate.fsdp_lint import lint, with_lint
 
     return with_lint(report, lint(config, sharding, settings))
+
+
+def add_trainer_option(p: argparse.ArgumentParser, command: str) -> None:
+    """``--trainer loop|trainer|sft``; unset, it follows ``--config`` (:func:`resolve_trainer`)."""
+    p.add_argument(
+        "--trainer",
+        choices=("loop", "trainer", "sft"),
+        default=None,
+        help=f"whose step to {command}: vramguard's loop, transformers' Trainer or TRL's SFTTrainer (their own "
+        "model preparation, collator, loss and optimizer); default: sft for a trl sft YAML --config, trainer for a "
+        "TrainingArguments JSON, loop otherwise",
+    )
+
+
+def resolve_trainer(args: argparse.Namespace, config: QLoRAConfig) -> tuple[str, str]:
+    """(the trainer whose step runs, the recipe line that names it and whose defaults filled the rest).
+
+    Given, ``--trainer`` is taken as it is (what it cannot run is refused in one line where it runs). Unset, a
+    ``--config`` YAML is ``trl sft``'s and a JSON is TrainingArguments': their trainer runs, unless the run asks
+    for what only vramguard's loop prices (sharded ranks, Liger, offloading, a method other than QLoRA), which is
+    then run and said so."""
+    from importlib.metadata import version
+
+    path = getattr(args, "config", None)
+    trainer = args.trainer
+    why = ""
+    if trainer is None and path is not None:
+        trainer = "trainer" if path.suffix == ".json" else "sft"
+        unpriced = [
+            what
+            for what, asked in (
+                ("--world-size", getattr(args, "world_size", None) is not None),
+                ("use_liger_kernel", config.use_liger_kernel),
+                ("activation offloading", config.offload_activations),
+                (f"method {config.method}", config.method != "qlora"),
+            )
+            if asked
+        ]
+        if unpriced:
+            why = f" ({trainer}'s own step does not run {', '.join(unpriced)} yet)"
+            trainer = "loop"
+    trainer = trainer or "loop"
+    trl = ".".join(version("trl").split(".")[:2]) if path is not None else ""
+    defaults = (
+        f"trl sft {trl}'s for the keys {path.name} does not set"
+        if path is not None
+        else "vramguard's for the flags not given"
+    )
+    if trainer == "sft":
+        name = f"trl sft {'.'.join(version('trl').split('.')[:2])} (SFTTrainer's own step)"
+    elif trainer == "trainer":
+        name = f"transformers {'.'.join(version('transformers').split('.')[:2])} Trainer's own step"
+    else:
+        name = "vramguard's loop (prepare_model_for_kbit_training, LoRA, full fp32 logits)"
+    return trainer, f"recipe: {name}{why}; defaults: {defaults}"

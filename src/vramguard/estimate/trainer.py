@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from vramguard.audit.report import AuditReport
 from vramguard.errors import UsageError
 from vramguard.estimate.kernels import cuda_kernel_temporaries
 from vramguard.estimate.meta import META, _deepcopy_on_meta, build_meta
@@ -189,3 +190,53 @@ def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str)
             runner.train()
     assert callback.report is not None
     return callback.report, q, time.perf_counter() - t0
+
+
+def trainer_label(trainer: str) -> str:
+    """``trl sft 1.16`` / ``transformers 5.23 Trainer``: the trainer and the version installed."""
+    from importlib.metadata import version
+
+    if trainer == "sft":
+        return f"trl sft {_short(version('trl'))}"
+    return f"transformers {_short(version('transformers'))} Trainer"
+
+
+def _short(v: str) -> str:
+    return ".".join(v.split(".")[:2])
+
+
+def run_trainer_estimate(
+    config: QLoRAConfig, trainer: str, steps: int = 2, target: str = "cuda"
+) -> AuditReport:
+    """The estimate of ``trainer``'s own step ("sft" or "trainer") for ``config`` on meta: the callback's report
+    with the device's figures (:func:`vramguard.estimate.run.device_estimate`) and the estimate's line."""
+    from vramguard.audit import verdict as checks
+    from vramguard.audit.report import Finding
+    from vramguard.estimate.run import device_estimate, headline
+
+    if target not in ("cuda", "cpu"):
+        raise UsageError(f"target must be one of cuda, cpu, got {target!r}")
+    config.validate()
+    report, q, elapsed = run_trainer_step(config, trainer, steps, target)
+    estimate = device_estimate(report, q, config, target, 0, False)
+    line = headline(estimate, config, False, 0)
+    note = Finding(
+        checks.META_RUN,
+        f"estimated on the meta device through {trainer_label(trainer)}'s own step (its model preparation, "
+        "collator, compute_loss and optimizer): shapes and dtypes are real, values are not; with --target cpu "
+        f"it equals `vramguard audit --trainer {trainer}` to the byte",
+    )
+    build = checks.notes(checks.BUILD, q.notes)
+    findings = [*build, *report.verdict.findings, note]
+    verdict = checks.verdict(findings, len(report.steps), headline=line)
+    trainer_config = dict(report.config)
+    merged = {**config.to_dict(step_options=True), **trainer_config, "trainer": trainer_config["trainer"]}
+    return dataclasses.replace(
+        report,
+        config=merged,
+        architecture={**report.architecture, "attn_implementation": q.attn_implementation},
+        verdict=verdict,
+        estimate=estimate,
+        device=META,
+        elapsed_s=elapsed,
+    )

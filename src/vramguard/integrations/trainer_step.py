@@ -32,7 +32,9 @@ def trainer_prepares(trainer: str) -> bool:
 def dataset(rows: list[list[int]], labels: bool) -> Any:
     """An in-memory dataset of token rows (with ``labels`` equal to them for plain Trainer)."""
     from datasets import Dataset
+    from datasets.utils.logging import disable_progress_bar
 
+    disable_progress_bar()  # SFTTrainer's dataset preparation draws bars on stderr
     return Dataset.from_dict({"input_ids": rows, **({"labels": rows} if labels else {})})
 
 

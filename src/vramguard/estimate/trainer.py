@@ -230,7 +230,7 @@ def run_trainer_estimate(
     findings = [*build, *report.verdict.findings, note]
     verdict = checks.verdict(findings, len(report.steps), headline=line)
     trainer_config = dict(report.config)
-    merged = {**config.to_dict(step_options=True), **trainer_config, "trainer": trainer_config["trainer"]}
+    merged = {**config.to_dict(step_options=True), **trainer_config, "model": q.spec.name}
     return dataclasses.replace(
         report,
         config=merged,

@@ -106,3 +106,25 @@ def test_what_the_trainer_on_meta_does_not_run_is_one_line(capsys, flags: list[s
     assert main(["estimate", "--model", "tiny-llama", "--trainer", "sft", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--trainer loop" in err[0]
+
+
+def test_trls_spellings_are_the_same_flags() -> None:
+    """--max-length, --per-device-train-batch-size, --lora-r, --optim (TRL's names), --activation-checkpointing."""
+    import argparse
+
+    from vramguard.cli import estimate
+    from vramguard.cli.options import qlora_config
+
+    parser = argparse.ArgumentParser()
+    estimate.register(parser.add_subparsers())
+    trl = parser.parse_args(
+        ["estimate", "--model", "tiny-llama", "--max-length", "64", "--per-device-train-batch-size", "3",
+         "--lora-r", "4", "--optim", "adamw_torch_fused", "--activation-checkpointing"]
+    )
+    ours = parser.parse_args(
+        ["estimate", "--model", "tiny-llama", "--seq-len", "64", "--batch", "3", "--lora-rank", "4",
+         "--optimizer", "adamw-fused", "--gradient-checkpointing"]
+    )
+    assert qlora_config(trl, device="cpu")[0] == qlora_config(ours, device="cpu")[0]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["estimate", "--optim", "sgd"])

@@ -63,13 +63,16 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--optimizer",
-        choices=OPTIMIZERS,
+        "--optim",
+        type=_optimizer,
+        metavar="{" + ",".join(OPTIMIZERS) + "} or TRL's optim name",
         help="adamw: torch AdamW (fp32 moments) in torch's default implementation (foreach on CUDA: a "
         "temporary as large as the trainable parameters in the step; single-tensor on the CPU); adamw-fused: "
         "AdamW(fused=True), TrainingArguments' default (adamw_torch_fused); adamw-8bit: bitsandbytes AdamW8bit; "
         "paged-adamw-8bit: "
         "bitsandbytes PagedAdamW8bit, estimated as AdamW8bit with its paged (evictable) state named "
-        "(default: adamw)",
+        "(default: adamw); TRL's names (adamw_torch, adamw_torch_fused, adamw_bnb_8bit, adamw_8bit, "
+        "paged_adamw_8bit) are the same optimizers",
     )
     p.add_argument(
         "--offload-activations",
@@ -112,6 +115,19 @@ def register(subparsers: Any) -> None:
     add_timeline_options(p)
     add_talk_options(p, "print only the estimate line")
     p.set_defaults(func=main)
+
+
+def _optimizer(name: str) -> str:
+    """A vramguard optimizer name, or TRL's ``optim`` name of the same optimizer (``adamw_torch_fused``)."""
+    from vramguard.workload.run_config import OPTIMIZERS_OF_TRL
+
+    if name in OPTIMIZERS:
+        return name
+    if name in OPTIMIZERS_OF_TRL:
+        return OPTIMIZERS_OF_TRL[name]
+    raise argparse.ArgumentTypeError(
+        f"invalid choice: {name!r} (choose from {', '.join([*OPTIMIZERS, *OPTIMIZERS_OF_TRL])})"
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -72,8 +72,15 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
         "priced is named",
     )
     p.add_argument("--model", help=f"{model_help} (default: {d.model})")
-    p.add_argument("--seq-len", type=positive_int, help=f"default: {d.seq_len}")
-    p.add_argument("--batch", type=positive_int, help=f"default: {d.batch}")
+    p.add_argument(
+        "--seq-len", "--max-length", type=positive_int, help=f"(TRL's spelling: --max-length) default: {d.seq_len}"
+    )
+    p.add_argument(
+        "--batch",
+        "--per-device-train-batch-size",
+        type=positive_int,
+        help=f"(TRL's spelling: --per-device-train-batch-size) default: {d.batch}",
+    )
     p.add_argument(
         "--gradient-accumulation-steps",
         type=positive_int,
@@ -81,14 +88,21 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
         help="Trainer's gradient accumulation: N forward/backward micro-batches of --batch rows a step, the "
         f"gradients held between them, then one optimizer step (default: {d.gradient_accumulation_steps})",
     )
-    p.add_argument("--lora-rank", type=positive_int, help=f"default: {d.lora_rank}")
+    p.add_argument(
+        "--lora-rank", "--lora-r", type=positive_int, help=f"(TRL's spelling: --lora-r) default: {d.lora_rank}"
+    )
     p.add_argument("--lora-alpha", type=positive_int, help=f"default: {d.lora_alpha}")
     p.add_argument("--lora-dropout", type=float, help=f"default: {d.lora_dropout}")
     p.add_argument("--compute-dtype", help=f"compute dtype: bf16, fp16 or fp32 (default: {d.compute_dtype})")
     p.add_argument("--dtype", dest="compute_dtype", help=argparse.SUPPRESS)  # the flag's earlier name
     p.add_argument("--quant-type", choices=("nf4", "fp4"), help=f"default: {d.quant_type}")
     p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, help="default: on")
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, help="default: off")
+    p.add_argument(
+        "--gradient-checkpointing",
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        help="(transformers 5.24's name: --activation-checkpointing) default: off",
+    )
     p.add_argument(
         "--attn-implementation",
         choices=ATTN_IMPLEMENTATIONS,

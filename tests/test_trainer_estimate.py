@@ -128,3 +128,23 @@ def test_trls_spellings_are_the_same_flags() -> None:
     assert qlora_config(trl, device="cpu")[0] == qlora_config(ours, device="cpu")[0]
     with pytest.raises(SystemExit):
         parser.parse_args(["estimate", "--optim", "sgd"])
+
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "configs"
+
+
+@pytest.mark.parametrize(
+    ("name", "target"),
+    [("axolotl-llama-3-qlora.yml", "cuda"), ("llamafactory-llama3-qlora-sft-otfq.yaml", "cpu")],
+)
+def test_axolotl_and_llama_factory_configs_estimate_with_a_per_key_account(
+    tmp_path: Path, capsys, name: str, target: str
+) -> None:
+    path = tmp_path / name
+    path.write_text((FIXTURES / name).read_text() + "made_up_key: 3\n")
+    argv = ["estimate", "--config", str(path), "--model", "tiny-llama", "--seq-len", "128", "--target", target]
+    assert main([*argv, "--steps", "1"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert f"config {name}: priced: " in out and f"config {name}: changes no byte: " in out
+    assert "own code is not run" in out  # the framework's patches and trainer subclass: said
+    assert "made_up_key" in out and "Traceback" not in out

@@ -171,12 +171,21 @@ def test_every_run_step_fails_on_a_failing_pipe(path: Path) -> None:
 
 
 def play_step(
-    workflow_name: str, step_name: str, tmp_path: Path, stubs: dict[str, str], env: dict[str, str]
+    workflow_name: str,
+    step_name: str,
+    tmp_path: Path,
+    stubs: dict[str, str],
+    env: dict[str, str],
+    ci_dir: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run the step's `run:` text as GitHub would (its shell, the job's env, the step's env on top), in
-    ``tmp_path``, with each of ``stubs`` (name -> sh script body) first on PATH."""
+    ``tmp_path``, with each of ``stubs`` (name -> sh script body) first on PATH (``env``'s PATH after them)
+    and ``ci_dir`` linked as ``.ci`` (the checkout's scripts)."""
     workflow = _load(workflow_name)
     job, step = next((j, s) for j in workflow["jobs"].values() for s in j["steps"] if s.get("name") == step_name)
+    tmp_path.mkdir(exist_ok=True)
+    if ci_dir is not None:
+        (tmp_path / ".ci").symlink_to(ci_dir)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in stubs.items():
@@ -188,10 +197,10 @@ def play_step(
     summary = tmp_path / "step-summary.md"
     summary.touch()
     full_env = {
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "HOME": str(tmp_path),
         "GITHUB_STEP_SUMMARY": str(summary),
         **env,
+        "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', os.environ['PATH'])}",
     }
     argv = [str(script) if a == "{0}" else a for a in _shell_of(workflow, job, step)]
     return subprocess.run(argv, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=60, check=False)
@@ -235,3 +244,73 @@ def test_bisect_step_fails_when_the_bisection_fails(tmp_path: Path, bisect_exit:
     assert result.returncode == step_exit, result.stdout + result.stderr
     assert "vramguard bisect bitsandbytes --good 0.48.0 --bad 0.50.0" in result.stdout
     assert "undetermined" in (tmp_path / "step-summary.md").read_text()
+
+
+# -- the build under test (.ci/install-build, the nightly's inputs) ------------------------------------------
+INSTALL_BUILD = WORKFLOWS.parents[1] / ".ci" / "install-build"
+# each stub logs its command line (and BNB_SKIP_CMAKE) to $STUB_LOG; python also swallows the heredoc it is fed
+LOGGING_STUBS = {
+    "python": 'echo "python $* BNB_SKIP_CMAKE=${BNB_SKIP_CMAKE:-}" >> "$STUB_LOG"; cat > /dev/null; echo "pkg 9.9 from x"',
+    "cmake": 'echo "cmake $*" >> "$STUB_LOG"',
+    "nvidia-smi": "echo 9.0",
+}
+
+
+def _install_build(tmp_path: Path, *args: str, stubs: dict[str, str] | None = None) -> tuple[int, list[str], str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in (stubs or LOGGING_STUBS).items():
+        (bin_dir / name).write_text("#!/bin/sh\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "stub.log"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "STUB_LOG": str(log), "TMPDIR": str(tmp_path)}
+    env.pop("BNB_CMAKE_ARGS", None)
+    result = subprocess.run(["bash", str(INSTALL_BUILD), *args], env=env, capture_output=True, text=True, timeout=60, check=False)
+    return result.returncode, log.read_text().splitlines() if log.exists() else [], result.stdout + result.stderr
+
+
+def test_install_build_takes_a_wheel_url_or_a_source_tree(tmp_path: Path) -> None:
+    code, calls, out = _install_build(tmp_path, "peft", "https://example.org/peft-9.9-py3-none-any.whl")
+    assert code == 0, out
+    assert calls[0].startswith("python -m pip install --no-deps --force-reinstall")
+    assert calls[0].split()[-2] == "https://example.org/peft-9.9-py3-none-any.whl"
+    tree = tmp_path / "peft-src"
+    tree.mkdir()
+    code, calls, out = _install_build(tmp_path, "peft", str(tree))
+    assert code == 0 and f"--disable-pip-version-check {tree} " in calls[-2], (out, calls)
+
+
+def test_install_build_builds_a_bitsandbytes_ref_with_cmake(tmp_path: Path) -> None:
+    upstream = tmp_path / "bnb"
+    upstream.mkdir()
+    git_env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+               "GIT_COMMITTER_EMAIL": "t@t", "GIT_CONFIG_GLOBAL": os.devnull}  # fmt: skip
+    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "the commit under test"], ["tag", "v1"]):
+        subprocess.run(["git", "-C", str(upstream), *args], env=git_env, check=True, capture_output=True)
+    code, calls, out = _install_build(tmp_path, "bitsandbytes", "v1", str(upstream))
+    assert code == 0, out
+    assert "install-build: bitsandbytes" in out and "the commit under test" in out
+    configure, build, pip = calls[0], calls[1], calls[2]
+    assert configure.startswith("cmake -DCOMPUTE_BACKEND=cuda -DCOMPUTE_CAPABILITY=90 -S ") and configure.endswith("/bitsandbytes/build")
+    assert build.startswith("cmake --build ") and pip.endswith("/bitsandbytes BNB_SKIP_CMAKE=1")
+    # a build that fails fails the script, and so the nightly's step (its output goes through tee)
+    failing = {**LOGGING_STUBS, "cmake": 'echo "CMake Error: no CUDA compiler" >&2; exit 1'}
+    code, _, out = _install_build(tmp_path, "bitsandbytes", "v1", str(upstream), stubs=failing)
+    assert code == 1 and "CMake Error" in out
+    bin_dir = tmp_path / "bin"
+    result = play_step(
+        "nightly-gpu.yml",
+        "The build under test over the pin (inputs package, build, repository)",
+        tmp_path / "step",
+        {},
+        {"BUILD_PACKAGE": "bitsandbytes", "BUILD": "v1", "BUILD_REPOSITORY": str(upstream),
+         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "STUB_LOG": str(tmp_path / "stub.log"),
+         "TMPDIR": str(tmp_path)},
+        ci_dir=INSTALL_BUILD.parent,
+    )  # fmt: skip
+    assert result.returncode == 1 and "CMake Error" in result.stderr, result.stdout + result.stderr
+
+
+def test_install_build_refuses_other_packages(tmp_path: Path) -> None:
+    code, calls, out = _install_build(tmp_path, "torch", "main")
+    assert code == 2 and "PACKAGE is bitsandbytes, peft or transformers" in out and calls == []

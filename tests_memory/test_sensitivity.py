@@ -4,7 +4,9 @@ guards against it (and by the probe named), and the same check passes again once
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 
 import bitsandbytes as bnb
 import pytest
@@ -114,6 +116,19 @@ def test_kept_input_activation_is_caught(device: str, matmul4bit_keeps_its_input
     assert [(k.kind, k.source, k.bytes) for k in m.kept] == [("activation", "ctx", BATCH * SEQ * IN * 2)]
     m, _ = measure(forward, model=model, device=device, inputs=x)
     assert check_limit(m, budget).ok
+
+
+def test_bisect_probe_sees_the_kept_input(device: str, matmul4bit_keeps_its_input) -> None:  # type: ignore[no-untyped-def]
+    """tests/probes/bnb_matmul4bit_keeps_input.py, the probe of the 0.43.2 find-fix recipe (docs/bisect.md),
+    tells the pre-0.43.2 MatMul4Bit (bad) from the installed one (good)."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "probes" / "bnb_matmul4bit_keeps_input.py"
+    spec = importlib.util.spec_from_file_location("bnb_matmul4bit_keeps_input", path)
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.kept_input_bytes(device) == 0
+    with matmul4bit_keeps_its_input():
+        assert probe.kept_input_bytes(device) == 80 * 128 * 2  # its bf16 input, (80, 128)
 
 
 @pytest.fixture

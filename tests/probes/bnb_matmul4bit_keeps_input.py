@@ -52,7 +52,7 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         kept = kept_input_bytes(device)
-    except Exception as exc:  # no 4-bit matmul on this device in this build: cannot tell
+    except Exception as exc:  # noqa: BLE001 - no 4-bit matmul on this device in this build: cannot tell
         print(f"no 4-bit matmul on {device}: {type(exc).__name__}: {exc}")
         return SKIP
     if kept is None:

@@ -76,15 +76,23 @@ def commit_range(repo: Path, good: str, bad: str, find_fix: bool) -> list[Commit
     probe = _git(repo, "rev-parse", "--git-dir")
     if probe.returncode != 0:
         raise UsageError(f"--git {repo}: not a git repository")
-    (old_flag, old_ref), (new_flag, new_ref) = (("--bad", bad), ("--good", good)) if find_fix else (
-        ("--good", good),
-        ("--bad", bad),
+    (old_flag, old_ref), (new_flag, new_ref) = (
+        (("--bad", bad), ("--good", good))
+        if find_fix
+        else (
+            ("--good", good),
+            ("--bad", bad),
+        )
     )
     old, new = _resolve(repo, old_ref, old_flag), _resolve(repo, new_ref, new_flag)
     if old == new:
-        raise UsageError(f"{old_flag} {old_ref} and {new_flag} {new_ref} are the same commit: nothing to bisect")
+        raise UsageError(
+            f"{old_flag} {old_ref} and {new_flag} {new_ref} are the same commit: nothing to bisect"
+        )
     if _git(repo, "merge-base", "--is-ancestor", old, new).returncode != 0:
-        raise UsageError(f"{old_flag} {old_ref} is not an ancestor of {new_flag} {new_ref}: no commits between")
+        raise UsageError(
+            f"{old_flag} {old_ref} is not an ancestor of {new_flag} {new_ref}: no commits between"
+        )
     log = _git(repo, "log", "--first-parent", "--reverse", "--format=%H%x00%s", f"{old}..{new}")
     if log.returncode != 0:
         raise UsageError(f"--git {repo}: git log failed: {log.stderr.strip()[-300:]}")
@@ -116,7 +124,9 @@ class CommitBuilder:
 
     def overlay(self, commit: Commit) -> Overlay:
         """The commit's overlay, built now or found in the cache; InstallError when it does not build."""
-        return self.cache.get_commit(self.package, commit.sha, lambda work, target: self._fill(commit, work, target))
+        return self.cache.get_commit(
+            self.package, commit.sha, lambda work, target: self._fill(commit, work, target)
+        )
 
     def _fill(self, commit: Commit, work: Path, target: Path) -> None:
         src = work / "src"

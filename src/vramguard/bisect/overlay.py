@@ -238,7 +238,9 @@ class OverlayCache:
             fill(work)
             got = _installed_version(work / "t", package) if (work / "t").is_dir() else None
             if version is None and got is None:
-                raise InstallError(f"the build installed no {package} (no {package} dist-info in the overlay)")
+                raise InstallError(
+                    f"the build installed no {package} (no {package} dist-info in the overlay)"
+                )
             if version is not None and (got is None or Version(got) != Version(version)):
                 raise InstallError(f"pip installed {package} {got}, not {version}")
             version = version if version is not None else str(got)

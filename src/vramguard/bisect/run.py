@@ -467,7 +467,9 @@ class BisectRun(LoggedRun):
         tail = self.probes[-1].output_tail[-ENDPOINT_TAIL_LINES:]
         if tail:
             self.console.print(
-                f"the last {len(tail)} lines of the probe on {self._label(index)}:", highlight=False, soft_wrap=True
+                f"the last {len(tail)} lines of the probe on {self._label(index)}:",
+                highlight=False,
+                soft_wrap=True,
             )
             for line in tail:
                 self.console.print(f"  | {line}", highlight=False, soft_wrap=True)
@@ -564,7 +566,9 @@ class BisectRun(LoggedRun):
             lines.append(f"{first_label}: undetermined, one of {possible} (the others were skipped)")
         lines.append(f"{last_label}: {self.package} {named(res[last_key])}")
         if subjects:
-            skipped = [f"{p.version[:12]} {p.subject} ({p.reason[:120]})" for p in self.probes if p.verdict == "skip"]
+            skipped = [
+                f"{p.version[:12]} {p.subject} ({p.reason[:120]})" for p in self.probes if p.verdict == "skip"
+            ]
             lines.append("skipped: " + ("; ".join(skipped) or "none"))
         else:
             lines.append(f"skipped: {', '.join(res['skipped']) or 'none'}")

@@ -26,7 +26,9 @@ from vramguard.view.console import stderr_console
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--good", metavar="V", help="a version (a ref with --git) where the probe passes (required)")
+    p.add_argument(
+        "--good", metavar="V", help="a version (a ref with --git) where the probe passes (required)"
+    )
     p.add_argument("--bad", metavar="V", help="a version (a ref with --git) where the probe fails (required)")
     p.add_argument("--find-fix", action="store_true", help="--bad is older than --good; find the first good")
     p.add_argument(

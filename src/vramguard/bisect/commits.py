@@ -57,6 +57,8 @@ def _git(repo: Path, *args: str, timeout: float = 120) -> subprocess.CompletedPr
         )
     except FileNotFoundError:
         raise UsageError("--git needs git on PATH") from None
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"--git {repo}: git {args[0]} took more than {timeout:.0f} s") from None
 
 
 def _resolve(repo: Path, ref: str, flag: str) -> str:
@@ -135,8 +137,11 @@ class CommitBuilder:
         archived = _git(self.repo, "archive", "--format=tar", "-o", str(tar), commit.sha, timeout=600)
         if archived.returncode != 0:
             raise InstallError(f"git archive {commit}: {archived.stderr.strip()[-300:]}")
-        with tarfile.open(tar) as tf:
-            tf.extractall(src, filter="data")
+        try:
+            with tarfile.open(tar) as tf:
+                tf.extractall(src, filter="data")  # nothing outside src, whatever the tree holds
+        except tarfile.TarError as exc:
+            raise InstallError(f"git archive {commit}: cannot unpack: {exc}") from None
         tar.unlink()
         env = dict(os.environ)
         if self.build:

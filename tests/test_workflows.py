@@ -261,6 +261,7 @@ BISECT_ENV = {
     "BISECT_FIND_FIX": "false",
     "BISECT_TIMEOUT": "1800",
     "BISECT_EXTRA": "",
+    "BISECT_GIT": "",
 }
 
 
@@ -386,3 +387,14 @@ def test_nightly_keeps_one_history_per_build(tmp_path: Path, build: str, name: s
     assert result.returncode == 0, result.stderr
     got = output.read_text().strip().removeprefix("key=")
     assert got == key if not key.endswith("-") else (got.startswith(key) and len(got) == len(key) + 16)
+
+
+def test_bisect_step_clones_for_a_commit_bisection(tmp_path: Path) -> None:
+    upstream = tmp_path / "upstream"
+    upstream.mkdir()
+    subprocess.run(["git", "init", "-q", str(upstream)], check=True, capture_output=True)
+    stubs = {"vramguard": 'echo "vramguard $*"; exit 0'}
+    env = {**BISECT_ENV, "BISECT_GIT": str(upstream), "RUNNER_TEMP": str(tmp_path)}
+    result = play_step("bisect.yml", "Bisect", tmp_path / "work", stubs, env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"--git {tmp_path}/bisect-clone" in result.stdout and (tmp_path / "bisect-clone" / ".git").is_dir()

@@ -140,6 +140,38 @@ def test_remote_code_is_refused_in_one_line(tmp_path: Path) -> None:
     assert "\n" not in str(info.value)
 
 
+def count_model_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How often a Hugging Face config is validated (``spec_from_hf``) and a transformers config built."""
+    counts = {"validated": 0, "built": 0}
+
+    def counting(name: str, key: str) -> None:
+        real = getattr(families, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            counts[key] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(families, name, wrapper)
+        import vramguard.workload.models as models
+
+        if hasattr(models, name):
+            monkeypatch.setattr(models, name, wrapper)
+
+    counting("spec_from_hf", "validated")
+    counting("transformers_config", "built")
+    return counts
+
+
+@pytest.mark.parametrize("fit", [[], ["--fit", "1MiB"]], ids=["estimate", "fit"])
+def test_the_model_is_validated_and_built_once_per_run(
+    fit: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    counts = count_model_reads(monkeypatch)
+    code = main(["estimate", "--model", "tiny-qwen2", *FAST, "--quiet", *fit])
+    assert code in (0, 1), capsys.readouterr().err
+    assert counts == {"validated": 1, "built": 1}
+
+
 def test_a_resolved_config_keeps_its_model_through_replace() -> None:
     import dataclasses
 

@@ -629,9 +629,65 @@ def with_lora(model: Any, config: QLoRAConfig) -> Any:
     from peft import get_peft_model
 
     try:
-        return get_peft_model(model, lora_config(config))
+        peft_model = get_peft_model(model, lora_config(config))
     except ValueError as exc:
+        if "incompatible with Mamba-based models" in str(exc):
+            raise UsageError(mamba_refusal(model)) from None
         raise UsageError(f"PEFT refuses this LoRA setup: {first_line(exc)}") from None
+    refuse_tuple_routers(peft_model)
+    return peft_model
+
+
+MAMBA_REFUSED = ("out_proj", "conv1d")
+"""The Mamba mixer's layers PEFT refuses LoRA on in the model types it calls Mamba-based (Falcon-H1, Mamba,
+Nemotron-H: ``peft.tuners.tuners_utils._check_lora_target_modules_mamba``)."""
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """The last names of ``model``'s linear layers (``nn.Linear`` and bitsandbytes' 4-bit ones), the output layer
+    left out: what ``all-linear`` targets."""
+    names = set()
+    for name, m in model.named_modules():
+        while name.endswith(".base_layer"):  # a layer PEFT had wrapped before it refused another
+            name = name.removesuffix(".base_layer")
+        if isinstance(m, torch.nn.Linear) and name and ".lora_" not in name and not name.endswith("lm_head"):
+            names.add(name.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def mamba_refusal(model: torch.nn.Module) -> str:
+    """One line for PEFT's refusal of LoRA on a Mamba mixer's ``out_proj`` / ``conv1d``, naming the targets that
+    work: every other linear layer."""
+    kind = getattr(getattr(model, "config", None), "model_type", "this model")
+    works = ",".join(n for n in linear_names(model) if n not in MAMBA_REFUSED)
+    return (
+        f"PEFT refuses LoRA on the Mamba mixer's {' and '.join(MAMBA_REFUSED)} in {kind} models (all-linear "
+        f"includes out_proj): pass the other layers, --target-modules {works}"
+    )
+
+
+def refuse_tuple_routers(model: torch.nn.Module) -> None:
+    """A UsageError where PEFT put LoRA on a router that is an ``nn.Linear`` with a forward of its own returning a
+    tuple (Llama 4's ``Llama4Router``, Phi-MoE's router): PEFT's LoRA layer reads the base layer's output as one
+    tensor, so the user's own run fails at its first forward ("'tuple' object has no attribute 'dtype'")."""
+    routers: dict[str, str] = {}
+    for name, m in model.named_modules():
+        base = m.get_base_layer() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer") else None
+        forward = getattr(type(base), "forward", None)
+        if isinstance(base, torch.nn.Linear) and getattr(forward, "__module__", "").startswith("transformers."):
+            routers[name.rsplit(".", 1)[-1]] = type(base).__name__
+    if not routers:
+        return
+    adapted, wrapped = lora_targets(model)
+    works = f"--target-modules {','.join(sorted(adapted - set(routers)))}"
+    if wrapped:
+        works += f" --target-parameters {','.join(sorted(wrapped))}"
+    named = ", ".join(f"{n!r} ({c})" for n, c in sorted(routers.items()))
+    raise UsageError(
+        f"PEFT cannot put LoRA on the experts' router {named}: its forward returns a tuple, which PEFT's LoRA "
+        "layer takes for one tensor (the run would fail: 'tuple' object has no attribute 'dtype'); leave the "
+        f"router out: {works}"
+    )
 
 
 def lora_config(config: QLoRAConfig) -> Any:

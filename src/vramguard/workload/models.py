@@ -674,7 +674,11 @@ def refuse_tuple_routers(model: torch.nn.Module) -> None:
     for name, m in model.named_modules():
         base = m.get_base_layer() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer") else None
         forward = getattr(type(base), "forward", None)
-        if isinstance(base, torch.nn.Linear) and getattr(forward, "__module__", "").startswith("transformers."):
+        if (
+            isinstance(base, torch.nn.Linear)
+            and type(base).__name__.endswith("Router")  # FalconLinear & co. have a forward of their own too
+            and getattr(forward, "__module__", "").startswith("transformers.")
+        ):
             routers[name.rsplit(".", 1)[-1]] = type(base).__name__
     if not routers:
         return

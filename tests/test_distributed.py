@@ -268,7 +268,7 @@ def test_fsdp1_fake_process_group_on_the_host_equals_the_meta_estimate(fsdp1_est
 
 
 def test_the_json_document_has_the_distributed_section(fsdp2_audit, tmp_path: Path) -> None:
-    from vramguard.audit.report import AuditReport
+    from vramguard.step.report import AuditReport
 
     doc = fsdp2_audit.to_dict()
     d = doc["distributed"]

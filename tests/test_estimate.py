@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from vramguard.audit.report import AuditReport
 from vramguard.audit.run import run_audit
 from vramguard.cli import main
+from vramguard.step.report import AuditReport
 from vramguard.workload.models import QLoRAConfig, build_qlora, parse_dtype, presets
 
 STEPS = 2

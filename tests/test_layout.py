@@ -17,7 +17,7 @@ SRC = Path(vramguard.__file__).resolve().parents[1]
 PACKAGE = SRC / "vramguard"
 
 #: Parts that measure, estimate, check and record; they never render nor parse a command line.
-CORE = ("measure", "model", "workload", "grad", "history", "bisect", "audit", "estimate")
+CORE = ("measure", "model", "workload", "grad", "history", "bisect", "step", "audit", "estimate")
 #: Imports that belong to a face (the CLI, the pytest plugins), never to the core.
 FACES = ("rich", "argparse", "pytest", "_pytest", "vramguard.cli", "vramguard.pytest", "vramguard.view")
 #: The one part that draws: every rich import is in it (the CLI, the pytest plugins and the integrations draw

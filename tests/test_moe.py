@@ -370,7 +370,7 @@ def test_a_sharded_estimate_of_eager_experts_bounds_each_rank_by_its_forced_rout
     routes its own batch): the rank rows are the highest routing's and equal, byte for byte, the same rank run
     on the host's real tensors with that routing forced; the routing line names the three routings' peaks of
     those real runs."""
-    from vramguard.audit.report import AuditReport
+    from vramguard.step.report import AuditReport
     from vramguard.units import format_bytes
     from vramguard.workload.sharding import ShardingConfig
 

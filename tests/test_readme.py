@@ -225,7 +225,7 @@ def test_every_dotted_name_in_the_pages_resolves() -> None:
 
 def test_a_stale_dotted_name_is_found() -> None:
     """The names that were stale in the README before the docs site, a module and an attribute."""
-    text = "see `vramguard.report.AuditReport` and `vramguard.capabilities`, not `vramguard.audit.report.AuditReport`"
+    text = "see `vramguard.report.AuditReport` and `vramguard.capabilities`, not `vramguard.step.report.AuditReport`"
     assert unresolved(text) == ["vramguard.capabilities", "vramguard.report.AuditReport"]
     assert unresolved("`vramguard.measure.ledger.NoSuchThing`") == ["vramguard.measure.ledger.NoSuchThing"]
     assert unresolved("machine_info.vramguard.packages, docs/vramguard.json, vramguard.patches") == []

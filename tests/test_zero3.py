@@ -126,7 +126,7 @@ def test_saved_zero3_weights_are_gathered_weights_not_copies(zero3_audit) -> Non
 def test_the_ranks_agree_and_the_json_section_names_the_engine(zero3_audit) -> None:
     from importlib.metadata import version
 
-    from vramguard.audit.report import AuditReport
+    from vramguard.step.report import AuditReport
 
     rows = zero3_audit.distributed.per_rank
     assert [r.rank for r in rows] == [0, 1]

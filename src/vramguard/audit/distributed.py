@@ -7,7 +7,7 @@ model the FSDP + QLoRA recipe's way (:mod:`vramguard.workload.sharding`), joins 
 to pick), lets the real engine shard it and runs vramguard's loop under the *same* ledger and tracker as
 the single-device audit (:func:`measure_rank`, shared with the estimate's fake process group). Each rank
 writes its report (the audit's document) atomically; the parent reads them and puts rank 0's report with
-a ``distributed`` section (:class:`~vramguard.audit.report.DistributedSection`) in front of the user.
+a ``distributed`` section (:class:`~vramguard.step.report.DistributedSection`) in front of the user.
 
 The launcher runs under :func:`vramguard.bisect.procgroup.run_in_group`: the ranks share its process group,
 which is killed whole when vramguard ends (SIGKILL included), when the run times out, or when one rank fails
@@ -31,12 +31,12 @@ from typing import Any, NoReturn
 import torch
 
 from vramguard.atomic import write_text_atomic
-from vramguard.audit import verdict as checks
-from vramguard.audit.report import AuditReport, DistributedSection, Finding, RankRow
 from vramguard.audit.run import assemble_report, check_fits
 from vramguard.errors import RunKilled, UsageError
 from vramguard.measure.tracker import MemorySource, MemoryTracker
 from vramguard.model.analytic import Expectation, weights_expectation
+from vramguard.step import verdict as checks
+from vramguard.step.report import AuditReport, DistributedSection, Finding, RankRow
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
 from vramguard.workload.sharding import (
     ShardingConfig,

@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from vramguard.audit import verdict as checks
-from vramguard.audit.assemble import Measured, assemble
-from vramguard.audit.report import AuditReport, StepRow, with_routing_note
 from vramguard.errors import UsageError, first_line
 from vramguard.measure.events import AllocationLog, timeline
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.tracker import MemoryTracker
 from vramguard.model.analytic import Expectation, planned_expectation, qlora_expectation, weights_expectation
+from vramguard.step import verdict as checks
+from vramguard.step.assemble import Measured, assemble
+from vramguard.step.report import AuditReport, StepRow, with_routing_note
 from vramguard.units import format_bytes
 from vramguard.workload.families import NoAnalyticModel
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
@@ -261,7 +261,7 @@ def assemble_report(
     meta_run: bool = False,
 ) -> AuditReport:
     """The report of a run of vramguard's loop (the audit's, or with ``meta_run`` the estimate's) through
-    :func:`~vramguard.audit.assemble.assemble`: the build's notes, the fp32-activation check (``qlora``
+    :func:`~vramguard.step.assemble.assemble`: the build's notes, the fp32-activation check (``qlora``
     only: the norms are upcast by ``prepare_model_for_kbit_training``) and, for the audit, the note that one
     step checks no leak. The meta run records its step options (method, optimizer, offloading) in the
     config."""

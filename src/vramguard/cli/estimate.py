@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from vramguard.atomic import write_text_atomic
-from vramguard.audit.report import AuditReport
 from vramguard.cli.options import (
     add_qlora_options,
     add_sharding_options,
@@ -30,6 +29,7 @@ from vramguard.cli.options import (
     write_timeline_outputs,
 )
 from vramguard.errors import UsageError
+from vramguard.step.report import AuditReport
 from vramguard.units import parse_size
 from vramguard.workload.models import METHODS, OPTIMIZERS, QLoRAConfig
 

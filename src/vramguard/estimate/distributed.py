@@ -40,13 +40,13 @@ from typing import Any
 import torch
 
 from vramguard.audit.distributed import measure_rank, merged, rank_expectation
-from vramguard.audit.report import AuditReport, RankRow
 from vramguard.errors import UsageError
 from vramguard.estimate.kernels import cuda_kernel_temporaries
 from vramguard.estimate.meta import META, TARGETS, build_meta, routed_on_meta
 from vramguard.estimate.run import highest_routing, meta_step_contexts, overheads, with_bounds
 from vramguard.measure.storage import local_tensor, storage_key
 from vramguard.measure.tracker import StorageTracker
+from vramguard.step.report import AuditReport, RankRow
 from vramguard.workload.models import QLoRAConfig, QLoRAModel
 from vramguard.workload.routing import ROUTINGS, Routing, eager_top_k
 from vramguard.workload.sharding import ShardingConfig, check_adapters

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from vramguard.audit.report import AuditReport
 from vramguard.estimate.run import TooLarge
+from vramguard.step.report import AuditReport
 from vramguard.workload.models import QLoRAConfig
 
 DIMS = ("batch", "seq")

@@ -2,8 +2,8 @@
 
 The ledger and the storage tracker run unchanged: on meta every storage still has its real size,
 so saved bytes per module and live bytes per phase are the libraries' own, without data. The
-report is :class:`vramguard.audit.report.AuditReport` (the audit's schema), with ``device`` ``meta`` and
-``estimate`` (:class:`~vramguard.audit.report.DeviceEstimate`) filled in.
+report is :class:`vramguard.step.report.AuditReport` (the audit's schema), with ``device`` ``meta`` and
+``estimate`` (:class:`~vramguard.step.report.DeviceEstimate`) filled in.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-from vramguard.audit import verdict as checks
-from vramguard.audit.report import AuditReport, DeviceEstimate, Finding, Overhead, with_routing_note
 from vramguard.audit.run import assemble_report, expectation_of, refuse_fp16_on_cpu
 from vramguard.errors import UsageError, first_line
 from vramguard.estimate.kernels import cuda_kernel_temporaries
@@ -31,6 +29,8 @@ from vramguard.estimate.meta import (
 from vramguard.estimate.offload import OffloadActivations
 from vramguard.measure.events import AllocationLog
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
+from vramguard.step import verdict as checks
+from vramguard.step.report import AuditReport, DeviceEstimate, Finding, Overhead, with_routing_note
 from vramguard.units import format_bytes
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, packed_lengths
 from vramguard.workload.routing import (

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vramguard.audit.report import AuditReport
 from vramguard.errors import UsageError
 from vramguard.estimate.kernels import cuda_kernel_temporaries
 from vramguard.estimate.meta import META, _deepcopy_on_meta, build_meta
@@ -45,6 +44,7 @@ from vramguard.integrations.trainer_step import (
 )
 from vramguard.integrations.transformers import VramGuardCallback
 from vramguard.measure.tracker import StorageTracker
+from vramguard.step.report import AuditReport
 from vramguard.workload.models import QLoRAConfig, QLoRAModel
 from vramguard.workload.routing import eager_top_k
 
@@ -210,9 +210,9 @@ def run_trainer_estimate(
 ) -> AuditReport:
     """The estimate of ``trainer``'s own step ("sft" or "trainer") for ``config`` on meta: the callback's report
     with the device's figures (:func:`vramguard.estimate.run.device_estimate`) and the estimate's line."""
-    from vramguard.audit import verdict as checks
-    from vramguard.audit.report import Finding
     from vramguard.estimate.run import device_estimate, headline
+    from vramguard.step import verdict as checks
+    from vramguard.step.report import Finding
 
     if target not in ("cuda", "cpu"):
         raise UsageError(f"target must be one of cuda, cpu, got {target!r}")

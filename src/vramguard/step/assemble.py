@@ -1,11 +1,11 @@
 """The one assembler of a step report: what a producer measured (:class:`Measured`) in, the
-:class:`~vramguard.audit.report.AuditReport` with its verdict out.
+:class:`~vramguard.step.report.AuditReport` with its verdict out.
 
 The producers are vramguard's loop (:func:`vramguard.audit.run.run_audit`), the meta-device run
 (:func:`vramguard.estimate.run.run_estimate`) and the Trainer callback
 (:class:`vramguard.integrations.transformers.VramGuardCallback`); each measures its own way, hands the
 numbers and its own findings here, and gets the same document and the same verdict rules
-(:mod:`vramguard.audit.verdict`).
+(:mod:`vramguard.step.verdict`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,13 @@ from typing import Any
 import torch
 
 from vramguard import __version__, environment
-from vramguard.audit import verdict as checks
-from vramguard.audit.report import (
+from vramguard.measure.events import Timeline
+from vramguard.measure.ledger import LedgerReport
+from vramguard.measure.storage import frozen_resident_bytes, local_tensor, storage_nbytes
+from vramguard.measure.tracker import MemoryTracker
+from vramguard.model.analytic import Expectation
+from vramguard.step import verdict as checks
+from vramguard.step.report import (
     SCHEMA_VERSION,
     AnalyticComparison,
     AuditReport,
@@ -29,11 +34,6 @@ from vramguard.audit.report import (
     StepRow,
     Totals,
 )
-from vramguard.measure.events import Timeline
-from vramguard.measure.ledger import LedgerReport
-from vramguard.measure.storage import frozen_resident_bytes, local_tensor, storage_nbytes
-from vramguard.measure.tracker import MemoryTracker
-from vramguard.model.analytic import Expectation
 
 
 def lora_training_bytes(trainable: Iterable[torch.nn.Parameter], optimizer: Any) -> int:
@@ -144,7 +144,7 @@ class Measured:
 
     ``findings_first`` go before the shared checks (weight copies, leak), ``findings`` after them; each
     list keeps its order. ``ok_detail`` ends the OK line (``None``: ``; `` and the saved activations
-    against the analytic model, :func:`~vramguard.audit.verdict.activation_summary`); ``offloaded``: the activations were kept on the host (no deviation note against the model)."""
+    against the analytic model, :func:`~vramguard.step.verdict.activation_summary`); ``offloaded``: the activations were kept on the host (no deviation note against the model)."""
 
     model: torch.nn.Module
     ledger: LedgerReport

@@ -142,7 +142,7 @@ _FAKE_RANK0 = """
 import dataclasses, json, sys
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from vramguard.audit.distributed import rank_expectation
+from vramguard.step.rank import rank_expectation
 from vramguard.audit.zero3 import build_zero3_rank, measure_zero3_rank
 from vramguard.workload.models import QLoRAConfig
 config = QLoRAConfig()

@@ -4,7 +4,7 @@ The real engine runs in this one process: torch's fake process group (``FakeStor
 world size N, this process playing rank r) answers every collective at once without moving data, and FSDP2's
 ``fully_shard`` shards the meta-built model of the FSDP + QLoRA recipe over a ``meta`` device mesh. Each
 rank's shards, all-gather buffers, reduce-scatter buffers, gradients and optimizer state get their real
-shapes and dtypes; the step runs under the audit's ledger and tracker (:func:`vramguard.audit.distributed.
+shapes and dtypes; the step runs under the audit's ledger and tracker (:func:`vramguard.step.rank.
 measure_rank`, shared with the real ranks), so on CPU kernels (``--target cpu``) it equals
 ``audit --world-size N`` rank by rank.
 
@@ -39,13 +39,13 @@ from typing import Any
 
 import torch
 
-from vramguard.audit.distributed import measure_rank, merged, rank_expectation
 from vramguard.errors import UsageError
 from vramguard.estimate.kernels import cuda_kernel_temporaries
 from vramguard.estimate.meta import META, TARGETS, build_meta, routed_on_meta
 from vramguard.estimate.run import highest_routing, meta_step_contexts, overheads, with_bounds
 from vramguard.measure.storage import local_tensor, storage_key
 from vramguard.measure.tracker import StorageTracker
+from vramguard.step.rank import measure_rank, merged, rank_expectation
 from vramguard.step.report import AuditReport, RankRow
 from vramguard.workload.models import QLoRAConfig, QLoRAModel
 from vramguard.workload.routing import ROUTINGS, Routing, eager_top_k

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from vramguard.audit.run import assemble_report, expectation_of, refuse_fp16_on_cpu
 from vramguard.errors import UsageError, first_line
 from vramguard.estimate.kernels import cuda_kernel_temporaries
 from vramguard.estimate.meta import (
@@ -30,6 +29,9 @@ from vramguard.estimate.offload import OffloadActivations
 from vramguard.measure.events import AllocationLog
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.step import verdict as checks
+from vramguard.step.assemble import assemble_report
+from vramguard.step.expectation import expectation_of
+from vramguard.step.refusals import refuse_fp16_on_cpu
 from vramguard.step.report import AuditReport, DeviceEstimate, Finding, Overhead, with_routing_note
 from vramguard.units import format_bytes
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, packed_lengths

@@ -384,7 +384,7 @@ class VramGuardCallback(TrainerCallback):
 
         import torch.distributed as dist
 
-        from vramguard.audit.distributed import merged, rank_row
+        from vramguard.step.rank import merged, rank_row
         from vramguard.workload.sharding import ShardingConfig, transient_terms
 
         assert self.report is not None and self._model is not None

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from vramguard import __version__, environment
-from vramguard.measure.events import Timeline
+from vramguard.measure.events import Timeline, timeline
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.storage import frozen_resident_bytes, local_tensor, storage_nbytes
 from vramguard.measure.tracker import MemoryTracker
@@ -34,6 +34,8 @@ from vramguard.step.report import (
     StepRow,
     Totals,
 )
+from vramguard.workload.models import QLoRAConfig, QLoRAModel
+from vramguard.workload.training import PHASES, StepResult
 
 
 def lora_training_bytes(trainable: Iterable[torch.nn.Parameter], optimizer: Any) -> int:
@@ -218,4 +220,65 @@ def assemble(m: Measured) -> AuditReport:
         elapsed_s=round(m.elapsed_s, 3),
         architecture=m.architecture,
         timeline=m.timeline,
+    )
+
+
+def assemble_report(
+    q: QLoRAModel,
+    config: QLoRAConfig,
+    expected: Expectation,
+    tracker: MemoryTracker,
+    results: list[StepResult],
+    ledger: LedgerReport,
+    optimizer: torch.optim.Optimizer,
+    top: int,
+    elapsed: float,
+    meta_run: bool = False,
+) -> AuditReport:
+    """The report of a run of vramguard's loop (the audit's, or with ``meta_run`` the estimate's) through
+    :func:`~vramguard.step.assemble.assemble`: the build's notes, the fp32-activation check (``qlora``
+    only: the norms are upcast by ``prepare_model_for_kbit_training``) and, for the audit, the note that one
+    step checks no leak. The meta run records its step options (method, optimizer, offloading) in the
+    config."""
+    steps = [
+        StepRow(
+            step=r.step + 1,
+            loss=r.loss,
+            retained_bytes=r.retained_bytes,
+            retained_after_forward=r.after_forward_bytes - r.start_bytes,
+            peak_bytes=r.peak_bytes,
+        )
+        for r in results
+    ]
+    return assemble(
+        Measured(
+            model=q.model,
+            ledger=ledger,
+            tracker=tracker,
+            phases=PHASES,
+            steps=steps,
+            expected=expected,
+            optimizer=optimizer,
+            trainable=q.trainable_parameters(),
+            config=config.to_dict(step_options=meta_run or config.optimizer != "adamw"),
+            architecture={
+                "model_type": q.spec.model_type,
+                "model_class": q.model_class,
+                "attn_implementation": q.attn_implementation,
+                "analytic_model": None if expected.no_analytic_model else expected.family,
+            },
+            environment_device=config.device,
+            elapsed_s=elapsed,
+            leak_tolerance=checks.leak_tolerance(config.device),
+            top=top,
+            findings_first=checks.notes(checks.BUILD, q.notes),
+            findings=[
+                checks.fp32_activations(q.model, config.compute_dtype) if config.method == "qlora" else None,
+                checks.dora(ledger, q.model),
+                None if meta_run else checks.one_step(steps),
+            ],
+            offloaded=config.offload_activations,  # on the host by design: no deviation note
+            autocast=config.mixed_precision,
+            timeline=timeline(tracker.events) if tracker.events is not None else None,
+        )
     )

@@ -305,7 +305,7 @@ def _largest_at_world(
     config: QLoRAConfig, sharding: Any, size: int, args: argparse.Namespace, requested_total: int
 ) -> dict[str, Any]:
     """``--fit SIZE --world-size N``: the largest batch (or ``--fit-dim seq``) whose every rank fits at N."""
-    from vramguard.estimate.fit import FIT_LIMIT, rank_total, search
+    from vramguard.estimate.fit import FIT_LIMIT, search
     from vramguard.estimate.run import max_positions
 
     limit = FIT_LIMIT
@@ -320,6 +320,5 @@ def _largest_at_world(
         dim=args.fit_dim,
         limit=limit,
         known={requested: requested_total},
-        total=rank_total,
     )
     return result.to_dict()

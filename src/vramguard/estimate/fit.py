@@ -61,6 +61,10 @@ Estimator = Callable[[QLoRAConfig], AuditReport]
 
 
 def _total(report: AuditReport) -> int:
+    """The figure of a report held against a size: a sharded step's highest rank's total (:func:`rank_total`),
+    else the device estimate's total."""
+    if getattr(report, "distributed", None) is not None:
+        return rank_total(report)
     assert report.estimate is not None
     return report.estimate.total_bytes
 
@@ -77,13 +81,11 @@ def search(
     dim: str = "batch",
     limit: int = FIT_LIMIT,
     known: dict[int, int] | None = None,
-    total: Callable[[AuditReport], int] = _total,
 ) -> Fit:
     """The largest value of ``dim`` (batch or seq) in [1, ``limit``] whose estimated total fits ``size``,
     in at most :func:`run_bound` runs (memory is taken to grow with the value). ``known``: totals
-    already estimated (the requested shape's), used as measured, not counted as runs. ``total``: the figure
-    of a report held against ``size`` (the device estimate's total; a sharded step's, its highest rank's:
-    :func:`rank_total`)."""
+    already estimated (the requested shape's), used as measured, not counted as runs. A report's figure held
+    against ``size`` is the device estimate's total; a sharded step's, its highest rank's (:func:`rank_total`)."""
     if dim not in DIMS:
         raise ValueError(f"dim must be one of {DIMS}, got {dim!r}")
     if limit < 1:
@@ -94,7 +96,7 @@ def search(
 
     def fits(value: int) -> bool:
         try:
-            got: int | None = total(estimate(dataclasses.replace(config, **{key: value})))
+            got: int | None = _total(estimate(dataclasses.replace(config, **{key: value})))
         except TooLarge:
             got = None
         measured[value] = got

@@ -23,6 +23,7 @@ from fractions import Fraction
 from typing import Any
 
 from vramguard.estimate.run import TooLarge
+from vramguard.estimate.techniques import registered
 from vramguard.step.report import AuditReport
 from vramguard.workload.models import QLoRAConfig
 
@@ -181,7 +182,9 @@ def cheaper_changes(
     ``largest_batch``: the largest batch that fits (a ``--fit`` search's answer), below the requested one: then
     the same rows a step in micro-batches of the largest batch that divides them and is no larger, by gradient
     accumulation; its own meta run prices the gradients that holds, so it may still not fit. ``target``: the
-    estimate's; on ``cpu`` offloading activations to the host saves nothing, so it is not offered. ``peak_phase``:
+    estimate's; each registered technique offers its own alternative
+    (:func:`vramguard.estimate.techniques.registered`): on ``cpu`` offloading activations to the host saves
+    nothing, so it is not offered. ``peak_phase``:
     the requested shape's; where it is the optimizer step, on CUDA, the fused AdamW is offered (torch's default
     there, ``foreach``, holds a temporary as large as the trainable parameters in that step only)."""
     half = max(1, config.lora_rank // 2)
@@ -208,13 +211,7 @@ def cheaper_changes(
                 dataclasses.replace(config, optimizer="adamw-8bit"),
             )
         )
-    if not config.offload_activations and target == "cuda":
-        options.append(
-            (
-                "--offload-activations",
-                dataclasses.replace(config, offload_activations=True),
-            )
-        )
+    options += [o for o in (t.cheaper(config, target) for t in registered()) if o is not None]
     if not config.gradient_checkpointing and config.lora_rank > 1:
         options.append(
             (

@@ -18,12 +18,11 @@ import torch
 from vramguard.errors import UsageError, first_line
 from vramguard.estimate.kernels import cuda_kernel_temporaries
 from vramguard.estimate.meta import (
-    MetaQLoRAModel,
     build_meta,
     forced_decisions,
     routed_on_meta,
 )
-from vramguard.estimate.offload import OffloadActivations
+from vramguard.estimate.techniques import offloading, used_by
 from vramguard.measure.events import AllocationLog
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
@@ -33,6 +32,7 @@ from vramguard.step.assemble import assemble_report
 from vramguard.step.expectation import expectation_of
 from vramguard.step.refusals import refuse_fp16_on_cpu
 from vramguard.step.request import META, StepRequest
+from vramguard.step.technique import contexts_of, enter_stage
 from vramguard.step.report import AuditReport, DeviceEstimate, Finding, Overhead, with_routing_note
 from vramguard.units import format_bytes
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, packed_lengths
@@ -415,10 +415,8 @@ def refused_before_the_build(request: StepRequest) -> _TooLong | None:
     number."""
     config = request.config
     refuse_fp16_on_cpu(config, request.target)
-    if config.use_liger_kernel:
-        from vramguard.estimate.liger import check
-
-        check(request.target, request.device)  # before anything is built: the extra, the target, the device
+    for technique in used_by(config):  # before anything is built (Liger: the extra, the target, the device)
+        technique.refuse(request)
     try:
         check_context(config, config.spec)
     except _TooLong as exc:
@@ -429,7 +427,7 @@ def refused_before_the_build(request: StepRequest) -> _TooLong | None:
 @dataclasses.dataclass
 class MetaStep:
     """What one meta run of a request measured, and what its techniques saw: the forced decisions ``taken``,
-    the routing ``forced``, Liger's calls ``ran`` and the activation offloading ``offload`` (None: off)."""
+    the routing ``forced`` and, by technique name, what each technique's context yielded (``seen``)."""
 
     expected: Expectation
     optimizer: torch.optim.Optimizer
@@ -438,39 +436,33 @@ class MetaStep:
     ledger: LedgerReport
     taken: dict[str, int]
     forced: dict[str, Any]
-    ran: dict[str, Any]
-    offload: OffloadActivations | None
+    seen: dict[str, Any]
 
 
 def meta_step(
     q: QLoRAModel, request: StepRequest, events: AllocationLog | None, too_long: _TooLong | None
 ) -> MetaStep:
-    """``request``'s steps of ``q`` under the tracker, in the contexts its techniques put on the step (the
-    target's forced decisions, the routing, Liger, activation offloading, flash-attn 2); a tensor beyond what
-    torch can describe is :class:`TooLarge`."""
+    """``request``'s steps of ``q`` under the tracker, in the contexts put on the step: the target's forced
+    decisions and the routing, then the techniques' (:func:`~vramguard.step.technique.enter_stage`, by their
+    stage around or under the tracker), then flash-attn 2's kernel; a tensor beyond what torch can describe is
+    :class:`TooLarge`."""
     config, target, device = request.config, request.target, request.device
     opt = make_estimate_optimizer(q, config.optimizer, target)
     # the meta run takes the target's kernel choices (see estimate.meta)
     expected = expectation_of(q, config, target, analytic=config.method == "qlora")
     source = meta_source(device, target)
-    offload = OffloadActivations(q.model) if config.offload_activations else None
+    techniques = used_by(config)
+    contexts = contexts_of(techniques, q, request)
     decisions, flash = meta_step_contexts(q, config, target, request.one_sequence_per_row)
-    liger: contextlib.AbstractContextManager[dict[str, Any]] = contextlib.nullcontext({})
-    if config.use_liger_kernel:
-        from vramguard.estimate.liger import liger_kernel
-
-        assert isinstance(q, MetaQLoRAModel)
-        liger = liger_kernel(q.model, target, q.host_labels())
     routed = routed_step(q, request)
     try:
-        with (
-            decisions as taken,
-            routed as forced,
-            liger as ran,
-            MemoryTracker(device, model=q.model, source=source, events=events) as tracker,
-            offload if offload is not None else contextlib.nullcontext(),
-            flash,
-        ):
+        with contextlib.ExitStack() as stack:
+            taken = stack.enter_context(decisions)
+            forced = stack.enter_context(routed)
+            seen = enter_stage(stack, "around", techniques, contexts)
+            tracker = stack.enter_context(MemoryTracker(device, model=q.model, source=source, events=events))
+            seen |= enter_stage(stack, "under", techniques, contexts)
+            stack.enter_context(flash)
             results, ledger = run_steps(q, request.steps, tracker, optimizer=opt, ledger_step=0)
     except RuntimeError as exc:
         if "overflow" not in str(exc):
@@ -481,7 +473,7 @@ def meta_step(
         taken = {}  # neither branch exists in this transformers version / model: nothing was forced
     if request.routing is not None:  # the experts calls given the forced routing, the loop's steps answered from it
         taken = {**taken, "routing_forced": forced["forced"], "routing_answered": forced.get("answered", 0)}
-    return MetaStep(expected, opt, tracker, results, ledger, taken, forced, ran, offload)
+    return MetaStep(expected, opt, tracker, results, ledger, taken, forced, seen)
 
 
 def meta_source(device: str, target: str) -> StorageTracker:
@@ -529,7 +521,8 @@ def estimate_report(
     """The meta run's ``report`` with the device estimate, its headline and the estimate's notes; a sequence
     beyond the model's positions is refused here, with the figure it would need."""
     config, target = request.config, request.target
-    offloaded = step.offload.host_peak_bytes if step.offload is not None else 0
+    offload = step.seen.get(offloading.TECHNIQUE.name)
+    offloaded = offload.host_peak_bytes if offload is not None else 0
     estimate = device_estimate(report, q, config, target, offloaded, bool(config.offload_activations))
     estimate.forced_decisions = dict(step.taken)
     if too_long is not None:
@@ -558,12 +551,8 @@ def estimate_notes(
     notes = [meta_run_note(cuda)]
     if config.optimizer == "paged-adamw-8bit":
         notes.append(paged_note(step.optimizer, cuda))
-    if step.offload is not None:
-        notes.append(offloading_note(step.offload, request.steps, cuda))
-    if config.use_liger_kernel:
-        from vramguard.estimate.liger import liger_line
-
-        notes.append(Finding(checks.LIGER, liger_line(step.ran)))
+    for technique in used_by(config):
+        notes += technique.findings(q, request, step.seen[technique.name])
     bounds = data_bounds(q, request, estimate)
     if bounds is not None:
         notes.append(bounds)
@@ -605,19 +594,6 @@ def paged_note(optimizer: torch.optim.Optimizer, cuda: bool) -> Finding:
         + ". "
         "Estimated by running AdamW8bit: paged memory does not exist on meta",
         paged,
-    )
-
-
-def offloading_note(offload: OffloadActivations, steps: int, cuda: bool) -> Finding:
-    """The activations offloaded to the host: how many a step, and their peak on the host."""
-    return Finding(
-        checks.OFFLOADING,
-        f"activations offloaded to the host (save_on_cpu, emulated): {offload.packs // steps:,} saved "
-        f"tensors per step, at most {format_bytes(offload.host_peak_bytes)} of host memory at once, "
-        + ("not in the device figures" if cuda else "in the total (the host's: --target cpu)")
-        + "; copied back one by one in backward (counted there). "
-        "The per-layer table lists what stays on the device",
-        offload.host_peak_bytes,
     )
 
 

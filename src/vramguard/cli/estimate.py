@@ -28,7 +28,7 @@ from vramguard.cli.options import (
     write_timeline_outputs,
 )
 from vramguard.errors import UsageError
-from vramguard.units import parse_size
+from vramguard.units import SIZE_HELP, parse_size
 from vramguard.workload.models import METHODS, OPTIMIZERS, QLoRAConfig
 
 DESCRIPTION = (
@@ -87,8 +87,9 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--fit",
         metavar="SIZE",
-        help="the target's memory (a GPU's for --target cuda, the host's for cpu), e.g. 24GiB: find the largest "
-        "batch (or --fit-dim seq) that fits, and for a shape that does not fit, the changes that would make it",
+        help="the target's memory (a GPU's for --target cuda, the host's for cpu): find the largest "
+        "batch (or --fit-dim seq) that fits, and for a shape that does not fit, the changes that would make it; "
+        f"{SIZE_HELP}",
     )
     p.add_argument("--fit-dim", default="batch", choices=("batch", "seq"))
     add_sharding_options(p)

@@ -44,3 +44,13 @@ def test_every_option_with_a_value_says_its_default(command: str, monkeypatch: p
         and "default" not in formatter._expand_help(a).lower()
     ]
     assert silent == []
+
+
+def test_audit_and_estimate_name_the_device_alike() -> None:
+    """One name for one idea: ``--device`` on both (estimate's was ``--target``: still taken, hidden, as the
+    other earlier names are)."""
+    for command in ("audit", "estimate"):
+        assert "--device" in _subparser(command).format_help()
+    assert "--target " not in _subparser("estimate").format_help()
+    for flag in ("--device", "--target"):
+        assert build_parser("estimate").parse_args(["estimate", flag, "cpu"]).target == "cpu"

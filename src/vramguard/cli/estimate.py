@@ -82,22 +82,27 @@ def register(subparsers: Any) -> None:
         const=True,
         help="Trainer's use_liger_kernel: Liger's kernels applied as Trainer applies them, its fused linear "
         "cross-entropy among them, priced on meta from liger-kernel's own code (its Triton kernels are not run; "
-        '--target cuda; needs the liger extra: pip install "vramguard[liger]")',
+        '--device cuda; needs the liger extra: pip install "vramguard[liger]")',
     )
     p.add_argument(
         "--fit",
         metavar="SIZE",
-        help="the target's memory (a GPU's for --target cuda, the host's for cpu): find the largest "
+        help="the memory of the device (a GPU's for --device cuda, the host's for cpu): find the largest "
         "batch (or --fit-dim seq) that fits, and for a shape that does not fit, the changes that would make it; "
         f"{SIZE_HELP}",
     )
     p.add_argument("--fit-dim", default="batch", choices=("batch", "seq"))
     add_sharding_options(p)
     p.add_argument(
-        "--target",
+        "--device",
+        dest="target",
         default="cuda",
         choices=("cuda", "cpu"),
-        help="the device whose kernels the step will run (attention, dropout): cuda (default) or cpu",
+        help="the device the step will run on (the meta run takes its kernels: attention, dropout; the total "
+        "adds its overheads): cuda or cpu, as audit's --device (default: cuda)",
+    )
+    p.add_argument(  # the flag's earlier name, kept hidden as --dtype and --attn are: audit's is --device
+        "--target", dest="target", choices=("cuda", "cpu"), help=argparse.SUPPRESS
     )
     p.add_argument(
         "--steps",

@@ -92,7 +92,7 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument(
         "--attn-implementation",
         choices=ATTN_IMPLEMENTATIONS,
-        help=f"default: {d.attn_implementation}; flash_attention_2: estimate --target cuda only, priced from "
+        help=f"default: {d.attn_implementation}; flash_attention_2: estimate --device cuda only, priced from "
         "flash-attn 2's rules (the package is CUDA-only)",
     )
     p.add_argument(  # the flag's earlier name

@@ -248,14 +248,14 @@ def estimate_components(report: AuditReport, console: Any) -> None:
 
 
 def estimate_device(report: AuditReport, console: Any) -> None:
-    """The total: the allocator peak, then each overhead the meta run leaves out (a GPU's for ``--target cuda``;
+    """The total: the allocator peak, then each overhead the meta run leaves out (a GPU's for ``--device cuda``;
     for cpu, the host's tensors and what offloading keeps there)."""
     e = report.estimate
     assert e is not None
     title = (
         "On the device: the allocator peak, then what the meta run leaves out (figures measured on an H100)"
         if e.target == "cuda"
-        else "On the host (--target cpu): the step's tensors at their peak; no GPU overhead is added"
+        else "On the host (--device cpu): the step's tensors at their peak; no GPU overhead is added"
     )
     o = _table(title, ["what", "bytes", "basis"], ("what", "basis"))
     o.add_row(

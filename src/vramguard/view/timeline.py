@@ -218,7 +218,7 @@ def render_run_html(report: AuditReport) -> str:
             f"{e(format_bytes(est.allocator_peak_bytes))} + {e(format_bytes(est.overhead_bytes))} the meta run leaves "
             "out (CUDA context, cuBLAS workspaces, fragmentation): the timeline shows the allocator peak</p>"
             if est.target == "cuda"
-            else f"<p>host estimate {e(format_bytes(est.total_bytes))} (--target cpu): the step's tensors at their "
+            else f"<p>host estimate {e(format_bytes(est.total_bytes))} (--device cpu): the step's tensors at their "
             f"peak, {e(format_bytes(est.allocator_peak_bytes))}, which the timeline shows"
             + (f", + {e(format_bytes(est.overhead_bytes))} of activations offloaded to the host" if est.overhead_bytes else "")
             + "; no GPU overhead is added</p>"

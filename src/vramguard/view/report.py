@@ -273,10 +273,22 @@ def estimate_device(report: AuditReport, console: Any) -> None:
 # -- phases, steps, notes, verdict --------------------------------------------------------------------------
 
 
+def tracker_basis(report: AuditReport) -> str:
+    """What the tracker's peaks count from, said with its phase table: on CUDA every allocated byte; on the CPU
+    and meta the storages made during the steps, without the model's own (its timeline picture's peak counts
+    those: the two differ by them)."""
+    if str(report.device).startswith("cuda"):
+        return "tracker: all allocated, the model's weights too"
+    return "tracker: the steps' storages, not the model's weights"
+
+
 def _phases(title: str, reserved: bool = False) -> Section:
     def section(report: AuditReport, console: Any) -> None:
         shown = reserved and any(v.reserved_peak_bytes is not None for v in report.phases.values())
-        p = _table(title, ["phase", "peak", "above phase start", *(["reserved peak"] if shown else [])])
+        p = _table(
+            title.format(basis=tracker_basis(report)),
+            ["phase", "peak", "above phase start", *(["reserved peak"] if shown else [])],
+        )
         for name, v in report.phases.items():
             cells = [name, fb(v.peak_bytes), fb(v.peak_above_start)]
             if shown:
@@ -288,9 +300,9 @@ def _phases(title: str, reserved: bool = False) -> Section:
     return section
 
 
-audit_phases = _phases("Peak live memory per phase (tracker)", reserved=True)
+audit_phases = _phases("Peak live memory per phase ({basis})", reserved=True)
 estimate_phases = _phases("Peak per phase (tracker on meta; above the weights and LoRA parameters)")
-trainer_phases = _phases("Peak live memory per phase (max over steps)")
+trainer_phases = _phases("Peak live memory per phase (max over steps; {basis})")
 
 
 def step_lines(report: AuditReport, console: Any) -> None:

@@ -171,6 +171,7 @@ def cheaper_changes(
     largest_batch: int = 0,
     target: str = "cuda",
     peak_phase: str = "",
+    total: Callable[[AuditReport], int] = _total,
 ) -> list[dict[str, Any]]:
     """For a shape that does not fit: the estimate of each change vramguard can run, cheapest first
     (what fits, then the fewest flags changed, then the smallest total).
@@ -181,7 +182,8 @@ def cheaper_changes(
     accumulation; its own meta run prices the gradients that holds, so it may still not fit. ``target``: the
     estimate's; on ``cpu`` offloading activations to the host saves nothing, so it is not offered. ``peak_phase``:
     the requested shape's; where it is the optimizer step, on CUDA, the fused AdamW is offered (torch's default
-    there, ``foreach``, holds a temporary as large as the trainable parameters in that step only)."""
+    there, ``foreach``, holds a temporary as large as the trainable parameters in that step only). ``total``: the
+    figure of a report held against ``size`` (:func:`search`'s; :func:`high_end` for ``--fit-at high``)."""
     half = max(1, config.lora_rank // 2)
     options: list[tuple[str, QLoRAConfig]] = []
     rows_a_step = config.batch * config.gradient_accumulation_steps
@@ -222,11 +224,23 @@ def cheaper_changes(
         )
     rows = []
     for flag, changed in options:
-        total = _total(estimate(changed))
-        rows.append({"change": flag, "total_bytes": total, "fits": total <= size})
+        got = total(estimate(changed))
+        rows.append({"change": flag, "total_bytes": got, "fits": got <= size})
     # cheapest: what fits, then the fewest flags changed (a single change before a combination)
     rows.sort(key=lambda r: (not r["fits"], r["change"].count("--"), r["total_bytes"]))
     return rows
+
+
+def high_end(report: AuditReport) -> int:
+    """A report's total at the high end (each overhead at its largest measured share: ``--fit-at high``)."""
+    from vramguard.estimate.run import high_total
+
+    assert report.estimate is not None
+    return high_total(report.estimate)
+
+
+FIT_AT = {"expected": _total, "high": high_end}
+"""``--fit-at``: the figure of a report held against the memory, by name."""
 
 
 def rank_total(report: AuditReport) -> int:

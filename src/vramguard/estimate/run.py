@@ -121,12 +121,14 @@ def overheads(
     offloading: bool = False,
     target: str = "cuda",
     offloaded_bytes: int = 0,
+    gpu: Any = None,
 ) -> list[Overhead]:
     """What the allocator peak of the meta run leaves out of the ``target``'s memory. On cuda a GPU's: the
     context, cuBLAS's workspaces and the fragmentation allowance at its expected (median) share, its
     ``low_bytes`` and ``high_bytes`` the measured range. On cpu none of those (the host's kernels), but the
     ``offloaded_bytes`` that activation offloading packs to the host stay in the host's memory there (an upper
-    bound: their peak and the step's are added, whenever each falls)."""
+    bound: their peak and the step's are added, whenever each falls). ``gpu``: the card
+    (:class:`vramguard.estimate.gpus.Gpu`) whose context allowance replaces the H100's."""
     if target != "cuda":
         if not offloaded_bytes:
             return []
@@ -144,7 +146,9 @@ def overheads(
             "CUDA context + kernels",
             CUDA_CONTEXT_BYTES,
             "744 MiB measured on an H100 (NVML, CUDA 13); outside the allocator, varies by GPU and driver",
-        ),
+        )
+        if gpu is None
+        else Overhead("CUDA context + kernels", gpu.context_bytes, f"{gpu.label}: {gpu.context_basis}"),
         Overhead(
             "cuBLAS workspaces",
             CUBLAS_WORKSPACE_BYTES,
@@ -294,6 +298,7 @@ def data_bounds(
     device: str,
     optimizer: str,
     routing: Routing | None = None,
+    gpu: Any = None,
 ) -> Finding | None:
     """What the batch's data decides, in one line: the figure is for the longest batch the config allows
     (``batch`` rows of ``seq_len`` tokens, every row full); the rows' lengths and, with packing, the sequences
@@ -317,6 +322,7 @@ def data_bounds(
             offload_activations=config.offload_activations,
             one_sequence_per_row=True,
             routing=routing,
+            gpu=gpu,
         ).estimate
         assert low is not None
         return Finding(
@@ -388,6 +394,7 @@ def run_estimate(
     events: AllocationLog | None = None,
     one_sequence_per_row: bool | None = None,
     routing: Routing | None = None,
+    gpu: Any = None,
 ) -> AuditReport:
     """Build ``config``'s model on meta, run ``steps`` steps under the tracker (the ledger on the
     first) and return the report. ``config.device`` is only validated; the run is on meta.
@@ -406,6 +413,9 @@ def run_estimate(
 
     ``routing``: a mixture of experts' routing forced to one of :data:`vramguard.workload.routing.ROUTINGS`
     (:func:`~vramguard.estimate.meta.routed_on_meta`), as ``run_audit(routing=...)`` forces it on a device.
+
+    ``gpu``: the card (:class:`vramguard.estimate.gpus.Gpu`) whose CUDA context allowance the total adds (the
+    H100's by default).
     """
     if target not in TARGETS:
         raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
@@ -441,6 +451,7 @@ def run_estimate(
             target=target,
             events=events,
             one_sequence_per_row=one_sequence_per_row,
+            gpu=gpu,
         )
     opt = make_estimate_optimizer(q, optimizer, target)
     # the meta run takes the target's kernel choices (see estimate.meta)
@@ -521,6 +532,7 @@ def run_estimate(
         offloading=bool(offload_activations),
         target=target,
         offloaded_bytes=offloaded,
+        gpu=gpu,
     )
     estimate = DeviceEstimate(
         weights_bytes=weights,
@@ -545,7 +557,8 @@ def run_estimate(
     line = (
         f"estimate: {fb(estimate.total_bytes)} on the device = allocator peak {fb(allocator)} "
         f"(weights {fb(weights)}, trainable {fb(trainable)}, {phase} peak {fb(step_peak)}) "
-        f"+ {fb(estimate.overhead_bytes)} the meta run leaves out (H100 figures; fragmentation at "
+        f"+ {fb(estimate.overhead_bytes)} the meta run leaves out "
+        f"({'H100 figures' if gpu is None else f'{gpu.context_note}, H100 figures otherwise'}; fragmentation at "
         f"{frag.expected * 100:.0f} %, the median measured {frag.mode}, of {frag.low * 100:.0f}-"
         f"{frag.high * 100:.0f} %: {fb(high_total(estimate))} at {frag.high * 100:.0f} %"
         f"{small_step_caveat(allocator)})"
@@ -604,7 +617,7 @@ def run_estimate(
 
         notes.append(Finding(checks.LIGER, liger_line(ran)))
     bounds = data_bounds(
-        q, config, estimate, target, one_sequence_per_row, steps, method, device, optimizer, routing
+        q, config, estimate, target, one_sequence_per_row, steps, method, device, optimizer, routing, gpu
     )
     if bounds is not None:
         notes.append(bounds)

@@ -145,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
     search ``--fit`` and write ``--json``; exit 1 when the verdict fails or the total exceeds ``--fit``."""
     from vramguard.estimate.run import run_estimate
     from vramguard.measure.events import AllocationLog
-    from vramguard.view.console import stdout_console
+    from vramguard.view.console import progress_bar, stdout_console
     from vramguard.view.report import answer_section, estimate_layout, render, render_fit, verdict_only
 
     check_json_path(args.json)  # fail before the run, not after it
@@ -162,21 +162,29 @@ def main(args: argparse.Namespace) -> int:
         if gpu is not None:
             raise UsageError("--gpu prices one device's overheads: leave out --world-size (or --gpu)")
         return _distributed(config, sharding, settings, size, args, lines)
-    report = with_config_notes(
-        run_estimate(config, steps=args.steps, top=args.top, target=args.target, events=events, gpu=gpu), lines
-    )
     console = stdout_console()
-    if args.quiet:
-        verdict_only(report, console)
-        print_not_priced(lines)
-    fits = True
-    judged = FIT_AT[args.fit_at]
-    fit = None
-    if size is not None:
-        fit = _fit(config, size, args, report, gpu)
-        assert report.estimate is not None
-        report.estimate.fit = fit
-        fits = judged(report) <= size
+    progress = progress_bar(args.quiet)  # on stderr, where it is a terminal: the answer waits for --fit's runs
+    with progress:
+        task = progress.add_task(f"estimate: {config.model} on meta", total=None)
+        report = with_config_notes(
+            run_estimate(config, steps=args.steps, top=args.top, target=args.target, events=events, gpu=gpu), lines
+        )
+        if args.quiet:
+            verdict_only(report, console)
+            print_not_priced(lines)
+        fits = True
+        judged = FIT_AT[args.fit_at]
+        fit = None
+        if size is not None:
+
+            def ran(c: QLoRAConfig, runs: int) -> None:
+                what = f"batch {c.batch} x seq {c.seq_len}"
+                progress.update(task, description=f"fit: meta run {runs + 1} ({what})")
+
+            fit = _fit(config, size, args, report, gpu, ran)
+            assert report.estimate is not None
+            report.estimate.fit = fit
+            fits = judged(report) <= size
     if not args.quiet:
         budget = size if size is not None else (gpu.usable_bytes if gpu is not None else None)
         answer = answer_section(budget, args.fit_at, fit, gpu.label if gpu is not None else None)
@@ -222,13 +230,26 @@ def fit_size(args: argparse.Namespace, gpu: Gpu | None) -> int | None:
 
 
 def _fit(
-    config: QLoRAConfig, size: int, args: argparse.Namespace, report: AuditReport, gpu: Gpu | None = None
+    config: QLoRAConfig,
+    size: int,
+    args: argparse.Namespace,
+    report: AuditReport,
+    gpu: Gpu | None = None,
+    starting: Any = None,
 ) -> dict[str, Any]:
+    """``--fit``'s search and, for a shape that does not fit, the changes; ``starting(config, runs so far)`` is
+    told before each meta run (the progress line)."""
     from vramguard.estimate.fit import FIT_LIMIT, cheaper_changes, search
     from vramguard.estimate.run import max_positions, run_estimate
     from vramguard.workload.models import ModelSpec
 
+    runs = 0
+
     def estimate(c: QLoRAConfig) -> AuditReport:
+        nonlocal runs
+        if starting is not None:
+            starting(c, runs)
+        runs += 1
         return run_estimate(c, steps=args.steps, top=1, target=args.target, gpu=gpu)
 
     judged = FIT_AT[args.fit_at]

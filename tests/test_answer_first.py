@@ -76,8 +76,33 @@ def test_the_answer_is_judged_at_the_expected_total_or_the_high_end() -> None:
         ],
     }
     assert answer(report, 2 * GiB, fit=fit, card="T4").endswith(
-        "; try --gradient-checkpointing (1.00 GiB)"
+        "; try --gradient-checkpointing (1.00 GiB, costs recompute)"
     ) and answer(report, 2 * GiB, card="T4").startswith("does not fit in 2.00 GiB (T4): ")
+
+
+def test_every_change_fit_suggests_has_its_cost_and_the_cheapest_comes_first() -> None:
+    """Ranked by what fits, then step time (none, smaller matmuls, recompute, PCIe traffic), then options, then
+    bytes; a change whose cost is not registered would read "unknown cost"."""
+    from vramguard.estimate.fit import by_cost, cheaper_changes, cost_of
+    from vramguard.workload.models import QLoRAConfig
+
+    def estimate(config: QLoRAConfig) -> Any:  # fits in 8: micro-batches, checkpointing, offloading
+        total = 9 if config.optimizer != "adamw" or config.lora_rank != 16 else 20
+        total = 5 if config.offload_activations else 6 if config.gradient_checkpointing else total
+        total = 7 if config.batch == 2 else total
+        return SimpleNamespace(estimate=SimpleNamespace(total_bytes=total))
+
+    rows = cheaper_changes(
+        QLoRAConfig(batch=8, lora_rank=16), 8, estimate, largest_batch=2, target="cuda", peak_phase="optimizer"
+    )
+    assert len(rows) == 7 and all(cost_of(r["change"]).word != "unknown cost" for r in rows), rows
+    ranked = [r["change"] for r in by_cost(rows)]
+    assert ranked[:4] == [
+        "--batch 2 --gradient-accumulation-steps 4",  # fits: smaller matmuls
+        "--gradient-checkpointing",  # recompute, one option
+        "--gradient-checkpointing --lora-rank 8",  # recompute, two
+        "--offload-activations",  # PCIe traffic
+    ], ranked
 
 
 def test_only_consecutive_equal_layers_share_a_row() -> None:

@@ -243,6 +243,57 @@ FIT_AT = {"expected": _total, "high": high_end}
 """``--fit-at``: the figure of a report held against the memory, by name."""
 
 
+@dataclass(frozen=True)
+class Cost:
+    """What a change costs in step time: ``rank`` (0 none, higher slower), ``word`` (a few words for the
+    answer line) and ``detail``."""
+
+    rank: int
+    word: str
+    detail: str
+
+
+COSTS: dict[str, Cost] = {}
+"""The step-time cost of each option a change sets, by the option's name (:func:`cost_of`)."""
+
+
+def register_cost(flag: str, cost: Cost) -> None:
+    """Say what setting ``flag`` costs in step time."""
+    COSTS[flag] = cost
+
+
+register_cost("--lora-rank", Cost(0, "no time", "a smaller adapter, with less capacity"))
+register_cost("--optimizer", Cost(0, "no time", "the optimizer's state kept in another form"))
+register_cost(
+    "--gradient-accumulation-steps",
+    Cost(1, "smaller matmuls", "the same rows in smaller micro-batches: the GPU less busy per kernel"),
+)
+register_cost(
+    "--gradient-checkpointing",
+    Cost(2, "recompute", "each decoder layer's forward runs again in backward"),
+)
+register_cost(
+    "--offload-activations",
+    Cost(3, "PCIe traffic", "every saved tensor copied to the host in forward and back in backward"),
+)
+
+
+def cost_of(change: str) -> Cost:
+    """The cost of a change (``"--gradient-checkpointing --lora-rank 8"``): its costliest option's; an option
+    with no registered cost counts as unknown, after every known one."""
+    flags = [word for word in change.split() if word.startswith("--")]
+    costs = [COSTS.get(f, Cost(99, "unknown cost", "not said")) for f in flags if f != "--batch"]
+    return max(costs, key=lambda c: c.rank, default=Cost(99, "unknown cost", "not said"))
+
+
+def by_cost(changes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``--fit``'s changes (its document's rows) as a person should read them: what fits first, the cheapest in
+    step time, then the fewest options changed, then the fewest bytes."""
+    return sorted(
+        changes, key=lambda r: (not r["fits"], cost_of(r["change"]).rank, r["change"].count("--"), r["total_bytes"])
+    )
+
+
 def rank_total(report: AuditReport) -> int:
     """A sharded step's figure against a device's memory: the highest total of its ranks."""
     assert report.distributed is not None

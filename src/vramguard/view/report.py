@@ -585,7 +585,7 @@ def answer(report: AuditReport, budget: int | None, at: str = "expected", fit: d
     judged ``at`` the expected total or the high end, with both figures, and what to try when it does not fit
     (``fit``'s changes that fit, cheapest first, and the largest batch that fits); without a budget the two
     figures alone."""
-    from vramguard.estimate.fit import high_end
+    from vramguard.estimate.fit import by_cost, cost_of, high_end
 
     e = report.estimate
     assert e is not None
@@ -601,9 +601,11 @@ def answer(report: AuditReport, budget: int | None, at: str = "expected", fit: d
         return f"fits in {where}: {figures}{caveat}"
     line = f"does not fit in {where}" + (" at the high end" if at == "high" and expected <= budget else "")
     line += f": {figures}"
-    tries = [c for c in (fit or {}).get("changes", []) if c["fits"]][:2]
+    tries = [c for c in by_cost((fit or {}).get("changes", [])) if c["fits"]][:2]
     if tries:
-        line += "; try " + " or ".join(f"{c['change']} ({fb(c['total_bytes'])})" for c in tries)
+        line += "; try " + " or ".join(
+            f"{c['change']} ({fb(c['total_bytes'])}, costs {cost_of(c['change']).word})" for c in tries
+        )
     if fit and fit.get("dim") == "batch" and fit.get("largest"):
         line += f"; batch {fit['largest']} fits"
     return line
@@ -628,7 +630,8 @@ def render(report: AuditReport, console: Any, layout: str | tuple[Section, ...] 
 
 
 def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console: Any) -> None:
-    """``vramguard estimate --fit``: the largest batch (or sequence length) that fits, and each cheaper change."""
+    """``vramguard estimate --fit``: the largest batch (or sequence length) that fits, and each change, what fits
+    first, the cheapest in step time first (:func:`~vramguard.estimate.fit.by_cost`), each with its cost."""
     what = "batch" if dim == "batch" else "sequence length"
     fixed = f"at seq {seq_len}" if dim == "batch" else f"at batch {batch}"
     if fit["largest"]:
@@ -640,10 +643,15 @@ def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console:
         highlight=False,
         soft_wrap=True,
     )
-    for row in fit["changes"]:
+    from vramguard.estimate.fit import by_cost, cost_of
+
+    for row in by_cost(fit["changes"]):
         verdict = "fits" if row["fits"] else "does not fit"
+        cost = cost_of(row["change"])
         console.print(
-            f"  {row['change']}: {fb(row['total_bytes'])} ({verdict})", highlight=False, soft_wrap=True
+            f"  {row['change']}: {fb(row['total_bytes'])} ({verdict}; costs {cost.word}: {cost.detail})",
+            highlight=False,
+            soft_wrap=True,
         )
 
 

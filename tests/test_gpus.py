@@ -48,6 +48,9 @@ def test_an_unknown_card_is_one_line_with_the_nearest_names(capsys: pytest.Captu
     assert main(["estimate", "--gpu", "rtx4909"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "did you mean rtx4090" in err
+    for argv in (["--gpu", "t4", "--device", "cpu"], ["--gpu", "t4", "--world-size", "2", "--sharding", "fsdp2"]):
+        assert main(["estimate", *argv]) == 2  # a CUDA card's figures on the host, or per rank: not priced
+        assert capsys.readouterr().err.count("\n") == 1
 
 
 def test_a_taken_name_is_refused() -> None:

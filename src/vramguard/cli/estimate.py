@@ -159,16 +159,15 @@ def main(args: argparse.Namespace) -> int:
     if sharding is not None:
         if events is not None:
             raise UsageError("--snapshot and --html record one process's allocations: leave out --world-size")
-        if gpu is not None:
-            raise UsageError("--gpu prices one device's overheads: leave out --world-size (or --gpu)")
+        if gpu is not None or args.fit_at != "expected":
+            raise UsageError("--gpu and --fit-at price one device: leave them out with --world-size")
         return _distributed(config, sharding, settings, size, args, lines)
     console = stdout_console()
     progress = progress_bar(args.quiet)  # on stderr, where it is a terminal: the answer waits for --fit's runs
     with progress:
         task = progress.add_task(f"estimate: {config.model} on meta", total=None)
-        report = with_config_notes(
-            run_estimate(config, steps=args.steps, top=args.top, target=args.target, events=events, gpu=gpu), lines
-        )
+        run = run_estimate(config, steps=args.steps, top=args.top, target=args.target, events=events, gpu=gpu)
+        report = with_config_notes(run, lines)
         if args.quiet:
             verdict_only(report, console)
             print_not_priced(lines)

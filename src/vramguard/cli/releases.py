@@ -69,7 +69,12 @@ def add_release_options(p: argparse.ArgumentParser, *, versions_help: str, timeo
         default=None,
         help="overlay cache, shared by bisect and sweep (default $VRAMGUARD_CACHE or ~/.cache/vramguard/overlays)",
     )
-    p.add_argument("--cache-max", default="10 GiB", metavar="SIZE", help=f"cache bound, LRU eviction; {SIZE_HELP} (default: 10 GiB)")
+    p.add_argument(
+        "--cache-max",
+        default="10 GiB",
+        metavar="SIZE",
+        help=f"cache bound, LRU eviction; {SIZE_HELP} (default: 10 GiB)",
+    )
     p.add_argument(
         "--log",
         type=Path,

@@ -289,9 +289,10 @@ def cost_of(change: str) -> Cost:
 def by_cost(changes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``--fit``'s changes (its document's rows) as a person should read them: what fits first, the cheapest in
     step time, then the fewest options changed, then the fewest bytes."""
-    return sorted(
-        changes, key=lambda r: (not r["fits"], cost_of(r["change"]).rank, r["change"].count("--"), r["total_bytes"])
-    )
+    def key(row: dict[str, Any]) -> tuple[bool, int, int, int]:
+        return (not row["fits"], cost_of(row["change"]).rank, row["change"].count("--"), row["total_bytes"])
+
+    return sorted(changes, key=key)
 
 
 def rank_total(report: AuditReport) -> int:

@@ -137,7 +137,9 @@ register(
 register(Gpu("a10080gb", "A100 80GB", 81920, _assumed_memory("80 GiB"), (8, 0), aliases=("a100",)))
 register(Gpu("a10040gb", "A100 40GB", 40960, _assumed_memory("40 GiB"), (8, 0)))
 register(Gpu("l40s", "L40S", 46068, _assumed_memory("48 GB less ECC's share"), (8, 9)))
-register(Gpu("a6000", "RTX A6000", 49140, _assumed_memory("48 GB less ECC's share"), (8, 6), aliases=("rtxa6000",)))
+register(
+    Gpu("a6000", "RTX A6000", 49140, _assumed_memory("48 GB less ECC's share"), (8, 6), aliases=("rtxa6000",))
+)
 register(Gpu("a10", "A10", 23028, _assumed_memory("24 GB less ECC's share"), (8, 6), aliases=("a10g",)))
 register(Gpu("l4", "L4", 23034, _assumed_memory("24 GB less ECC's share"), (8, 9)))
 register(Gpu("rtx5090", "GeForce RTX 5090", 32607, _assumed_memory("32 GB"), (12, 0), aliases=("5090",)))

@@ -374,7 +374,7 @@ def meta_step_contexts(
     rows = q.one_sequence_per_row if one_sequence_per_row is None else one_sequence_per_row
     if q.attn_implementation == "flash_attention_2":
         if target != "cuda":
-            raise UsageError("flash_attention_2 runs on CUDA only: estimate it with --target cuda")
+            raise UsageError("flash_attention_2 runs on CUDA only: estimate it with --device cuda")
         from vramguard.estimate.flash import flash_attention_2
 
         flash = flash_attention_2(q.model, target, rows)
@@ -567,7 +567,7 @@ def run_estimate(
         f"weights {fb(weights)} + trainable {fb(trainable)} + {phase} peak {fb(step_peak)}"
         + (f" + at most {fb(offloaded)} of activations offloaded to the host" if offloaded else "")
         + " (the figures `vramguard audit --device cpu` measures for the step; the Python process's own memory "
-        "is not in it, nor a GPU's overheads: --target cuda adds those)"
+        "is not in it, nor a GPU's overheads: --device cuda adds those)"
     )
     notes = [
         Finding(
@@ -581,7 +581,7 @@ def run_estimate(
                 "the caching allocator's whole blocks), rank 0 of FSDP within 1.2 %; "
                 "reserved memory varies more (the fragmentation line)"
                 if cuda
-                else "; with the CPU's kernels: on a CUDA device fp32 GQA attention keeps more (--target cuda)"
+                else "; with the CPU's kernels: on a CUDA device fp32 GQA attention keeps more (--device cuda)"
             ),
         )
     ]
@@ -594,7 +594,7 @@ def run_estimate(
                 f"with >= {PAGED_MIN_NUMEL:,} elements) would live in CUDA unified memory (cudaMallocManaged, "
                 "outside torch's allocator: max_memory_allocated leaves it out); counted here on the device, "
                 "where it stays until memory runs short, then the driver pages it to the host (evictable)"
-                + ("" if cuda else "; with --target cpu, plain host memory, counted with the step's tensors")
+                + ("" if cuda else "; with --device cpu, plain host memory, counted with the step's tensors")
                 + ". "
                 "Estimated by running AdamW8bit: paged memory does not exist on meta",
                 paged,
@@ -606,7 +606,7 @@ def run_estimate(
                 checks.OFFLOADING,
                 f"activations offloaded to the host (save_on_cpu, emulated): {offload.packs // steps:,} saved "
                 f"tensors per step, at most {format_bytes(offload.host_peak_bytes)} of host memory at once, "
-                + ("not in the device figures" if cuda else "in the total (the host's: --target cpu)")
+                + ("not in the device figures" if cuda else "in the total (the host's: --device cpu)")
                 + "; copied back one by one in backward (counted there). "
                 "The per-layer table lists what stays on the device",
                 offload.host_peak_bytes,

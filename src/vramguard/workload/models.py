@@ -706,13 +706,16 @@ def build_error(exc: BaseException) -> str:
     return text if isinstance(exc, (ValueError, TypeError, ImportError)) else f"{type(exc).__name__} {text}"
 
 
-def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: bool = False) -> QLoRAModel:
+def build_qlora(
+    config: QLoRAConfig, spec: ModelSpec | None = None, sharded: bool = False, prepared: bool = True
+) -> QLoRAModel:
     """Random-weight model -> 4-bit via ``BitsAndBytesConfig`` -> PEFT LoRA on all linear layers.
 
     Any architecture transformers builds with ``AutoModelForCausalLM``; one without sdpa attention
     (Gemma 2) runs eager, as ``from_pretrained`` would by default, and says so in ``notes``.
     ``sharded``: the FSDP + QLoRA recipe (:func:`bnb_4bit_config`, :func:`prepare_for_training`), for a model
-    :mod:`vramguard.workload.sharding` then shards.
+    :mod:`vramguard.workload.sharding` then shards. ``prepared`` False: the 4-bit model as ``from_pretrained``
+    loads it, without k-bit preparation and LoRA (TRL's SFTTrainer, handed a ``peft_config``, does its own).
     """
     config.validate()
     spec = spec or ModelSpec.load(config.model)
@@ -752,8 +755,9 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: boo
             attn_implementation=attn,
             **asked,
         )
-        model = prepare_for_training(model, config, sharded=sharded)
-        model = with_lora(model, config)
+        if prepared:
+            model = prepare_for_training(model, config, sharded=sharded)
+            model = with_lora(model, config)
     model.train()
     model.config.use_cache = False
     loaded = getattr(model, "config", hf_config)  # from_pretrained set its experts implementation there

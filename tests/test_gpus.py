@@ -57,6 +57,8 @@ def test_a_taken_name_is_refused() -> None:
     with pytest.raises(ValueError, match="taken"):
         register(dataclasses.replace(GPUS["t4"], name="t4b", aliases=("4090",)))
     assert "t4b" not in GPUS
+    with pytest.raises(UsageError):
+        gpu_named("t4b")  # nothing of it registered: its free name neither
 
 
 def test_the_card_changes_the_context_allowance_alone() -> None:

@@ -95,9 +95,11 @@ def test_a_trl_yaml_runs_sftTrainer_in_estimate_and_audit(tmp_path: Path, capsys
     assert e["totals"]["saved_bytes"] == a["totals"]["saved_bytes"]
 
 
-def test_the_recipe_is_the_first_line(capsys) -> None:
+def test_the_recipe_is_the_first_line_of_the_detail(capsys) -> None:
+    """The answer first (issue 47), then the recipe the run followed, before anything else."""
     assert main(["estimate", "--model", "tiny-llama", "--target", "cpu", "--steps", "1"]) == 0
-    first = capsys.readouterr().out.splitlines()[0]
+    answer, first = capsys.readouterr().out.splitlines()[:2]
+    assert answer.endswith("expected of the host's memory")
     assert first.startswith("recipe: vramguard's loop") and "defaults: vramguard's" in first
 
 

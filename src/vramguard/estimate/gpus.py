@@ -78,10 +78,11 @@ GPUS: dict[str, Gpu] = {}
 
 def register(gpu: Gpu) -> Gpu:
     """Add ``gpu`` to :data:`GPUS` (its name and aliases must be new); returns it."""
-    for key in (gpu.name, *gpu.aliases):
-        if key != _key(key) or key in _ALIASES or key in GPUS:
+    keys = (gpu.name, *gpu.aliases)
+    for key in keys:
+        if key != _key(key) or key in _ALIASES or keys.count(key) > 1:
             raise ValueError(f"GPU name {key!r} is taken or not in canonical form ({_key(key)!r})")
-        _ALIASES[key] = gpu.name
+    _ALIASES.update(dict.fromkeys(keys, gpu.name))
     GPUS[gpu.name] = gpu
     return gpu
 

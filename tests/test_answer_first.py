@@ -75,7 +75,9 @@ def test_the_answer_is_judged_at_the_expected_total_or_the_high_end() -> None:
             {"change": "--gradient-checkpointing", "total_bytes": GiB, "fits": True},
         ],
     }
-    assert answer(report, 2 * GiB, fit=fit, card="T4").endswith(
+    from vramguard.cli.estimate import for_reading
+
+    assert answer(report, 2 * GiB, fit=for_reading(fit), card="T4").endswith(
         "; try --gradient-checkpointing (1.00 GiB, costs recompute)"
     ) and answer(report, 2 * GiB, card="T4").startswith("does not fit in 2.00 GiB (T4): ")
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vramguard.audit.report import Overhead
+from vramguard.audit.report import DeviceEstimate, Overhead
 from vramguard.cli import main
 from vramguard.cli.estimate import fit_size
 from vramguard.errors import UsageError
@@ -92,7 +92,8 @@ def test_fit_at_high_searches_with_the_high_end() -> None:
     def estimate(config: QLoRAConfig) -> object:
         total = 1000 + 100 * config.batch
         frag = Overhead("fragmentation allowance", 50, "", low_bytes=10, high_bytes=50 + 10 * config.batch)
-        return SimpleNamespace(estimate=SimpleNamespace(total_bytes=total, overheads=[frag]))
+        estimate = DeviceEstimate(0, 0, 0, "backward", total - 50, 50, total, overheads=[frag])
+        return SimpleNamespace(estimate=estimate)
 
     expected = search(QLoRAConfig(), 2000, estimate, limit=64, total=FIT_AT["expected"])  # type: ignore[arg-type]
     high = search(QLoRAConfig(), 2000, estimate, limit=64, total=FIT_AT["high"])  # type: ignore[arg-type]

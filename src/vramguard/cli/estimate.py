@@ -212,12 +212,13 @@ def main(args: argparse.Namespace) -> int:
             assert report.estimate is not None
             report.estimate.fit = fit
             fits = judged(report) <= size
+    shown = for_reading(fit) if fit is not None else None
     if not args.quiet:
         budget = size if size is not None else (gpu.usable_bytes if gpu is not None else None)
-        answer = answer_section(budget, args.fit_at, fit, gpu.label if gpu is not None else None)
+        answer = answer_section(budget, args.fit_at, shown, gpu.label if gpu is not None else None)
         render(report, console, (answer, *estimate_layout(args.verbose)))
-    if fit is not None:
-        render_fit(fit, args.fit_dim, config.batch, config.seq_len, console)
+    if shown is not None:
+        render_fit(shown, args.fit_dim, config.batch, config.seq_len, console)
     if args.json is not None:
         try:
             write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
@@ -240,6 +241,18 @@ def refuse_with_trainer(args: argparse.Namespace, trainer: str, size: Any, event
     for flag, given in asked.items():
         if given:
             raise UsageError(f"--trainer {trainer} on meta does not run {flag} yet: use --trainer loop for it")
+
+
+def for_reading(fit: dict[str, Any]) -> dict[str, Any]:
+    """``--fit``'s answer as a person reads it: the changes what fits first, cheapest in step time first, each with
+    its cost (:func:`vramguard.estimate.fit.by_cost`); the ``--json`` document keeps them as the search ran."""
+    from vramguard.estimate.fit import by_cost, cost_of
+
+    rows = [
+        {**row, "cost": cost_of(row["change"]).word, "cost_detail": cost_of(row["change"]).detail}
+        for row in by_cost(fit["changes"])
+    ]
+    return {**fit, "changes": rows}
 
 
 def card(args: argparse.Namespace) -> Gpu | None:

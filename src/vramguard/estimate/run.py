@@ -170,9 +170,7 @@ def overheads(
 
 def high_total(estimate: DeviceEstimate) -> int:
     """The total with each overhead at its high bound (the fragmentation allowance's largest measured share)."""
-    return estimate.total_bytes + sum(
-        o.high_bytes - o.bytes for o in estimate.overheads if o.high_bytes is not None
-    )
+    return estimate.high_total_bytes
 
 
 def check_context(config: QLoRAConfig, spec: ModelSpec) -> None:

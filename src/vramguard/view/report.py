@@ -592,13 +592,11 @@ def answer(report: AuditReport, budget: int | None, at: str = "expected", fit: d
            card: str | None = None) -> str:
     """The line a person reads first: whether the step fits ``budget`` (``card``'s memory, or ``--fit``'s),
     judged ``at`` the expected total or the high end, with both figures, and what to try when it does not fit
-    (``fit``'s changes that fit, cheapest first, and the largest batch that fits); without a budget the two
-    figures alone."""
-    from vramguard.estimate.fit import by_cost, cost_of, high_end
-
+    (the first two of ``fit``'s changes that fit, in the order given, each with its ``cost`` where the row has
+    one, and the largest batch that fits); without a budget the two figures alone."""
     e = report.estimate
     assert e is not None
-    expected, high = e.total_bytes, high_end(report)
+    expected, high = e.total_bytes, e.high_total_bytes
     figures = f"{fb(expected)} expected" + (f", {fb(high)} at the high end" if high != expected else "")
     where = f"{fb(budget)} ({card})" if card is not None and budget is not None else fb(budget or 0)
     if budget is None:
@@ -610,10 +608,11 @@ def answer(report: AuditReport, budget: int | None, at: str = "expected", fit: d
         return f"fits in {where}: {figures}{caveat}"
     line = f"does not fit in {where}" + (" at the high end" if at == "high" and expected <= budget else "")
     line += f": {figures}"
-    tries = [c for c in by_cost((fit or {}).get("changes", [])) if c["fits"]][:2]
+    tries = [c for c in (fit or {}).get("changes", []) if c["fits"]][:2]
     if tries:
         line += "; try " + " or ".join(
-            f"{c['change']} ({fb(c['total_bytes'])}, costs {cost_of(c['change']).word})" for c in tries
+            f"{c['change']} ({fb(c['total_bytes'])}" + (f", costs {c['cost']})" if "cost" in c else ")")
+            for c in tries
         )
     if fit and fit.get("dim") == "batch" and fit.get("largest"):
         line += f"; batch {fit['largest']} fits"
@@ -639,8 +638,8 @@ def render(report: AuditReport, console: Any, layout: str | tuple[Section, ...] 
 
 
 def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console: Any) -> None:
-    """``vramguard estimate --fit``: the largest batch (or sequence length) that fits, and each change, what fits
-    first, the cheapest in step time first (:func:`~vramguard.estimate.fit.by_cost`), each with its cost."""
+    """``vramguard estimate --fit``: the largest batch (or sequence length) that fits, and each change in the order
+    given, with its ``cost`` and ``cost_detail`` in step time where its row has them."""
     what = "batch" if dim == "batch" else "sequence length"
     fixed = f"at seq {seq_len}" if dim == "batch" else f"at batch {batch}"
     if fit["largest"]:
@@ -652,13 +651,11 @@ def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console:
         highlight=False,
         soft_wrap=True,
     )
-    from vramguard.estimate.fit import by_cost, cost_of
-
-    for row in by_cost(fit["changes"]):
+    for row in fit["changes"]:
         verdict = "fits" if row["fits"] else "does not fit"
-        cost = cost_of(row["change"])
+        cost = f"; costs {row['cost']}: {row['cost_detail']}" if "cost" in row else ""
         console.print(
-            f"  {row['change']}: {fb(row['total_bytes'])} ({verdict}; costs {cost.word}: {cost.detail})",
+            f"  {row['change']}: {fb(row['total_bytes'])} ({verdict}{cost})",
             highlight=False,
             soft_wrap=True,
         )

@@ -51,7 +51,9 @@ def register(subparsers: Any) -> None:
         description=summary(_audit_run.__doc__),
     )
     add_qlora_options(
-        p, model_help="preset name, a vramguard preset JSON, or a Hugging Face config.json (any model_type)"
+        p,
+        model_help="preset name, a vramguard preset JSON, a Hugging Face config.json or model directory, or a Hub "
+        "id (org/name[@revision]: its config.json only)",
     )
     p.add_argument("--steps", type=positive_int, default=3, help="training steps (>= 2 to check for leaks)")
     add_trainer_option(p, "run")

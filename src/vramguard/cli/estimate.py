@@ -49,7 +49,8 @@ def register(subparsers: Any) -> None:
     )
     add_qlora_options(
         p,
-        model_help="preset name (e.g. llama-3.1-8b), a vramguard preset JSON, or a Hugging Face config.json",
+        model_help="preset name (e.g. llama-3.1-8b), a vramguard preset JSON, a Hugging Face config.json or model "
+        "directory, or a Hub id (org/name[@revision]: its config.json only)",
     )
     p.add_argument(
         "--method",
@@ -293,7 +294,6 @@ def _fit(
     told before each meta run (the progress line)."""
     from vramguard.estimate.fit import FIT_LIMIT, cheaper_changes, search
     from vramguard.estimate.run import max_positions, run_estimate
-    from vramguard.workload.models import ModelSpec
 
     runs = 0
 
@@ -308,7 +308,7 @@ def _fit(
 
     limit = FIT_LIMIT
     if args.fit_dim == "seq":
-        positions = max_positions(ModelSpec.load(config.model))
+        positions = max_positions(config.spec)
         limit = min(limit, positions) if positions is not None else limit
     assert report.estimate is not None
     requested = config.batch if args.fit_dim == "batch" else config.seq_len
@@ -409,11 +409,10 @@ def _largest_at_world(
     """``--fit SIZE --world-size N``: the largest batch (or ``--fit-dim seq``) whose every rank fits at N."""
     from vramguard.estimate.fit import FIT_LIMIT, rank_total, search
     from vramguard.estimate.run import max_positions
-    from vramguard.workload.models import ModelSpec
 
     limit = FIT_LIMIT
     if args.fit_dim == "seq":
-        positions = max_positions(ModelSpec.load(config.model))
+        positions = max_positions(config.spec)
         limit = min(limit, positions) if positions is not None else limit
     requested = config.batch if args.fit_dim == "batch" else config.seq_len
     result = search(

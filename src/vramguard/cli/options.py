@@ -161,6 +161,7 @@ def qlora_config(args: argparse.Namespace, **fixed: object) -> tuple[QLoRAConfig
     else:
         config = QLoRAConfig(**flags, **fixed)  # type: ignore[arg-type]
         config.validate()
+    config = config.resolved()  # the model read, validated and built once: the config passed on holds it
     if config.mixed_precision != "no":
         lines.append(
             f"mixed precision {config.mixed_precision} (Trainer's autocast): priced: the forward and the loss run "

@@ -744,7 +744,7 @@ def build_meta(
     if device != META and method == "qlora":
         raise ValueError("build the real-device QLoRA model with vramguard.workload.models.build_qlora")
     config.validate()
-    spec = spec or ModelSpec.load(config.model)
+    spec = spec or config.spec
     from transformers.quantizers import AutoHfQuantizer
     from transformers.utils import logging as hf_logging
 

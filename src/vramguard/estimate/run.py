@@ -422,13 +422,14 @@ def run_estimate(
     given = {"method": method, "optimizer": optimizer, "offload_activations": offload_activations}
     config = dataclasses.replace(config, **{k: v for k, v in given.items() if v is not None})
     config.validate()
+    config = config.resolved()
     refuse_fp16_on_cpu(config, target)
     if config.use_liger_kernel:
         from vramguard.estimate.liger import check
 
         check(target, device)  # before anything is built: the extra, the target, the device
     method, optimizer, offload_activations = config.method, config.optimizer, config.offload_activations
-    spec = ModelSpec.load(config.model)
+    spec = config.spec
     too_long: _TooLong | None = None
     try:
         check_context(config, spec)

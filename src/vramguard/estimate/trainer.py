@@ -45,7 +45,7 @@ from vramguard.integrations.trainer_step import (
 )
 from vramguard.integrations.transformers import VramGuardCallback
 from vramguard.measure.tracker import StorageTracker
-from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel
+from vramguard.workload.models import QLoRAConfig, QLoRAModel
 from vramguard.workload.routing import eager_top_k
 
 
@@ -174,7 +174,7 @@ def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str)
     from vramguard.estimate.run import meta_step_contexts
 
     refuse_unpriced(config, trainer)
-    spec = ModelSpec.load(config.model)
+    spec = config.spec
     t0 = time.perf_counter()
     q = build_meta(config, spec, prepared=not trainer_prepares(trainer))
     if eager_top_k(q.model) is not None:
@@ -217,6 +217,7 @@ def run_trainer_estimate(
 
     if target not in ("cuda", "cpu"):
         raise UsageError(f"target must be one of cuda, cpu, got {target!r}")
+    config = config.resolved()
     config.validate()
     report, q, elapsed = run_trainer_step(config, trainer, steps, target)
     estimate = device_estimate(report, q, config, target, 0, False, gpu=gpu)

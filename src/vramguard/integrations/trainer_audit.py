@@ -52,6 +52,7 @@ def run_trainer_audit(
     trainer runs again with each forced routing (a fresh model, the same seed: the same weights and batches),
     and the ``routing:`` line holds the drawn peak between them, as ``vramguard audit``'s loop does with meta
     runs (the trainer's step is not the loop's, so its own runs bound it)."""
+    config = config.resolved()
     report, q = _train(config, steps, trainer, output_dir, offload_activations, routing)
     top_k = routes.eager_top_k(q.model)
     del q  # the forced runs build their own models: not two at once

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from vramguard.errors import UsageError, first_line
 from vramguard.workload.framework_configs import detect, translate
+from vramguard.workload.hub import HUB_ID
 from vramguard.workload.models import MAX_CONFIG_BYTES, QLoRAConfig, read_at_most
 
 Reading = Literal["priced", "no-byte", "not-priced"]
@@ -388,7 +389,8 @@ def load_run_config(path: str | Path) -> RunConfig:
     def not_priced(key: str, why: str) -> None:
         readings.append(KeyReading(key, _value_of(data.get(key)), "not-priced", why))
 
-    # the model: a local directory with config.json, or the config.json itself
+    # the model: a local directory with config.json, the config.json itself, or a Hub id (resolved with --model's
+    # rules: vramguard.workload.models.locate)
     ref = model_args.model_name_or_path
     if ref is not None:
         try:
@@ -401,10 +403,12 @@ def load_run_config(path: str | Path) -> RunConfig:
             priced("model_name_or_path", "model", str(candidate / "config.json"))
         elif candidate.is_file():
             priced("model_name_or_path", "model", str(candidate))
+        elif HUB_ID.fullmatch(str(ref)):
+            priced("model_name_or_path", "model", str(ref))
         else:
             model_problem = (
-                f"--config {path}: model_name_or_path {ref!r} is not a local directory with a config.json nor a "
-                "config.json (vramguard downloads nothing): pass --model"
+                f"--config {path}: model_name_or_path {ref!r} is not a local directory with a config.json, a "
+                "config.json nor a Hugging Face Hub id (org/name): pass --model"
             )
 
     def integer(key: str, obj: Any, minimum: int = 1) -> int | None:

@@ -97,7 +97,7 @@ def test_a_technique_added_by_an_entry_point_reaches_the_step_the_report_and_fit
     assert report.estimate is not None and plain is not None
     grown = report.estimate.allocator_peak_bytes - plain.allocator_peak_bytes
     assert (grown >= 1 << 20) is counted, grown
-    rows = cheaper_changes(config, 1, lambda c: run_estimate(c, steps=1, target="cpu"), target="cpu")
+    rows = cheaper_changes(config, 1, lambda c: run_estimate(c, steps=1, target="cpu").estimate.total_bytes, target="cpu")
     assert "--probe" in [r["change"] for r in rows]
 
 

@@ -107,7 +107,7 @@ def refuse_what_the_audit_cannot_run(config: QLoRAConfig) -> None:
     if config.attn_implementation == "flash_attention_2":
         raise UsageError(
             "attn-implementation flash_attention_2 needs the flash_attn package and a CUDA GPU, which the audit "
-            "does not load: price it with vramguard estimate --target cuda"
+            "does not load: price it with vramguard estimate --device cuda"
         )
 
 

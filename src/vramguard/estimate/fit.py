@@ -58,14 +58,13 @@ class Fit:
         return d
 
 
-Estimator = Callable[[QLoRAConfig], AuditReport]
+Estimator = Callable[[QLoRAConfig], int]
+"""A config's figure held against the memory: its step's total as ``--fit`` judges it (:data:`FIT_AT`: the
+expected total or the high end; a sharded step's highest rank's, :func:`rank_total`); :class:`TooLarge` where
+torch cannot describe the step."""
 
 
 def _total(report: AuditReport) -> int:
-    """The figure of a report held against a size: a sharded step's highest rank's total (:func:`rank_total`),
-    else the device estimate's total."""
-    if getattr(report, "distributed", None) is not None:
-        return rank_total(report)
     assert report.estimate is not None
     return report.estimate.total_bytes
 
@@ -85,8 +84,8 @@ def search(
 ) -> Fit:
     """The largest value of ``dim`` (batch or seq) in [1, ``limit``] whose estimated total fits ``size``,
     in at most :func:`run_bound` runs (memory is taken to grow with the value). ``known``: totals
-    already estimated (the requested shape's), used as measured, not counted as runs. A report's figure held
-    against ``size`` is the device estimate's total; a sharded step's, its highest rank's (:func:`rank_total`)."""
+    already estimated (the requested shape's), used as measured, not counted as runs. ``estimate``: a config's
+    figure held against ``size`` (:data:`Estimator`)."""
     if dim not in DIMS:
         raise ValueError(f"dim must be one of {DIMS}, got {dim!r}")
     if limit < 1:
@@ -97,7 +96,7 @@ def search(
 
     def fits(value: int) -> bool:
         try:
-            got: int | None = _total(estimate(dataclasses.replace(config, **{key: value})))
+            got: int | None = estimate(dataclasses.replace(config, **{key: value}))
         except TooLarge:
             got = None
         measured[value] = got
@@ -178,7 +177,8 @@ def cheaper_changes(
     """For a shape that does not fit: the estimate of each change vramguard can run, cheapest first
     (what fits, then the fewest flags changed, then the smallest total).
 
-    ``estimate`` receives the changed config (its ``optimizer`` or ``offload_activations`` changed too).
+    ``estimate`` receives the changed config (its ``optimizer`` or ``offload_activations`` changed too) and
+    gives its figure (:data:`Estimator`).
     ``largest_batch``: the largest batch that fits (a ``--fit`` search's answer), below the requested one: then
     the same rows a step in micro-batches of the largest batch that divides them and is no larger, by gradient
     accumulation; its own meta run prices the gradients that holds, so it may still not fit. ``target``: the
@@ -221,11 +221,75 @@ def cheaper_changes(
         )
     rows = []
     for flag, changed in options:
-        total = _total(estimate(changed))
-        rows.append({"change": flag, "total_bytes": total, "fits": total <= size})
+        got = estimate(changed)
+        rows.append({"change": flag, "total_bytes": got, "fits": got <= size})
     # cheapest: what fits, then the fewest flags changed (a single change before a combination)
     rows.sort(key=lambda r: (not r["fits"], r["change"].count("--"), r["total_bytes"]))
     return rows
+
+
+def high_end(report: AuditReport) -> int:
+    """A report's total at the high end (each overhead at its largest measured share: ``--fit-at high``)."""
+    from vramguard.estimate.run import high_total
+
+    assert report.estimate is not None
+    return high_total(report.estimate)
+
+
+FIT_AT = {"expected": _total, "high": high_end}
+"""``--fit-at``: the figure of a report held against the memory, by name."""
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a change costs in step time: ``rank`` (0 none, higher slower), ``word`` (a few words for the
+    answer line) and ``detail``."""
+
+    rank: int
+    word: str
+    detail: str
+
+
+COSTS: dict[str, Cost] = {}
+"""The step-time cost of each option a change sets, by the option's name (:func:`cost_of`)."""
+
+
+def register_cost(flag: str, cost: Cost) -> None:
+    """Say what setting ``flag`` costs in step time."""
+    COSTS[flag] = cost
+
+
+register_cost("--lora-rank", Cost(0, "no time", "a smaller adapter, with less capacity"))
+register_cost("--optimizer", Cost(0, "no time", "the optimizer's state kept in another form"))
+register_cost(
+    "--gradient-accumulation-steps",
+    Cost(1, "smaller matmuls", "the same rows in smaller micro-batches: the GPU less busy per kernel"),
+)
+register_cost(
+    "--gradient-checkpointing",
+    Cost(2, "recompute", "each decoder layer's forward runs again in backward"),
+)
+register_cost(
+    "--offload-activations",
+    Cost(3, "PCIe traffic", "every saved tensor copied to the host in forward and back in backward"),
+)
+
+
+def cost_of(change: str) -> Cost:
+    """The cost of a change (``"--gradient-checkpointing --lora-rank 8"``): its costliest option's; an option
+    with no registered cost counts as unknown, after every known one."""
+    flags = [word for word in change.split() if word.startswith("--")]
+    costs = [COSTS.get(f, Cost(99, "unknown cost", "not said")) for f in flags if f != "--batch"]
+    return max(costs, key=lambda c: c.rank, default=Cost(99, "unknown cost", "not said"))
+
+
+def by_cost(changes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``--fit``'s changes (its document's rows) as a person should read them: what fits first, the cheapest in
+    step time, then the fewest options changed, then the fewest bytes."""
+    def key(row: dict[str, Any]) -> tuple[bool, int, int, int]:
+        return (not row["fits"], cost_of(row["change"]).rank, row["change"].count("--"), row["total_bytes"])
+
+    return sorted(changes, key=key)
 
 
 def rank_total(report: AuditReport) -> int:

@@ -12,5 +12,5 @@ def refuse_fp16_on_cpu(config: QLoRAConfig, device_type: str) -> None:
     if config.mixed_precision == "fp16" and device_type == "cpu":
         raise UsageError(
             "fp16 mixed precision runs on a GPU only (accelerate refuses it on the CPU, as Trainer would): "
-            "use --bf16, or estimate --target cuda"
+            "use --bf16, or estimate --device cuda"
         )

@@ -30,8 +30,9 @@ class StepRequest:
     """One training step to run: ``config`` (the model resolved, data shape, method, techniques), ``target``
     (:data:`TARGETS`: the device whose kernels the step takes), ``steps``, ``device`` (where it runs: meta, or
     cpu for the tests' real-tensor reference), ``routing`` (a mixture of experts' routing forced, or None) and
-    ``one_sequence_per_row`` (packed rows forced to one sequence each, or None: as the data decides). Validated
-    at construction (one-line :class:`UsageError`), its config resolved there."""
+    ``one_sequence_per_row`` (packed rows forced to one sequence each, or None: as the data decides) and ``gpu``
+    (the card, :class:`vramguard.estimate.gpus.Gpu`, whose CUDA context allowance the total takes; None: the
+    H100's). Validated at construction (one-line :class:`UsageError`), its config resolved there."""
 
     config: QLoRAConfig
     target: str = "cuda"
@@ -39,6 +40,7 @@ class StepRequest:
     device: str = META
     routing: Routing | None = None
     one_sequence_per_row: bool | None = None
+    gpu: Any = None
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:

@@ -35,7 +35,7 @@ def findings(model: Any, request: StepRequest, seen: OffloadActivations) -> list
             checks.OFFLOADING,
             f"activations offloaded to the host (save_on_cpu, emulated): {seen.packs // request.steps:,} saved "
             f"tensors per step, at most {format_bytes(seen.host_peak_bytes)} of host memory at once, "
-            + ("not in the device figures" if cuda else "in the total (the host's: --target cpu)")
+            + ("not in the device figures" if cuda else "in the total (the host's: --device cpu)")
             + "; copied back one by one in backward (counted there). "
             "The per-layer table lists what stays on the device",
             seen.host_peak_bytes,

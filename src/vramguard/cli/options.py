@@ -158,6 +158,21 @@ def qlora_config(args: argparse.Namespace, **fixed: object) -> tuple[QLoRAConfig
         run = load_run_config(path)
         config = run.config(**flags, **fixed)
         lines = run.lines(overridden=frozenset(n for n in flags if n in run.values))
+    elif trl_defaults(args):
+        from vramguard.workload.run_config import trl_sft_defaults
+
+        defaults = trl_sft_defaults(flags.get("method", "qlora"))
+        config = QLoRAConfig(**{**defaults, **flags, **fixed})
+        config.validate()
+        loop = QLoRAConfig()
+        filled = [
+            f"{name}={value}" for name, value in defaults.items() if name not in flags and getattr(loop, name) != value
+        ]
+        if filled:
+            lines.append(
+                f"defaults: {trl_sft_name()}'s (SFTConfig, ModelConfig) for the flags not given, where they differ "
+                f"from vramguard's loop: {', '.join(filled)}"
+            )
     else:
         config = QLoRAConfig(**flags, **fixed)  # type: ignore[arg-type]
         config.validate()
@@ -387,56 +402,94 @@ def lint_lines(
     return with_lint(report, lint(config, sharding, settings))
 
 
-def add_trainer_option(p: argparse.ArgumentParser, command: str) -> None:
-    """``--trainer loop|trainer|sft``; unset, it follows ``--config`` (:func:`resolve_trainer`)."""
+def add_trainer_option(p: argparse.ArgumentParser, command: str, default: str) -> None:
+    """``--trainer loop|trainer|sft``; unset, it follows ``--config``, else it is the command's ``default``
+    (:func:`resolve_trainer`)."""
     p.add_argument(
         "--trainer",
         choices=("loop", "trainer", "sft"),
         default=None,
         help=f"whose step to {command}: vramguard's loop, transformers' Trainer or TRL's SFTTrainer (their own "
         "model preparation, collator, loss and optimizer); default: sft for a trl sft YAML --config, trainer for a "
-        "TrainingArguments JSON, loop otherwise",
+        f"TrainingArguments JSON, {default} otherwise" + (
+            " (flags not given take trl sft's defaults; --trainer loop takes vramguard's loop's)"
+            if default == "sft" else ""
+        ),
     )
+    p.set_defaults(trainer_default=default)
 
 
-def resolve_trainer(args: argparse.Namespace, config: QLoRAConfig) -> tuple[str, str]:
+def trl_sft_name() -> str:
+    """``trl sft 1.16``: TRL's command, at the version installed."""
+    from importlib.metadata import version
+
+    return f"trl sft {'.'.join(version('trl').split('.')[:2])}"
+
+
+def trl_defaults(args: argparse.Namespace) -> bool:
+    """Whether the flags not given (no ``--config``) take ``trl sft``'s defaults: the step is SFTTrainer's, given
+    (``--trainer sft``) or the command's default (``estimate``'s). Where SFTTrainer's step cannot run on meta
+    and vramguard's loop prices the run instead (:func:`resolve_trainer`), the defaults stay TRL's: the run
+    described is the same."""
+    if getattr(args, "config", None) is not None:
+        return False
+    return (getattr(args, "trainer", None) or getattr(args, "trainer_default", "loop")) == "sft"
+
+
+def resolve_trainer(
+    args: argparse.Namespace, config: QLoRAConfig, loop_only: tuple[tuple[str, bool], ...] = ()
+) -> tuple[str, str]:
     """(the trainer whose step runs, the recipe line that names it and whose defaults filled the rest).
 
     Given, ``--trainer`` is taken as it is (what it cannot run is refused in one line where it runs). Unset, a
-    ``--config`` YAML is ``trl sft``'s and a JSON is TrainingArguments': their trainer runs, unless the run asks
-    for what only vramguard's loop prices (sharded ranks, Liger, offloading, a method other than QLoRA), which is
-    then run and said so."""
-    from importlib.metadata import version
-
+    ``--config`` YAML is ``trl sft``'s and a JSON is TrainingArguments': their trainer runs; without a file, the
+    command's default does (``estimate``: sft, ``audit``: loop). A trainer not given falls back to vramguard's
+    loop where the run asks for what only the loop prices (sharded ranks, Liger, offloading, a method other than
+    QLoRA, and the command's ``loop_only`` options, such as ``--fit``), and the line says so."""
     path = getattr(args, "config", None)
     trainer = args.trainer
     why = ""
-    if trainer is None and path is not None:
-        trainer = "trainer" if path.suffix == ".json" else "sft"
-        unpriced = [
-            what
-            for what, asked in (
-                ("--world-size", getattr(args, "world_size", None) is not None),
-                ("use_liger_kernel", config.use_liger_kernel),
-                ("activation offloading", config.offload_activations),
-                (f"method {config.method}", config.method != "qlora"),
-            )
-            if asked
-        ]
-        if unpriced:
-            why = f" ({trainer}'s own step does not run {', '.join(unpriced)} yet)"
-            trainer = "loop"
-    trainer = trainer or "loop"
-    trl = ".".join(version("trl").split(".")[:2]) if path is not None else ""
-    defaults = (
-        f"trl sft {trl}'s for the keys {path.name} does not set"
-        if path is not None
-        else "vramguard's for the flags not given"
-    )
+    if trainer is None:
+        trainer = ("trainer" if path.suffix == ".json" else "sft") if path is not None else args.trainer_default
+        if trainer != "loop":
+            unpriced = [
+                what
+                for what, asked in (
+                    ("--world-size", getattr(args, "world_size", None) is not None),
+                    ("use_liger_kernel", config.use_liger_kernel),
+                    ("activation offloading", config.offload_activations),
+                    (f"method {config.method}", config.method != "qlora"),
+                    *loop_only,
+                )
+                if asked
+            ]
+            if unpriced:
+                why = loop_why(trainer, ", ".join(unpriced))
+                trainer = "loop"
+    return trainer, recipe_text(trainer, why, args)
+
+
+def loop_why(trainer: str, what: str) -> str:
+    """Why vramguard's loop ran where ``trainer`` would have: it does not run ``what`` on meta yet."""
+    return f" (ran instead of {trainer}'s own step, which does not run {what} yet)"
+
+
+def recipe_text(trainer: str, why: str, args: argparse.Namespace) -> str:
+    """The recipe line: whose step ran (``why``: why the loop ran instead of the trainer asked for) and whose
+    defaults filled what the user did not set."""
+    from importlib.metadata import version
+
+    path = getattr(args, "config", None)
+    if path is not None:
+        defaults = f"{trl_sft_name()}'s for the keys {path.name} does not set"
+    elif trl_defaults(args):
+        defaults = f"{trl_sft_name()}'s for the flags not given"
+    else:
+        defaults = "vramguard loop's for the flags not given"
     if trainer == "sft":
-        name = f"trl sft {'.'.join(version('trl').split('.')[:2])} (SFTTrainer's own step)"
+        name = f"{trl_sft_name()} (SFTTrainer's own step)"
     elif trainer == "trainer":
         name = f"transformers {'.'.join(version('transformers').split('.')[:2])} Trainer's own step"
     else:
         name = "vramguard's loop (prepare_model_for_kbit_training, LoRA, full fp32 logits)"
-    return trainer, f"recipe: {name}{why}; defaults: {defaults}"
+    return f"recipe: {name}{why}; defaults: {defaults}"

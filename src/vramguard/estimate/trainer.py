@@ -49,6 +49,15 @@ from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel
 from vramguard.workload.routing import eager_top_k
 
 
+class NeedsLoop(UsageError):
+    """What the trainer's step on meta does not run yet (``what``): one line (exit 2) with the workaround when
+    the trainer was asked for by name; where it was the default, vramguard's loop runs instead and says so."""
+
+    def __init__(self, trainer: str, what: str, workaround: str = "estimate it with --trainer loop") -> None:
+        super().__init__(f"--trainer {trainer} on meta does not run {what} yet: {workaround}")
+        self.what = what
+
+
 def refuse_unpriced(config: QLoRAConfig, trainer: str) -> None:
     """One line (exit 2) for what the trainer's step on meta does not run yet, with the workaround."""
     not_yet = {
@@ -58,10 +67,7 @@ def refuse_unpriced(config: QLoRAConfig, trainer: str) -> None:
     }
     for what, asked in not_yet.items():
         if asked:
-            raise UsageError(
-                f"--trainer {trainer} on meta does not run {what} yet: estimate it with --trainer loop "
-                "(vramguard's loop, which prices it)"
-            )
+            raise NeedsLoop(trainer, what, "estimate it with --trainer loop (vramguard's loop, which prices it)")
 
 
 class _MetaCallback(VramGuardCallback):
@@ -178,10 +184,7 @@ def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str)
     t0 = time.perf_counter()
     q = build_meta(config, spec, prepared=not trainer_prepares(trainer))
     if eager_top_k(q.model) is not None:
-        raise UsageError(
-            f"--trainer {trainer} on meta does not force a mixture of experts' eager routing yet: estimate it with "
-            "--trainer loop"
-        )
+        raise NeedsLoop(trainer, "a mixture of experts' forced eager routing")
     with tempfile.TemporaryDirectory(prefix="vramguard-trainer-") as tmp:
         runner, callback = trainer_on_meta(q, trainer, target, steps, tmp)
         q = dataclasses.replace(q, model=runner.model)

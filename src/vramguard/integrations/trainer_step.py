@@ -11,6 +11,8 @@ gradients and casts the adapters of a quantized model to bf16, and it never call
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +48,6 @@ def loop_rows(q: QLoRAModel, micro_batches: int) -> list[list[int]]:
 
 
 def _on_cpu(config: QLoRAConfig) -> QLoRAConfig:
-    import dataclasses
-
     return dataclasses.replace(config, device="cpu", padding_free=False)
 
 
@@ -85,9 +85,13 @@ def trainer_arguments(
     }
     if config.gradient_checkpointing:
         common["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
-    if trainer == "trainer":
-        from transformers import TrainingArguments
+    from transformers import TrainingArguments
 
+    if "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        for old in ("gradient_checkpointing", "gradient_checkpointing_kwargs"):  # transformers 5.24's names
+            if old in common:
+                common[old.replace("gradient", "activation")] = common.pop(old)
+    if trainer == "trainer":
         return TrainingArguments(str(output_dir), **common)
     try:
         from trl import SFTConfig
@@ -116,14 +120,16 @@ def make_trainer(q: QLoRAModel, trainer: str, args: Any, rows: list[list[int]], 
     else:
         from trl import SFTTrainer
 
-        runner = SFTTrainer(
-            model=q.model,
-            args=args,
-            train_dataset=dataset(rows, False),
-            processing_class=tokenizer(int(q.spec.fields["vocab_size"])),
-            callbacks=callbacks,
-            peft_config=lora_config(q.config) if trainer_prepares(trainer) else None,
-        )
+        with warnings.catch_warnings():  # PEFT's wrapping asks the model by transformers 5.23's old name
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            runner = SFTTrainer(
+                model=q.model,
+                args=args,
+                train_dataset=dataset(rows, False),
+                processing_class=tokenizer(int(q.spec.fields["vocab_size"])),
+                callbacks=callbacks,
+                peft_config=lora_config(q.config) if trainer_prepares(trainer) else None,
+            )
     from transformers.trainer_callback import PrinterCallback
 
     runner.remove_callback(PrinterCallback)

@@ -166,7 +166,9 @@ def qlora_config(args: argparse.Namespace, **fixed: object) -> tuple[QLoRAConfig
         config.validate()
         loop = QLoRAConfig()
         filled = [
-            f"{name}={value}" for name, value in defaults.items() if name not in flags and getattr(loop, name) != value
+            f"{name}={value}"
+            for name, value in defaults.items()
+            if name not in flags and getattr(loop, name) != value
         ]
         if filled:
             lines.append(
@@ -411,9 +413,11 @@ def add_trainer_option(p: argparse.ArgumentParser, command: str, default: str) -
         default=None,
         help=f"whose step to {command}: vramguard's loop, transformers' Trainer or TRL's SFTTrainer (their own "
         "model preparation, collator, loss and optimizer); default: sft for a trl sft YAML --config, trainer for a "
-        f"TrainingArguments JSON, {default} otherwise" + (
+        f"TrainingArguments JSON, {default} otherwise"
+        + (
             " (flags not given take trl sft's defaults; --trainer loop takes vramguard's loop's)"
-            if default == "sft" else ""
+            if default == "sft"
+            else ""
         ),
     )
     p.set_defaults(trainer_default=default)

@@ -177,10 +177,13 @@ def _autocast_asked_as(target: str) -> Iterator[None]:
 
 def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str) -> tuple[Any, QLoRAModel, float]:
     """``steps`` steps of ``trainer`` on meta for ``target``: (the callback's report, the model, seconds)."""
-    from vramguard.estimate.run import meta_step_contexts
+    from vramguard.estimate.run import max_positions, meta_step_contexts
 
     refuse_unpriced(config, trainer)
     spec = ModelSpec.load(config.model)
+    limit = max_positions(spec)
+    if limit is not None and config.seq_len > limit:  # the trainer's rows are real host lists: not made
+        raise NeedsLoop(trainer, f"a seq-len beyond {spec.name}'s {limit:,} positions")
     t0 = time.perf_counter()
     q = build_meta(config, spec, prepared=not trainer_prepares(trainer))
     if eager_top_k(q.model) is not None:
@@ -215,11 +218,12 @@ def run_trainer_estimate(
     with the device's figures (:func:`vramguard.estimate.run.device_estimate`) and the estimate's line."""
     from vramguard.audit import verdict as checks
     from vramguard.audit.report import Finding
-    from vramguard.estimate.run import device_estimate, headline
+    from vramguard.estimate.run import device_estimate, headline, refuse_fp16_on_cpu
 
     if target not in ("cuda", "cpu"):
         raise UsageError(f"target must be one of cuda, cpu, got {target!r}")
     config.validate()
+    refuse_fp16_on_cpu(config, target)  # as the loop's estimate and accelerate for Trainer
     report, q, elapsed = run_trainer_step(config, trainer, steps, target)
     estimate = device_estimate(report, q, config, target, 0, False)
     line = headline(estimate, config, False, 0)
@@ -233,13 +237,14 @@ def run_trainer_estimate(
     findings = [*build, *report.verdict.findings, note]
     verdict = checks.verdict(findings, len(report.steps), headline=line)
     trainer_config = dict(report.config)
-    merged = {**config.to_dict(step_options=True), **trainer_config, "model": q.spec.name}
+    merged = {**config.to_dict(step_options=True), **trainer_config, "model": config.model}  # as given, as the loop
     return dataclasses.replace(
         report,
         config=merged,
         architecture={**report.architecture, "attn_implementation": q.attn_implementation},
         verdict=verdict,
         estimate=estimate,
+        steps=[dataclasses.replace(s, loss=None) for s in report.steps],  # meta holds no values (1: .item()'s answer)
         device=META,
         elapsed_s=elapsed,
     )

@@ -93,6 +93,16 @@ def test_a_trl_yaml_runs_sftTrainer_in_estimate_and_audit(tmp_path: Path, capsys
         k: v["peak_bytes"] for k, v in a["phases"].items()
     }
     assert e["totals"]["saved_bytes"] == a["totals"]["saved_bytes"]
+    assert [s["loss"] for s in e["steps"]] == [None, None]  # meta holds no values (not .item()'s answer)
+    assert e["config"]["model"] == a["config"]["model"] == "tiny-llama"  # as given
+
+
+def test_fp16_on_the_cpu_target_is_refused_through_the_trainer_too(capsys) -> None:
+    """As the loop's estimate and accelerate for Trainer refuse it: one line, exit 2, before anything is built."""
+    argv = ["estimate", "--trainer", "sft", "--fp16", "--target", "cpu", "--seq-len", "16", "--batch", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fp16 mixed precision runs on a GPU only" in err
 
 
 @pytest.mark.parametrize(

@@ -191,6 +191,41 @@ def test_trls_spellings_are_the_same_flags() -> None:
         parser.parse_args(["estimate", "--optim", "sgd"])
 
 
+def test_flags_alone_take_trl_sfts_defaults_read_from_its_dataclasses() -> None:
+    """No run: the config of flags alone is TRL's SFTConfig/ModelConfig defaults (with use_peft and load_in_4bit)
+    for every flag not given, the flags on top; --no-bf16 turns TRL's autocast off; --trainer loop keeps the
+    loop's defaults."""
+    import argparse
+    import dataclasses
+
+    from trl import ModelConfig, SFTConfig
+
+    from vramguard.cli import estimate
+    from vramguard.cli.options import qlora_config
+
+    parser = argparse.ArgumentParser()
+    estimate.register(parser.add_subparsers())
+
+    def config(*argv: str) -> QLoRAConfig:
+        return qlora_config(parser.parse_args(["estimate", *argv]), device="cpu")[0]
+
+    sft, model = SFTConfig("unused", use_cpu=True), ModelConfig()
+    trl = config("--lora-alpha", "7")
+    assert (trl.batch, trl.seq_len, trl.gradient_checkpointing) == (
+        sft.per_device_train_batch_size,
+        sft.max_length,
+        sft.gradient_checkpointing,
+    )
+    assert (trl.lora_rank, trl.lora_dropout, trl.double_quant) == (
+        model.lora_r,
+        model.lora_dropout,
+        model.use_bnb_nested_quant,
+    )
+    assert trl.mixed_precision == ("bf16" if sft.bf16 else "no") and trl.lora_alpha == 7 and trl.method == "qlora"
+    assert config("--no-bf16").mixed_precision == "no"
+    assert config("--trainer", "loop") == dataclasses.replace(QLoRAConfig(), device="cpu")
+
+
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "configs"
 
 

@@ -61,7 +61,9 @@ field's default does."""
 
 def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
     """The model and the QLoRA step: the user's training config, shapes, LoRA, quantization, dtype,
-    checkpointing, attention, autocast. Every flag overrides the ``--config`` file."""
+    checkpointing, attention, autocast. Every flag overrides the ``--config`` file. The defaults shown are
+    vramguard's loop's; under ``--trainer sft`` (``estimate``'s default) a flag not given takes ``trl sft``'s
+    (:func:`trl_defaults`)."""
     d = QLoRAConfig()
     p.add_argument(
         "--config",
@@ -73,40 +75,40 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
     )
     p.add_argument("--model", help=f"{model_help} (default: {d.model})")
     p.add_argument(
-        "--seq-len", "--max-length", type=positive_int, help=f"(TRL's spelling: --max-length) default: {d.seq_len}"
+        "--seq-len", "--max-length", type=positive_int, help=f"(TRL's spelling: --max-length) loop's default: {d.seq_len}"
     )
     p.add_argument(
         "--batch",
         "--per-device-train-batch-size",
         type=positive_int,
-        help=f"(TRL's spelling: --per-device-train-batch-size) default: {d.batch}",
+        help=f"(TRL's spelling: --per-device-train-batch-size) loop's default: {d.batch}",
     )
     p.add_argument(
         "--gradient-accumulation-steps",
         type=positive_int,
         metavar="N",
         help="Trainer's gradient accumulation: N forward/backward micro-batches of --batch rows a step, the "
-        f"gradients held between them, then one optimizer step (default: {d.gradient_accumulation_steps})",
+        f"gradients held between them, then one optimizer step (loop's default: {d.gradient_accumulation_steps})",
     )
     p.add_argument(
-        "--lora-rank", "--lora-r", type=positive_int, help=f"(TRL's spelling: --lora-r) default: {d.lora_rank}"
+        "--lora-rank", "--lora-r", type=positive_int, help=f"(TRL's spelling: --lora-r) loop's default: {d.lora_rank}"
     )
-    p.add_argument("--lora-alpha", type=positive_int, help=f"default: {d.lora_alpha}")
-    p.add_argument("--lora-dropout", type=float, help=f"default: {d.lora_dropout}")
-    p.add_argument("--compute-dtype", help=f"compute dtype: bf16, fp16 or fp32 (default: {d.compute_dtype})")
+    p.add_argument("--lora-alpha", type=positive_int, help=f"loop's default: {d.lora_alpha}")
+    p.add_argument("--lora-dropout", type=float, help=f"loop's default: {d.lora_dropout}")
+    p.add_argument("--compute-dtype", help=f"compute dtype: bf16, fp16 or fp32 (loop's default: {d.compute_dtype})")
     p.add_argument("--dtype", dest="compute_dtype", help=argparse.SUPPRESS)  # the flag's earlier name
-    p.add_argument("--quant-type", choices=("nf4", "fp4"), help=f"default: {d.quant_type}")
-    p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, help="default: on")
+    p.add_argument("--quant-type", choices=("nf4", "fp4"), help=f"loop's default: {d.quant_type}")
+    p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, help="loop's default: on")
     p.add_argument(
         "--gradient-checkpointing",
         "--activation-checkpointing",
         action=argparse.BooleanOptionalAction,
-        help="(transformers 5.24's name: --activation-checkpointing) default: off",
+        help="(transformers 5.24's name: --activation-checkpointing) loop's default: off",
     )
     p.add_argument(
         "--attn-implementation",
         choices=ATTN_IMPLEMENTATIONS,
-        help=f"default: {d.attn_implementation}; flash_attention_2: estimate --target cuda only, priced from "
+        help=f"loop's default: {d.attn_implementation}; flash_attention_2: estimate --target cuda only, priced from "
         "flash-attn 2's rules (the package is CUDA-only)",
     )
     p.add_argument(  # the flag's earlier name
@@ -128,7 +130,7 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
         "--use-dora",
         action=argparse.BooleanOptionalAction,
         help="PEFT's DoRA (LoraConfig(use_dora=True)): a magnitude vector per adapted layer, the 4-bit weight "
-        "dequantized each forward for the weight norm (kept for backward with --lora-dropout); default: off",
+        "dequantized each forward for the weight norm (kept for backward with --lora-dropout); loop's default: off",
     )
     autocast = p.add_mutually_exclusive_group()
     for name in ("bf16", "fp16"):
@@ -140,6 +142,13 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
             help=f"Trainer's {name} autocast (TrainingArguments.{name}): the forward and loss under "
             f"torch.autocast({name}), as accelerate runs them",
         )
+    autocast.add_argument(
+        "--no-bf16",
+        dest="mixed_precision",
+        action="store_const",
+        const="no",
+        help="no autocast (TRL's bf16: false): what trl sft's defaults (bf16) would otherwise take",
+    )
 
 
 def qlora_config(args: argparse.Namespace, **fixed: object) -> tuple[QLoRAConfig, list[str]]:

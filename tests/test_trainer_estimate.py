@@ -111,17 +111,19 @@ def test_fp16_on_the_cpu_target_is_refused_through_the_trainer_too(capsys) -> No
         ([], "recipe: trl sft ", "defaults: trl sft "),  # estimate's default: what trl sft runs
         (["--trainer", "loop"], "recipe: vramguard's loop (", "defaults: vramguard loop's"),
         (["--method", "lora"], "recipe: vramguard's loop (", "defaults: trl sft "),
+        (["--sharding", "fsdp2"], "recipe: vramguard's loop (", "defaults: trl sft "),
     ],
 )
 def test_the_recipe_is_the_first_line(capsys, flags: list[str], recipe: str, defaults: str) -> None:
     """The recipe and whose defaults filled the flags not given; where SFTTrainer's step does not run on meta
-    (here LoRA on a bf16 base), the loop prices the same run (TRL's defaults) and the line says why."""
+    (LoRA on a bf16 base, sharded ranks), the loop prices the same run (TRL's defaults) and the line says why."""
     argv = ["estimate", "--model", "tiny-llama", "--seq-len", "16", "--batch", "1", "--target", "cpu"]
     assert main([*argv, "--steps", "1", *flags]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith(recipe) and defaults in first, first
-    if flags == ["--method", "lora"]:
-        assert "(ran instead of sft's own step, which does not run method lora yet)" in first
+    why = {"--method": "method lora", "--sharding": "--world-size / --sharding"}.get(flags[0] if flags else "")
+    if why:
+        assert f"(ran instead of sft's own step, which does not run {why} yet)" in first
 
 
 def _estimate_json(tmp_path: Path, name: str, argv: list[str]) -> dict:

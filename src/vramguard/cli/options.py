@@ -465,10 +465,11 @@ def resolve_trainer(
     if trainer is None:
         trainer = ("trainer" if path.suffix == ".json" else "sft") if path is not None else args.trainer_default
         if trainer != "loop":
+            sharded = any(getattr(args, name, None) is not None for name in ("world_size", "sharding"))
             unpriced = [
                 what
                 for what, asked in (
-                    ("--world-size", getattr(args, "world_size", None) is not None),
+                    ("--world-size / --sharding", sharded),
                     ("use_liger_kernel", config.use_liger_kernel),
                     ("activation offloading", config.offload_activations),
                     (f"method {config.method}", config.method != "qlora"),

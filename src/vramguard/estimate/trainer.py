@@ -237,14 +237,16 @@ def run_trainer_estimate(
     findings = [*build, *report.verdict.findings, note]
     verdict = checks.verdict(findings, len(report.steps), headline=line)
     trainer_config = dict(report.config)
-    merged = {**config.to_dict(step_options=True), **trainer_config, "model": config.model}  # as given, as the loop
+    # the model as given (--model's path), as the loop reports it
+    merged = {**config.to_dict(step_options=True), **trainer_config, "model": config.model}
     return dataclasses.replace(
         report,
         config=merged,
         architecture={**report.architecture, "attn_implementation": q.attn_implementation},
         verdict=verdict,
         estimate=estimate,
-        steps=[dataclasses.replace(s, loss=None) for s in report.steps],  # meta holds no values (1: .item()'s answer)
+        # meta holds no values: the loss logged is .item()'s answer (1), not a loss
+        steps=[dataclasses.replace(s, loss=None) for s in report.steps],
         device=META,
         elapsed_s=elapsed,
     )

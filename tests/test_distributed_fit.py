@@ -16,7 +16,7 @@ from vramguard.estimate.run import TooLarge
 from vramguard.workload.models import QLoRAConfig
 from vramguard.workload.sharding import ShardingConfig
 
-ESTIMATE = ["estimate", "--sharding", "fsdp2", "--target", "cpu", "--steps", "1", "--quiet"]
+ESTIMATE = ["estimate", "--sharding", "fsdp2", "--target", "cpu", "--steps", "1", "--quiet", "--trainer", "loop"]
 
 
 def _curve(n: int) -> int:

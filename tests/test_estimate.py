@@ -263,7 +263,7 @@ def test_a_models_path_is_printed_as_it_is(tmp_path: Path, capsys: pytest.Captur
 
 def test_absurd_seq_len_is_answered_with_the_number(capsys: pytest.CaptureFixture[str]) -> None:
     """seq 10^9: one line, exit 2, with the estimate's figure; nothing of that size is allocated."""
-    argv = ["estimate", "--model", "tiny-llama", "--seq-len", str(10**9), "--batch", "1"]
+    argv = ["estimate", "--model", "tiny-llama", "--seq-len", str(10**9), "--batch", "1", "--trainer", "loop"]
     assert main([*argv, "--target", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
@@ -492,7 +492,7 @@ def test_fit_on_meta_is_right_at_the_border_and_names_cheaper_changes(
 ) -> None:
     from vramguard.estimate.run import run_estimate
 
-    base = ["estimate", "--model", "tiny-llama", "--seq-len", "64", "--steps", "2"]
+    base = ["estimate", "--model", "tiny-llama", "--seq-len", "64", "--steps", "2", "--trainer", "loop"]
     at = {b: run_estimate(QLoRAConfig(seq_len=64, batch=b), steps=2).estimate.total_bytes for b in (3, 4)}
     size = (at[3] + at[4]) // 2  # batch 3 fits, batch 4 does not
     assert (

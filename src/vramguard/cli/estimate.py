@@ -19,9 +19,11 @@ from vramguard.cli.options import (
     check_timeline_paths,
     fsdp_settings,
     lint_lines,
+    loop_why,
     positive_int,
     print_not_priced,
     qlora_config,
+    recipe_text,
     resolve_trainer,
     sharding_config,
     wants_timeline,
@@ -134,7 +136,7 @@ def register(subparsers: Any) -> None:
         default=2,
         help="meta steps (the second has the optimizer state of the first: the steady state)",
     )
-    add_trainer_option(p, "price")
+    add_trainer_option(p, "price", "sft")
     p.add_argument("--top", type=positive_int, default=3, help="modules listed per layer")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the report (the audit's schema) here")
     add_timeline_options(p)
@@ -176,7 +178,8 @@ def main(args: argparse.Namespace) -> int:
     events = AllocationLog() if wants_timeline(args) else None
     sharding = sharding_config(args)
     settings = fsdp_settings(args, sharding)
-    trainer, recipe = resolve_trainer(args, config)
+    loop_only = (("--fit", size is not None), ("--snapshot / --html", events is not None))
+    trainer, recipe = resolve_trainer(args, config, loop_only)
     if trainer != "loop":
         refuse_with_trainer(args, trainer, size, events, sharding)
     if sharding is not None:
@@ -184,16 +187,22 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError("--snapshot and --html record one process's allocations: leave out --world-size")
         if gpu is not None or args.fit_at != "expected":
             raise UsageError("--gpu and --fit-at price one device: leave them out with --world-size")
-        return _distributed(config, sharding, settings, size, args, lines)
+        return _distributed(config, sharding, settings, size, args, lines, recipe)
     console = stdout_console()
     progress = progress_bar(args.quiet)  # on stderr, where it is a terminal: the answer waits for --fit's runs
     with progress:
         task = progress.add_task(f"estimate: {config.model} on meta", total=None)
+        report = None
         if trainer != "loop":
-            from vramguard.estimate.trainer import run_trainer_estimate
+            from vramguard.estimate.trainer import NeedsLoop, run_trainer_estimate
 
-            report = run_trainer_estimate(config, trainer, steps=args.steps, target=args.target, gpu=gpu)
-        else:
+            try:
+                report = run_trainer_estimate(config, trainer, steps=args.steps, target=args.target, gpu=gpu)
+            except NeedsLoop as exc:
+                if args.trainer is not None:  # asked for by name: refused, with the workaround
+                    raise
+                recipe = recipe_text("loop", loop_why(trainer, exc.what), args)
+        if report is None:
             report = run_estimate(config, steps=args.steps, top=args.top, target=args.target, events=events, gpu=gpu)
         report.config["recipe"] = recipe
         report = with_config_notes(report, lines)
@@ -335,6 +344,7 @@ def _distributed(
     size: int | None,
     args: argparse.Namespace,
     lines: list[str],
+    recipe: str,
 ) -> int:
     """``--world-size N --sharding fsdp2|fsdp1``: every rank on meta under the fake process group."""
     from vramguard.estimate.distributed import run_distributed_estimate
@@ -354,9 +364,9 @@ def _distributed(
     if size is not None and args.world_size is None:  # --fit SIZE --sharding fsdp2: the smallest world size
         world_fit = _smallest_world(config, sharding, size, args)
         sharding = dataclasses.replace(sharding, world_size=world_fit.smallest or world_fit.runs[-1][0])
-    report = with_config_notes(
-        run_distributed_estimate(config, sharding, steps=args.steps, top=args.top, target=args.target), lines
-    )
+    report = run_distributed_estimate(config, sharding, steps=args.steps, top=args.top, target=args.target)
+    report.config["recipe"] = recipe
+    report = with_config_notes(report, lines)
     report = lint_lines(report, config, sharding, settings)
     console = stdout_console()
     if args.quiet:

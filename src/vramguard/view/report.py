@@ -207,7 +207,7 @@ def collapsed_estimate_layers(report: AuditReport, console: Any) -> None:
     """The per-layer table of an estimate with identical consecutive layers in one row (``--verbose``: every
     layer)."""
     t = _table(
-        "Saved for backward, per decoder layer (ledger on meta; identical layers in one row, figures per layer)",
+        "Saved for backward per layer (on meta; identical layers share a row)",
         ["layers", "saved", "weight copies", "analytic", "top modules"],
         ("layers", "top modules"),
     )

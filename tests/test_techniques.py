@@ -57,7 +57,9 @@ def _probe(holds: _Holds, stage: str) -> Technique:
         stage=stage,
         applies=lambda config: config.lora_dropout == 0.0,
         context=holds,
-        findings=lambda model, request, seen: [Finding("probe", f"probe held {seen['held']:,} B", seen["held"])],
+        findings=lambda model, request, seen: [
+            Finding("probe", f"probe held {seen['held']:,} B", seen["held"])
+        ],
         cheaper=lambda config, target: ("--probe", dataclasses.replace(config, lora_rank=1)),
     )
 
@@ -97,7 +99,12 @@ def test_a_technique_added_by_an_entry_point_reaches_the_step_the_report_and_fit
     assert report.estimate is not None and plain is not None
     grown = report.estimate.allocator_peak_bytes - plain.allocator_peak_bytes
     assert (grown >= 1 << 20) is counted, grown
-    rows = cheaper_changes(config, 1, lambda c: run_estimate(c, steps=1, target="cpu").estimate.total_bytes, target="cpu")
+    def figure(changed: QLoRAConfig) -> int:
+        estimate = run_estimate(changed, steps=1, target="cpu").estimate
+        assert estimate is not None
+        return estimate.total_bytes
+
+    rows = cheaper_changes(config, 1, figure, target="cpu")
     assert "--probe" in [r["change"] for r in rows]
 
 

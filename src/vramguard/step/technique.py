@@ -60,7 +60,9 @@ class Technique:
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
-            raise ValueError(f"technique {self.name}: stage must be one of {', '.join(STAGES)}, got {self.stage!r}")
+            raise ValueError(
+                f"technique {self.name}: stage must be one of {', '.join(STAGES)}, got {self.stage!r}"
+            )
 
 
 def contexts_of(techniques: list[Technique], model: Any, request: StepRequest) -> dict[str, Any]:

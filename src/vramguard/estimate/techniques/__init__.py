@@ -30,9 +30,13 @@ def registered() -> tuple[Technique, ...]:
         loaded = entry.load()
         technique = loaded if isinstance(loaded, Technique) else loaded()
         if not isinstance(technique, Technique):
-            raise TypeError(f"entry point {entry.name} of {ENTRY_POINT_GROUP} gave {technique!r}, not a Technique")
+            raise TypeError(
+                f"entry point {entry.name} of {ENTRY_POINT_GROUP} gave {technique!r}, not a Technique"
+            )
         if technique.name in {t.name for t in found}:
-            raise ValueError(f"entry point {entry.name} of {ENTRY_POINT_GROUP}: technique {technique.name} twice")
+            raise ValueError(
+                f"entry point {entry.name} of {ENTRY_POINT_GROUP}: technique {technique.name} twice"
+            )
         found.append(technique)
     return tuple(found)
 

@@ -291,3 +291,64 @@ def test_every_family_steps_and_its_ledger_equals_the_independent_count(name: st
         for r in report.records:
             by_stack[q.family.stack_of(r.module)] += r.bytes
         assert by_stack["vision tower"] > 0 and by_stack["language model"] > 0, by_stack
+
+
+# -- the meta run -------------------------------------------------------------------------------
+
+
+def _figures(step: object) -> dict:  # type: ignore[type-arg]
+    d = step.to_dict()  # type: ignore[attr-defined]
+    del d["seconds"]
+    for s in d["steps"]:
+        del s["loss"]  # meta has no values
+    return d
+
+
+@pytest.mark.parametrize("size", [(56, 56), (112, 112)])
+def test_meta_step_equals_the_cpu_audit(size: tuple[int, int]) -> None:
+    """Two steps of tiny Qwen2.5-VL on meta (the image inputs' values carried: grid sizes, cu_seqlens, the
+    image tokens' positions) give the CPU audit's phase peaks, saved bytes per stack and retained bytes, to the
+    byte."""
+    from vramguard.estimate.vision import audit_vision_step, estimate_vision_step
+
+    config = _config("qwen2.5-vl")
+    audit = audit_vision_step(config, size)
+    assert _figures(estimate_vision_step(config, size, target="cpu")) == _figures(audit)
+    assert audit.by_stack["vision tower"] > 0
+
+
+def test_plain_meta_cannot_run_the_vision_tower() -> None:
+    """Without the carried values the tower stops at its first value read (what ImageValues answers)."""
+    from vramguard.estimate.vision import build_vision_meta
+
+    built, _values = build_vision_meta(_config("qwen2.5-vl"), (56, 56))
+    with pytest.raises(RuntimeError, match="meta"):
+        built.q.model(**built.q.batch())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_every_family_meta_step_equals_the_cpu_audit(name: str) -> None:
+    from vramguard.estimate.vision import audit_vision_step, estimate_vision_step
+
+    family = family_of(json.loads(FIXTURES[name].read_text())["model_type"])
+    if any(importlib.util.find_spec(p) is None for p in family.needs):
+        pytest.skip(f"{family.name}'s processor needs {', '.join(family.needs)}")
+    config = _config(name, seq=640)
+    for size in TWO_SIZES.get(name, ((56, 56), (112, 112))):
+        expected = _figures(audit_vision_step(config, size))
+        assert _figures(estimate_vision_step(config, size, target="cpu")) == expected, (name, size)
+
+
+@pytest.mark.slow
+def test_qwen3_vl_8b_estimate_splits_the_stacks() -> None:
+    """Issue 45's acceptance: a Qwen3-VL-8B-shaped estimate with one 448x448 image at seq 512 runs on the CPU
+    (about 15 s here) and splits vision tower / projector / language model bytes."""
+    from vramguard.estimate.vision import estimate_vision_step
+
+    config = QLoRAConfig(model=str(PRESETS_DIR / "qwen3-vl-8b.json"), seq_len=512, batch=1)
+    step = estimate_vision_step(config, (448, 448), target="cuda")
+    assert step.image_tokens == 196
+    assert all(step.by_stack[s] > 0 for s in STACKS)
+    assert sum(step.by_stack.values()) == step.ledger.saved_bytes
+    assert step.seconds < 120

@@ -645,28 +645,36 @@ def load_vision_config(path: str | Path) -> tuple[Any, dict[str, Any]]:
     return config, data
 
 
-def build_vision_qlora(
+@dataclass
+class VisionSetup:
+    """What the real build (:func:`build_vision_qlora`) and the meta one (:mod:`vramguard.estimate.vision`) of a
+    vision-language config share: the config, its family and shapes, the model class, the attention it runs and
+    the processor's rows."""
+
+    path: Path
+    hf_config: Any
+    data: dict[str, Any]
+    family: VisionFamily
+    shape: VisionShape
+    model_class: Any
+    attn: str
+    rows: ImageRows
+
+    def spec(self) -> Any:
+        """The :class:`~vramguard.workload.models.ModelSpec` of the language model's shape (``hf`` the whole
+        config)."""
+        from vramguard.workload.models import ModelSpec
+
+        return ModelSpec(
+            name=self.path.stem, fields=self.shape.text, model_type=self.hf_config.model_type, hf=self.data
+        )
+
+
+def vision_setup(
     config: Any, image_size: tuple[int, int], images_per_row: int = 1, path: str | Path | None = None
-) -> VisionQLoRAModel:
-    """A vision-language model as users load it for QLoRA: random weights written to a temporary checkpoint,
-    ``AutoModelForImageTextToText.from_pretrained`` of it with the ``BitsAndBytesConfig`` of ``config`` (a
-    :class:`~vramguard.workload.models.QLoRAConfig`: 4-bit, its quant type and compute dtype), PEFT's
-    ``prepare_model_for_kbit_training`` and ``get_peft_model`` with its LoRA (``all-linear`` by default, which
-    includes the vision tower and projector, as bitsandbytes quantizes them), and the family processor's rows of
-    ``config.seq_len`` tokens (:func:`image_rows`) as its batch."""
-    from transformers.utils import logging as hf_logging
-
-    from vramguard.workload.models import (
-        BUILD_ERRORS,
-        ModelSpec,
-        QLoRAModel,
-        bnb_4bit_config,
-        build_error,
-        parse_dtype,
-        prepare_for_training,
-        with_lora,
-    )
-
+) -> VisionSetup:
+    """The :class:`VisionSetup` of ``config`` (a :class:`~vramguard.workload.models.QLoRAConfig` whose ``model``
+    is a vision-language config file, or ``path``): validated, the family's refusal or a bad config one line."""
     config.validate()
     path = Path(path if path is not None else config.model)
     hf_config, data = load_vision_config(path)
@@ -686,9 +694,48 @@ def build_vision_qlora(
         config.seed,
     )
     attn = config.attn_implementation
+    if attn == "flash_attention_2":
+        raise UsageError("vision-language models are measured with sdpa or eager attention for now")
     if attn == "sdpa" and not getattr(model_class, "_supports_sdpa", False):
         attn = "eager"
     hf_config._attn_implementation = attn
+    return VisionSetup(path, hf_config, data, family, shape, model_class, attn, rows)
+
+
+def image_text_model(setup: VisionSetup, model: torch.nn.Module, config: Any, inputs: dict[str, Any]) -> Any:
+    """The :class:`~vramguard.workload.models.QLoRAModel` of a built vision-language ``model`` whose
+    :meth:`batch` is ``inputs`` (the same images every step: a step's bytes depend on their sizes only)."""
+    from vramguard.workload.models import QLoRAModel
+
+    class ImageTextModel(QLoRAModel):
+        def batch(self, step: int = 0) -> dict[str, Any]:
+            """The processor's rows."""
+            return dict(inputs)
+
+    return ImageTextModel(model=model, spec=setup.spec(), config=config, attn_implementation=setup.attn)
+
+
+def build_vision_qlora(
+    config: Any, image_size: tuple[int, int], images_per_row: int = 1, path: str | Path | None = None
+) -> VisionQLoRAModel:
+    """A vision-language model as users load it for QLoRA: random weights written to a temporary checkpoint,
+    ``AutoModelForImageTextToText.from_pretrained`` of it with the ``BitsAndBytesConfig`` of ``config`` (a
+    :class:`~vramguard.workload.models.QLoRAConfig`: 4-bit, its quant type and compute dtype), PEFT's
+    ``prepare_model_for_kbit_training`` and ``get_peft_model`` with its LoRA (``all-linear`` by default, which
+    includes the vision tower and projector, as bitsandbytes quantizes them), and the family processor's rows of
+    ``config.seq_len`` tokens (:func:`image_rows`) as its batch."""
+    from transformers.utils import logging as hf_logging
+
+    from vramguard.workload.models import (
+        BUILD_ERRORS,
+        bnb_4bit_config,
+        build_error,
+        parse_dtype,
+        prepare_for_training,
+        with_lora,
+    )
+
+    setup = vision_setup(config, image_size, images_per_row, path)
     compute_dtype = parse_dtype(config.compute_dtype)
     torch.manual_seed(config.seed)
     hf_logging.set_verbosity_error()
@@ -696,35 +743,37 @@ def build_vision_qlora(
     with tempfile.TemporaryDirectory(prefix="vramguard-vlm-") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            random_model = model_class(hf_config)
+            random_model = setup.model_class(setup.hf_config)
         except BUILD_ERRORS as exc:
-            raise UsageError(f"transformers cannot build {path.stem}: {build_error(exc)}") from None
+            raise UsageError(f"transformers cannot build {setup.path.stem}: {build_error(exc)}") from None
         random_model.save_pretrained(tmp)
         del random_model
-        model = model_class.from_pretrained(
+        model = setup.model_class.from_pretrained(
             tmp,
             quantization_config=bnb_4bit_config(config),
             device_map={"": config.device},
             dtype=compute_dtype,
-            attn_implementation=attn,
+            attn_implementation=setup.attn,
         )
         model = prepare_for_training(model, config)
         model = with_lora(model, config)
     model.train()
     model.config.use_cache = False
-    spec = ModelSpec(name=path.stem, fields=shape.text, model_type=hf_config.model_type, hf=data)
     device = torch.device(config.device)
-    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in rows.inputs.items()}
-
-    class ImageTextModel(QLoRAModel):
-        def batch(self, step: int = 0) -> dict[str, Any]:
-            """The processor's rows (the same images every step: a step's bytes depend on their size only)."""
-            return dict(inputs)
-
-    q = ImageTextModel(model=model, spec=spec, config=config, attn_implementation=attn)
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in setup.rows.inputs.items()}
+    q = image_text_model(setup, model, config, inputs)
     return VisionQLoRAModel(
-        q=q, family=family, rows=rows, image_size=image_size, images_per_row=images_per_row
+        q=q, family=setup.family, rows=setup.rows, image_size=image_size, images_per_row=images_per_row
     )
+
+
+def saved_by_stack(records: Any, family: VisionFamily) -> dict[str, int]:
+    """Saved bytes of a ledger's records (:class:`~vramguard.measure.ledger.SavedRecord`) per stack
+    (:data:`STACKS`), each record under the stack of the module that saved it."""
+    out = dict.fromkeys(STACKS, 0)
+    for r in records:
+        out[family.stack_of(r.module)] += r.bytes
+    return out
 
 
 __all__ = [
@@ -733,17 +782,21 @@ __all__ = [
     "ImageRows",
     "VisionFamily",
     "VisionQLoRAModel",
+    "VisionSetup",
     "VisionShape",
     "build_vision_qlora",
     "family_of",
     "family_processor",
     "image_rows",
     "image_text_class",
+    "image_text_model",
     "is_vision_config",
     "load_vision_config",
     "parse_image_size",
     "row_tokenizer",
+    "saved_by_stack",
     "synthetic_image",
     "token_ids",
+    "vision_setup",
     "vision_shape",
 ]

@@ -148,6 +148,19 @@ def test_images_per_row_and_an_overflowing_row() -> None:
         _rows("qwen2-vl", (112, 112), seq=16)
 
 
+def test_special_token_ids_must_fit_the_vocabulary_and_differ(tmp_path: Path) -> None:
+    data = json.loads(FIXTURES["qwen2-vl"].read_text())
+    for change, message in (
+        ({"image_token_id": 600}, "outside the language model's vocabulary"),
+        ({"vision_start_token_id": 500}, "another special token's id too"),
+    ):
+        path = tmp_path / "ids.json"
+        path.write_text(json.dumps({**data, **change}))
+        config, _ = load_vision_config(path)
+        with pytest.raises(UsageError, match=message):
+            image_rows(family_of("qwen2_vl"), config, 512, (56, 56), 64)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("num2words") is not None, reason="num2words is installed")
 def test_smolvlm_without_num2words_is_a_one_line_refusal() -> None:
     config, _ = load_vision_config(FIXTURES["smolvlm"])

@@ -21,16 +21,13 @@ import re
 import tempfile
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from vramguard.errors import UsageError, first_line
-
-VISION_KEYS = ("text_config", "vision_config")
-"""Where a vision-language config keeps its two stacks' shapes."""
 
 MAX_IMAGE_SIDE = 16384
 """The largest image side ``--image-size`` takes (a 16k x 16k image is 805 MB of RGB pixels already)."""
@@ -77,7 +74,8 @@ class VisionFamily:
     projector: tuple[str, ...] = ("merger", "multi_modal_projector", "connector", "deepstack_merger_list")
     needs: tuple[str, ...] = ()
     """Python packages the processor imports (a refusal names the missing one)."""
-    refusal: str | None = None
+    nested_images: bool = False
+    """The processor takes a batch's images as one list per row (Mllama, Idefics3, SmolVLM)."""
     """Why vramguard cannot run this family on the CPU (None: it can)."""
 
     def stack_of(self, module: str) -> str:
@@ -271,6 +269,7 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
             "size": _square(c),
             "max_image_tiles": int(c.vision_config.max_num_tiles),
         },
+        nested_images=True,
     ),
     "idefics3": VisionFamily(
         name="Idefics3",
@@ -281,6 +280,7 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         image_processor_kwargs=_idefics_image,
         processor_kwargs=_idefics_seq,
         projector=("connector",),
+        nested_images=True,
     ),
     "smolvlm": VisionFamily(
         name="SmolVLM",
@@ -291,6 +291,7 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         image_processor_kwargs=_idefics_image,
         processor_kwargs=_idefics_seq,
         projector=("connector",),
+        nested_images=True,
         needs=("num2words",),
     ),
     "internvl": VisionFamily(
@@ -435,6 +436,8 @@ def token_ids(family: VisionFamily, hf_config: Any, vocab_size: int) -> dict[str
                         f"{family.name} config: {key} {value} is outside the language model's vocabulary "
                         f"(2 to {vocab_size - 1} here)"
                     )
+                if value in ids.values():
+                    raise UsageError(f"{family.name} config: {key} {value} is another special token's id too")
                 ids[text] = value
     free = vocab_size - 1
     for _attr, text, _key in family.tokens:
@@ -553,7 +556,6 @@ class ImageRows:
     image_tokens: int
     """Placeholder tokens of the row's images (the image token's count in one row)."""
     text_tokens: int
-    notes: tuple[str, ...] = field(default=())
 
 
 def _process(processor: Any, images: list[Any], texts: list[str]) -> dict[str, Any]:
@@ -598,7 +600,7 @@ def image_rows(
         )
     text = prompt + (" " + " ".join([FILLER] * (seq_len - used)) if seq_len > used else "")
     images = [synthetic_image(h, w, seed + b) for b in range(batch) for _ in range(images_per_row)]
-    if family.processor == "MllamaProcessor" or family.processor == "Idefics3Processor":
+    if family.nested_images:
         images = [images[b * images_per_row : (b + 1) * images_per_row] for b in range(batch)]
     inputs = _process(processor, images, [text] * batch)
     got = int(inputs["input_ids"].shape[-1])
@@ -674,13 +676,12 @@ def vision_setup(
     config: Any, image_size: tuple[int, int], images_per_row: int = 1, path: str | Path | None = None
 ) -> VisionSetup:
     """The :class:`VisionSetup` of ``config`` (a :class:`~vramguard.workload.models.QLoRAConfig` whose ``model``
-    is a vision-language config file, or ``path``): validated, the family's refusal or a bad config one line."""
+    is a vision-language config file, or ``path``): validated; a bad config or a processor that cannot run here is
+    one line."""
     config.validate()
     path = Path(path if path is not None else config.model)
     hf_config, data = load_vision_config(path)
     family = family_of(hf_config.model_type)
-    if family.refusal:
-        raise UsageError(f"{family.name}: {family.refusal}")
     shape = vision_shape(path, hf_config)
     model_class = image_text_class(hf_config)
     rows = image_rows(

@@ -292,6 +292,11 @@ def test_endpoints_are_verified_first(
         *offline(wheelhouse, shared_cache, log), command=PROBE_LEAK,
     )  # fmt: skip
     assert_one_line_error(code, out, err, needle)
+    # above the error: the probe's last lines on that endpoint and the log's path
+    assert f"log: {log}" in err
+    if "exited" in needle:
+        endpoint = good if needle.startswith("--good") else bad
+        assert f"  | vgdummy {endpoint}" in err, err
     data = json.loads(log.read_text())  # the probes run before the error are kept
     assert data["status"] == "endpoint_error" and needle in data["error"]
     assert 1 <= len(data["probes"]) <= 2 and data["probes"][0]["version"] == good

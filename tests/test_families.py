@@ -342,3 +342,87 @@ def test_math_attention_keeps_what_the_formula_prices(dtype: torch.dtype) -> Non
     assert got == sum(
         terms[n] for n in ("attn_q(scaled)", "attn_k(repeated, scaled)", "attn_v(repeated)", "attn_probs")
     )
+
+
+# Issue 43, item 4: architectures that failed (an internal error, or a config refused), made tiny with transformers'
+# own config classes and written by its save_pretrained (Falcon-H1 and Granite 4 write time_step_limit's infinity
+# as {"__float__": "Infinity"}).
+TINY_SHAPE = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+MAMBA = {"mamba_d_state": 16, "mamba_n_groups": 1, "mamba_expand": 2, "mamba_d_conv": 4, "mamba_chunk_size": 16}
+FAST_ESTIMATE = ["--target", "cpu", "--seq-len", "16", "--steps", "1", "--quiet"]
+
+
+def _tiny_config(tmp_path: Path, kind: str) -> Path:
+    import transformers
+
+    configs = {
+        "llama4_text": lambda: transformers.Llama4TextConfig(
+            **TINY_SHAPE, intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1, head_dim=16
+        ),
+        "phimoe": lambda: transformers.PhimoeConfig(**TINY_SHAPE, num_local_experts=4, num_experts_per_tok=2),
+        "falcon_h1": lambda: transformers.FalconH1Config(
+            **TINY_SHAPE, **MAMBA, head_dim=16, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8
+        ),
+        "granitemoehybrid": lambda: transformers.GraniteMoeHybridConfig(
+            **TINY_SHAPE,
+            **MAMBA,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            shared_intermediate_size=128,
+            layer_types=["mamba", "attention"],
+        ),
+    }
+    folder = tmp_path / kind
+    configs[kind]().save_pretrained(folder)
+    return folder / "config.json"
+
+
+def _refusal(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vramguard: error: ") and err.count("\n") == 1 and "internal error" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(("kind", "router"), [("llama4_text", "Llama4Router"), ("phimoe", "PhimoeTopKRouter")])
+def test_a_router_returning_a_tuple_is_refused_with_the_targets_that_work(
+    kind: str, router: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = str(_tiny_config(tmp_path, kind))
+    err = _refusal(capsys, ["estimate", "--model", model, *FAST_ESTIMATE])
+    assert f"PEFT cannot put LoRA on the experts' router 'router' ({router})" in err, err
+    targets = err.split("--target-modules ")[1].split()[0]
+    assert "q_proj" in targets.split(",") and "router" not in targets.split(",")
+    assert main(["estimate", "--model", model, *FAST_ESTIMATE, "--target-modules", targets]) == 0
+
+
+def test_falcon_h1_reads_its_config_and_names_the_targets_peft_takes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = _tiny_config(tmp_path, "falcon_h1")
+    assert '"__float__": "Infinity"' in model.read_text()
+    err = _refusal(capsys, ["estimate", "--model", str(model), *FAST_ESTIMATE])
+    assert "PEFT refuses LoRA on the Mamba mixer's out_proj and conv1d in falcon_h1 models" in err, err
+    targets = err.split("--target-modules ")[1].split()[0]
+    assert "in_proj" in targets.split(",") and "out_proj" not in targets.split(",")
+    assert main(["estimate", "--model", str(model), *FAST_ESTIMATE, "--target-modules", targets]) == 0
+    code, doc = _audit(tmp_path, model, "--target-modules", targets)
+    assert code == 0 and doc["config"]["target_modules"] == targets
+
+
+def test_granite_4_reads_its_config_and_is_measured(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = _tiny_config(tmp_path, "granitemoehybrid")
+    assert '"__float__": "Infinity"' in model.read_text()
+    assert main(["estimate", "--model", str(model), *FAST_ESTIMATE]) == 0
+    code, doc = _audit(tmp_path, model)
+    assert code == 0 and doc["architecture"]["model_type"] == "granitemoehybrid"

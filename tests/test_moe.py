@@ -460,7 +460,7 @@ def test_the_ranks_build_is_tried_first_only_where_lora_may_wrap_parameters(
     real = estimate_distributed.sharded_build
 
     def build(config: QLoRAConfig, how: Any) -> Any:
-        builds.append(config.model)
+        builds.append(config.model_ref)  # the resolved model travels in config.model
         return real(config, how)
 
     def launcher(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, list[str]]:

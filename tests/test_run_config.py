@@ -242,7 +242,7 @@ def test_quiet_still_names_what_is_not_priced(tmp_path: Path, capsys: pytest.Cap
         ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be an integer >= 1"),
         ({"lora_target_modules": 3}, "lora_target_modules must be a list of names"),
         ({"dtype": "int3"}, "dtype must be"),
-        ({"model_name_or_path": "meta-llama/Llama-3.1-8B"}, "downloads nothing"),
+        ({"model_name_or_path": "not a model"}, "nor a Hugging Face Hub id (org/name): pass --model"),
         # found by fuzzing, internal errors before: transformers opened 5 as a file descriptor, and raised
         # FileNotFoundError for a missing accelerator config
         ({"accelerator_config": 5}, "accelerator_config must be a file's path or a mapping, got 5"),

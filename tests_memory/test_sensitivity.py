@@ -4,7 +4,9 @@ guards against it (and by the probe named), and the same check passes again once
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 
 import bitsandbytes as bnb
 import pytest
@@ -70,6 +72,63 @@ def test_4bit_weight_copy_is_caught(device: str, fault: str, probe: str, request
         assert m.hook_bytes == 0, "hooks alone would have passed it: the ctx probe is needed"
     m, _ = measure(lambda: model(x), model=model, device=device, inputs=x)
     assert check_limit(m, budget).ok
+
+
+@pytest.fixture
+def matmul4bit_keeps_its_input():  # type: ignore[no-untyped-def]
+    """bitsandbytes' "QLoRA memory bug" (Feb 2023 until 0.43.2): MatMul4Bit.forward kept its input A in
+    ``ctx.tensors = (A, B)`` for a backward that never reads it (the 4-bit weight is frozen, so there is no
+    grad_B): one activation per 4-bit layer, 10.1 GB per sequence at 70B by bitsandbytes' changelog."""
+    from bitsandbytes.autograd._functions import MatMul4Bit
+
+    original = MatMul4Bit.forward
+
+    @contextlib.contextmanager
+    def inject() -> Iterator[None]:
+        def forward(ctx, A, B, out=None, bias=None, quant_state=None):  # type: ignore[no-untyped-def]
+            output = original(ctx, A, B, out, bias, quant_state)
+            if isinstance(getattr(ctx, "tensors", None), tuple) and any(ctx.needs_input_grad[:2]):
+                ctx.tensors = (A, *ctx.tensors[1:])  # as before 0.43.2
+            return output
+
+        MatMul4Bit.forward = staticmethod(forward)
+        try:
+            yield
+        finally:
+            MatMul4Bit.forward = staticmethod(original)
+
+    return inject
+
+
+def test_kept_input_activation_is_caught(device: str, matmul4bit_keeps_its_input) -> None:  # type: ignore[no-untyped-def]
+    """The pre-0.43.2 MatMul4Bit fails the 4-bit layer's budget (it keeps nothing): its input, found in ctx."""
+    model = linear4bit(device)
+    x = torch.randn(BATCH, SEQ, IN, dtype=torch.bfloat16, device=device, requires_grad=True)
+    budget = SavedLimit("Linear4bit", 0)
+
+    def forward():  # type: ignore[no-untyped-def]
+        return model(x * 2)  # the layer's input is an activation of the step, as in a model
+
+    with matmul4bit_keeps_its_input():
+        m, _ = measure(forward, model=model, device=device, inputs=x)
+    v = check_limit(m, budget)
+    assert not v.ok and "via ctx.tensors[0]" in v.failures[0], v.failures
+    assert [(k.kind, k.source, k.bytes) for k in m.kept] == [("activation", "ctx", BATCH * SEQ * IN * 2)]
+    m, _ = measure(forward, model=model, device=device, inputs=x)
+    assert check_limit(m, budget).ok
+
+
+def test_bisect_probe_sees_the_kept_input(device: str, matmul4bit_keeps_its_input) -> None:  # type: ignore[no-untyped-def]
+    """tests/probes/bnb_matmul4bit_keeps_input.py, the probe of the 0.43.2 find-fix recipe (docs/bisect.md),
+    tells the pre-0.43.2 MatMul4Bit (bad) from the installed one (good)."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "probes" / "bnb_matmul4bit_keeps_input.py"
+    spec = importlib.util.spec_from_file_location("bnb_matmul4bit_keeps_input", path)
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.kept_input_bytes(device) == 0
+    with matmul4bit_keeps_its_input():
+        assert probe.kept_input_bytes(device) == 80 * 128 * 2  # its bf16 input, (80, 128)
 
 
 @pytest.fixture

@@ -238,6 +238,7 @@ def run_distributed_audit(
 
     sharding.validate()
     config.validate()
+    config = config.resolved()
     if torch.device(config.device).type != "cpu":
         raise UsageError("--world-size runs its ranks on the host (gloo): use --device cpu")
     if sharding.sharding == "fsdp2" and config.optimizer not in SHARDED_OPTIMIZERS:
@@ -258,7 +259,7 @@ def run_distributed_audit(
         spec.write_text(
             json.dumps(
                 {
-                    "config": dataclasses.asdict(config),
+                    "config": dataclasses.asdict(dataclasses.replace(config, model=config.model_ref)),
                     "sharding": sharding.to_dict(),
                     "steps": steps,
                     "top": top,
@@ -336,9 +337,8 @@ def _check_host_fits(config: QLoRAConfig, world_size: int) -> None:
 
     from vramguard.model.analytic import planned_expectation
     from vramguard.units import format_bytes
-    from vramguard.workload.models import ModelSpec
 
-    plan = planned_expectation(config, ModelSpec.load(config.model))
+    plan = planned_expectation(config, config.spec)
     need = world_size * 4 * (plan.quantized_params + plan.other_params)
     room = int(psutil.virtual_memory().available)
     if need > room:
@@ -375,11 +375,11 @@ def preload(spec: dict[str, Any]) -> None:
     import torch.distributed.fsdp  # noqa: F401
     import transformers.integrations.bitsandbytes  # noqa: F401
 
-    from vramguard.workload.models import ModelSpec, resolve_attention
+    from vramguard.workload.models import resolve_attention
 
     config = QLoRAConfig(**spec["config"])
     try:
-        resolve_attention(config, ModelSpec.load(config.model))  # imports the model's transformers modules
+        resolve_attention(config, config.spec)  # imports the model's transformers modules
     except UsageError:  # each rank says it in one line
         pass
     if spec["sharding"]["sharding"] == "zero3":

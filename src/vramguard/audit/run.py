@@ -74,7 +74,7 @@ def check_fits(config: QLoRAConfig, spec: ModelSpec | None = None) -> Expectatio
     errs towards letting a run start.
     """
     refuse_what_the_audit_cannot_run(config)
-    spec = spec or ModelSpec.load(config.model)
+    spec = spec or config.spec
     plan = planned_expectation(config, spec)
     fb = format_bytes
     build = 4 * (plan.quantized_params + plan.other_params)
@@ -207,6 +207,7 @@ def run_audit(
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
     config.validate()
+    config = config.resolved()
     refuse_what_the_audit_cannot_run(config)
     if events is not None and torch.device(config.device).type not in ("cpu", "cuda"):
         raise UsageError(f"allocation events are recorded on cpu and cuda, not {config.device}")

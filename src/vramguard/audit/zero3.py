@@ -42,9 +42,8 @@ def build_zero3_rank(config: QLoRAConfig, rank: int, world_size: int) -> tuple[Q
     DeepSpeed is imported), and the recipe's model built while transformers sees the ZeRO-3 configuration;
     the model and that configuration."""
     os.environ.update(rank_environment(rank, world_size))
-    from vramguard.workload.models import ModelSpec
 
-    hidden = int(ModelSpec.load(config.model).fields["hidden_size"])
+    hidden = int(config.spec.fields["hidden_size"])
     ds = ds_config(config, hidden)
     with hf_deepspeed(ds):
         q = build_qlora(config, sharded=True)

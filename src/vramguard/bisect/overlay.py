@@ -1,6 +1,7 @@
 """A bounded cache of single-package install directories ("overlays") for ``vramguard bisect``.
 
-Each entry is ``pip install --no-deps --target`` of one (package, version, python tag), so putting it
+Each entry is ``pip install --no-deps --target`` of one (package, version, python tag), or of one commit
+of a local clone built by :mod:`vramguard.bisect.commits` (``git-<sha>-<python tag>``), so putting it
 first on ``PYTHONPATH`` swaps only that package while torch and the rest stay the current environment's.
 An entry exists only complete: it is installed into a temporary directory, its marker is written last,
 and it is renamed into place; eviction renames it away before deleting. ``filelock`` guards concurrent runs.
@@ -16,11 +17,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +40,8 @@ STALE_TMP_S = 24 * 3600
 _TMP_SEP = "~"
 #: Bytes of pip's output searched for its error lines.
 PIP_TAIL_BYTES = 64 * 1024
+#: The exception line of a traceback in pip's output (a build backend's error), e.g. "RuntimeError: ...".
+_RAISED = re.compile(r"\s*(\w+\.)*\w*(Error|Exception): \S")
 
 
 def default_cache_dir() -> Path:
@@ -102,6 +106,27 @@ def _installed_version(target: Path, package: str) -> str | None:
     return None
 
 
+def pip_install(
+    target: Path, args: Sequence[str], work: Path, timeout: float | None, env: dict[str, str] | None = None
+) -> None:
+    """``pip install --no-deps --target target ARGS``, pip's temporary files in ``work``; InstallError with
+    pip's error lines when it fails."""
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target)]
+    cmd += ["--no-input", "--disable-pip-version-check", "--no-warn-script-location", *args]
+    (work / "pip-tmp").mkdir(exist_ok=True)
+    # pip's own temp files die with `work`
+    full_env = dict(os.environ if env is None else env, TMPDIR=str(work / "pip-tmp"))
+    code, tail = run_with_tail(cmd, full_env, timeout, max_lines=10**6, max_bytes=PIP_TAIL_BYTES)
+    if code is None:
+        raise InstallError(f"pip install timed out after {timeout} s")
+    if code != 0:
+        lines = [ln[:500] for ln in tail if ln.strip()]
+        errors = [ln for ln in lines if ln.startswith("ERROR")] or lines[-3:]
+        # a build backend's failure: pip's last lines only say "see above"; its exception line says why
+        raised = [ln.strip() for ln in lines if _RAISED.match(ln)][-1:]
+        raise InstallError(" | ".join(raised + errors[-3:]) or f"pip exited {code}")
+
+
 class OverlayCache:
     """Install-once, LRU-bounded overlays under ``root``."""
 
@@ -145,15 +170,36 @@ class OverlayCache:
         except OSError as exc:
             raise UsageError(f"{flag} {self.root}: cannot write there ({exc.strerror or exc})") from None
 
+    def commit_entry_dir(self, package: str, sha: str) -> Path:
+        """The folder of the entry for one commit's build of ``package`` on this interpreter and machine."""
+        return self.root / canonicalize_name(package) / f"git-{sha}-{python_tag()}"
+
     def lookup(self, package: str, version: str) -> Overlay | None:
         """The complete entry for (package, version), touching its last-use time; None if absent."""
-        path = self.entry_dir(package, version)
+        return self._lookup(self.entry_dir(package, version), package)
+
+    def _lookup(self, path: Path, package: str) -> Overlay | None:
         try:
             marker = json.loads((path / MARKER).read_text())
         except (OSError, ValueError):
             return None
         os.utime(path / MARKER)
-        return Overlay(path, package, version, tuple(marker.get("import_names", ())), installed_now=False)
+        names = tuple(marker.get("import_names", ()))
+        return Overlay(path, package, str(marker.get("version", "")), names, installed_now=False)
+
+    def get_commit(
+        self, package: str, sha: str, fill: Callable[[Path, Path], None], timeout: float | None = None
+    ) -> Overlay:
+        """The overlay of commit ``sha``, built once: ``fill(work, target)`` builds it in the scratch folder
+        ``work`` and installs it into ``target`` (raising InstallError when it cannot); the version is the
+        one the build installed."""
+        path = self.commit_entry_dir(package, sha)
+        with self._lock(f"{path.parent.name}-{path.name}"):
+            if (found := self._lookup(path, package)) is not None:
+                return found
+            overlay = self._publish(package, None, path, lambda work: fill(work, work / "t"), {"commit": sha})
+        self.evict(keep=path)
+        return overlay
 
     def get(
         self, package: str, version: str, pip_args: Sequence[str], timeout: float | None = None
@@ -170,27 +216,37 @@ class OverlayCache:
     def _install(
         self, package: str, version: str, path: Path, pip_args: Sequence[str], timeout: float | None
     ) -> Overlay:
+        def fill(work: Path) -> None:
+            pip_install(work / "t", [*pip_args, f"{package}=={version}"], work, timeout)
+
+        return self._publish(package, version, path, fill, {})
+
+    def _publish(
+        self,
+        package: str,
+        version: str | None,
+        path: Path,
+        fill: Callable[[Path], None],
+        extra: dict[str, str],
+    ) -> Overlay:
+        """Make the entry ``path``: ``fill(work)`` installs into ``work / "t"``, which must then hold
+        ``package`` (at ``version`` when given); the marker is written last and the folder renamed into place."""
         self.tmp.mkdir(parents=True, exist_ok=True)
         # Named after the entry's lock (held by the caller): clean_tmp() tells a leftover from a live install.
         work = Path(tempfile.mkdtemp(prefix=f"{path.parent.name}-{path.name}{_TMP_SEP}", dir=self.tmp))
         try:
-            cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(work / "t")]
-            cmd += ["--no-input", "--disable-pip-version-check", "--no-warn-script-location", *pip_args]
-            cmd.append(f"{package}=={version}")
-            (work / "pip-tmp").mkdir()
-            env = dict(os.environ, TMPDIR=str(work / "pip-tmp"))  # pip's own temp files die with `work`
-            code, tail = run_with_tail(cmd, env, timeout, max_lines=10**6, max_bytes=PIP_TAIL_BYTES)
-            if code is None:
-                raise InstallError(f"pip install timed out after {timeout} s")
-            if code != 0:
-                lines = [ln[:500] for ln in tail if ln.strip()]
-                errors = [ln for ln in lines if ln.startswith("ERROR")] or lines[-3:]
-                raise InstallError(" | ".join(errors[-3:]) or f"pip exited {code}")
-            got = _installed_version(work / "t", package)
-            if got is None or Version(got) != Version(version):
+            fill(work)
+            got = _installed_version(work / "t", package) if (work / "t").is_dir() else None
+            if version is None and got is None:
+                raise InstallError(
+                    f"the build installed no {package} (no {package} dist-info in the overlay)"
+                )
+            if version is not None and (got is None or Version(got) != Version(version)):
                 raise InstallError(f"pip installed {package} {got}, not {version}")
+            version = version if version is not None else str(got)
             names = _import_names(work / "t")
             marker = {
+                **extra,
                 "package": package,
                 "version": version,
                 "python_tag": python_tag(),

@@ -1,8 +1,9 @@
-"""``vramguard bisect``: find the release of one package where memory or gradients changed.
+"""``vramguard bisect``: find the release (or the commit) of one package where memory or gradients changed.
 
 Only the bisected package varies: each version is installed once into a cached overlay
 (:mod:`vramguard.bisect.overlay`) put first on ``PYTHONPATH``, so torch and everything else stay the current
-environment's. Verdicts follow ``git bisect run`` (0 good, 125 skip, other non-zero or timeout bad);
+environment's; with ``--git`` the candidates are a clone's commits, each built once
+(:mod:`vramguard.bisect.commits`) into the same cache, searched, logged and reported the same way. Verdicts follow ``git bisect run`` (0 good, 125 skip, other non-zero or timeout bad);
 the search itself is :mod:`vramguard.bisect.search`. Named ``bisect`` inside the package only: every
 import here is absolute, so the stdlib ``bisect`` is never shadowed.
 """
@@ -29,6 +30,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from vramguard.atomic import write_text_atomic
+from vramguard.bisect.commits import Commit, CommitBuilder
 from vramguard.bisect.overlay import InstallError, Overlay, OverlayCache, python_tag
 from vramguard.bisect.pkgindex import IndexOptions
 from vramguard.bisect.procgroup import run_with_tail
@@ -36,6 +38,8 @@ from vramguard.bisect.search import Bisection, EndpointError, State, probe_bound
 from vramguard.errors import UsageError
 
 SKIP_CODE = 125
+#: Lines of the probe's output shown before an endpoint error.
+ENDPOINT_TAIL_LINES = 10
 INSTALL_TIMEOUT_S = 1800.0
 EXIT_AMBIGUOUS = 3
 #: After SIGINT / SIGTERM / SIGHUP, repeats are ignored this long (seconds) while the run cleans up.
@@ -77,6 +81,7 @@ class VersionProbe:
     install_s: float = 0.0
     reason: str = ""
     output_tail: list[str] = field(default_factory=list)
+    subject: str = ""  # a commit's subject (bisect --git); its full sha is ``version``
 
 
 def verdict_for(exit_code: int | None) -> str:
@@ -330,7 +335,7 @@ class BisectRun(LoggedRun):
     log_name = "bisect log"
 
     package: str
-    candidates: list[Version]
+    candidates: list[Version] | list[Commit]
     command: list[str]
     cache: OverlayCache
     index: IndexOptions
@@ -339,6 +344,7 @@ class BisectRun(LoggedRun):
     import_check: bool = True
     log_path: Path | None = None
     console: Reporter = field(default_factory=lambda: Silent())
+    builder: CommitBuilder | None = None  # bisect --git: candidates are Commits built by it
     probes: list[VersionProbe] = field(default_factory=list)
     status: str = "running"
     error: str = ""
@@ -349,29 +355,41 @@ class BisectRun(LoggedRun):
         self.started = time.time()
 
     # -- one probe --------------------------------------------------------------------------------
-    def _overlay(self, version: str) -> tuple[Overlay | None, str, float]:
+    def _overlay(self, candidate: Version | Commit) -> tuple[Overlay | None, str, float]:
         start = time.monotonic()
         try:
-            with self.console.status(f"installing {self.package} {version} ..."):
-                overlay = self.cache.get(self.package, version, self.index.pip_args(), INSTALL_TIMEOUT_S)
+            if isinstance(candidate, Commit):
+                assert self.builder is not None
+                with self.console.status(f"building {self.package} {candidate} {candidate.subject} ..."):
+                    overlay = self.builder.overlay(candidate)
+            else:
+                with self.console.status(f"installing {self.package} {candidate} ..."):
+                    overlay = self.cache.get(
+                        self.package, str(candidate), self.index.pip_args(), INSTALL_TIMEOUT_S
+                    )
         except InstallError as exc:
-            return None, f"install failed: {exc}", time.monotonic() - start
+            what = "build" if isinstance(candidate, Commit) else "install"
+            return None, f"{what} failed: {exc}", time.monotonic() - start
         except OSError as exc:  # the cache itself (disk full, folder removed): not a verdict on the version
             where = f" ({exc.filename})" if exc.filename else ""
             raise UsageError(f"overlay cache {self.cache.root}: {exc.strerror or exc}{where}") from None
         return overlay, "", time.monotonic() - start
 
-    def probe(self, version: str) -> VersionProbe:
-        """Install (or reuse) the overlay, check it is what gets imported, run the command."""
-        overlay, reason, install_s = self._overlay(version)
+    def probe(self, candidate: Version | Commit) -> VersionProbe:
+        """Install or build (or reuse) the overlay, check it is what gets imported, run the command."""
+        version = candidate.sha if isinstance(candidate, Commit) else str(candidate)
+        subject = candidate.subject if isinstance(candidate, Commit) else ""
+        overlay, reason, install_s = self._overlay(candidate)
         if overlay is None:
-            return VersionProbe(version, "skip", None, 0.0, "install-failed", round(install_s, 3), reason)
+            return VersionProbe(
+                version, "skip", None, 0.0, "install-failed", round(install_s, 3), reason, subject=subject
+            )
         env = probe_env(overlay.path, self.package, version)
         how = "installed" if overlay.installed_now else "cached"
         start = time.monotonic()
-        with self.console.status(f"probing {self.package} {version} ..."):
+        with self.console.status(f"probing {self.package} {candidate} ..."):
             if self.import_check:
-                code, tail = check_import(overlay, self.package, version, env, self.timeout)
+                code, tail = check_import(overlay, self.package, overlay.version, env, self.timeout)
                 if code != 0:
                     why = tail[-1] if tail else f"exit {code}"
                     return VersionProbe(
@@ -383,6 +401,7 @@ class BisectRun(LoggedRun):
                         round(install_s, 3),
                         reason=f"import check failed: {why}",
                         output_tail=tail,
+                        subject=subject,
                     )
             code, tail = run_command(self.command, env, self.timeout)
         reason = "timeout" if code is None else ""
@@ -395,6 +414,7 @@ class BisectRun(LoggedRun):
             round(install_s, 3),
             reason,
             output_tail=tail,
+            subject=subject,
         )
 
     def state_of(self, verdict: str) -> State:
@@ -416,8 +436,7 @@ class BisectRun(LoggedRun):
             try:
                 self.write_log()  # before the first install: the log exists (and says running) from the start
                 while (index := self.search.next_index()) is not None:
-                    version = str(self.candidates[index])
-                    result = self.probe(version)
+                    result = self.probe(self.candidates[index])
                     self.probes.append(result)
                     try:
                         self.search.record(index, self.state_of(result.verdict))
@@ -427,6 +446,7 @@ class BisectRun(LoggedRun):
             except EndpointError as exc:
                 self.status, self.error = "endpoint_error", self._endpoint_message(exc)
                 self.write_log()
+                self._show_endpoint_probe(exc.index)
                 raise UsageError(self.error) from None
         self.status = "found" if len(self.search.candidates()) == 1 else "ambiguous"
         self.write_log()
@@ -435,12 +455,31 @@ class BisectRun(LoggedRun):
         probe = self.probes[-1]
         flag = "--good" if (exc.index == 0) != self.find_fix else "--bad"
         claimed = "good" if flag == "--good" else "bad"
+        name = self._label(exc.index)
         if exc.got is State.SKIP:
-            return f"{flag} {probe.version} cannot be tested ({probe.reason or 'probe exited 125'})"
+            return f"{flag} {name} cannot be tested ({probe.reason or 'probe exited 125'})"
         how = "timed out" if probe.exit_code is None else f"exited {probe.exit_code}"
-        return (
-            f"{flag} {probe.version} is not {claimed}: the probe {how} on it, so there is nothing to bisect"
-        )
+        return f"{flag} {name} is not {claimed}: the probe {how} on it, so there is nothing to bisect"
+
+    def _show_endpoint_probe(self, index: int) -> None:
+        """Before an endpoint error's one line: the probe's last lines (what it said about the endpoint)
+        and where the log is, on the progress console (stderr)."""
+        tail = self.probes[-1].output_tail[-ENDPOINT_TAIL_LINES:]
+        if tail:
+            self.console.print(
+                f"the last {len(tail)} lines of the probe on {self._label(index)}:",
+                highlight=False,
+                soft_wrap=True,
+            )
+            for line in tail:
+                self.console.print(f"  | {line}", highlight=False, soft_wrap=True)
+        if self.log_path is not None:
+            self.console.print(f"log: {self.log_path}", highlight=False, soft_wrap=True)
+
+    def _label(self, index: int) -> str:
+        """How a candidate is named in messages: a version, or a commit's short sha and subject."""
+        candidate = self.candidates[index]
+        return f"{candidate} ({candidate.subject})" if isinstance(candidate, Commit) else str(candidate)
 
     def _progress(self, p: VersionProbe, bound: int) -> None:
         lo, hi = self.candidates[self.search.lo], self.candidates[self.search.hi]
@@ -448,7 +487,7 @@ class BisectRun(LoggedRun):
         how = "timeout" if p.reason == "timeout" else f"exit {p.exit_code}"
         src = f"installed in {p.install_s:.1f} s" if p.overlay == "installed" else p.overlay
         self.console.print(  # in the verdict's colour; the reason (a probe's or pip's words) is never markup
-            f"step {len(self.probes)} (≤ {bound}): {self.package} {p.version} -> "
+            f"step {len(self.probes)} (≤ {bound}): {self.package} {p.version[:12] if p.subject else p.version} -> "
             f"{p.verdict} ({how}, {p.duration_s:.1f} s, {src})"
             + (f" - {p.reason}" if p.reason and p.reason != "timeout" else "")
             + f"  range {lo} .. {hi}",
@@ -461,17 +500,27 @@ class BisectRun(LoggedRun):
     def result(self) -> dict[str, Any]:
         """First changed version, last unchanged one, skipped ones; keys named after the mode."""
         first, last = ("first_fixed", "last_bad") if self.find_fix else ("first_bad", "last_good")
-        cands = [str(self.candidates[i]) for i in self.search.candidates()]
+        cands = [self._id(i) for i in self.search.candidates()]
         return {
             first: cands[-1] if len(cands) == 1 else None,
-            last: str(self.candidates[self.search.last_old()]),
+            last: self._id(self.search.last_old()),
             "possible": cands,
             "skipped": [p.version for p in self.probes if p.verdict == "skip"],
         }
 
+    def _id(self, index: int) -> str:
+        """A candidate in the log and the result: a version, or a commit's full sha."""
+        candidate = self.candidates[index]
+        return candidate.sha if isinstance(candidate, Commit) else str(candidate)
+
     def log(self) -> dict[str, Any]:
-        """The JSON log: the run's settings, its status, the result once there is one, and every probe."""
+        """The JSON log: the run's settings, its status, the result once there is one, and every probe
+        (with ``--git``: the clone, the build command and every candidate commit's subject)."""
         n = len(self.candidates)
+        git = None
+        if self.builder is not None:
+            commits = [{"sha": c.sha, "subject": c.subject} for c in self.candidates if isinstance(c, Commit)]
+            git = {"repo": str(self.builder.repo), "build": self.builder.build, "commits": commits}
         return {
             "tool": "vramguard bisect",
             "package": self.package,
@@ -479,7 +528,8 @@ class BisectRun(LoggedRun):
             "command": self.command,
             "python_tag": python_tag(),
             "cache_dir": str(self.cache.root),
-            "candidates": [str(v) for v in self.candidates],
+            "candidates": [self._id(i) for i in range(n)],
+            "git": git,
             "status": self.status,
             "error": self.error,
             "run_id": self.run_id,
@@ -500,17 +550,28 @@ class BisectRun(LoggedRun):
         res = self.result()
         n = len(self.candidates)
         first_key, last_key = ("first_fixed", "last_bad") if self.find_fix else ("first_bad", "last_good")
-        first_label = "first fixed version" if self.find_fix else "first bad version"
-        last_label = "last bad version" if self.find_fix else "last good version"
+        what = "commit" if self.builder is not None else "version"
+        first_label = f"first fixed {what}" if self.find_fix else f"first bad {what}"
+        last_label = f"last bad {what}" if self.find_fix else f"last good {what}"
+        subjects = {c.sha: c.subject for c in self.candidates if isinstance(c, Commit)}
+
+        def named(ident: str) -> str:  # a commit: its full sha and subject
+            return f"{ident} {subjects[ident]}" if ident in subjects else ident
+
         lines = []
         if res[first_key] is not None:
-            lines.append(f"{first_label}: {self.package} {res[first_key]}")
+            lines.append(f"{first_label}: {self.package} {named(res[first_key])}")
         else:
-            lines.append(
-                f"{first_label}: undetermined, one of {', '.join(res['possible'])} (the others were skipped)"
-            )
-        lines.append(f"{last_label}: {self.package} {res[last_key]}")
-        lines.append(f"skipped: {', '.join(res['skipped']) or 'none'}")
+            possible = ", ".join(p[:12] if p in subjects else p for p in res["possible"])
+            lines.append(f"{first_label}: undetermined, one of {possible} (the others were skipped)")
+        lines.append(f"{last_label}: {self.package} {named(res[last_key])}")
+        if subjects:
+            skipped = [
+                f"{p.version[:12]} {p.subject} ({p.reason[:120]})" for p in self.probes if p.verdict == "skip"
+            ]
+            lines.append("skipped: " + ("; ".join(skipped) or "none"))
+        else:
+            lines.append(f"skipped: {', '.join(res['skipped']) or 'none'}")
         lines.append(f"probes: {len(self.probes)} for {n} candidates (bound {probe_bound(n)} + skips)")
         if self.log_path is not None:
             lines.append(f"log: {self.log_path}")

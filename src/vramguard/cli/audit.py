@@ -21,6 +21,7 @@ from vramguard.cli.options import (
     add_sharding_options,
     add_talk_options,
     add_timeline_options,
+    add_trainer_option,
     check_json_path,
     check_timeline_paths,
     fsdp_settings,
@@ -28,6 +29,7 @@ from vramguard.cli.options import (
     positive_int,
     print_not_priced,
     qlora_config,
+    resolve_trainer,
     sharding_config,
     wants_timeline,
     with_config_notes,
@@ -48,17 +50,12 @@ def register(subparsers: Any) -> None:
         description=_audit_run.__doc__.splitlines()[0],
     )
     add_qlora_options(
-        p, model_help="preset name, a vramguard preset JSON, or a Hugging Face config.json (any model_type)"
+        p,
+        model_help="preset name, a vramguard preset JSON, a Hugging Face config.json or model directory, or a Hub "
+        "id (org/name[@revision]: its config.json only)",
     )
     p.add_argument("--steps", type=positive_int, default=3, help="training steps (>= 2 to check for leaks)")
-    p.add_argument(
-        "--trainer",
-        default="loop",
-        choices=("loop", "trainer", "sft"),
-        help="run the steps in vramguard's loop, transformers' Trainer or TRL's SFTTrainer, with the audit's "
-        "optimizer (torch AdamW, or --config's optim; not Trainer's default fused one) (a mixture of experts "
-        "with eager experts on the CPU: the trainer runs four times, three with the routing forced)",
-    )
+    add_trainer_option(p, "run")
     p.add_argument(
         "--offload-activations",
         action="store_const",
@@ -89,12 +86,13 @@ def handle(args: argparse.Namespace) -> int:
     exit 1 on a failed verdict."""
     check_json_path(args.json)  # fail before the run, not after it
     check_timeline_paths(args)
-    if args.offload_activations and args.trainer == "loop":
+    if args.offload_activations and args.trainer in ("loop", None):
         raise UsageError("--offload-activations needs --trainer trainer or --trainer sft")
     sharding = sharding_config(args)
     settings = fsdp_settings(args, sharding)
     device = "cpu" if sharding is not None and args.device == "auto" else resolve_device(args.device)
     config, lines = qlora_config(args, device=device, seed=args.seed)
+    args.trainer, recipe = resolve_trainer(args, config)
     if config.method != "qlora":
         raise UsageError(
             f"the audit measures a QLoRA step, but {args.config} gives method {config.method} (QLoRA is "
@@ -164,6 +162,7 @@ def handle(args: argparse.Namespace) -> int:
                 report = run_trainer_audit(
                     config, args.steps, args.trainer, tmp, offload_activations=config.offload_activations
                 )
+    report.config["recipe"] = recipe
     report = with_config_notes(report, lines)
     return _show(report, args, console, "audit", lines, events)
 

@@ -4,12 +4,14 @@ the rich console the bisection reports to (:mod:`vramguard.bisect.run` prints no
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from packaging.version import Version
 
+from vramguard.bisect.commits import Commit, CommitBuilder, commit_range, default_build
 from vramguard.bisect.overlay import OverlayCache, default_cache_dir
 from vramguard.bisect.pkgindex import IndexOptions, available_versions, select_range, sort_versions
-from vramguard.bisect.run import EXIT_AMBIGUOUS, BisectRun, LiveRuns, default_log_path
+from vramguard.bisect.run import EXIT_AMBIGUOUS, INSTALL_TIMEOUT_S, BisectRun, LiveRuns, default_log_path
 from vramguard.bisect.search import probe_bound
 from vramguard.cli.releases import (
     add_release_options,
@@ -24,9 +26,23 @@ from vramguard.view.console import stderr_console
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--good", metavar="V", help="a version where the probe passes (required)")
-    p.add_argument("--bad", metavar="V", help="a version where the probe fails (required)")
+    p.add_argument(
+        "--good", metavar="V", help="a version (a ref with --git) where the probe passes (required)"
+    )
+    p.add_argument("--bad", metavar="V", help="a version (a ref with --git) where the probe fails (required)")
     p.add_argument("--find-fix", action="store_true", help="--bad is older than --good; find the first good")
+    p.add_argument(
+        "--git",
+        type=Path,
+        metavar="PATH",
+        help="bisect the commits of this local clone between --good and --bad (each built into an overlay)",
+    )
+    p.add_argument(
+        "--build",
+        metavar="CMD",
+        help="with --git: shell command run in each commit's tree before its pip install (default: "
+        "bitsandbytes' CMake CPU backend for bitsandbytes, nothing for others)",
+    )
     add_release_options(
         p,
         versions_help="comma-separated candidates instead of asking the index",
@@ -41,10 +57,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bisect",
         _add_options,
         handle,
-        usage="vramguard bisect PACKAGE --good V1 --bad V2 [options] -- COMMAND...",
-        help="find the release of a package where a probe's result changed",
-        description="Find the first bad (or, with --find-fix, first fixed) release of PACKAGE. "
-        "COMMAND exits 0 for good, 125 to skip a version, anything else (or a timeout) for bad.",
+        usage="vramguard bisect PACKAGE --good V1 --bad V2 [--git PATH [--build CMD]] [options] -- COMMAND...",
+        help="find the release (or commit) of a package where a probe's result changed",
+        description="Find the first bad (or, with --find-fix, first fixed) release of PACKAGE, or with --git "
+        "its first bad commit in a local clone. COMMAND exits 0 for good, 125 to skip a version, anything "
+        "else (or a timeout) for bad.",
     )
 
 
@@ -54,6 +71,12 @@ def _reparse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
     for flag in ("good", "bad"):
         if getattr(ns, flag) is None:
             raise UsageError(f"the following arguments are required: --{flag}")
+    if ns.git is None and ns.build is not None:
+        raise UsageError("--build builds commits: it needs --git PATH")
+    if ns.git is not None:
+        for flag, given in (("--versions", ns.versions is not None), ("--pre", ns.pre)):
+            if given:
+                raise UsageError(f"{flag} chooses releases: it cannot be used with --git")
     return ns, command
 
 
@@ -83,7 +106,17 @@ def _bisect(args: argparse.Namespace, command: list[str], max_bytes: int) -> int
     index = index_options(args)
     cache = OverlayCache(args.cache_dir or default_cache_dir(), max_bytes)
     cache.open("--cache-dir" if args.cache_dir else "overlay cache")
-    candidates = _candidates(args, index)
+    builder = None
+    if args.git is not None:
+        candidates: list[Version] | list[Commit] = commit_range(
+            args.git.absolute(), args.good, args.bad, args.find_fix
+        )
+        build = args.build if args.build is not None else default_build(args.package)
+        builder = CommitBuilder(
+            args.package, args.git.absolute(), cache, build, index.pip_args(), INSTALL_TIMEOUT_S
+        )
+    else:
+        candidates = _candidates(args, index)
     runs = LiveRuns(cache.root / ".runs")
     console = stderr_console()
     for stale in runs.mark_stale():
@@ -103,9 +136,11 @@ def _bisect(args: argparse.Namespace, command: list[str], max_bytes: int) -> int
         args.import_check,
         log,
         console=console,
+        builder=builder,
     )
+    what = f"commits of {args.git}" if builder is not None else "candidates"
     run.console.print(
-        f"bisecting {args.package}: {len(candidates)} candidates {candidates[0]} .. {candidates[-1]}, "
+        f"bisecting {args.package}: {len(candidates)} {what} {candidates[0]} .. {candidates[-1]}, "
         f"at most {probe_bound(len(candidates))} probes (cache {cache.root}, {format_bytes(max_bytes)})",
         highlight=False,
         soft_wrap=True,

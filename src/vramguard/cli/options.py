@@ -72,8 +72,15 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
         "priced is named",
     )
     p.add_argument("--model", help=f"{model_help} (default: {d.model})")
-    p.add_argument("--seq-len", type=positive_int, help=f"default: {d.seq_len}")
-    p.add_argument("--batch", type=positive_int, help=f"default: {d.batch}")
+    p.add_argument(
+        "--seq-len", "--max-length", type=positive_int, help=f"(TRL's spelling: --max-length) default: {d.seq_len}"
+    )
+    p.add_argument(
+        "--batch",
+        "--per-device-train-batch-size",
+        type=positive_int,
+        help=f"(TRL's spelling: --per-device-train-batch-size) default: {d.batch}",
+    )
     p.add_argument(
         "--gradient-accumulation-steps",
         type=positive_int,
@@ -81,14 +88,21 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
         help="Trainer's gradient accumulation: N forward/backward micro-batches of --batch rows a step, the "
         f"gradients held between them, then one optimizer step (default: {d.gradient_accumulation_steps})",
     )
-    p.add_argument("--lora-rank", type=positive_int, help=f"default: {d.lora_rank}")
+    p.add_argument(
+        "--lora-rank", "--lora-r", type=positive_int, help=f"(TRL's spelling: --lora-r) default: {d.lora_rank}"
+    )
     p.add_argument("--lora-alpha", type=positive_int, help=f"default: {d.lora_alpha}")
     p.add_argument("--lora-dropout", type=float, help=f"default: {d.lora_dropout}")
     p.add_argument("--compute-dtype", help=f"compute dtype: bf16, fp16 or fp32 (default: {d.compute_dtype})")
     p.add_argument("--dtype", dest="compute_dtype", help=argparse.SUPPRESS)  # the flag's earlier name
     p.add_argument("--quant-type", choices=("nf4", "fp4"), help=f"default: {d.quant_type}")
     p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, help="default: on")
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, help="default: off")
+    p.add_argument(
+        "--gradient-checkpointing",
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        help="(transformers 5.24's name: --activation-checkpointing) default: off",
+    )
     p.add_argument(
         "--attn-implementation",
         choices=ATTN_IMPLEMENTATIONS,
@@ -147,6 +161,7 @@ def qlora_config(args: argparse.Namespace, **fixed: object) -> tuple[QLoRAConfig
     else:
         config = QLoRAConfig(**flags, **fixed)  # type: ignore[arg-type]
         config.validate()
+    config = config.resolved()  # the model read, validated and built once: the config passed on holds it
     if config.mixed_precision != "no":
         lines.append(
             f"mixed precision {config.mixed_precision} (Trainer's autocast): priced: the forward and the loss run "
@@ -371,3 +386,58 @@ def lint_lines(
     from vramguard.estimate.fsdp_lint import lint, with_lint
 
     return with_lint(report, lint(config, sharding, settings))
+
+
+def add_trainer_option(p: argparse.ArgumentParser, command: str) -> None:
+    """``--trainer loop|trainer|sft``; unset, it follows ``--config`` (:func:`resolve_trainer`)."""
+    p.add_argument(
+        "--trainer",
+        choices=("loop", "trainer", "sft"),
+        default=None,
+        help=f"whose step to {command}: vramguard's loop, transformers' Trainer or TRL's SFTTrainer (their own "
+        "model preparation, collator, loss and optimizer); default: sft for a trl sft YAML --config, trainer for a "
+        "TrainingArguments JSON, loop otherwise",
+    )
+
+
+def resolve_trainer(args: argparse.Namespace, config: QLoRAConfig) -> tuple[str, str]:
+    """(the trainer whose step runs, the recipe line that names it and whose defaults filled the rest).
+
+    Given, ``--trainer`` is taken as it is (what it cannot run is refused in one line where it runs). Unset, a
+    ``--config`` YAML is ``trl sft``'s and a JSON is TrainingArguments': their trainer runs, unless the run asks
+    for what only vramguard's loop prices (sharded ranks, Liger, offloading, a method other than QLoRA), which is
+    then run and said so."""
+    from importlib.metadata import version
+
+    path = getattr(args, "config", None)
+    trainer = args.trainer
+    why = ""
+    if trainer is None and path is not None:
+        trainer = "trainer" if path.suffix == ".json" else "sft"
+        unpriced = [
+            what
+            for what, asked in (
+                ("--world-size", getattr(args, "world_size", None) is not None),
+                ("use_liger_kernel", config.use_liger_kernel),
+                ("activation offloading", config.offload_activations),
+                (f"method {config.method}", config.method != "qlora"),
+            )
+            if asked
+        ]
+        if unpriced:
+            why = f" ({trainer}'s own step does not run {', '.join(unpriced)} yet)"
+            trainer = "loop"
+    trainer = trainer or "loop"
+    trl = ".".join(version("trl").split(".")[:2]) if path is not None else ""
+    defaults = (
+        f"trl sft {trl}'s for the keys {path.name} does not set"
+        if path is not None
+        else "vramguard's for the flags not given"
+    )
+    if trainer == "sft":
+        name = f"trl sft {'.'.join(version('trl').split('.')[:2])} (SFTTrainer's own step)"
+    elif trainer == "trainer":
+        name = f"transformers {'.'.join(version('transformers').split('.')[:2])} Trainer's own step"
+    else:
+        name = "vramguard's loop (prepare_model_for_kbit_training, LoRA, full fp32 logits)"
+    return trainer, f"recipe: {name}{why}; defaults: {defaults}"

@@ -204,6 +204,7 @@ def run_distributed_estimate(
     if target not in TARGETS:
         raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     config.validate()
+    config = config.resolved()
     world = sharding.world_size
     wanted = list(range(world)) if ranks is None else sorted(set(ranks))
     if not wanted or wanted[0] < 0 or wanted[-1] >= world:

@@ -727,6 +727,7 @@ def build_meta(
     method: str = "qlora",
     device: str = META,
     sharded: bool = False,
+    prepared: bool = True,
 ) -> QLoRAModel:
     """The model :func:`vramguard.workload.models.build_qlora` builds for ``config``, on the meta device.
 
@@ -735,13 +736,15 @@ def build_meta(
     (:data:`METHODS`). ``device="cpu"`` builds the ``lora`` and ``full`` models with random weights on
     the host, the reference the tests hold the meta run against (``qlora``'s is ``build_qlora``).
     ``sharded``: the FSDP + QLoRA recipe, as ``build_qlora(sharded=True)`` (``qlora`` only).
+    ``prepared`` False: the 4-bit model as ``from_pretrained`` loads it, without k-bit preparation and LoRA (what
+    TRL's SFTTrainer is handed with a ``peft_config``: it does its own; ``qlora`` only).
     """
     if method not in METHODS:
         raise UsageError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if device != META and method == "qlora":
         raise ValueError("build the real-device QLoRA model with vramguard.workload.models.build_qlora")
     config.validate()
-    spec = spec or ModelSpec.load(config.model)
+    spec = spec or config.spec
     from transformers.quantizers import AutoHfQuantizer
     from transformers.utils import logging as hf_logging
 
@@ -782,6 +785,8 @@ def build_meta(
             _quantize_on_meta(model, compute_dtype)
             quantizer.postprocess_model(model)
             model.hf_quantizer = quantizer
+            if not prepared:
+                return _unprepared(model, config, spec, attn, notes, device)
             model = prepare_for_training(model, config, sharded=sharded)
         elif config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
@@ -801,6 +806,19 @@ def build_meta(
         config=_with_device(config, device),
         attn_implementation=attn,
         notes=tuple(notes),
+    )
+
+
+def _unprepared(
+    model: Any, config: QLoRAConfig, spec: ModelSpec, attn: str, notes: list[str], device: str
+) -> QLoRAModel:
+    """The 4-bit model as loaded (training mode, no cache), for a trainer that prepares it itself."""
+    model.train()
+    model.config.use_cache = False
+    loaded = getattr(model, "config", None)
+    notes += [line for line in (weights_line(model, loaded), routing_line(loaded)) if line]
+    return MetaQLoRAModel(
+        model=model, spec=spec, config=_with_device(config, device), attn_implementation=attn, notes=tuple(notes)
     )
 
 

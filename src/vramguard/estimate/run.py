@@ -414,13 +414,14 @@ def run_estimate(
     given = {"method": method, "optimizer": optimizer, "offload_activations": offload_activations}
     config = dataclasses.replace(config, **{k: v for k, v in given.items() if v is not None})
     config.validate()
+    config = config.resolved()
     refuse_fp16_on_cpu(config, target)
     if config.use_liger_kernel:
         from vramguard.estimate.liger import check
 
         check(target, device)  # before anything is built: the extra, the target, the device
     method, optimizer, offload_activations = config.method, config.optimizer, config.offload_activations
-    spec = ModelSpec.load(config.model)
+    spec = config.spec
     too_long: _TooLong | None = None
     try:
         check_context(config, spec)
@@ -508,54 +509,18 @@ def run_estimate(
         time.perf_counter() - t0,
         meta_run=True,
     )
-    weights = report.totals.model_resident_bytes
-    trainable = sum(p.numel() * p.element_size() for p in q.trainable_parameters())
-    phase = max(PHASES, key=lambda name: report.phases[name].peak_bytes)
-    step_peak = report.phases[phase].peak_bytes
-    allocator = weights + trainable + step_peak
-    cuda = target == "cuda"
     offloaded = offload.host_peak_bytes if isinstance(offload, OffloadActivations) else 0
-    extra = overheads(
-        allocator,
-        checkpointing=config.gradient_checkpointing,
-        offloading=bool(offload_activations),
-        target=target,
-        offloaded_bytes=offloaded,
-    )
-    estimate = DeviceEstimate(
-        weights_bytes=weights,
-        trainable_bytes=trainable,
-        step_peak_bytes=step_peak,
-        peak_phase=phase,
-        allocator_peak_bytes=allocator,
-        overhead_bytes=sum(o.bytes for o in extra),
-        total_bytes=allocator + sum(o.bytes for o in extra),
-        overheads=extra,
-        forced_decisions=dict(taken),
-        target=target,
-    )
+    estimate = device_estimate(report, q, config, target, offloaded, bool(offload_activations))
+    estimate.forced_decisions = dict(taken)
+    phase, step_peak = estimate.peak_phase, estimate.step_peak_bytes
+    cuda = target == "cuda"
     if too_long is not None:
         raise UsageError(
             f"seq-len {config.seq_len:,} is beyond {spec.name}'s {too_long.limit:,} positions "
             f"(max_position_embeddings); it would need {format_bytes(estimate.total_bytes)} "
             f"({estimate.allocator_peak_bytes:,} B allocator peak, estimated on meta)"
         )
-    fb = format_bytes
-    frag = fragmentation_of(config.gradient_checkpointing, bool(offload_activations))
-    line = (
-        f"estimate: {fb(estimate.total_bytes)} on the device = allocator peak {fb(allocator)} "
-        f"(weights {fb(weights)}, trainable {fb(trainable)}, {phase} peak {fb(step_peak)}) "
-        f"+ {fb(estimate.overhead_bytes)} the meta run leaves out (H100 figures; fragmentation at "
-        f"{frag.expected * 100:.0f} %, the median measured {frag.mode}, of {frag.low * 100:.0f}-"
-        f"{frag.high * 100:.0f} %: {fb(high_total(estimate))} at {frag.high * 100:.0f} %"
-        f"{small_step_caveat(allocator)})"
-        if cuda
-        else f"estimate: {fb(estimate.total_bytes)} of the host's memory for the step's tensors (CPU kernels): "
-        f"weights {fb(weights)} + trainable {fb(trainable)} + {phase} peak {fb(step_peak)}"
-        + (f" + at most {fb(offloaded)} of activations offloaded to the host" if offloaded else "")
-        + " (the figures `vramguard audit --device cpu` measures for the step; the Python process's own memory "
-        "is not in it, nor a GPU's overheads: --target cuda adds those)"
-    )
+    line = headline(estimate, config, bool(offload_activations), offloaded)
     notes = [
         Finding(
             checks.META_RUN,
@@ -618,6 +583,59 @@ def run_estimate(
             report, checks.ROUTING, forced_line(routing, experts_top_k(q.model), forced["counts"])
         )
     return report
+
+
+def device_estimate(
+    report: AuditReport, q: QLoRAModel, config: QLoRAConfig, target: str, offloaded: int, offloading: bool
+) -> DeviceEstimate:
+    """The device's figures of a meta step's ``report``: weights, trainable parameters, the highest phase's peak,
+    the allocator peak and what the meta run leaves out on ``target`` (:func:`overheads`)."""
+    weights = report.totals.model_resident_bytes
+    trainable = sum(p.numel() * p.element_size() for p in q.trainable_parameters())
+    phase = max(PHASES, key=lambda name: report.phases[name].peak_bytes)
+    step_peak = report.phases[phase].peak_bytes
+    allocator = weights + trainable + step_peak
+    extra = overheads(
+        allocator,
+        checkpointing=config.gradient_checkpointing,
+        offloading=offloading,
+        target=target,
+        offloaded_bytes=offloaded,
+    )
+    return DeviceEstimate(
+        weights_bytes=weights,
+        trainable_bytes=trainable,
+        step_peak_bytes=step_peak,
+        peak_phase=phase,
+        allocator_peak_bytes=allocator,
+        overhead_bytes=sum(o.bytes for o in extra),
+        total_bytes=allocator + sum(o.bytes for o in extra),
+        overheads=extra,
+        forced_decisions={},
+        target=target,
+    )
+
+
+def headline(estimate: DeviceEstimate, config: QLoRAConfig, offloading: bool, offloaded: int) -> str:
+    """The estimate's one line: the total and its parts (with a GPU's overheads on the ``cuda`` target)."""
+    fb = format_bytes
+    weights, trainable, allocator = estimate.weights_bytes, estimate.trainable_bytes, estimate.allocator_peak_bytes
+    phase, step_peak = estimate.peak_phase, estimate.step_peak_bytes
+    frag = fragmentation_of(config.gradient_checkpointing, offloading)
+    return (
+        f"estimate: {fb(estimate.total_bytes)} on the device = allocator peak {fb(allocator)} "
+        f"(weights {fb(weights)}, trainable {fb(trainable)}, {phase} peak {fb(step_peak)}) "
+        f"+ {fb(estimate.overhead_bytes)} the meta run leaves out (H100 figures; fragmentation at "
+        f"{frag.expected * 100:.0f} %, the median measured {frag.mode}, of {frag.low * 100:.0f}-"
+        f"{frag.high * 100:.0f} %: {fb(high_total(estimate))} at {frag.high * 100:.0f} %"
+        f"{small_step_caveat(allocator)})"
+        if estimate.target == "cuda"
+        else f"estimate: {fb(estimate.total_bytes)} of the host's memory for the step's tensors (CPU kernels): "
+        f"weights {fb(weights)} + trainable {fb(trainable)} + {phase} peak {fb(step_peak)}"
+        + (f" + at most {fb(offloaded)} of activations offloaded to the host" if offloaded else "")
+        + " (the figures `vramguard audit --device cpu` measures for the step; the Python process's own memory "
+        "is not in it, nor a GPU's overheads: --target cuda adds those)"
+    )
 
 
 def forced_routing_figures(config: QLoRAConfig, steps: int) -> dict[str, tuple[int, int]]:

@@ -21,32 +21,17 @@ import torch
 from vramguard.audit import verdict as checks
 from vramguard.audit.report import AuditReport, with_routing_note
 from vramguard.errors import UsageError
+from vramguard.integrations.trainer_step import (
+    TRAINERS,
+    loop_rows,
+    make_trainer,
+    trainer_arguments,
+    trainer_prepares,
+)
 from vramguard.integrations.transformers import VramGuardCallback
 from vramguard.workload import routing as routes
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora
 from vramguard.workload.routing import Routing
-from vramguard.workload.run_config import TRL_OPTIMIZER_OF
-from vramguard.workload.training import optimizer_on
-
-TRAINERS = ("loop", "trainer", "sft")
-
-
-def _dataset(q: QLoRAModel, micro_batches: int, labels: bool) -> Any:
-    """The rows of ``micro_batches`` batches, the loop's own (:meth:`QLoRAModel.batch`), in order."""
-    from datasets import Dataset
-
-    rows = torch.cat([q.batch(k)["input_ids"].cpu() for k in range(micro_batches)]).tolist()
-    return Dataset.from_dict({"input_ids": rows, **({"labels": rows} if labels else {})})
-
-
-def _tokenizer(vocab_size: int) -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    raw = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="t0", eos_token="t1", unk_token="t0")
-
 
 def run_trainer_audit(
     config: QLoRAConfig,
@@ -67,6 +52,7 @@ def run_trainer_audit(
     trainer runs again with each forced routing (a fresh model, the same seed: the same weights and batches),
     and the ``routing:`` line holds the drawn peak between them, as ``vramguard audit``'s loop does with meta
     runs (the trainer's step is not the loop's, so its own runs bound it)."""
+    config = config.resolved()
     report, q = _train(config, steps, trainer, output_dir, offload_activations, routing)
     top_k = routes.eager_top_k(q.model)
     del q  # the forced runs build their own models: not two at once
@@ -120,48 +106,12 @@ def _train(
             "--offload-activations with --trainer sft is TRL's OffloadActivations, which needs an accelerator; "
             "on CPU use --trainer trainer (torch's save_on_cpu)"
         )
-    q = build_qlora(config)
+    q = build_qlora(config, prepared=not trainer_prepares(trainer))
     micro_batches = steps * config.gradient_accumulation_steps  # the rows of every micro-batch of every step
-    common: dict[str, Any] = {
-        "max_steps": steps,
-        "per_device_train_batch_size": config.batch,
-        "gradient_accumulation_steps": config.gradient_accumulation_steps,
-        "report_to": [],
-        "save_strategy": "no",
-        "logging_steps": 1,
-        "disable_tqdm": True,
-        "use_cpu": on_cpu,
-        "train_sampling_strategy": "sequential",
-        "gradient_checkpointing": config.gradient_checkpointing,
-        # the config's optimizer as the loop runs it on this device, not Trainer's default (adamw_torch_fused)
-        "optim": TRL_OPTIMIZER_OF[optimizer_on(config.optimizer, config.device)],
-    }
-    if config.gradient_checkpointing:
-        common["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    args = trainer_arguments(config, steps, trainer, output_dir, on_cpu, offload_activations)
     cb = VramGuardCallback(table=False)
-    if trainer == "trainer":
-        from transformers import Trainer, TrainingArguments
-
-        args = TrainingArguments(str(output_dir), **common)
-        runner = Trainer(model=q.model, args=args, train_dataset=_dataset(q, micro_batches, True), callbacks=[cb])
-    else:
-        try:
-            from trl import SFTConfig, SFTTrainer
-        except ImportError:
-            raise UsageError("--trainer sft needs TRL: pip install 'vramguard[trl]'") from None
-        if offload_activations:  # (only then: SFTConfig has the field from TRL 0.16 on)
-            common["activation_offloading"] = True
-        args = SFTConfig(str(output_dir), max_length=config.seq_len, **common)
-        runner = SFTTrainer(
-            model=q.model,
-            args=args,
-            train_dataset=_dataset(q, micro_batches, False),
-            processing_class=_tokenizer(int(q.spec.fields["vocab_size"])),
-            callbacks=[cb],
-        )
-    from transformers.trainer_callback import PrinterCallback
-
-    runner.remove_callback(PrinterCallback)  # the audit prints its own tables (stdout stays the report's)
+    runner = make_trainer(q, trainer, args, loop_rows(q, micro_batches), [cb])
+    q.model = runner.model  # SFTTrainer's own PEFT model, where it wrapped the loaded one
     offload = (
         torch.autograd.graph.save_on_cpu(pin_memory=True)
         if offload_activations and trainer == "trainer"
@@ -175,7 +125,7 @@ def _train(
     report = cb.report
     assert report is not None
     trainer_config = dict(report.config)
-    report.config = {**config.to_dict(), **trainer_config, "trainer": trainer_config["trainer"]}
+    report.config = {**config.to_dict(), **trainer_config, "model": q.spec.name}
     report.architecture = {**report.architecture, "attn_implementation": q.attn_implementation}
     # the build's notes (what it changed from the request, which weights are 4-bit, what routing decides), as
     # vramguard audit's own loop reports them: the callback sees the model, not how it was built

@@ -235,7 +235,7 @@ class VramGuardCallback(TrainerCallback):
             "activation_offloading": False,
         }
         allocator = self.cpu_source == "allocator" and torch.device(device).type == "cpu"
-        source = CpuAllocatorSource() if allocator else source_for(device)
+        source = CpuAllocatorSource() if allocator else self._source_for(device)
         if self.snapshot_path is not None:
             if not isinstance(source, StorageTracker):
                 raise UsageError(
@@ -257,6 +257,11 @@ class VramGuardCallback(TrainerCallback):
         self._handles.append(model.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
         # always_call: it also runs when the model's forward raises, to take vramguard's hooks out then
         self._handles.append(model.register_forward_hook(self._forward_post, always_call=True))
+
+    def _source_for(self, device: Any) -> Any:
+        """What counts live bytes on ``device`` (the storage tracker off CUDA): a meta run's callback
+        (:mod:`vramguard.integrations.trainer_step`) counts every device's storages instead."""
+        return source_for(device)
 
     def measures(self, step: int) -> bool:
         """Whether step ``step`` (1-based) is measured: step 1, the ledger step, every ``measure_every``-th."""

@@ -51,6 +51,7 @@ def _bold_first(head: str, rest: str) -> Any:
 
 def audit_header(report: AuditReport, console: Any) -> None:
     """The run's shape and what ran it, then the library versions (dim)."""
+    recipe_line(report, console)
     c = report.config
     arch = report.architecture
     kind = (
@@ -67,6 +68,13 @@ def audit_header(report: AuditReport, console: Any) -> None:
     )
     env = report.environment.get("packages", {})
     console.print(", ".join(f"{k} {v}" for k, v in env.items() if v), style="dim", highlight=False)
+
+
+def recipe_line(report: AuditReport, console: Any) -> None:
+    """The recipe the run followed and whose defaults filled the rest (``config["recipe"]``), when known."""
+    recipe = report.config.get("recipe")
+    if recipe:
+        console.print(recipe, highlight=False, soft_wrap=True)
 
 
 def batch_text(c: dict[str, Any]) -> str:
@@ -86,6 +94,7 @@ def _method(c: dict[str, Any]) -> str:
 
 def estimate_header(report: AuditReport, console: Any) -> None:
     """The estimated step's shape: model, method, dtype, checkpointing, optimizer, offloading, meta steps."""
+    recipe_line(report, console)
     c = report.config
     arch = report.architecture
     step = c.get("extra", {})

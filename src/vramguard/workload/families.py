@@ -126,12 +126,12 @@ def _value(config: Any, key: str) -> Any:
     return getattr(config, key, None)
 
 
-def spec_from_hf(path: Path, data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(model_type, the shape fields vramguard uses) of a Hugging Face ``config.json``.
+def spec_from_hf(path: Path | str, data: dict[str, Any]) -> tuple[str, dict[str, Any], Any]:
+    """(model_type, the shape fields vramguard uses, the transformers config) of a Hugging Face ``config.json``.
 
-    transformers parses the file (its own defaults and checks); unknown model types and shapes the build
-    would fail on are one-line :class:`UsageError`. Mixtures of experts are measured as they load
-    (:func:`experts_of`).
+    transformers parses the file (its own defaults and checks); unknown model types, models whose code is
+    the repository's own (``trust_remote_code``) and shapes the build would fail on are one-line
+    :class:`UsageError`. Mixtures of experts are measured as they load (:func:`experts_of`).
     """
     model_type = data.get("model_type")
     if not isinstance(model_type, str) or not model_type:
@@ -139,6 +139,11 @@ def spec_from_hf(path: Path, data: dict[str, Any]) -> tuple[str, dict[str, Any]]
     try:
         config = transformers_config(data)
     except ValueError as exc:
+        if "auto_map" in data and ("Unrecognized model" in str(exc) or "model_type" in str(exc)):
+            raise UsageError(
+                f"model config {path}: model_type {model_type!r} is the repository's own code (auto_map), which "
+                f"needs trust_remote_code; vramguard runs no remote code, and transformers {_tf()} does not know it"
+            ) from None
         if "Unrecognized model" in str(exc) or "model_type" in str(exc):
             raise UsageError(
                 f"model config {path}: model_type {model_type!r} is not known to transformers {_tf()}"
@@ -181,7 +186,7 @@ def spec_from_hf(path: Path, data: dict[str, Any]) -> tuple[str, dict[str, Any]]
         raise UsageError(
             f"model config {path}: num_experts_per_tok must be between 1 and the {count} experts, got {top_k}"
         )
-    return model_type, fields
+    return model_type, fields, config
 
 
 @dataclass(frozen=True)

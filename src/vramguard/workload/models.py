@@ -8,13 +8,15 @@ projections. What is measured is therefore the libraries' real code, not a re-im
 
 from __future__ import annotations
 
+import copy
+import difflib
 import json
 import math
 import os
 import re
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ import torch
 from vramguard.errors import UsageError, first_line
 from vramguard.units import MAX_COUNT
 from vramguard.workload.families import experts_of, is_hf_config, spec_from_hf, transformers_config
+from vramguard.workload.hub import HUB_ID, Fetch, fetch_config, hub_config
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -81,93 +84,110 @@ def read_at_most(path: Path, limit: int) -> bytes:
         return fh.read(limit)
 
 
+ORIGINS: tuple[str, ...] = ("preset", "file", "directory", "hub")
+"""Where a model reference points: a preset name, a config.json path, a model directory (its config.json) or a
+Hugging Face Hub id (``org/name[@revision]``, its config.json through ``huggingface_hub``)."""
+
+
+def locate(ref: str, fetch: Fetch = hub_config) -> tuple[Path, str, str | None]:
+    """(the config.json, its origin (:data:`ORIGINS`), the Hub commit or None) of a model reference: an
+    existing path (or one ending ``.json``), else a preset name, else a Hub id; anything else is a UsageError
+    that suggests the nearest preset."""
+    path = Path(ref)
+    if path.suffix == ".json" or path.exists():
+        if not path.is_dir():
+            return path, "file", None
+        if not (path / "config.json").is_file():
+            raise UsageError(f"model directory {path} has no config.json")
+        return path / "config.json", "directory", None
+    known = presets()
+    if ref in known:
+        return known[ref], "preset", None
+    if HUB_ID.fullmatch(ref):
+        found, commit = fetch_config(ref, fetch)
+        return found, "hub", commit
+    near = difflib.get_close_matches(ref.lower(), list(known), n=1)
+    raise UsageError(
+        f"unknown model {ref!r}: {f'did you mean {near[0]}? ' if near else ''}use a preset "
+        f"({', '.join(known)}) or a JSON path (a config.json, or a model directory holding one), or a Hugging Face "
+        "Hub id (org/name[@revision])"
+    )
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The JSON object of a model config file, with transformers' encoding of special floats decoded
+    (``{"__float__": "Infinity"}``, as ``PretrainedConfig.from_json_file`` reads it); a missing, binary,
+    oversized or malformed file is a UsageError."""
+    try:
+        raw = read_at_most(path, MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise UsageError(f"model config not found: {path}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read model config {path}: {exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UsageError(f"model config {path} is over {MAX_CONFIG_BYTES} bytes: not a JSON model config")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"cannot read model config {path}: not UTF-8 text (a binary file?)") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"cannot read model config {path}: {exc}") from None
+    except RecursionError:
+        raise UsageError(f"cannot read model config {path}: JSON nested too deeply") from None
+    except ValueError as exc:  # a number of over 4,300 digits
+        raise UsageError(f"cannot read model config {path}: {first_line(exc)}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"model config {path} must be a JSON object")
+    from transformers import PretrainedConfig
+
+    try:
+        return dict(PretrainedConfig._decode_special_floats(data))
+    except RecursionError:
+        raise UsageError(f"cannot read model config {path}: JSON nested too deeply") from None
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model config: preset name or JSON path, resolved to its shape fields.
+    """The resolved model: what a model reference (:meth:`load`) names, read and validated once, with its
+    transformers config built once (``built``); it travels as :attr:`QLoRAConfig.model` instead of the string.
 
     Either vramguard's Llama preset format, or a Hugging Face ``config.json`` (it has a
-    ``model_type``; kept whole in ``hf`` and built with ``AutoModelForCausalLM``).
+    ``model_type``; kept whole in ``hf`` and built with ``AutoModelForCausalLM``). ``ref``: the reference as
+    given (what the report records); ``origin``: one of :data:`ORIGINS`; ``revision``: the Hub commit it was
+    read at (Hub ids only).
     """
 
     name: str
     fields: dict[str, Any]
     model_type: str = "llama"
     hf: dict[str, Any] | None = None
+    ref: str = ""
+    origin: str = "file"
+    revision: str | None = None
+    built: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.built is None:
+            built = transformers_config(self.hf) if self.hf is not None else self.llama_config()
+            object.__setattr__(self, "built", built)
+
+    def __str__(self) -> str:
+        return self.ref or self.name
 
     @classmethod
-    def load(cls, ref: str | Path) -> ModelSpec:
-        """The spec of a preset name or a JSON path (a vramguard preset or a Hugging Face config.json); a
-        missing, binary, oversized or malformed file is a UsageError."""
-        path = Path(ref)
-        if not (path.suffix == ".json" or path.exists()):
-            known = presets()
-            if str(ref) not in known:
-                raise UsageError(
-                    f"unknown model {str(ref)!r}: use a preset ({', '.join(known)}) or a JSON path"
-                )
-            path = known[str(ref)]
-        try:
-            raw = read_at_most(path, MAX_CONFIG_BYTES + 1)
-        except FileNotFoundError:
-            raise UsageError(f"model config not found: {path}") from None
-        except OSError as exc:
-            raise UsageError(f"cannot read model config {path}: {exc}") from None
-        if len(raw) > MAX_CONFIG_BYTES:
-            raise UsageError(f"model config {path} is over {MAX_CONFIG_BYTES} bytes: not a JSON model config")
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise UsageError(f"cannot read model config {path}: not UTF-8 text (a binary file?)") from None
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"cannot read model config {path}: {exc}") from None
-        except RecursionError:
-            raise UsageError(f"cannot read model config {path}: JSON nested too deeply") from None
-        except ValueError as exc:  # a number of over 4,300 digits
-            raise UsageError(f"cannot read model config {path}: {first_line(exc)}") from None
-        if not isinstance(data, dict):
-            raise UsageError(f"model config {path} must be a JSON object")
+    def load(cls, ref: str | Path, fetch: Fetch = hub_config) -> ModelSpec:
+        """Resolve a model reference: a preset name, a config.json path, a model directory or a Hugging Face Hub
+        id (:func:`locate`; ``fetch`` reads a Hub id's config.json: :func:`vramguard.workload.hub.hub_config`);
+        a bad reference or config is a UsageError."""
+        text = str(ref)
+        path, origin, revision = locate(text, fetch)
+        data = read_config(path)
+        name = {"directory": path.parent.name, "hub": text}.get(origin, path.stem)
+        where = {"hub": text}.get(origin, str(path))
         if is_hf_config(data):
-            model_type, hf_fields = spec_from_hf(path, data)
-            return cls(name=path.stem, fields=hf_fields, model_type=model_type, hf=data)
-        arch = data.get("architecture", "llama")
-        if arch != "llama":
-            raise UsageError(f"model config {path}: architecture {arch!r} is not supported (only 'llama')")
-        fields = {k: v for k, v in data.items() if k in _CONFIG_KEYS}
-        missing = {
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-        }
-        missing -= set(fields)
-        if missing:
-            raise UsageError(f"model config {path} lacks {', '.join(sorted(missing))}")
-        for key, value in fields.items():
-            if key not in ("rms_norm_eps", "tie_word_embeddings") and (
-                not isinstance(value, int) or isinstance(value, bool) or value <= 0
-            ):
-                raise UsageError(f"model config {path}: {key} must be a positive integer, got {value!r}")
-        eps = fields.get("rms_norm_eps", 1e-6)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
-            raise UsageError(f"model config {path}: rms_norm_eps must be a positive number, got {eps!r}")
-        if "rms_norm_eps" in fields:
-            fields["rms_norm_eps"] = float(eps)
-        if not isinstance(fields.get("tie_word_embeddings", False), bool):
-            raise UsageError(
-                f"model config {path}: tie_word_embeddings must be true or false, "
-                f"got {fields['tie_word_embeddings']!r}"
-            )
-        fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
-        if fields["hidden_size"] % fields["num_attention_heads"]:
-            raise UsageError(f"model config {path}: hidden_size is not a multiple of num_attention_heads")
-        if fields["num_attention_heads"] % fields["num_key_value_heads"]:
-            raise UsageError(
-                f"model config {path}: num_attention_heads is not a multiple of num_key_value_heads"
-            )
-        if fields.get("head_dim", 2) % 2:
-            raise UsageError(f"model config {path}: head_dim must be even (rotary embeddings)")
-        return cls(name=path.stem, fields=fields)
+            model_type, hf_fields, built = spec_from_hf(where, data)
+            return cls(name, hf_fields, model_type, data, text, origin, revision, built)
+        return cls(name=name, fields=llama_fields(Path(where), data), ref=text, origin=origin, revision=revision)
 
     def llama_config(self, attn_implementation: str = "sdpa") -> Any:
         """The transformers ``LlamaConfig`` of a Llama preset, with the attention implementation set."""
@@ -178,8 +198,9 @@ class ModelSpec:
         return config
 
     def transformers_config(self) -> Any:
-        """The transformers config to build: the Hugging Face config itself, or a LlamaConfig."""
-        return transformers_config(self.hf) if self.hf is not None else self.llama_config()
+        """A copy of the transformers config built once (the Hugging Face config itself, or a LlamaConfig): the
+        builds set their attention implementation on it."""
+        return copy.deepcopy(self.built)
 
     @property
     def head_dim(self) -> int:
@@ -187,6 +208,49 @@ class ModelSpec:
         return int(
             self.fields.get("head_dim") or self.fields["hidden_size"] // self.fields["num_attention_heads"]
         )
+
+
+def llama_fields(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """The shape fields of a vramguard Llama preset, validated (UsageError naming ``path``)."""
+    arch = data.get("architecture", "llama")
+    if arch != "llama":
+        raise UsageError(f"model config {path}: architecture {arch!r} is not supported (only 'llama')")
+    fields = {k: v for k, v in data.items() if k in _CONFIG_KEYS}
+    missing = {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    }
+    missing -= set(fields)
+    if missing:
+        raise UsageError(f"model config {path} lacks {', '.join(sorted(missing))}")
+    for key, value in fields.items():
+        if key not in ("rms_norm_eps", "tie_word_embeddings") and (
+            not isinstance(value, int) or isinstance(value, bool) or value <= 0
+        ):
+            raise UsageError(f"model config {path}: {key} must be a positive integer, got {value!r}")
+    eps = fields.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+        raise UsageError(f"model config {path}: rms_norm_eps must be a positive number, got {eps!r}")
+    if "rms_norm_eps" in fields:
+        fields["rms_norm_eps"] = float(eps)
+    if not isinstance(fields.get("tie_word_embeddings", False), bool):
+        raise UsageError(
+            f"model config {path}: tie_word_embeddings must be true or false, "
+            f"got {fields['tie_word_embeddings']!r}"
+        )
+    fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
+    if fields["hidden_size"] % fields["num_attention_heads"]:
+        raise UsageError(f"model config {path}: hidden_size is not a multiple of num_attention_heads")
+    if fields["num_attention_heads"] % fields["num_key_value_heads"]:
+        raise UsageError(
+            f"model config {path}: num_attention_heads is not a multiple of num_key_value_heads"
+        )
+    if fields.get("head_dim", 2) % 2:
+        raise UsageError(f"model config {path}: head_dim must be even (rotary embeddings)")
+    return fields
 
 
 METHODS: tuple[str, ...] = ("qlora", "lora", "full")
@@ -265,7 +329,7 @@ class QLoRAConfig:
     micro-batches of ``batch`` rows, each a forward and a backward that adds into the gradients the earlier ones
     left (so every micro-batch after the first runs with the whole gradient held), then one optimizer step."""
 
-    model: str = "tiny-llama"
+    model: str | ModelSpec = "tiny-llama"
     seq_len: int = 128
     batch: int = 2
     lora_rank: int = 8
@@ -291,6 +355,22 @@ class QLoRAConfig:
     full_dtype: str = "fp32"
     use_liger_kernel: bool = False
     gradient_accumulation_steps: int = 1
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The resolved model: ``model`` itself once :meth:`resolved`, else the reference resolved now (each
+        call: resolve once with :meth:`resolved` and pass that config on)."""
+        return self.model if isinstance(self.model, ModelSpec) else ModelSpec.load(self.model)
+
+    def resolved(self) -> QLoRAConfig:
+        """This config with ``model`` resolved to its :class:`ModelSpec` (read, validated and built once; a bad
+        reference is a UsageError): what a run passes on, and what ``dataclasses.replace`` keeps."""
+        return self if isinstance(self.model, ModelSpec) else replace(self, model=self.spec)
+
+    @property
+    def model_ref(self) -> str:
+        """The model as the user named it (what the JSON document records)."""
+        return str(self.model)
 
     def validate(self) -> None:
         """Raise UsageError (one line) on a value that cannot run: sizes not positive, dropout outside [0, 1),
@@ -362,13 +442,15 @@ class QLoRAConfig:
         :data:`STEP_OPTIONS` under ``extra``: ``method`` and ``optimizer`` (and ``offload_activations`` and
         ``full_dtype`` and ``use_liger_kernel`` when not their defaults) with ``step_options`` (the estimate's meta
         run, which chose them), none otherwise (the audit's loop: ``extra`` is empty)."""
-        d = asdict(self)
+        d = asdict(replace(self, model=self.model_ref))
         options = {name: d.pop(name) for name in STEP_OPTIONS}
         for name in ("offload_activations", "use_liger_kernel"):
             if not options[name]:
                 del options[name]
         if options["full_dtype"] == "fp32":  # the default: documents written before the field read the same
             del options["full_dtype"]
+        if isinstance(self.model, ModelSpec) and self.model.revision is not None:
+            d["model_revision"] = self.model.revision  # the Hub commit the config was read at
         d["extra"] = options if step_options else {}
         return d
 
@@ -547,9 +629,69 @@ def with_lora(model: Any, config: QLoRAConfig) -> Any:
     from peft import get_peft_model
 
     try:
-        return get_peft_model(model, lora_config(config))
+        peft_model = get_peft_model(model, lora_config(config))
     except ValueError as exc:
+        if "incompatible with Mamba-based models" in str(exc):
+            raise UsageError(mamba_refusal(model)) from None
         raise UsageError(f"PEFT refuses this LoRA setup: {first_line(exc)}") from None
+    refuse_tuple_routers(peft_model)
+    return peft_model
+
+
+MAMBA_REFUSED = ("out_proj", "conv1d")
+"""The Mamba mixer's layers PEFT refuses LoRA on in the model types it calls Mamba-based (Falcon-H1, Mamba,
+Nemotron-H: ``peft.tuners.tuners_utils._check_lora_target_modules_mamba``)."""
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """The last names of ``model``'s linear layers (``nn.Linear`` and bitsandbytes' 4-bit ones), the output layer
+    left out: what ``all-linear`` targets."""
+    names = set()
+    for name, m in model.named_modules():
+        while name.endswith(".base_layer"):  # a layer PEFT had wrapped before it refused another
+            name = name.removesuffix(".base_layer")
+        if isinstance(m, torch.nn.Linear) and name and ".lora_" not in name and not name.endswith("lm_head"):
+            names.add(name.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def mamba_refusal(model: torch.nn.Module) -> str:
+    """One line for PEFT's refusal of LoRA on a Mamba mixer's ``out_proj`` / ``conv1d``, naming the targets that
+    work: every other linear layer."""
+    kind = getattr(getattr(model, "config", None), "model_type", "this model")
+    works = ",".join(n for n in linear_names(model) if n not in MAMBA_REFUSED)
+    return (
+        f"PEFT refuses LoRA on the Mamba mixer's {' and '.join(MAMBA_REFUSED)} in {kind} models (all-linear "
+        f"includes out_proj): pass the other layers, --target-modules {works}"
+    )
+
+
+def refuse_tuple_routers(model: torch.nn.Module) -> None:
+    """A UsageError where PEFT put LoRA on a router that is an ``nn.Linear`` with a forward of its own returning a
+    tuple (Llama 4's ``Llama4Router``, Phi-MoE's router): PEFT's LoRA layer reads the base layer's output as one
+    tensor, so the user's own run fails at its first forward ("'tuple' object has no attribute 'dtype'")."""
+    routers: dict[str, str] = {}
+    for name, m in model.named_modules():
+        base = m.get_base_layer() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer") else None
+        forward = getattr(type(base), "forward", None)
+        if (
+            isinstance(base, torch.nn.Linear)
+            and type(base).__name__.endswith("Router")  # FalconLinear & co. have a forward of their own too
+            and getattr(forward, "__module__", "").startswith("transformers.")
+        ):
+            routers[name.rsplit(".", 1)[-1]] = type(base).__name__
+    if not routers:
+        return
+    adapted, wrapped = lora_targets(model)
+    works = f"--target-modules {','.join(sorted(adapted - set(routers)))}"
+    if wrapped:
+        works += f" --target-parameters {','.join(sorted(wrapped))}"
+    named = ", ".join(f"{n!r} ({c})" for n, c in sorted(routers.items()))
+    raise UsageError(
+        f"PEFT cannot put LoRA on the experts' router {named}: its forward returns a tuple, which PEFT's LoRA "
+        "layer takes for one tensor (the run would fail: 'tuple' object has no attribute 'dtype'); leave the "
+        f"router out: {works}"
+    )
 
 
 def lora_config(config: QLoRAConfig) -> Any:
@@ -620,8 +762,8 @@ def may_wrap_parameters(config: QLoRAConfig) -> bool:
     the setups PEFT's build refuses with some options (dropout) and FSDP1 cannot shard."""
     if names_of(config.target_parameters):
         return True
-    spec = ModelSpec.load(config.model)
-    return spec.hf is not None and experts_of(transformers_config(spec.hf)) is not None
+    spec = config.spec
+    return spec.hf is not None and experts_of(spec.built) is not None
 
 
 def lora_targets(model: torch.nn.Module) -> tuple[set[str], set[str]]:
@@ -706,16 +848,19 @@ def build_error(exc: BaseException) -> str:
     return text if isinstance(exc, (ValueError, TypeError, ImportError)) else f"{type(exc).__name__} {text}"
 
 
-def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: bool = False) -> QLoRAModel:
+def build_qlora(
+    config: QLoRAConfig, spec: ModelSpec | None = None, sharded: bool = False, prepared: bool = True
+) -> QLoRAModel:
     """Random-weight model -> 4-bit via ``BitsAndBytesConfig`` -> PEFT LoRA on all linear layers.
 
     Any architecture transformers builds with ``AutoModelForCausalLM``; one without sdpa attention
     (Gemma 2) runs eager, as ``from_pretrained`` would by default, and says so in ``notes``.
     ``sharded``: the FSDP + QLoRA recipe (:func:`bnb_4bit_config`, :func:`prepare_for_training`), for a model
-    :mod:`vramguard.workload.sharding` then shards.
+    :mod:`vramguard.workload.sharding` then shards. ``prepared`` False: the 4-bit model as ``from_pretrained``
+    loads it, without k-bit preparation and LoRA (TRL's SFTTrainer, handed a ``peft_config``, does its own).
     """
     config.validate()
-    spec = spec or ModelSpec.load(config.model)
+    spec = spec or config.spec
     from transformers.utils import logging as hf_logging
 
     hf_config, model_class, attn, notes = resolve_attention(config, spec)
@@ -752,8 +897,9 @@ def build_qlora(config: QLoRAConfig, spec: ModelSpec | None = None, sharded: boo
             attn_implementation=attn,
             **asked,
         )
-        model = prepare_for_training(model, config, sharded=sharded)
-        model = with_lora(model, config)
+        if prepared:
+            model = prepare_for_training(model, config, sharded=sharded)
+            model = with_lora(model, config)
     model.train()
     model.config.use_cache = False
     loaded = getattr(model, "config", hf_config)  # from_pretrained set its experts implementation there

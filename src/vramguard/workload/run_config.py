@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vramguard.errors import UsageError, first_line
+from vramguard.workload.framework_configs import detect, translate
+from vramguard.workload.hub import HUB_ID
 from vramguard.workload.models import MAX_CONFIG_BYTES, QLoRAConfig, read_at_most
 
 Reading = Literal["priced", "no-byte", "not-priced"]
@@ -157,6 +159,7 @@ class RunConfig:
     values: dict[str, Any]
     readings: list[KeyReading] = field(default_factory=list)
     model_problem: str | None = None  # why model_name_or_path gives no model (then --model must)
+    framework: str = ""  # an Axolotl / LLaMA-Factory file: what of that framework's own code is not priced
 
     def config(self, **overrides: Any) -> QLoRAConfig:
         """The :class:`QLoRAConfig` of the file, with ``overrides`` (the flags the user gave) on top."""
@@ -185,6 +188,8 @@ class RunConfig:
             )
         if overridden:
             out.append(f"config {self.path.name}: overridden by flags: {', '.join(sorted(overridden))}")
+        if self.framework:
+            out.append(f"config {self.path.name}: NOT PRICED: {self.framework}")
         missing = self.named("not-priced")
         if missing:
             out.append(
@@ -354,6 +359,11 @@ def load_run_config(path: str | Path) -> RunConfig:
     """Read ``path`` (a ``trl sft --config`` YAML or a TrainingArguments JSON) into a :class:`RunConfig`."""
     path = Path(path)
     data = read_file(path)
+    framework = detect(data)
+    translated: dict[str, str] = {}
+    other: list[tuple[str, Any, str]] = []
+    if framework is not None:
+        data, translated, other = translate(framework, data)
     sft, model_args, parsed, defaults = parse_trl(path, data)
     values: dict[str, Any] = {}
     readings: list[KeyReading] = []
@@ -379,7 +389,8 @@ def load_run_config(path: str | Path) -> RunConfig:
     def not_priced(key: str, why: str) -> None:
         readings.append(KeyReading(key, _value_of(data.get(key)), "not-priced", why))
 
-    # the model: a local directory with config.json, or the config.json itself
+    # the model: a local directory with config.json, the config.json itself, or a Hub id (resolved with --model's
+    # rules: vramguard.workload.models.locate)
     ref = model_args.model_name_or_path
     if ref is not None:
         try:
@@ -392,10 +403,12 @@ def load_run_config(path: str | Path) -> RunConfig:
             priced("model_name_or_path", "model", str(candidate / "config.json"))
         elif candidate.is_file():
             priced("model_name_or_path", "model", str(candidate))
+        elif HUB_ID.fullmatch(str(ref)):
+            priced("model_name_or_path", "model", str(ref))
         else:
             model_problem = (
-                f"--config {path}: model_name_or_path {ref!r} is not a local directory with a config.json nor a "
-                "config.json (vramguard downloads nothing): pass --model"
+                f"--config {path}: model_name_or_path {ref!r} is not a local directory with a config.json, a "
+                "config.json nor a Hugging Face Hub id (org/name): pass --model"
             )
 
     def integer(key: str, obj: Any, minimum: int = 1) -> int | None:
@@ -596,7 +609,22 @@ def load_run_config(path: str | Path) -> RunConfig:
     if "env" in data:
         not_priced("env", "environment variables the run would set are not applied")
     readings.sort(key=lambda r: list(data).index(r.key) if r.key in data else len(data))
-    return RunConfig(path=path, values=values, readings=readings, model_problem=model_problem)
+    if framework is None:
+        return RunConfig(path=path, values=values, readings=readings, model_problem=model_problem)
+    readings = [_named_as(r, translated) for r in readings] + [
+        KeyReading(key, value, "no-byte" if why == "no-byte" else "not-priced",
+                   f"{framework.name}: changes no byte" if why == "no-byte" else why)
+        for key, value, why in other
+    ]
+    return RunConfig(path, values, readings, model_problem, framework.own_code)
+
+
+def _named_as(r: KeyReading, translated: dict[str, str]) -> KeyReading:
+    """A reading of a translated key, named by the file's key and the TRL key it was read as."""
+    own = translated.get(r.key)
+    if own is None or own == r.key:
+        return r
+    return dataclasses.replace(r, key=f"{own} (as {r.key})")
 
 
 _LAUNCH_WHY: dict[str, str] = {

@@ -1,0 +1,243 @@
+"""``vramguard estimate --trainer sft|trainer``: the step of the real TRL ``SFTTrainer`` / transformers ``Trainer``
+on the meta device.
+
+The trainer is the one the audit runs on a device (:mod:`vramguard.integrations.trainer_step`): its own
+``__init__`` (for SFTTrainer: PEFT's wrapping, input gradients, the bf16 cast of a quantized model's adapters, no
+k-bit preparation), its own dataset preparation and collator, ``compute_loss`` (SFTTrainer's fused chunked
+log-prob loss), ``create_optimizer``, scheduler and gradient clipping, over the 4-bit model built on meta
+(:func:`vramguard.estimate.meta.build_meta`) and the loop's token rows. Three things are placed, not imitated:
+
+* the run's device is ``meta``: ``TrainingArguments.device`` (where ``Trainer`` puts its loss accumulator and
+  inputs), the 4-bit model's device map (as ``from_pretrained(device_map=...)`` records it: nobody moves it) and
+  the device accelerate's data loader sends batches to; the collator's batches are put there as it returns
+  them (on the CPU the loader's copy is no copy: each batch lives once, and its prefetched next one as well);
+* ``.item()`` and ``bool()`` of a meta scalar (the metrics SFTTrainer logs, Trainer's loss logging) are answered
+  with 1 (no value exists on meta; what they decide is logging, outside the step's tensors);
+* a bitsandbytes 8-bit optimizer's quantization maps are moved to meta before the step for the ``cpu`` target
+  (as :func:`vramguard.estimate.run.make_estimate_optimizer`), where the CPU run needs no copy.
+
+:class:`vramguard.integrations.transformers.VramGuardCallback` measures it as it measures the audit, counting
+every device's storages (the meta step's and the host's: Adam's step counters), so with ``--target cpu`` the
+phase peaks and saved bytes equal ``vramguard audit --trainer`` to the byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vramguard.audit.report import AuditReport
+from vramguard.errors import UsageError
+from vramguard.estimate.kernels import cuda_kernel_temporaries
+from vramguard.estimate.meta import META, _deepcopy_on_meta, build_meta
+from vramguard.integrations.trainer_step import (
+    loop_rows,
+    make_trainer,
+    trainer_arguments,
+    trainer_prepares,
+)
+from vramguard.integrations.transformers import VramGuardCallback
+from vramguard.measure.tracker import StorageTracker
+from vramguard.workload.models import QLoRAConfig, QLoRAModel
+from vramguard.workload.routing import eager_top_k
+
+
+def refuse_unpriced(config: QLoRAConfig, trainer: str) -> None:
+    """One line (exit 2) for what the trainer's step on meta does not run yet, with the workaround."""
+    not_yet = {
+        "use_liger_kernel": config.use_liger_kernel,
+        "activation offloading": config.offload_activations,
+        f"method {config.method}": config.method != "qlora",
+    }
+    for what, asked in not_yet.items():
+        if asked:
+            raise UsageError(
+                f"--trainer {trainer} on meta does not run {what} yet: estimate it with --trainer loop "
+                "(vramguard's loop, which prices it)"
+            )
+
+
+class _MetaCallback(VramGuardCallback):
+    """The audit's callback, counting every device's storages (meta and the host), CUDA's kernel temporaries
+    for the ``cuda`` target."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(table=False)
+        self.target = target
+
+    def _source_for(self, device: Any) -> Any:
+        source = StorageTracker(None)
+        source.device = META
+        if self.target == "cuda":
+            source.kernel_temporaries = cuda_kernel_temporaries
+        return source
+
+
+class _AnswerItems(TorchDispatchMode):
+    """``.item()`` / ``bool()`` of a meta scalar answered with 1 (see the module)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == META:
+            return True if args[0].dtype is torch.bool else 1
+        return func(*args, **(kwargs or {}))
+
+
+def _on_meta(collate: Any) -> Any:
+    """The trainer's collator, its tensors put on meta as it returns them (shape and dtype kept)."""
+
+    def collate_on_meta(examples: Any) -> Any:
+        batch = collate(examples)
+        made: dict[int, torch.Tensor] = {}  # one meta tensor per host tensor (cu_seq_lens_q is _k)
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                batch[key] = made.setdefault(id(value), torch.empty(value.shape, dtype=value.dtype, device=META))
+        return batch
+
+    return collate_on_meta
+
+
+def _loader_on_meta(runner: Any) -> None:
+    """The trainer's data loader (accelerate's, which sends each batch to its device as it yields it) sends its
+    batches to meta: ``get_train_dataloader`` is the trainer's own, its loader's ``device`` is meta."""
+    original = runner.get_train_dataloader
+
+    def get_train_dataloader() -> Any:
+        loader = original()
+        loader.device = torch.device(META)
+        return loader
+
+    runner.get_train_dataloader = get_train_dataloader
+
+
+def _maps_on_meta(optimizer: Any) -> None:
+    """A bitsandbytes 8-bit optimizer's quantization maps moved to meta (the ``cpu`` target; see the module)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    maps = getattr(inner, "name2qmap", None)
+    for key in list(maps or {}):
+        maps[key] = maps[key].to(META)
+
+
+@contextlib.contextmanager
+def _device_is_meta(args: Any) -> Iterator[None]:
+    """``args.device`` answers meta (the cached ``_setup_devices``): where Trainer places the model and batches."""
+    args.__dict__["_setup_devices"] = torch.device(META)
+    yield
+
+
+def trainer_on_meta(q: QLoRAModel, trainer: str, target: str, steps: int, output_dir: str) -> tuple[Any, Any]:
+    """(the trainer, its callback) of ``q`` (built on meta) for ``steps`` steps, ready to ``train()``."""
+    config = q.config
+    micro_batches = steps * config.gradient_accumulation_steps
+    args = trainer_arguments(config, steps, trainer, output_dir, True, False)
+    callback = _MetaCallback(target)
+    base = q.model.get_base_model() if hasattr(q.model, "get_base_model") else q.model
+    base.hf_device_map = {"": META}  # what from_pretrained(device_map={"": device}) records: no move to a device
+    with _device_is_meta(args), _deepcopy_on_meta():
+        runner = make_trainer(q, trainer, args, loop_rows(q, micro_batches), [callback])
+    runner.data_collator = _on_meta(runner.data_collator)
+    _loader_on_meta(runner)
+    runner.create_optimizer()  # the trainer's own; train() keeps it
+    if target == "cpu":
+        _maps_on_meta(runner.optimizer)
+    return runner, callback
+
+
+@contextlib.contextmanager
+def _autocast_asked_as(target: str) -> Iterator[None]:
+    """``torch.is_autocast_enabled("meta")`` and ``torch.get_autocast_dtype("meta")`` (TRL's chunked log-prob loss
+    asks them of its input's device) answer for ``target``, whose autocast the meta step runs
+    (:func:`vramguard.estimate.meta.forced_decisions`); torch has no autocast for meta and raises."""
+    enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+
+    def is_autocast_enabled(*args: Any) -> bool:
+        return enabled(*(target if a == META else a for a in args))
+
+    def get_autocast_dtype(device_type: str) -> torch.dtype:
+        return dtype(target if device_type == META else device_type)
+
+    torch.is_autocast_enabled, torch.get_autocast_dtype = is_autocast_enabled, get_autocast_dtype
+    try:
+        yield
+    finally:
+        torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, dtype
+
+
+def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str) -> tuple[Any, QLoRAModel, float]:
+    """``steps`` steps of ``trainer`` on meta for ``target``: (the callback's report, the model, seconds)."""
+    from vramguard.estimate.run import meta_step_contexts
+
+    refuse_unpriced(config, trainer)
+    spec = config.spec
+    t0 = time.perf_counter()
+    q = build_meta(config, spec, prepared=not trainer_prepares(trainer))
+    if eager_top_k(q.model) is not None:
+        raise UsageError(
+            f"--trainer {trainer} on meta does not force a mixture of experts' eager routing yet: estimate it with "
+            "--trainer loop"
+        )
+    with tempfile.TemporaryDirectory(prefix="vramguard-trainer-") as tmp:
+        runner, callback = trainer_on_meta(q, trainer, target, steps, tmp)
+        q = dataclasses.replace(q, model=runner.model)
+        decisions, flash = meta_step_contexts(q, q.config, target)
+        with decisions, flash, _autocast_asked_as(target), _AnswerItems():
+            runner.train()
+    assert callback.report is not None
+    return callback.report, q, time.perf_counter() - t0
+
+
+def trainer_label(trainer: str) -> str:
+    """``trl sft 1.16`` / ``transformers 5.23 Trainer``: the trainer and the version installed."""
+    from importlib.metadata import version
+
+    if trainer == "sft":
+        return f"trl sft {_short(version('trl'))}"
+    return f"transformers {_short(version('transformers'))} Trainer"
+
+
+def _short(v: str) -> str:
+    return ".".join(v.split(".")[:2])
+
+
+def run_trainer_estimate(
+    config: QLoRAConfig, trainer: str, steps: int = 2, target: str = "cuda"
+) -> AuditReport:
+    """The estimate of ``trainer``'s own step ("sft" or "trainer") for ``config`` on meta: the callback's report
+    with the device's figures (:func:`vramguard.estimate.run.device_estimate`) and the estimate's line."""
+    from vramguard.audit import verdict as checks
+    from vramguard.audit.report import Finding
+    from vramguard.estimate.run import device_estimate, headline
+
+    if target not in ("cuda", "cpu"):
+        raise UsageError(f"target must be one of cuda, cpu, got {target!r}")
+    config = config.resolved()
+    config.validate()
+    report, q, elapsed = run_trainer_step(config, trainer, steps, target)
+    estimate = device_estimate(report, q, config, target, 0, False)
+    line = headline(estimate, config, False, 0)
+    note = Finding(
+        checks.META_RUN,
+        f"estimated on the meta device through {trainer_label(trainer)}'s own step (its model preparation, "
+        "collator, compute_loss and optimizer): shapes and dtypes are real, values are not; with --target cpu "
+        f"it equals `vramguard audit --trainer {trainer}` to the byte",
+    )
+    build = checks.notes(checks.BUILD, q.notes)
+    findings = [*build, *report.verdict.findings, note]
+    verdict = checks.verdict(findings, len(report.steps), headline=line)
+    trainer_config = dict(report.config)
+    merged = {**config.to_dict(step_options=True), **trainer_config, "model": q.spec.name}
+    return dataclasses.replace(
+        report,
+        config=merged,
+        architecture={**report.architecture, "attn_implementation": q.attn_implementation},
+        verdict=verdict,
+        estimate=estimate,
+        device=META,
+        elapsed_s=elapsed,
+    )

@@ -49,11 +49,13 @@ def test_every_family_has_a_tiny_config_and_a_processor() -> None:
     assert types <= set(VISION_FAMILIES)
 
 
-def test_text_model_reading_refuses_a_vision_config_as_before() -> None:
-    """What issue 45 reports: ModelSpec.load reads a VLM config's top level, where no vocab_size is (this module
-    reads text_config instead; wiring it into ModelSpec.load is phase 2)."""
-    with pytest.raises(UsageError, match="vocab_size must be a positive integer, got None"):
-        ModelSpec.load(str(FIXTURES["qwen2-vl"]))
+def test_a_vision_config_resolves_to_its_language_models_shape() -> None:
+    """Issue 45: ModelSpec.load refused every vision-language config with "vocab_size must be a positive integer,
+    got None" (it read the top level); the shape is text_config's."""
+    spec = ModelSpec.load(str(FIXTURES["qwen2-vl"]))
+    assert spec.model_type == "qwen2_vl"
+    assert (spec.fields["vocab_size"], spec.fields["hidden_size"], spec.fields["num_hidden_layers"]) == (512, 64, 2)
+    assert spec.fields["head_dim"] == 16
 
 
 @pytest.mark.parametrize("name", ["qwen2-vl", "gemma3", "mllama", "internvl"])

@@ -53,6 +53,8 @@ STEP_FLAGS: tuple[str, ...] = (
     "full_dtype",
     "use_liger_kernel",
     "gradient_accumulation_steps",
+    "image_size",
+    "images_per_row",
 )
 """The :class:`QLoRAConfig` fields a flag may set (each flag's destination is the field's name). A flag
 not given is ``None`` in the parsed arguments, so a ``--config`` file decides it; without a file, the
@@ -74,6 +76,15 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument("--model", help=f"{model_help} (default: {d.model})")
     p.add_argument(
         "--seq-len", "--max-length", type=positive_int, help=f"(TRL's spelling: --max-length) default: {d.seq_len}"
+    )
+    p.add_argument(
+        "--image-size",
+        metavar="HxW",
+        help="a vision-language model's images, height x width in pixels, each resized and tokenized by its "
+        "family's own processor (--seq-len counts the image tokens too); default: text-only rows",
+    )
+    p.add_argument(
+        "--images-per-row", type=positive_int, metavar="N", help="with --image-size: images in each row (default: 1)"
     )
     p.add_argument(
         "--batch",

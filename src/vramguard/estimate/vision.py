@@ -26,7 +26,6 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -131,7 +130,10 @@ def values_on_meta(values: ImageValues) -> Iterator[ImageValues]:
 
 
 def build_vision_meta(
-    config: Any, image_size: tuple[int, int], images_per_row: int = 1, path: str | Path | None = None
+    config: Any,
+    image_size: tuple[int, int] | None = None,
+    images_per_row: int | None = None,
+    spec: Any = None,
 ) -> tuple[VisionQLoRAModel, ImageValues]:
     """The model :func:`vramguard.workload.vision.build_vision_qlora` builds, on meta, as
     :func:`vramguard.estimate.meta.build_meta` builds a text model (``_from_config`` on meta at the compute dtype,
@@ -149,7 +151,7 @@ def build_vision_meta(
         with_lora,
     )
 
-    setup = vision_setup(config, image_size, images_per_row, path)
+    setup = vision_setup(config, image_size, images_per_row, spec)
     compute_dtype = parse_dtype(config.compute_dtype)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -161,7 +163,7 @@ def build_vision_meta(
                     setup.hf_config, dtype=compute_dtype, attn_implementation=setup.attn
                 )
         except (*BUILD_ERRORS, RuntimeError) as exc:
-            raise UsageError(f"transformers cannot build {setup.path.stem}: {build_error(exc)}") from None
+            raise UsageError(f"transformers cannot build {setup.name}: {build_error(exc)}") from None
         quantizer = AutoHfQuantizer.from_config(bnb_4bit_config(config), pre_quantized=False)
         quantizer.preprocess_model(model, device_map={"": META}, dtype=compute_dtype)
         _quantize_on_meta(model, compute_dtype)
@@ -176,7 +178,11 @@ def build_vision_meta(
     meta_config = dataclasses.replace(config, device=META)  # (not validated: validate() allows cpu/cuda only)
     q = image_text_model(setup, model, meta_config, inputs)
     built = VisionQLoRAModel(
-        q=q, family=setup.family, rows=setup.rows, image_size=image_size, images_per_row=images_per_row
+        q=q,
+        family=setup.family,
+        rows=setup.rows,
+        image_size=setup.image_size,
+        images_per_row=setup.images_per_row,
     )
     return built, values
 
@@ -215,7 +221,6 @@ def estimate_vision_step(
     images_per_row: int = 1,
     steps: int = 2,
     target: str = "cpu",
-    path: str | Path | None = None,
 ) -> VisionStep:
     """``steps`` QLoRA steps of ``config``'s vision-language model on meta, under the tracker (the ledger on the
     first), with ``target``'s kernel choices (:func:`vramguard.estimate.meta.forced_decisions`) and the batch's
@@ -226,7 +231,7 @@ def estimate_vision_step(
     if target not in TARGETS:
         raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     t0 = time.perf_counter()
-    built, values = build_vision_meta(config, image_size, images_per_row, path)
+    built, values = build_vision_meta(config, image_size, images_per_row)
     q = built.q
     optimizer = make_estimate_optimizer(q, "adamw", target)
     source = StorageTracker(None)
@@ -256,7 +261,6 @@ def audit_vision_step(
     image_size: tuple[int, int],
     images_per_row: int = 1,
     steps: int = 2,
-    path: str | Path | None = None,
 ) -> VisionStep:
     """``steps`` real QLoRA steps of ``config``'s vision-language model (:func:`vramguard.workload.vision.
     build_vision_qlora`, on ``config.device``) under the live tracker, the ledger on the first: what ``vramguard
@@ -265,7 +269,7 @@ def audit_vision_step(
     from vramguard.workload.vision import build_vision_qlora
 
     t0 = time.perf_counter()
-    built = build_vision_qlora(config, image_size, images_per_row, path)
+    built = build_vision_qlora(config, image_size, images_per_row)
     with MemoryTracker(config.device, model=built.q.model) as tracker:
         results, ledger = run_steps(built.q, steps, tracker, optimizer=make_optimizer(built.q), ledger_step=0)
     assert ledger is not None

@@ -557,21 +557,37 @@ class ImageRows:
     """Placeholder tokens of the row's images (the image token's count in one row)."""
     text_tokens: int
 
+    @property
+    def layout(self) -> str:
+        """The image inputs the processor made, by name and shape (Qwen's grid by value)."""
+        parts = []
+        for k, v in self.inputs.items():
+            if k in _ROW_KEYS or not isinstance(v, torch.Tensor):
+                continue
+            parts.append(
+                f"{k} {v.tolist()}" if k.endswith("grid_thw") else f"{k} {'x'.join(map(str, v.shape))}"
+            )
+        return ", ".join(parts) or "no image inputs"
 
-def _process(processor: Any, images: list[Any], texts: list[str]) -> dict[str, Any]:
+
+_ROW_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
+
+
+def _process(processor: Any, images: list[Any] | None, texts: list[str]) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             return dict(processor(images=images, text=texts, return_tensors="pt"))
         except (ValueError, TypeError, KeyError, IndexError) as exc:
-            raise UsageError(f"{type(processor).__name__} refuses these images: {first_line(exc)}") from None
+            what = "these images" if images else "text-only rows"
+            raise UsageError(f"{type(processor).__name__} refuses {what}: {first_line(exc)}") from None
 
 
 def image_rows(
     family: VisionFamily,
     hf_config: Any,
     vocab_size: int,
-    image_size: tuple[int, int],
+    image_size: tuple[int, int] | None,
     seq_len: int,
     batch: int = 1,
     images_per_row: int = 1,
@@ -582,16 +598,23 @@ def image_rows(
     family's processor expands it, then :data:`FILLER` text to the row's length. Made by the family's processor:
     its ``input_ids`` and ``attention_mask``, every image input its forward reads, and ``labels`` (the
     ``input_ids``, the image tokens masked with -100 as TRL's vision collator masks them). A row the images alone
-    overflow is a UsageError naming their token count."""
+    overflow is a UsageError naming their token count. ``image_size`` None: text-only rows (no image inputs)."""
+    processor = family_processor(family, hf_config, vocab_size)
+    image_id = image_token_id(family, hf_config, vocab_size)
+    if image_size is None:  # what the processor adds to a text (PaliGemma's bos and newline) counts too
+        extra = int(_process(processor, None, [FILLER])["input_ids"].shape[-1]) - 1
+        if seq_len <= extra:
+            raise UsageError(f"{family.name}'s processor adds {extra} tokens to a row: seq-len must be more")
+        inputs = _process(processor, None, [" ".join([FILLER] * (seq_len - extra))] * batch)
+        inputs["labels"] = inputs["input_ids"].clone()
+        return ImageRows(inputs=inputs, image_tokens=0, text_tokens=int(inputs["input_ids"].shape[-1]))
     if not 0 < images_per_row <= MAX_IMAGES_PER_ROW:
         raise UsageError(f"images per row must be between 1 and {MAX_IMAGES_PER_ROW}, got {images_per_row}")
-    processor = family_processor(family, hf_config, vocab_size)
     h, w = image_size
     image = synthetic_image(h, w, seed)
     prompt = family.placeholder * images_per_row
     bare = _process(processor, [image] * images_per_row, [prompt])
     used = int(bare["input_ids"].shape[-1])
-    image_id = image_token_id(family, hf_config, vocab_size)
     image_tokens = int((bare["input_ids"] == image_id).sum())
     if used > seq_len:
         raise UsageError(
@@ -622,7 +645,7 @@ class VisionQLoRAModel:
     q: Any  # the QLoRAModel
     family: VisionFamily
     rows: ImageRows
-    image_size: tuple[int, int]
+    image_size: tuple[int, int] | None
     images_per_row: int
 
 
@@ -650,39 +673,64 @@ def load_vision_config(path: str | Path) -> tuple[Any, dict[str, Any]]:
 @dataclass
 class VisionSetup:
     """What the real build (:func:`build_vision_qlora`) and the meta one (:mod:`vramguard.estimate.vision`) of a
-    vision-language config share: the config, its family and shapes, the model class, the attention it runs and
-    the processor's rows."""
+    vision-language config share: the resolved model, its family and shapes, the model class, the attention it
+    runs and the processor's rows."""
 
-    path: Path
+    spec: Any  # the ModelSpec
     hf_config: Any
-    data: dict[str, Any]
     family: VisionFamily
     shape: VisionShape
     model_class: Any
     attn: str
     rows: ImageRows
+    image_size: tuple[int, int] | None
+    images_per_row: int
 
-    def spec(self) -> Any:
-        """The :class:`~vramguard.workload.models.ModelSpec` of the language model's shape (``hf`` the whole
-        config)."""
-        from vramguard.workload.models import ModelSpec
+    @property
+    def name(self) -> str:
+        return str(self.spec.name)
 
-        return ModelSpec(
-            name=self.path.stem, fields=self.shape.text, model_type=self.hf_config.model_type, hf=self.data
+    def line(self) -> str:
+        """What a row is, in one line (the build's note)."""
+        r = self.rows
+        if self.image_size is None:
+            return (
+                f"vision-language model ({self.family.name}): text-only rows of {r.text_tokens} tokens (no "
+                "--image-size): the vision tower and projector hold weights and run nothing"
+            )
+        h, w = self.image_size
+        return (
+            f"vision-language model ({self.family.name}): {self.images_per_row} image(s) of {h}x{w} a row, "
+            f"{r.image_tokens} image tokens as its processor makes them ({self.family.processor}, "
+            f"{self.family.image_processor}: {r.layout}) + {r.text_tokens} text tokens = seq-len "
+            f"{r.image_tokens + r.text_tokens}"
         )
 
 
+def is_vision_spec(spec: Any) -> bool:
+    """Whether a resolved model (:class:`~vramguard.workload.models.ModelSpec`) is a vision-language model."""
+    return spec.hf is not None and is_vision_config(spec.hf)
+
+
 def vision_setup(
-    config: Any, image_size: tuple[int, int], images_per_row: int = 1, path: str | Path | None = None
+    config: Any,
+    image_size: tuple[int, int] | None = None,
+    images_per_row: int | None = None,
+    spec: Any = None,
 ) -> VisionSetup:
-    """The :class:`VisionSetup` of ``config`` (a :class:`~vramguard.workload.models.QLoRAConfig` whose ``model``
-    is a vision-language config file, or ``path``): validated; a bad config or a processor that cannot run here is
-    one line."""
+    """The :class:`VisionSetup` of ``config`` (a :class:`~vramguard.workload.models.QLoRAConfig` whose model is a
+    vision-language config; ``spec``: that model resolved). ``image_size`` and ``images_per_row`` default to the
+    config's (``--image-size``, ``--images-per-row``; no image size: text-only rows). A bad config or a processor
+    that cannot run here is one line."""
     config.validate()
-    path = Path(path if path is not None else config.model)
-    hf_config, data = load_vision_config(path)
+    spec = spec if spec is not None else config.spec
+    if image_size is None and config.image_size:
+        image_size = parse_image_size(config.image_size)
+    if images_per_row is None:
+        images_per_row = config.images_per_row
+    hf_config = spec.transformers_config()
     family = family_of(hf_config.model_type)
-    shape = vision_shape(path, hf_config)
+    shape = vision_shape(spec.name, hf_config)
     model_class = image_text_class(hf_config)
     rows = image_rows(
         family,
@@ -691,33 +739,62 @@ def vision_setup(
         image_size,
         config.seq_len,
         config.batch,
-        images_per_row,
+        images_per_row if image_size is not None else 0,
         config.seed,
     )
     attn = config.attn_implementation
     if attn == "flash_attention_2":
         raise UsageError("vision-language models are measured with sdpa or eager attention for now")
+    if config.padding_free or config.use_liger_kernel:
+        raise UsageError("vision-language models are not priced padding-free or with Liger's kernels yet")
     if attn == "sdpa" and not getattr(model_class, "_supports_sdpa", False):
         attn = "eager"
     hf_config._attn_implementation = attn
-    return VisionSetup(path, hf_config, data, family, shape, model_class, attn, rows)
+    return VisionSetup(
+        spec,
+        hf_config,
+        family,
+        shape,
+        model_class,
+        attn,
+        rows,
+        image_size,
+        images_per_row if image_size else 0,
+    )
 
 
 def image_text_model(setup: VisionSetup, model: torch.nn.Module, config: Any, inputs: dict[str, Any]) -> Any:
     """The :class:`~vramguard.workload.models.QLoRAModel` of a built vision-language ``model`` whose
-    :meth:`batch` is ``inputs`` (the same images every step: a step's bytes depend on their sizes only)."""
+    :meth:`batch` is ``inputs`` (the same images every step: a step's bytes depend on their sizes only) and whose
+    ``vision`` is ``setup``."""
     from vramguard.workload.models import QLoRAModel
 
     class ImageTextModel(QLoRAModel):
+        vision = setup
+        one_sequence_per_row = True  # (the meta run's question: the rows pass no position ids)
+
         def batch(self, step: int = 0) -> dict[str, Any]:
             """The processor's rows."""
             return dict(inputs)
 
-    return ImageTextModel(model=model, spec=setup.spec(), config=config, attn_implementation=setup.attn)
+    notes = (
+        (setup.line(),)
+        if setup.attn == config.attn_implementation
+        else (
+            setup.line(),
+            f"{setup.model_class.__name__} has no sdpa attention in transformers: it ran eager attention",
+        )
+    )
+    return ImageTextModel(
+        model=model, spec=setup.spec, config=config, attn_implementation=setup.attn, notes=notes
+    )
 
 
 def build_vision_qlora(
-    config: Any, image_size: tuple[int, int], images_per_row: int = 1, path: str | Path | None = None
+    config: Any,
+    image_size: tuple[int, int] | None = None,
+    images_per_row: int | None = None,
+    spec: Any = None,
 ) -> VisionQLoRAModel:
     """A vision-language model as users load it for QLoRA: random weights written to a temporary checkpoint,
     ``AutoModelForImageTextToText.from_pretrained`` of it with the ``BitsAndBytesConfig`` of ``config`` (a
@@ -736,7 +813,7 @@ def build_vision_qlora(
         with_lora,
     )
 
-    setup = vision_setup(config, image_size, images_per_row, path)
+    setup = vision_setup(config, image_size, images_per_row, spec)
     compute_dtype = parse_dtype(config.compute_dtype)
     torch.manual_seed(config.seed)
     hf_logging.set_verbosity_error()
@@ -746,7 +823,7 @@ def build_vision_qlora(
         try:
             random_model = setup.model_class(setup.hf_config)
         except BUILD_ERRORS as exc:
-            raise UsageError(f"transformers cannot build {setup.path.stem}: {build_error(exc)}") from None
+            raise UsageError(f"transformers cannot build {setup.name}: {build_error(exc)}") from None
         random_model.save_pretrained(tmp)
         del random_model
         model = setup.model_class.from_pretrained(
@@ -764,7 +841,11 @@ def build_vision_qlora(
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in setup.rows.inputs.items()}
     q = image_text_model(setup, model, config, inputs)
     return VisionQLoRAModel(
-        q=q, family=setup.family, rows=setup.rows, image_size=image_size, images_per_row=images_per_row
+        q=q,
+        family=setup.family,
+        rows=setup.rows,
+        image_size=setup.image_size,
+        images_per_row=setup.images_per_row,
     )
 
 
@@ -792,6 +873,7 @@ __all__ = [
     "image_text_class",
     "image_text_model",
     "is_vision_config",
+    "is_vision_spec",
     "load_vision_config",
     "parse_image_size",
     "row_tokenizer",

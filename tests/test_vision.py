@@ -54,7 +54,11 @@ def test_a_vision_config_resolves_to_its_language_models_shape() -> None:
     got None" (it read the top level); the shape is text_config's."""
     spec = ModelSpec.load(str(FIXTURES["qwen2-vl"]))
     assert spec.model_type == "qwen2_vl"
-    assert (spec.fields["vocab_size"], spec.fields["hidden_size"], spec.fields["num_hidden_layers"]) == (512, 64, 2)
+    assert (spec.fields["vocab_size"], spec.fields["hidden_size"], spec.fields["num_hidden_layers"]) == (
+        512,
+        64,
+        2,
+    )
     assert spec.fields["head_dim"] == 16
 
 
@@ -367,3 +371,81 @@ def test_qwen3_vl_8b_estimate_splits_the_stacks() -> None:
     assert all(step.by_stack[s] > 0 for s in STACKS)
     assert sum(step.by_stack.values()) == step.ledger.saved_bytes
     assert step.seconds < 120
+
+
+# -- the commands --------------------------------------------------------------------------------
+
+
+def test_audit_and_estimate_commands_of_a_vlm_agree_to_the_byte(tmp_path: Path) -> None:
+    """``vramguard audit --model <tiny VLM config> --image-size HxW`` measures (exit 0) and notes the rows and
+    the saved bytes per stack; ``vramguard estimate ... --target cpu`` gives the same phase peaks, totals and
+    per-stack note."""
+    from vramguard.cli.app import main
+
+    base = [
+        "--model",
+        str(FIXTURES["qwen2.5-vl"]),
+        "--image-size",
+        "112x84",
+        "--seq-len",
+        "96",
+        "--batch",
+        "1",
+    ]
+    audit, estimate = tmp_path / "audit.json", tmp_path / "estimate.json"
+    assert main(["audit", *base, "--steps", "2", "--device", "cpu", "--quiet", "--json", str(audit)]) == 0
+    assert (
+        main(["estimate", *base, "--steps", "2", "--target", "cpu", "--quiet", "--json", str(estimate)]) == 0
+    )
+    a, e = json.loads(audit.read_text()), json.loads(estimate.read_text())
+    assert a["config"]["image_size"] == e["config"]["image_size"] == "112x84"
+    assert a["totals"] == e["totals"] and a["totals"]["saved_bytes"] > 0
+    assert {k: v["peak_bytes"] for k, v in a["phases"].items()} == {
+        k: v["peak_bytes"] for k, v in e["phases"].items()
+    }
+
+    def notes(doc: dict) -> list[str]:  # type: ignore[type-arg]
+        return [n for n in doc["verdict"]["notes"] if "vision" in n]
+
+    assert notes(a) == notes(e)
+    assert any("12 image tokens" in n and "image_grid_thw [[1, 8, 6]]" in n for n in notes(a)), notes(a)
+    assert any(n.startswith("saved for backward by stack: vision tower") for n in notes(a)), notes(a)
+
+
+def test_text_run_documents_have_no_image_fields() -> None:
+    d = QLoRAConfig().to_dict()
+    assert "image_size" not in d and "images_per_row" not in d
+    assert QLoRAConfig(image_size="56x56", images_per_row=2).to_dict()["images_per_row"] == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--image-size", "0x56"], "image size sides must be between 1"),
+        (["--image-size", "56"], "image size must be HxW"),
+        (["--images-per-row", "2"], "images-per-row needs image-size"),
+        (["--image-size", "448x448", "--seq-len", "8"], "more than seq-len 8"),
+    ],
+)
+def test_bad_image_options_are_one_line_exit_2(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vramguard.cli.app import main
+
+    argv = ["estimate", "--model", str(FIXTURES["qwen2-vl"]), "--batch", "1", "--seq-len", "64", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_a_family_whose_processor_cannot_run_here_is_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from vramguard.cli.app import main
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: Mistral 3's processor runs")
+    argv = ["estimate", "--model", str(FIXTURES["mistral3"]), "--image-size", "56x56", "--seq-len", "64"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs the torchvision package" in err and "\n" not in err

@@ -688,6 +688,7 @@ class VisionSetup:
 
     @property
     def name(self) -> str:
+        """The model's name (the config file's stem, a preset's or a Hub id)."""
         return str(self.spec.name)
 
     def line(self) -> str:

@@ -69,19 +69,20 @@ def saved_storages(
 ) -> tuple[dict[int, int], torch.Tensor]:
     """(address -> bytes of every storage one forward of ``model(**batch)`` and its loss keep for backward,
     the loss); ``walk_ctx=False``: what the hooks alone see."""
-    resident = resident_storages(model)
     held: list[tuple[weakref.ref[Held], int, int]] = []
 
     def pack(t: torch.Tensor) -> Held:
         s = t.untyped_storage()
-        h = Held(
-            t.detach()
-        )  # (t itself could hold its own grad_fn, and the node this: a cycle gc cannot see)
+        # detached: t itself may hold its grad_fn, which holds this: a cycle through C++ that gc cannot see
+        h = Held(t.detach())
         held.append((weakref.ref(h), s.data_ptr(), s.nbytes()))
         return h
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.tensor):
         loss = model(**batch).loss
+    # the model's storages as the forward left them: a first forward may replace a parameter's (bitsandbytes casts
+    # a 4-bit layer's bias to the input's dtype), and the old one, if autograd keeps it, is no parameter any more
+    resident = resident_storages(model)
     # the storages of the tensors the graph still holds (alive storages have distinct addresses)
     packed = {ptr: n for ref, ptr, n in held if ref() is not None and ptr not in resident and n}
     for node in graph_nodes(loss.grad_fn) if walk_ctx else ():

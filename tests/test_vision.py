@@ -450,3 +450,38 @@ def test_a_family_whose_processor_cannot_run_here_is_refused_in_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "needs the torchvision package" in err and "\n" not in err
+
+
+def test_text_only_rows_without_an_image_size() -> None:
+    """The seed's TEXT mode: a vision-language model trained on text rows (no --image-size): the processor's rows
+    have no image inputs; PaliGemma's processor wants images and says so in one line."""
+    _, rows = _rows("qwen3-vl", None, seq=64)  # type: ignore[arg-type]
+    assert rows.image_tokens == 0 and rows.inputs["input_ids"].shape == (1, 64)
+    assert "pixel_values" not in rows.inputs and rows.layout == "no image inputs"
+    with pytest.raises(UsageError, match="PaliGemmaProcessor refuses text-only rows"):
+        _rows("paligemma", None)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"gradient_checkpointing": True},
+        {"lora_dropout": 0.1},
+        {"batch": 2},
+        {"images_per_row": 2},
+        {"image_size": ""},
+    ],
+    ids=["checkpointing", "dropout", "batch-2", "two-images", "text-only"],
+)
+def test_estimate_equals_the_audit_for_the_step_options(change: dict) -> None:  # type: ignore[type-arg]
+    from vramguard.audit.run import run_audit
+    from vramguard.estimate.run import run_estimate
+
+    base = {"model": str(FIXTURES["qwen3-vl"]), "seq_len": 320, "batch": 1, "image_size": "256x256"}
+    config = QLoRAConfig(**{**base, **change}).resolved()  # type: ignore[arg-type]
+    audit, estimate = run_audit(config, steps=2), run_estimate(config, steps=2, target="cpu")
+    assert audit.totals == estimate.totals
+    assert {k: v.peak_bytes for k, v in audit.phases.items()} == {
+        k: v.peak_bytes for k, v in estimate.phases.items()
+    }

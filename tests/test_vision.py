@@ -485,3 +485,17 @@ def test_estimate_equals_the_audit_for_the_step_options(change: dict) -> None:  
     assert {k: v.peak_bytes for k, v in audit.phases.items()} == {
         k: v.peak_bytes for k, v in estimate.phases.items()
     }
+
+
+def test_offloaded_estimate_keeps_the_masks_values() -> None:
+    """TRL's activation offloading on meta copies every saved tensor to an emulated host buffer: Qwen3-VL's
+    deepstack mask, which its backward indexes with, keeps its value there (without it the meta backward stopped
+    at nonzero)."""
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(
+        model=str(FIXTURES["qwen3-vl"]), seq_len=128, batch=1, image_size="256x256", offload_activations=True
+    )
+    report = run_estimate(config.resolved(), steps=1, target="cpu")
+    assert report.estimate is not None and report.phases["backward"].peak_bytes > 0
+    assert any("activations offloaded" in n for n in report.verdict.notes)

@@ -9,7 +9,8 @@ index with boolean masks made from the rows; every family checks that its image 
 (the processor's row) rides beside it (:class:`ImageValues`): an op whose meta inputs all have values runs on
 meta (the storage the tracker counts) and on the host values (its output's value); ``tolist()`` and
 ``torch.tensor(..., device=meta)``, which never reach a dispatch mode, answer from the values
-(:func:`values_on_meta`); a boolean index with a value into a tensor without one (deepstack's
+(:func:`values_on_meta`, which also keeps a value on the host copy activation offloading's emulation makes);
+a boolean index with a value into a tensor without one (deepstack's
 ``hidden_states[visual_pos_masks]``) runs with the mask's true positions, its output's shape as on a device.
 The host values are made with every mode off: no tracker counts them.
 
@@ -119,14 +120,27 @@ def values_on_meta(values: ImageValues) -> Iterator[ImageValues]:
             host = tensor(values.host(data), *args, **kwargs)
         return values.give(host)
 
+    from vramguard.estimate.offload import OffloadActivations
+
+    pack = OffloadActivations._pack
+
+    def valued_pack(self: OffloadActivations, saved: torch.Tensor) -> Any:
+        # the emulated host copy keeps the value of what it copies (a boolean mask the backward indexes with)
+        packed = pack(self, saved)
+        if saved in values.values:
+            values.values[packed[1].tensor] = values.values[saved]
+        return packed
+
     torch.Tensor.tolist = valued_tolist  # type: ignore[method-assign]
     torch.tensor = valued_tensor  # type: ignore[assignment]
+    OffloadActivations._pack = valued_pack  # type: ignore[method-assign]
     try:
         with values:
             yield values
     finally:
         torch.Tensor.tolist = tolist  # type: ignore[method-assign]
         torch.tensor = tensor
+        OffloadActivations._pack = pack  # type: ignore[method-assign]
 
 
 def build_vision_meta(

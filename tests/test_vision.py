@@ -499,3 +499,27 @@ def test_offloaded_estimate_keeps_the_masks_values() -> None:
     report = run_estimate(config.resolved(), steps=1, target="cpu")
     assert report.estimate is not None and report.phases["backward"].peak_bytes > 0
     assert any("activations offloaded" in n for n in report.verdict.notes)
+
+
+def test_a_towers_encoder_layers_keep_their_stack_in_the_layer_table() -> None:
+    """CLIP/SigLIP towers (LLaVA, Gemma 3, PaliGemma, ...) have ``encoder.layers.N`` too: the layer table names
+    them by their path, apart from the language model's ``layers.N``, and lists each stack in order."""
+    from vramguard.audit.assemble import layer_rows
+    from vramguard.measure.ledger import LedgerReport, SavedRecord
+    from vramguard.view.report import short_layer_name
+
+    tower = "base_model.model.model.vision_tower.vision_model.encoder.layers"
+    lm = "base_model.model.model.language_model.layers"
+    names = [f"{tower}.1.mlp", f"{lm}.1.mlp", f"{tower}.0.mlp", f"{lm}.0.mlp"]
+    report = LedgerReport(
+        records=[
+            SavedRecord(n, "MulBackward0", (4,), "float32", 16, "hook", "activation", "cpu") for n in names
+        ]
+    )
+    assert [short_layer_name(r.name) for r in layer_rows(report)] == [
+        "layers.0",
+        "layers.1",
+        "vision_tower.vision_model.encoder.layers.0",
+        "vision_tower.vision_model.encoder.layers.1",
+    ]
+    assert short_layer_name("base_model.model.model.layers.3") == "layers.3"

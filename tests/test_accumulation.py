@@ -162,6 +162,7 @@ def test_fit_offers_the_same_rows_a_step_in_micro_batches_that_fit(tmp_path) -> 
     size = (four + eight) // 2  # batch 4 fits, batch 8 does not
     out = tmp_path / "fit.json"
     argv = ["estimate", "--seq-len", "256", "--batch", "8", "--target", "cpu", "--steps", "2", "--quiet"]
+    argv += ["--trainer", "loop"]  # the loop's --fit, at the loop's defaults (total() above)
     assert main([*argv, "--fit", f"{size}B", "--json", str(out)]) == 1
     fit = json.loads(out.read_text())["estimate"]["fit"]
     assert 4 <= fit["largest"] < 8

@@ -252,7 +252,7 @@ def test_piped_output_does_not_wrap(
         (row,) = [line for line in lines if f" {layer} " in line]
         assert row.count("KiB") == 6, row  # saved, activations, analytic and three modules
     (note,) = [line for line in lines if line.startswith("note: activations are fp32")]
-    assert note.endswith("(2x the bytes)")
+    assert note.endswith("(2x the bytes; TRL's SFTTrainer skips it: --trainer sft)")  # one line, not wrapped
 
 
 def test_a_set_columns_is_respected(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -443,16 +443,22 @@ def trainer_audit(tmp_path_factory):
 
 @pytest.mark.parametrize("trainer, name", [("trainer", "Trainer"), ("sft", "SFTTrainer")])
 def test_audit_through_the_real_trainer(trainer_audit, trainer, name):
-    """``vramguard audit --trainer``: the audit's model and batches through the trainer with its own defaults."""
+    """``vramguard audit --trainer``: the audit's model and batches through the trainer with its own defaults
+    (with flags alone, --trainer sft takes trl sft's: max_length, PEFT's default target modules, ...)."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
+    from trl import SFTConfig
+
     code, doc, stdout = trainer_audit(trainer)
     assert code == 0
-    assert doc.config["trainer"] == name and doc.config["seq_len"] == CONFIG.seq_len
+    seq_len = CONFIG.seq_len if trainer == "trainer" else SFTConfig("unused", use_cpu=True).max_length
+    assert doc.config["trainer"] == name and doc.config["seq_len"] == seq_len
     assert [s.step for s in doc.steps] == [1, 2] and len(doc.layers) == 2
     assert doc.budget.no_analytic_model  # the analytic activation model is not claimed for a trainer run
     # LoRA weights + grads + AdamW state: fp32 adapters under Trainer (16 B a parameter, + 4 B step counters);
     # SFTTrainer (bf16 by default) casts the adapters to bf16: 8 B a parameter
     per_param = 16 if trainer == "trainer" else 8
-    counters = 4 * 2 * 7 * 2  # one fp32 step counter per LoRA A/B matrix, 7 projections, 2 layers
+    projections = 7 if trainer == "trainer" else len(PEFT_TARGETS["llama"])  # all-linear; PEFT's default
+    counters = 4 * 2 * projections * 2  # one fp32 step counter per LoRA A/B matrix, 2 layers
     assert doc.budget.measured_lora_training_bytes == per_param * doc.budget.lora_params + counters
     assert stdout.strip() == doc.verdict.line
 

@@ -97,7 +97,7 @@ def test_moe_audit_measures_and_equals_an_independent_hook_count_and_the_estimat
     code = main(["audit", *argv, "--device", "cpu", "--steps", "2", "--json", str(audit_json)])
     out = capsys.readouterr()
     assert code in (0, 1) and "mixture-of-experts" not in out.err, out  # measured, never refused
-    assert main(["estimate", *argv, "--target", "cpu", "--json", str(estimate_json)]) == code
+    assert main(["estimate", *argv, "--trainer", "loop", "--target", "cpu", "--json", str(estimate_json)]) == code
     audit, estimate = json.loads(audit_json.read_text()), json.loads(estimate_json.read_text())
 
     q = build_qlora(QLoRAConfig(model=model, **SHAPE))  # the audit's model: same config, same seed
@@ -378,6 +378,7 @@ def test_a_sharded_estimate_of_eager_experts_bounds_each_rank_by_its_forced_rout
     config = QLoRAConfig(model=eager("tiny-mixtral", tmp_path), seq_len=40, batch=2)
     out = tmp_path / "estimate.json"
     argv = ["estimate", "--model", config.model, "--seq-len", "40", "--batch", "2", "--steps", "1"]
+    argv += ["--trainer", "loop"]  # compared with the loop's ranks at its defaults
     sharded = ["--world-size", "2", "--sharding", "fsdp2", "--target", "cpu", "--json", str(out)]
     assert main([*argv, *sharded]) in (0, 1)  # measured, not refused
     printed = " ".join(capsys.readouterr().out.split())  # the console wraps at its width
@@ -413,6 +414,7 @@ def test_fsdp1_with_lora_on_expert_parameters_is_refused_in_one_line(
     and by the audit before it starts a rank (the ranks' build on meta; a rank's own refusal is relayed, the
     test below). The estimate of the same model with LoRA on modules only runs."""
     argv = [command, "--model", "tiny-mixtral", "--seq-len", "40", "--batch", "2", "--steps", "1"]
+    argv += ["--trainer", "loop"]  # the loop's all-linear (trl sft's default targets miss the experts)
     sharded = [
         "--world-size",
         "2",

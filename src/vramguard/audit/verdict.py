@@ -138,8 +138,9 @@ def fp32_activations(model: torch.nn.Module, compute_dtype: str) -> Finding | No
         return None
     return Finding(
         FP32_ACTIVATIONS,
-        "activations are fp32, not " + compute_dtype + ": prepare_model_for_kbit_training "
-        "upcast the norms, so the residual stream and everything after a norm is fp32 (2x the bytes)",
+        "activations are fp32, not " + compute_dtype + ": vramguard's loop ran prepare_model_for_kbit_training, "
+        "which upcast the norms, so the residual stream and everything after a norm is fp32 (2x the bytes; "
+        "TRL's SFTTrainer skips it: --trainer sft)",
     )
 
 

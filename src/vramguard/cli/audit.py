@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from vramguard.cli.helptext import summary
 from vramguard.atomic import write_text_atomic
 from vramguard.audit import run as _audit_run
 from vramguard.audit.run import check_fits, resolve_device, run_audit
@@ -47,7 +48,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "audit",
         help="train a small QLoRA model a few steps and account for its memory",
-        description=_audit_run.__doc__.splitlines()[0],
+        description=summary(_audit_run.__doc__),
     )
     add_qlora_options(
         p,
@@ -55,7 +56,7 @@ def register(subparsers: Any) -> None:
         "id (org/name[@revision]: its config.json only)",
     )
     p.add_argument("--steps", type=positive_int, default=3, help="training steps (>= 2 to check for leaks)")
-    add_trainer_option(p, "run")
+    add_trainer_option(p, "run", "loop")
     p.add_argument(
         "--offload-activations",
         action="store_const",
@@ -133,10 +134,9 @@ def handle(args: argparse.Namespace) -> int:
             from vramguard.estimate.distributed import sharded_build
 
             build_first = functools.partial(sharded_build, config, sharding)
-        report = with_config_notes(
-            run_distributed_audit(config, sharding, steps=args.steps, top=args.top, before_ranks=build_first),
-            lines,
-        )
+        report = run_distributed_audit(config, sharding, steps=args.steps, top=args.top, before_ranks=build_first)
+        report.config["recipe"] = recipe
+        report = with_config_notes(report, lines)
         report = lint_lines(report, config, sharding, settings)
         return _show(report, args, console, "distributed-audit", lines + _lint_of(report))
     progress = progress_bar(args.quiet)

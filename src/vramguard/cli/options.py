@@ -63,7 +63,9 @@ field's default does."""
 
 def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
     """The model and the QLoRA step: the user's training config, shapes, LoRA, quantization, dtype,
-    checkpointing, attention, autocast. Every flag overrides the ``--config`` file."""
+    checkpointing, attention, autocast. Every flag overrides the ``--config`` file. The defaults shown are
+    vramguard's loop's; under ``--trainer sft`` (``estimate``'s default) a flag not given takes ``trl sft``'s
+    (:func:`trl_defaults`)."""
     d = QLoRAConfig()
     p.add_argument(
         "--config",
@@ -75,7 +77,7 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
     )
     p.add_argument("--model", help=f"{model_help} (default: {d.model})")
     p.add_argument(
-        "--seq-len", "--max-length", type=positive_int, help=f"(TRL's spelling: --max-length) default: {d.seq_len}"
+        "--seq-len", "--max-length", type=positive_int, help=f"(TRL's spelling: --max-length) loop's default: {d.seq_len}"
     )
     p.add_argument(
         "--image-size",
@@ -90,34 +92,34 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
         "--batch",
         "--per-device-train-batch-size",
         type=positive_int,
-        help=f"(TRL's spelling: --per-device-train-batch-size) default: {d.batch}",
+        help=f"(TRL's spelling: --per-device-train-batch-size) loop's default: {d.batch}",
     )
     p.add_argument(
         "--gradient-accumulation-steps",
         type=positive_int,
         metavar="N",
         help="Trainer's gradient accumulation: N forward/backward micro-batches of --batch rows a step, the "
-        f"gradients held between them, then one optimizer step (default: {d.gradient_accumulation_steps})",
+        f"gradients held between them, then one optimizer step (loop's default: {d.gradient_accumulation_steps})",
     )
     p.add_argument(
-        "--lora-rank", "--lora-r", type=positive_int, help=f"(TRL's spelling: --lora-r) default: {d.lora_rank}"
+        "--lora-rank", "--lora-r", type=positive_int, help=f"(TRL's spelling: --lora-r) loop's default: {d.lora_rank}"
     )
-    p.add_argument("--lora-alpha", type=positive_int, help=f"default: {d.lora_alpha}")
-    p.add_argument("--lora-dropout", type=float, help=f"default: {d.lora_dropout}")
-    p.add_argument("--compute-dtype", help=f"compute dtype: bf16, fp16 or fp32 (default: {d.compute_dtype})")
+    p.add_argument("--lora-alpha", type=positive_int, help=f"loop's default: {d.lora_alpha}")
+    p.add_argument("--lora-dropout", type=float, help=f"loop's default: {d.lora_dropout}")
+    p.add_argument("--compute-dtype", help=f"compute dtype: bf16, fp16 or fp32 (loop's default: {d.compute_dtype})")
     p.add_argument("--dtype", dest="compute_dtype", help=argparse.SUPPRESS)  # the flag's earlier name
-    p.add_argument("--quant-type", choices=("nf4", "fp4"), help=f"default: {d.quant_type}")
-    p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, help="default: on")
+    p.add_argument("--quant-type", choices=("nf4", "fp4"), help=f"loop's default: {d.quant_type}")
+    p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, help="loop's default: on")
     p.add_argument(
         "--gradient-checkpointing",
         "--activation-checkpointing",
         action=argparse.BooleanOptionalAction,
-        help="(transformers 5.24's name: --activation-checkpointing) default: off",
+        help="(transformers 5.24's name: --activation-checkpointing) loop's default: off",
     )
     p.add_argument(
         "--attn-implementation",
         choices=ATTN_IMPLEMENTATIONS,
-        help=f"default: {d.attn_implementation}; flash_attention_2: estimate --target cuda only, priced from "
+        help=f"loop's default: {d.attn_implementation}; flash_attention_2: estimate --device cuda only, priced from "
         "flash-attn 2's rules (the package is CUDA-only)",
     )
     p.add_argument(  # the flag's earlier name
@@ -139,7 +141,7 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
         "--use-dora",
         action=argparse.BooleanOptionalAction,
         help="PEFT's DoRA (LoraConfig(use_dora=True)): a magnitude vector per adapted layer, the 4-bit weight "
-        "dequantized each forward for the weight norm (kept for backward with --lora-dropout); default: off",
+        "dequantized each forward for the weight norm (kept for backward with --lora-dropout); loop's default: off",
     )
     autocast = p.add_mutually_exclusive_group()
     for name in ("bf16", "fp16"):
@@ -151,6 +153,13 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
             help=f"Trainer's {name} autocast (TrainingArguments.{name}): the forward and loss under "
             f"torch.autocast({name}), as accelerate runs them",
         )
+    autocast.add_argument(
+        "--no-bf16",
+        dest="mixed_precision",
+        action="store_const",
+        const="no",
+        help="no autocast (TRL's bf16: false): what trl sft's defaults (bf16) would otherwise take",
+    )
 
 
 def qlora_config(args: argparse.Namespace, **fixed: object) -> tuple[QLoRAConfig, list[str]]:
@@ -169,6 +178,23 @@ def qlora_config(args: argparse.Namespace, **fixed: object) -> tuple[QLoRAConfig
         run = load_run_config(path)
         config = run.config(**flags, **fixed)
         lines = run.lines(overridden=frozenset(n for n in flags if n in run.values))
+    elif trl_defaults(args):
+        from vramguard.workload.run_config import trl_sft_defaults
+
+        defaults = trl_sft_defaults(flags.get("method", "qlora"))
+        config = QLoRAConfig(**{**defaults, **flags, **fixed})
+        config.validate()
+        loop = QLoRAConfig()
+        filled = [
+            f"{name}={value}"
+            for name, value in defaults.items()
+            if name not in flags and getattr(loop, name) != value
+        ]
+        if filled:
+            lines.append(
+                f"defaults: {trl_sft_name()}'s (SFTConfig, ModelConfig) for the flags not given, where they differ "
+                f"from vramguard's loop: {', '.join(filled)}"
+            )
     else:
         config = QLoRAConfig(**flags, **fixed)  # type: ignore[arg-type]
         config.validate()
@@ -195,13 +221,16 @@ def check_json_path(path: Path | None, flag: str = "--json") -> None:
         raise UsageError(f"cannot write {flag} {path}: {parent or path.parent} is not a writable directory")
 
 
-def add_talk_options(p: argparse.ArgumentParser, quiet_help: str) -> None:
-    """``--quiet`` (``quiet_help``) or ``--verbose``: the library log lines that ``vramguard``'s
-    :func:`~vramguard.cli.app.main` hides (:data:`~vramguard.cli.app.LIBRARY_NOISE`) noted on stderr."""
+def add_talk_options(p: argparse.ArgumentParser, quiet_help: str, verbose_help: str = "") -> None:
+    """``--quiet`` (``quiet_help``) or ``--verbose`` (what ``verbose_help`` says it adds, and the library log lines
+    that ``vramguard``'s :func:`~vramguard.cli.app.main` hides (:data:`~vramguard.cli.app.LIBRARY_NOISE`) noted on
+    stderr)."""
     talk = p.add_mutually_exclusive_group()
     talk.add_argument("--quiet", action="store_true", help=quiet_help)
     talk.add_argument(
-        "--verbose", action="store_true", help="also show the library log lines vramguard hides (stderr)"
+        "--verbose",
+        action="store_true",
+        help=f"also show {verbose_help}the library log lines vramguard hides (stderr)",
     )
 
 
@@ -399,56 +428,97 @@ def lint_lines(
     return with_lint(report, lint(config, sharding, settings))
 
 
-def add_trainer_option(p: argparse.ArgumentParser, command: str) -> None:
-    """``--trainer loop|trainer|sft``; unset, it follows ``--config`` (:func:`resolve_trainer`)."""
+def add_trainer_option(p: argparse.ArgumentParser, command: str, default: str) -> None:
+    """``--trainer loop|trainer|sft``; unset, it follows ``--config``, else it is the command's ``default``
+    (:func:`resolve_trainer`)."""
     p.add_argument(
         "--trainer",
         choices=("loop", "trainer", "sft"),
         default=None,
         help=f"whose step to {command}: vramguard's loop, transformers' Trainer or TRL's SFTTrainer (their own "
         "model preparation, collator, loss and optimizer); default: sft for a trl sft YAML --config, trainer for a "
-        "TrainingArguments JSON, loop otherwise",
+        f"TrainingArguments JSON, {default} otherwise"
+        + (
+            " (flags not given take trl sft's defaults; --trainer loop takes vramguard's loop's)"
+            if default == "sft"
+            else ""
+        ),
     )
+    p.set_defaults(trainer_default=default)
 
 
-def resolve_trainer(args: argparse.Namespace, config: QLoRAConfig) -> tuple[str, str]:
+def trl_sft_name() -> str:
+    """``trl sft 1.16``: TRL's command, at the version installed."""
+    from importlib.metadata import version
+
+    return f"trl sft {'.'.join(version('trl').split('.')[:2])}"
+
+
+def trl_defaults(args: argparse.Namespace) -> bool:
+    """Whether the flags not given (no ``--config``) take ``trl sft``'s defaults: the step is SFTTrainer's, given
+    (``--trainer sft``) or the command's default (``estimate``'s). Where SFTTrainer's step cannot run on meta
+    and vramguard's loop prices the run instead (:func:`resolve_trainer`), the defaults stay TRL's: the run
+    described is the same."""
+    if getattr(args, "config", None) is not None:
+        return False
+    return (getattr(args, "trainer", None) or getattr(args, "trainer_default", "loop")) == "sft"
+
+
+def resolve_trainer(
+    args: argparse.Namespace, config: QLoRAConfig, loop_only: tuple[tuple[str, bool], ...] = ()
+) -> tuple[str, str]:
     """(the trainer whose step runs, the recipe line that names it and whose defaults filled the rest).
 
     Given, ``--trainer`` is taken as it is (what it cannot run is refused in one line where it runs). Unset, a
-    ``--config`` YAML is ``trl sft``'s and a JSON is TrainingArguments': their trainer runs, unless the run asks
-    for what only vramguard's loop prices (sharded ranks, Liger, offloading, a method other than QLoRA), which is
-    then run and said so."""
-    from importlib.metadata import version
-
+    ``--config`` YAML is ``trl sft``'s and a JSON is TrainingArguments': their trainer runs; without a file, the
+    command's default does (``estimate``: sft, ``audit``: loop). A trainer not given falls back to vramguard's
+    loop where the run asks for what only the loop prices (sharded ranks, Liger, offloading, a method other than
+    QLoRA, and the command's ``loop_only`` options, such as ``--fit``), and the line says so."""
     path = getattr(args, "config", None)
     trainer = args.trainer
     why = ""
-    if trainer is None and path is not None:
-        trainer = "trainer" if path.suffix == ".json" else "sft"
-        unpriced = [
-            what
-            for what, asked in (
-                ("--world-size", getattr(args, "world_size", None) is not None),
-                ("use_liger_kernel", config.use_liger_kernel),
-                ("activation offloading", config.offload_activations),
-                (f"method {config.method}", config.method != "qlora"),
-            )
-            if asked
-        ]
-        if unpriced:
-            why = f" ({trainer}'s own step does not run {', '.join(unpriced)} yet)"
-            trainer = "loop"
-    trainer = trainer or "loop"
-    trl = ".".join(version("trl").split(".")[:2]) if path is not None else ""
-    defaults = (
-        f"trl sft {trl}'s for the keys {path.name} does not set"
-        if path is not None
-        else "vramguard's for the flags not given"
-    )
+    if trainer is None:
+        trainer = ("trainer" if path.suffix == ".json" else "sft") if path is not None else args.trainer_default
+        if trainer != "loop":
+            sharded = any(getattr(args, name, None) is not None for name in ("world_size", "sharding"))
+            unpriced = [
+                what
+                for what, asked in (
+                    ("--world-size / --sharding", sharded),
+                    ("use_liger_kernel", config.use_liger_kernel),
+                    ("activation offloading", config.offload_activations),
+                    (f"method {config.method}", config.method != "qlora"),
+                    *loop_only,
+                )
+                if asked
+            ]
+            if unpriced:
+                why = loop_why(trainer, ", ".join(unpriced))
+                trainer = "loop"
+    return trainer, recipe_text(trainer, why, args)
+
+
+def loop_why(trainer: str, what: str) -> str:
+    """Why vramguard's loop ran where ``trainer`` would have: it does not run ``what`` on meta yet."""
+    return f" (ran instead of {trainer}'s own step, which does not run {what} yet)"
+
+
+def recipe_text(trainer: str, why: str, args: argparse.Namespace) -> str:
+    """The recipe line: whose step ran (``why``: why the loop ran instead of the trainer asked for) and whose
+    defaults filled what the user did not set."""
+    from importlib.metadata import version
+
+    path = getattr(args, "config", None)
+    if path is not None:
+        defaults = f"{trl_sft_name()}'s for the keys {path.name} does not set"
+    elif trl_defaults(args):
+        defaults = f"{trl_sft_name()}'s for the flags not given"
+    else:
+        defaults = "vramguard loop's for the flags not given"
     if trainer == "sft":
-        name = f"trl sft {'.'.join(version('trl').split('.')[:2])} (SFTTrainer's own step)"
+        name = f"{trl_sft_name()} (SFTTrainer's own step)"
     elif trainer == "trainer":
         name = f"transformers {'.'.join(version('transformers').split('.')[:2])} Trainer's own step"
     else:
         name = "vramguard's loop (prepare_model_for_kbit_training, LoRA, full fp32 logits)"
-    return trainer, f"recipe: {name}{why}; defaults: {defaults}"
+    return f"recipe: {name}{why}; defaults: {defaults}"

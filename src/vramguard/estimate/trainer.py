@@ -49,6 +49,15 @@ from vramguard.workload.models import QLoRAConfig, QLoRAModel
 from vramguard.workload.routing import eager_top_k
 
 
+class NeedsLoop(UsageError):
+    """What the trainer's step on meta does not run yet (``what``): one line (exit 2) with the workaround when
+    the trainer was asked for by name; where it was the default, vramguard's loop runs instead and says so."""
+
+    def __init__(self, trainer: str, what: str, workaround: str = "estimate it with --trainer loop") -> None:
+        super().__init__(f"--trainer {trainer} on meta does not run {what} yet: {workaround}")
+        self.what = what
+
+
 def refuse_unpriced(config: QLoRAConfig, trainer: str) -> None:
     """One line (exit 2) for what the trainer's step on meta does not run yet, with the workaround."""
     not_yet = {
@@ -58,10 +67,7 @@ def refuse_unpriced(config: QLoRAConfig, trainer: str) -> None:
     }
     for what, asked in not_yet.items():
         if asked:
-            raise UsageError(
-                f"--trainer {trainer} on meta does not run {what} yet: estimate it with --trainer loop "
-                "(vramguard's loop, which prices it)"
-            )
+            raise NeedsLoop(trainer, what, "estimate it with --trainer loop (vramguard's loop, which prices it)")
 
 
 class _MetaCallback(VramGuardCallback):
@@ -171,17 +177,17 @@ def _autocast_asked_as(target: str) -> Iterator[None]:
 
 def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str) -> tuple[Any, QLoRAModel, float]:
     """``steps`` steps of ``trainer`` on meta for ``target``: (the callback's report, the model, seconds)."""
-    from vramguard.estimate.run import meta_step_contexts
+    from vramguard.estimate.run import max_positions, meta_step_contexts
 
     refuse_unpriced(config, trainer)
     spec = config.spec
+    limit = max_positions(spec)
+    if limit is not None and config.seq_len > limit:  # the trainer's rows are real host lists: not made
+        raise NeedsLoop(trainer, f"a seq-len beyond {spec.name}'s {limit:,} positions")
     t0 = time.perf_counter()
     q = build_meta(config, spec, prepared=not trainer_prepares(trainer))
     if eager_top_k(q.model) is not None:
-        raise UsageError(
-            f"--trainer {trainer} on meta does not force a mixture of experts' eager routing yet: estimate it with "
-            "--trainer loop"
-        )
+        raise NeedsLoop(trainer, "a mixture of experts' forced eager routing")
     with tempfile.TemporaryDirectory(prefix="vramguard-trainer-") as tmp:
         runner, callback = trainer_on_meta(q, trainer, target, steps, tmp)
         q = dataclasses.replace(q, model=runner.model)
@@ -206,38 +212,43 @@ def _short(v: str) -> str:
 
 
 def run_trainer_estimate(
-    config: QLoRAConfig, trainer: str, steps: int = 2, target: str = "cuda"
+    config: QLoRAConfig, trainer: str, steps: int = 2, target: str = "cuda", gpu: Any = None
 ) -> AuditReport:
     """The estimate of ``trainer``'s own step ("sft" or "trainer") for ``config`` on meta: the callback's report
-    with the device's figures (:func:`vramguard.estimate.run.device_estimate`) and the estimate's line."""
+    with the device's figures (:func:`vramguard.estimate.run.device_estimate`; ``gpu``: the card whose context
+    allowance the total takes) and the estimate's line."""
     from vramguard.audit import verdict as checks
     from vramguard.audit.report import Finding
-    from vramguard.estimate.run import device_estimate, headline
+    from vramguard.estimate.run import device_estimate, headline, refuse_fp16_on_cpu
 
     if target not in ("cuda", "cpu"):
         raise UsageError(f"target must be one of cuda, cpu, got {target!r}")
     config = config.resolved()
     config.validate()
+    refuse_fp16_on_cpu(config, target)  # as the loop's estimate and accelerate for Trainer
     report, q, elapsed = run_trainer_step(config, trainer, steps, target)
-    estimate = device_estimate(report, q, config, target, 0, False)
-    line = headline(estimate, config, False, 0)
+    estimate = device_estimate(report, q, config, target, 0, False, gpu=gpu)
+    line = headline(estimate, config, False, 0, gpu=gpu)
     note = Finding(
         checks.META_RUN,
         f"estimated on the meta device through {trainer_label(trainer)}'s own step (its model preparation, "
-        "collator, compute_loss and optimizer): shapes and dtypes are real, values are not; with --target cpu "
+        "collator, compute_loss and optimizer): shapes and dtypes are real, values are not; with --device cpu "
         f"it equals `vramguard audit --trainer {trainer}` to the byte",
     )
     build = checks.notes(checks.BUILD, q.notes)
     findings = [*build, *report.verdict.findings, note]
     verdict = checks.verdict(findings, len(report.steps), headline=line)
     trainer_config = dict(report.config)
-    merged = {**config.to_dict(step_options=True), **trainer_config, "model": q.spec.name}
+    # the model as given (--model's path), as the loop reports it
+    merged = {**config.to_dict(step_options=True), **trainer_config, "model": config.model_ref}
     return dataclasses.replace(
         report,
         config=merged,
         architecture={**report.architecture, "attn_implementation": q.attn_implementation},
         verdict=verdict,
         estimate=estimate,
+        # meta holds no values: the loss logged is .item()'s answer (1), not a loss
+        steps=[dataclasses.replace(s, loss=None) for s in report.steps],
         device=META,
         elapsed_s=elapsed,
     )

@@ -125,7 +125,7 @@ def _train(
     report = cb.report
     assert report is not None
     trainer_config = dict(report.config)
-    report.config = {**config.to_dict(), **trainer_config, "model": q.spec.name}
+    report.config = {**config.to_dict(), **trainer_config, "model": config.model_ref}  # as given, as the loop
     report.architecture = {**report.architecture, "attn_implementation": q.attn_implementation}
     # the build's notes (what it changed from the request, which weights are 4-bit, what routing decides), as
     # vramguard audit's own loop reports them: the callback sees the model, not how it was built

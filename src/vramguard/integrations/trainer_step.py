@@ -11,12 +11,14 @@ gradients and casts the adapters of a quantized model to bf16, and it never call
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vramguard.errors import UsageError
+from vramguard.errors import UsageError, first_line
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, lora_config
 from vramguard.workload.run_config import TRL_OPTIMIZER_OF
 from vramguard.workload.training import optimizer_on
@@ -46,8 +48,6 @@ def loop_rows(q: QLoRAModel, micro_batches: int) -> list[list[int]]:
 
 
 def _on_cpu(config: QLoRAConfig) -> QLoRAConfig:
-    import dataclasses
-
     return dataclasses.replace(config, device="cpu", padding_free=False)
 
 
@@ -85,9 +85,13 @@ def trainer_arguments(
     }
     if config.gradient_checkpointing:
         common["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
-    if trainer == "trainer":
-        from transformers import TrainingArguments
+    from transformers import TrainingArguments
 
+    if "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        for old in ("gradient_checkpointing", "gradient_checkpointing_kwargs"):  # transformers 5.24's names
+            if old in common:
+                common[old.replace("gradient", "activation")] = common.pop(old)
+    if trainer == "trainer":
         return TrainingArguments(str(output_dir), **common)
     try:
         from trl import SFTConfig
@@ -103,6 +107,14 @@ def trainer_arguments(
     return SFTConfig(str(output_dir), max_length=config.seq_len, **common)
 
 
+def _raised_by(exc: BaseException, package: str) -> bool:
+    """Whether ``exc`` was raised in ``package``'s code (the innermost frame of its traceback)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).split(".")[0] == package
+
+
 def make_trainer(q: QLoRAModel, trainer: str, args: Any, rows: list[list[int]], callbacks: list[Any]) -> Any:
     """The ``trainer`` ("trainer" or "sft") over ``q``'s model and ``rows``, its printer callback removed
     (the audit prints its own tables). SFTTrainer gets the model unprepared and the config's ``LoraConfig``
@@ -116,14 +128,21 @@ def make_trainer(q: QLoRAModel, trainer: str, args: Any, rows: list[list[int]], 
     else:
         from trl import SFTTrainer
 
-        runner = SFTTrainer(
-            model=q.model,
-            args=args,
-            train_dataset=dataset(rows, False),
-            processing_class=tokenizer(int(q.spec.fields["vocab_size"])),
-            callbacks=callbacks,
-            peft_config=lora_config(q.config) if trainer_prepares(trainer) else None,
-        )
+        with warnings.catch_warnings():  # PEFT's wrapping asks the model by transformers 5.23's old name
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            try:
+                runner = SFTTrainer(
+                    model=q.model,
+                    args=args,
+                    train_dataset=dataset(rows, False),
+                    processing_class=tokenizer(int(q.spec.fields["vocab_size"])),
+                    callbacks=callbacks,
+                    peft_config=lora_config(q.config) if trainer_prepares(trainer) else None,
+                )
+            except ValueError as exc:  # as vramguard.workload.models.with_lora says it for the loop
+                if not _raised_by(exc, "peft"):
+                    raise
+                raise UsageError(f"PEFT refuses this LoRA setup: {first_line(exc)}") from None
     from transformers.trainer_callback import PrinterCallback
 
     runner.remove_callback(PrinterCallback)

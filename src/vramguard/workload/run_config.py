@@ -358,7 +358,29 @@ def _value_of(obj: Any) -> Any:
 def load_run_config(path: str | Path) -> RunConfig:
     """Read ``path`` (a ``trl sft --config`` YAML or a TrainingArguments JSON) into a :class:`RunConfig`."""
     path = Path(path)
-    data = read_file(path)
+    return _run_config(path, read_file(path))
+
+
+TRL_RUN_OF_METHOD: dict[str, dict[str, bool]] = {
+    "qlora": {"use_peft": True, "load_in_4bit": True},
+    "lora": {"use_peft": True},
+    "full": {},
+}
+"""The ``trl sft`` keys that choose what is trained, per :data:`~vramguard.workload.models.METHODS` name."""
+
+
+def trl_sft_defaults(method: str = "qlora") -> dict[str, Any]:
+    """The :class:`QLoRAConfig` values of ``trl sft`` run with TRL's defaults for every key but those that choose
+    ``method`` (:data:`TRL_RUN_OF_METHOD`): what ``estimate`` with flags alone fills the flags not given with.
+    Read from TRL's own dataclasses (:func:`parse_trl`) as a file with those keys alone would be, never typed
+    here; no model (TRL has none by default)."""
+    if method not in TRL_RUN_OF_METHOD:
+        raise UsageError(f"--method must be one of {', '.join(TRL_RUN_OF_METHOD)}, got {method!r}")
+    return dict(_run_config(Path("trl-sft-defaults.yaml"), dict(TRL_RUN_OF_METHOD[method])).values)
+
+
+def _run_config(path: Path, data: dict[str, Any]) -> RunConfig:
+    """The :class:`RunConfig` of ``data``, the mapping read from ``path``."""
     framework = detect(data)
     translated: dict[str, str] = {}
     other: list[tuple[str, Any, str]] = []
@@ -665,5 +687,6 @@ __all__ = [
     "RunConfig",
     "load_run_config",
     "parse_trl",
+    "trl_sft_defaults",
     "read_file",
 ]

@@ -377,10 +377,14 @@ def test_qwen3_vl_8b_estimate_splits_the_stacks() -> None:
 # -- the commands --------------------------------------------------------------------------------
 
 
+LOOP = ["--trainer", "loop", "--target", "cpu"]
+"""The audit's recipe on the CPU's kernels (estimate's default recipe is trl sft's)."""
+
+
 def test_audit_and_estimate_commands_of_a_vlm_agree_to_the_byte(tmp_path: Path) -> None:
     """``vramguard audit --model <tiny VLM config> --image-size HxW`` measures (exit 0) and notes the rows and
-    the saved bytes per stack; ``vramguard estimate ... --target cpu`` gives the same phase peaks, totals and
-    per-stack note."""
+    the saved bytes per stack; ``vramguard estimate ... --trainer loop --target cpu`` gives the same phase peaks,
+    totals and per-stack note."""
     from vramguard.cli.app import main
 
     base = [
@@ -395,9 +399,7 @@ def test_audit_and_estimate_commands_of_a_vlm_agree_to_the_byte(tmp_path: Path) 
     ]
     audit, estimate = tmp_path / "audit.json", tmp_path / "estimate.json"
     assert main(["audit", *base, "--steps", "2", "--device", "cpu", "--quiet", "--json", str(audit)]) == 0
-    assert (
-        main(["estimate", *base, "--steps", "2", "--target", "cpu", "--quiet", "--json", str(estimate)]) == 0
-    )
+    assert main(["estimate", *base, *LOOP, "--steps", "2", "--quiet", "--json", str(estimate)]) == 0
     a, e = json.loads(audit.read_text()), json.loads(estimate.read_text())
     assert a["config"]["image_size"] == e["config"]["image_size"] == "112x84"
     assert a["totals"] == e["totals"] and a["totals"]["saved_bytes"] > 0
@@ -523,3 +525,14 @@ def test_a_towers_encoder_layers_keep_their_stack_in_the_layer_table() -> None:
         "vision_tower.vision_model.encoder.layers.1",
     ]
     assert short_layer_name("base_model.model.model.layers.3") == "layers.3"
+
+
+def test_estimates_default_recipe_runs_in_the_loop_for_a_vlm(capsys: pytest.CaptureFixture[str]) -> None:
+    """``vramguard estimate`` prices trl sft's recipe by default; a vision-language model's step is priced in
+    vramguard's loop with those defaults, and the recipe line says why."""
+    from vramguard.cli.app import main
+
+    argv = ["estimate", "--model", str(FIXTURES["qwen2.5-vl"]), "--image-size", "56x56", "--seq-len", "64"]
+    assert main([*argv, "--batch", "1", "--target-modules", "all-linear", "--target", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "a vision-language model" in out and "saved for backward by stack" in out

@@ -474,6 +474,8 @@ def resolve_trainer(
     command's default does (``estimate``: sft, ``audit``: loop). A trainer not given falls back to vramguard's
     loop where the run asks for what only the loop prices (sharded ranks, Liger, offloading, a method other than
     QLoRA, and the command's ``loop_only`` options, such as ``--fit``), and the line says so."""
+    from vramguard.workload.vision import is_vision_spec
+
     path = getattr(args, "config", None)
     trainer = args.trainer
     why = ""
@@ -488,6 +490,7 @@ def resolve_trainer(
                     ("use_liger_kernel", config.use_liger_kernel),
                     ("activation offloading", config.offload_activations),
                     (f"method {config.method}", config.method != "qlora"),
+                    ("a vision-language model", is_vision_spec(config.spec)),
                     *loop_only,
                 )
                 if asked

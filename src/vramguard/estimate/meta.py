@@ -749,7 +749,10 @@ def build_meta(
 
     if is_vision_spec(spec):  # the family's processor's rows, their values carried (estimate.vision)
         if method != "qlora" or device != META or sharded or not prepared:
-            raise UsageError("vision-language models are estimated for --method qlora on one device for now")
+            raise UsageError(
+                "vision-language models are estimated for --method qlora on one device in vramguard's loop "
+                "(--trainer loop) for now"
+            )
         from vramguard.estimate.vision import build_vision_meta
 
         built_vlm, values = build_vision_meta(config, spec=spec)

@@ -881,7 +881,9 @@ def build_qlora(
 
     if is_vision_spec(spec):  # AutoModelForImageTextToText, the family's processor's rows (workload.vision)
         if sharded or not prepared:
-            raise UsageError("vision-language models are measured on one device in vramguard's loop for now")
+            raise UsageError(
+                "vision-language models are measured on one device in vramguard's loop (--trainer loop) for now"
+            )
         return build_vision_qlora(config, spec=spec).q  # type: ignore[no-any-return]
     from transformers.utils import logging as hf_logging
 

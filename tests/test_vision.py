@@ -536,3 +536,14 @@ def test_estimates_default_recipe_runs_in_the_loop_for_a_vlm(capsys: pytest.Capt
     assert main([*argv, "--batch", "1", "--target-modules", "all-linear", "--target", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "a vision-language model" in out and "saved for backward by stack" in out
+
+
+def test_trl_default_targets_on_a_vlm_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """TRL's default LoRA targets are PEFT's per-architecture list, which has no vision-language model: one line
+    naming --target-modules, before anything is built."""
+    from vramguard.cli.app import main
+
+    argv = ["estimate", "--model", str(FIXTURES["qwen3-vl"]), "--image-size", "56x56", "--seq-len", "128"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "PEFT has no default target modules for qwen3_vl" in err and "--target-modules all-linear" in err

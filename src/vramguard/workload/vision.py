@@ -746,6 +746,14 @@ def vision_setup(
     attn = config.attn_implementation
     if attn == "flash_attention_2":
         raise UsageError("vision-language models are measured with sdpa or eager attention for now")
+    if config.target_modules == "peft-default":
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+        if hf_config.model_type not in PEFT_DEFAULTS:
+            raise UsageError(
+                f"PEFT has no default target modules for {hf_config.model_type} (peft-default, TRL's default): "
+                "name them, e.g. --target-modules all-linear (LoRA in the vision tower too)"
+            )
     if config.padding_free or config.use_liger_kernel:
         raise UsageError("vision-language models are not priced padding-free or with Liger's kernels yet")
     if attn == "sdpa" and not getattr(model_class, "_supports_sdpa", False):

@@ -38,6 +38,7 @@ from vramguard.errors import UsageError
 from vramguard.estimate.kernels import cuda_kernel_temporaries
 from vramguard.estimate.meta import META, _deepcopy_on_meta, build_meta
 from vramguard.integrations.trainer_step import (
+    fails_as_the_users_run,
     loop_rows,
     make_trainer,
     trainer_arguments,
@@ -192,7 +193,7 @@ def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str)
         runner, callback = trainer_on_meta(q, trainer, target, steps, tmp)
         q = dataclasses.replace(q, model=runner.model)
         decisions, flash = meta_step_contexts(q, q.config, target)
-        with decisions, flash, _autocast_asked_as(target), _AnswerItems():
+        with decisions, flash, _autocast_asked_as(target), _AnswerItems(), fails_as_the_users_run(q, trainer):
             runner.train()
     assert callback.report is not None
     return callback.report, q, time.perf_counter() - t0

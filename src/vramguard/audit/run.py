@@ -300,6 +300,7 @@ def assemble_report(
             findings=[
                 checks.fp32_activations(q.model, config.compute_dtype) if config.method == "qlora" else None,
                 checks.dora(ledger, q.model),
+                checks.vision(q, ledger),
                 None if meta_run else checks.one_step(steps),
             ],
             offloaded=config.offload_activations,  # on the host by design: no deviation note

@@ -745,6 +745,19 @@ def build_meta(
         raise ValueError("build the real-device QLoRA model with vramguard.workload.models.build_qlora")
     config.validate()
     spec = spec or config.spec
+    from vramguard.workload.vision import is_vision_spec
+
+    if is_vision_spec(spec):  # the family's processor's rows, their values carried (estimate.vision)
+        if method != "qlora" or device != META or sharded or not prepared:
+            raise UsageError(
+                "vision-language models are estimated for --method qlora on one device in vramguard's loop "
+                "(--trainer loop) for now"
+            )
+        from vramguard.estimate.vision import build_vision_meta
+
+        built_vlm, values = build_vision_meta(config, spec=spec)
+        built_vlm.q.image_values = values  # run_estimate steps it under values_on_meta
+        return built_vlm.q  # type: ignore[no-any-return]
     from transformers.quantizers import AutoHfQuantizer
     from transformers.utils import logging as hf_logging
 

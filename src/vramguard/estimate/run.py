@@ -477,6 +477,11 @@ def run_estimate(
             if device == META
             else forced_routing(q.model, routing, tokens)
         )
+    image_values = getattr(q, "image_values", None)
+    if image_values is not None:  # a vision-language model's rows: their values carried beside their meta tensors
+        from vramguard.estimate.vision import values_on_meta
+
+        routed = values_on_meta(image_values)
     try:
         with (
             decisions as taken,

@@ -180,3 +180,24 @@ def test_a_resolved_config_keeps_its_model_through_replace() -> None:
     probe = dataclasses.replace(config, batch=7)
     assert probe.model is config.model and probe.spec is config.spec
     assert probe.to_dict()["model"] == "tiny-qwen2" and "model_revision" not in probe.to_dict()
+
+
+def test_the_hubs_retry_warnings_stay_out_of_the_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a network huggingface_hub retries its HEAD request five times, warning each time on stderr through
+    its logger: the user sees only vramguard's one line (and the library's verbosity is put back)."""
+    import huggingface_hub
+    from huggingface_hub import errors
+    from huggingface_hub.utils import logging as hub_logging
+
+    def download(*args: Any, **kwargs: Any) -> str:
+        hub_logging.get_logger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+        raise errors.LocalEntryNotFoundError("cannot find the requested files in the disk cache")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    before = hub_logging.get_verbosity()
+    assert main(["estimate", "--model", "org/unreachable", *FAST]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Retrying" not in err, err
+    assert hub_logging.get_verbosity() == before

@@ -53,6 +53,8 @@ STEP_FLAGS: tuple[str, ...] = (
     "full_dtype",
     "use_liger_kernel",
     "gradient_accumulation_steps",
+    "image_size",
+    "images_per_row",
 )
 """The :class:`QLoRAConfig` fields a flag may set (each flag's destination is the field's name). A flag
 not given is ``None`` in the parsed arguments, so a ``--config`` file decides it; without a file, the
@@ -76,6 +78,15 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument("--model", help=f"{model_help} (default: {d.model})")
     p.add_argument(
         "--seq-len", "--max-length", type=positive_int, help=f"(TRL's spelling: --max-length) loop's default: {d.seq_len}"
+    )
+    p.add_argument(
+        "--image-size",
+        metavar="HxW",
+        help="a vision-language model's images, height x width in pixels, each resized and tokenized by its "
+        "family's own processor (--seq-len counts the image tokens too); default: text-only rows",
+    )
+    p.add_argument(
+        "--images-per-row", type=positive_int, metavar="N", help="with --image-size: images in each row (default: 1)"
     )
     p.add_argument(
         "--batch",
@@ -463,6 +474,8 @@ def resolve_trainer(
     command's default does (``estimate``: sft, ``audit``: loop). A trainer not given falls back to vramguard's
     loop where the run asks for what only the loop prices (sharded ranks, Liger, offloading, a method other than
     QLoRA, and the command's ``loop_only`` options, such as ``--fit``), and the line says so."""
+    from vramguard.workload.vision import is_vision_spec
+
     path = getattr(args, "config", None)
     trainer = args.trainer
     why = ""
@@ -477,6 +490,7 @@ def resolve_trainer(
                     ("use_liger_kernel", config.use_liger_kernel),
                     ("activation offloading", config.offload_activations),
                     (f"method {config.method}", config.method != "qlora"),
+                    ("a vision-language model", is_vision_spec(config.spec)),
                     *loop_only,
                 )
                 if asked

@@ -756,6 +756,9 @@ def build_meta(
         raise ValueError("build the real-device QLoRA model with vramguard.workload.models.build_qlora")
     config.validate()
     spec = spec or config.spec
+    vision = _vision_meta(config, spec, method == "qlora" and device == META and not sharded and prepared)
+    if vision is not None:  # the family's processor's rows, their values carried (estimate.vision)
+        return vision
     from transformers.quantizers import AutoHfQuantizer
     from transformers.utils import logging as hf_logging
 
@@ -809,6 +812,26 @@ def build_meta(
         attn_implementation=attn,
         notes=tuple(notes),
     )
+
+
+def _vision_meta(config: QLoRAConfig, spec: ModelSpec, supported: bool) -> QLoRAModel | None:
+    """A vision-language model on meta (:func:`vramguard.estimate.vision.build_vision_meta`), its rows' values
+    kept on it for the step (``image_values``: run_estimate steps it under ``values_on_meta``); refused in one line
+    where not ``supported`` (off the loop's qlora step on one device). None for a text model."""
+    from vramguard.workload.vision import is_vision_spec
+
+    if not is_vision_spec(spec):
+        return None
+    if not supported:
+        raise UsageError(
+            "vision-language models are estimated for --method qlora on one device in vramguard's loop "
+            "(--trainer loop) for now"
+        )
+    from vramguard.estimate.vision import build_vision_meta
+
+    built_vlm, values = build_vision_meta(config, spec=spec)
+    built_vlm.q.image_values = values  # run_estimate steps it under values_on_meta
+    return built_vlm.q  # type: ignore[no-any-return]
 
 
 def _flash_note(config: QLoRAConfig) -> str:

@@ -491,7 +491,13 @@ def meta_source(device: str, target: str) -> StorageTracker:
 
 def routed_step(q: QLoRAModel, request: StepRequest) -> contextlib.AbstractContextManager[Any]:
     """The request's routing forced on ``q``'s experts (on meta, or on a real device's tensors); a context that
-    does nothing without one."""
+    does nothing without one. A vision-language model's rows have their values carried beside their meta
+    tensors instead (:func:`vramguard.estimate.vision.values_on_meta`)."""
+    image_values = getattr(q, "image_values", None)
+    if image_values is not None:  # a vision-language model's rows: their values carried beside their meta tensors
+        from vramguard.estimate.vision import values_on_meta
+
+        return values_on_meta(image_values)
     if request.routing is None:
         return contextlib.nullcontext({})
     tokens = request.config.batch * request.config.seq_len

@@ -105,7 +105,8 @@ def layer_rows(ledger: LedgerReport, expected: Expectation | None = None, top: i
     expected's figure for the layer (``None`` without an expected or an analytic model)."""
     groups = ledger.by_layer()
     rows: list[LayerRow] = []
-    for name in sorted(groups, key=lambda n: int(n.rsplit(".", 1)[1])):
+    # by stack, then by index (a vision-language model's tower encoder has layers.N of its own)
+    for name in sorted(groups, key=lambda n: (n.rsplit(".", 1)[0], int(n.rsplit(".", 1)[1]))):
         records = groups[name]
         index = int(name.rsplit(".", 1)[1])
         by_module: dict[str, int] = defaultdict(int)
@@ -275,6 +276,7 @@ def assemble_report(
             findings=[
                 checks.fp32_activations(q.model, config.compute_dtype) if config.method == "qlora" else None,
                 checks.dora(ledger, q.model),
+                checks.vision(q, ledger),
                 None if meta_run else checks.one_step(steps),
             ],
             offloaded=config.offload_activations,  # on the host by design: no deviation note

@@ -10,6 +10,7 @@ producer shares are the functions below, and :func:`verdict` turns the findings 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -47,6 +48,7 @@ DATA_BOUNDS = "data-bounds"  # what the batch's data decides: the figure is the 
 PEAK_TERM = "peak-term"  # one term of the saved activations sets the step's peak
 CONFIG = "config"  # how a --config file (and the flags) were read: priced, no byte, not priced
 ROUTING = "routing"  # an eager mixture of experts: the step peak for forced routings, and the one drawn
+VISION = "vision"  # a vision-language model: saved bytes of its vision tower, projector, language model
 
 
 def leak_tolerance(device: str) -> int:
@@ -189,6 +191,21 @@ def one_step(steps: Sequence[StepRow]) -> Finding | None:
     if len(steps) >= 2:
         return None
     return Finding(ONE_STEP, "one step only: growth across steps (a leak) was not checked")
+
+
+def vision(model: Any, ledger: LedgerReport) -> Finding | None:
+    """For a vision-language model (its ``vision`` setup, :mod:`vramguard.workload.vision`): the saved bytes of
+    the first forward per stack (vision tower, projector, language model), each record under the stack of the
+    module that saved it; None for a text model."""
+    setup = getattr(model, "vision", None)
+    if setup is None:
+        return None
+    from vramguard.workload.vision import saved_by_stack
+
+    stacks = saved_by_stack(ledger.records, setup.family)
+    total = sum(stacks.values()) or 1
+    parts = ", ".join(f"{name} {format_bytes(b)} ({100 * b / total:.1f} %)" for name, b in stacks.items())
+    return Finding(VISION, f"saved for backward by stack: {parts}", stacks["vision tower"])
 
 
 def notes(kind: str, messages: Iterable[str]) -> list[Finding]:

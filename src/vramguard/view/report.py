@@ -18,9 +18,21 @@ from vramguard.units import format_bytes as fb
 Section = Callable[[AuditReport, Any], None]
 
 
+LAYER_WRAPPERS = ("base_model.model.", "model.", "language_model.")
+"""The prefixes PEFT's wrapper and transformers' models put before a language model's decoder layers."""
+
+
 def short_layer_name(name: str) -> str:
-    """``base_model.model.model.layers.3`` -> ``layers.3``: a decoder layer's name from ``layers.`` on."""
-    return name[name.find("layers.") :] if "layers." in name else name
+    """``base_model.model.model.layers.3`` -> ``layers.3``: a decoder layer's name from ``layers.`` on, the
+    wrappers' prefixes (:data:`LAYER_WRAPPERS`) dropped; a layer of another stack keeps its path
+    (``vision_tower.vision_model.encoder.layers.0``, a vision-language model's tower)."""
+    at = name.find("layers.")
+    if at < 0:
+        return name
+    prefix = name[:at]
+    while prefix.startswith(LAYER_WRAPPERS):
+        prefix = prefix[len(next(w for w in LAYER_WRAPPERS if prefix.startswith(w))) :]
+    return prefix + name[at:]
 
 
 def _table(title: str, columns: list[str], left: tuple[str, ...] = ("layer", "top modules", "phase")) -> Any:

@@ -151,6 +151,10 @@ def spec_from_hf(path: Path | str, data: dict[str, Any]) -> tuple[str, dict[str,
         raise UsageError(f"model config {path}: {first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001  (transformers' own validation: strict dataclass errors too)
         raise UsageError(f"model config {path}: {_last_line(exc)}") from None
+    from vramguard.workload.vision import is_vision_config, vision_shape
+
+    if is_vision_config(data):  # the language model's shape is under text_config (workload.vision)
+        return model_type, vision_shape(path, config).text, config
     fields: dict[str, Any] = {}
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         value = _value(config, key)

@@ -41,13 +41,19 @@ def hub_config(repo_id: str, revision: str | None) -> Path:
     """The default :data:`Fetch`: ``hf_hub_download(repo_id, "config.json", revision=...)``, offline when
     ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) is set."""
     from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import logging as hub_logging
 
     offline = _truthy("HF_HUB_OFFLINE") or _truthy("TRANSFORMERS_OFFLINE")
-    return Path(
-        hf_hub_download(
-            repo_id, "config.json", revision=revision, cache_dir=cache_dir(), local_files_only=offline
+    verbosity = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()  # its retry warnings: a failure is said once, in fetch_config's one line
+    try:
+        return Path(
+            hf_hub_download(
+                repo_id, "config.json", revision=revision, cache_dir=cache_dir(), local_files_only=offline
+            )
         )
-    )
+    finally:
+        hub_logging.set_verbosity(verbosity)
 
 
 def fetch_config(ref: str, fetch: Fetch) -> tuple[Path, str | None]:

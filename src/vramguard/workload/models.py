@@ -327,7 +327,10 @@ class QLoRAConfig:
     (:mod:`vramguard.estimate.liger`); the audit's loop applies it on CUDA and runs without it elsewhere (Triton
     needs a GPU). ``gradient_accumulation_steps``: Trainer's gradient accumulation: a step is that many
     micro-batches of ``batch`` rows, each a forward and a backward that adds into the gradients the earlier ones
-    left (so every micro-batch after the first runs with the whole gradient held), then one optimizer step."""
+    left (so every micro-batch after the first runs with the whole gradient held), then one optimizer step.
+    ``image_size`` (``HxW``) and ``images_per_row``: a vision-language model's images, each row that many of that
+    size as its family's processor makes them (:mod:`vramguard.workload.vision`; ``seq_len`` is the whole row,
+    image tokens included); empty: text-only rows. Recorded in the JSON document only when set."""
 
     model: str | ModelSpec = "tiny-llama"
     seq_len: int = 128
@@ -355,6 +358,8 @@ class QLoRAConfig:
     full_dtype: str = "fp32"
     use_liger_kernel: bool = False
     gradient_accumulation_steps: int = 1
+    image_size: str = ""
+    images_per_row: int = 1
 
     @property
     def spec(self) -> ModelSpec:
@@ -425,6 +430,15 @@ class QLoRAConfig:
                     f"{name.replace('_', '-')} must be comma-separated module names (letters, digits, _ . -), "
                     f"got {value!r}"
                 )
+        if self.image_size:
+            from vramguard.workload.vision import MAX_IMAGES_PER_ROW, parse_image_size
+
+            parse_image_size(self.image_size)
+            n = self.images_per_row
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_IMAGES_PER_ROW:
+                raise UsageError(f"images-per-row must be an integer from 1 to {MAX_IMAGES_PER_ROW}, got {n!r}")
+        elif self.images_per_row != 1:
+            raise UsageError("images-per-row needs image-size (HxW)")
         if not names_of(self.target_modules) and not names_of(self.target_parameters):
             raise UsageError("target-modules is empty and so is target-parameters: LoRA would adapt nothing")
         dev = self.device
@@ -451,6 +465,8 @@ class QLoRAConfig:
             del options["full_dtype"]
         if isinstance(self.model, ModelSpec) and self.model.revision is not None:
             d["model_revision"] = self.model.revision  # the Hub commit the config was read at
+        if not d["image_size"]:  # a text model's run: its document as before the fields
+            del d["image_size"], d["images_per_row"]
         d["extra"] = options if step_options else {}
         return d
 
@@ -872,6 +888,14 @@ def build_qlora(
     """
     config.validate()
     spec = spec or config.spec
+    from vramguard.workload.vision import build_vision_qlora, is_vision_spec
+
+    if is_vision_spec(spec):  # AutoModelForImageTextToText, the family's processor's rows (workload.vision)
+        if sharded or not prepared:
+            raise UsageError(
+                "vision-language models are measured on one device in vramguard's loop (--trainer loop) for now"
+            )
+        return build_vision_qlora(config, spec=spec).q  # type: ignore[no-any-return]
     from transformers.utils import logging as hf_logging
 
     hf_config, model_class, attn, notes = resolve_attention(config, spec)

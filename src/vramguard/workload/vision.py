@@ -1,0 +1,894 @@
+"""Vision-language models: their shapes, their processors' image inputs, and a real QLoRA step of one.
+
+A vision-language ``config.json`` keeps its language model's shape under ``text_config`` and its vision tower's
+under ``vision_config``; transformers builds it with ``AutoModelForImageTextToText``. What one training row is
+made of is decided by the family's processor: how an image is resized (Qwen's ``min_pixels``/``max_pixels`` and
+patch rounding, Gemma 3's fixed size, LLaVA-NeXT's tiles, Idefics3's splitting), how many placeholder tokens it
+takes in ``input_ids``, and which other inputs the forward reads (``pixel_values``, ``image_grid_thw``,
+``mm_token_type_ids``, ``pixel_attention_mask``, ``aspect_ratio_ids``, ...). So a row is made by the family's own
+processor class (:data:`VISION_FAMILIES`), with its own image processor, on a synthetic image of the asked size,
+and a word-level tokenizer whose special tokens carry the ids the model config names: every count is the
+processor's, none is vramguard's.
+
+bitsandbytes' 4-bit load quantizes every ``nn.Linear`` but ``lm_head``, the vision tower's and the projector's
+too, and PEFT's ``all-linear`` puts LoRA in them as well: what users get from the usual recipe, and what is
+built here (:func:`build_vision_qlora`).
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vramguard.errors import UsageError, first_line
+
+MAX_IMAGE_SIDE = 16384
+"""The largest image side ``--image-size`` takes (a 16k x 16k image is 805 MB of RGB pixels already)."""
+
+MAX_IMAGES_PER_ROW = 64
+
+STACKS = ("vision tower", "projector", "language model")
+"""The three stacks a vision-language model's saved bytes are split into (:meth:`VisionFamily.stack_of`)."""
+
+
+def _get(config: Any, *names: str) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _side(value: Any) -> int:
+    """An ``image_size`` / ``patch_size`` that may be an int or a ``[h, w]`` pair (InternVL): its first side."""
+    return int(value[0] if isinstance(value, (list, tuple)) else value)
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """How one vision-language family turns an image into model inputs: the processor a user loads with
+    ``AutoProcessor`` (here built from its classes, nothing downloaded), and which modules are its vision tower
+    and projector.
+
+    ``tokens``: (the tokenizer attribute the processor reads or None, the token text, the model config attribute
+    holding its id or None: any free id then). ``placeholder``: the text one image takes in a prompt before the
+    processor expands it (as the family's chat template writes it). ``image_processor_kwargs`` and
+    ``processor_kwargs``: what the family's ``preprocessor_config.json`` / ``processor_config.json`` on the Hub
+    set, read from the model config where it says it (patch size, merge size, image size)."""
+
+    name: str
+    processor: str
+    image_processor: str
+    tokens: tuple[tuple[str | None, str, str | None], ...]
+    placeholder: str
+    image_processor_kwargs: Callable[[Any], dict[str, Any]] = lambda c: {}
+    processor_kwargs: Callable[[Any], dict[str, Any]] = lambda c: {}
+    tower: tuple[str, ...] = ("visual", "vision_tower", "vision_model")
+    projector: tuple[str, ...] = ("merger", "multi_modal_projector", "connector", "deepstack_merger_list")
+    needs: tuple[str, ...] = ()
+    """Python packages the processor imports (a refusal names the missing one)."""
+    nested_images: bool = False
+    """The processor takes a batch's images as one list per row (Mllama, Idefics3, SmolVLM)."""
+    """Why vramguard cannot run this family on the CPU (None: it can)."""
+
+    def stack_of(self, module: str) -> str:
+        """Which stack the module of qualified name ``module`` belongs to: ``vision tower``, ``projector`` or
+        ``language model`` (everything else: embeddings, decoder layers, lm_head, the loss outside modules)."""
+        parts = module.split(".")
+        if any(p in self.projector for p in parts):
+            return "projector"
+        if any(p in self.tower for p in parts):
+            return "vision tower"
+        return "language model"
+
+
+def _qwen_image(c: Any, min_pixels: int, max_pixels: int) -> dict[str, Any]:
+    v = c.vision_config
+    return {
+        "patch_size": int(v.patch_size),
+        "merge_size": int(v.spatial_merge_size),
+        "temporal_patch_size": int(v.temporal_patch_size),
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+    }
+
+
+_QWEN_TOKENS: tuple[tuple[str | None, str, str | None], ...] = (
+    ("image_token", "<|image_pad|>", "image_token_id"),
+    ("video_token", "<|video_pad|>", "video_token_id"),
+    (None, "<|vision_start|>", "vision_start_token_id"),
+    (None, "<|vision_end|>", "vision_end_token_id"),
+)
+_QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+# Qwen2-VL / Qwen2.5-VL's preprocessor_config.json: min_pixels 56*56, max_pixels 28*28*16384 (12,845,056)
+_QWEN2 = {"min_pixels": 3136, "max_pixels": 12845056}
+# Qwen3-VL / Qwen3.5's: size {"shortest_edge": 65536, "longest_edge": 16777216}
+_QWEN3 = {"min_pixels": 65536, "max_pixels": 16777216}
+
+
+def _qwen(name: str, processor: str, pixels: dict[str, int]) -> VisionFamily:
+    return VisionFamily(
+        name=name,
+        processor=processor,
+        image_processor="Qwen2VLImageProcessorPil",
+        tokens=_QWEN_TOKENS,
+        placeholder=_QWEN_PLACEHOLDER,
+        image_processor_kwargs=lambda c: _qwen_image(c, **pixels),
+    )
+
+
+def _square(c: Any) -> dict[str, int]:
+    side = _side(c.vision_config.image_size)
+    return {"height": side, "width": side}
+
+
+def _idefics_image(c: Any) -> dict[str, Any]:
+    side = _side(c.vision_config.image_size)
+    # the Hub's processors: longest edge 4 x the tower's image size (364 * 4 = 1456 for SmolVLM, 1820 = 5 * 364 for
+    # Idefics3-8B: 4 here), each tile the tower's size
+    return {"size": {"longest_edge": 4 * side}, "max_image_size": {"longest_edge": side}}
+
+
+def _idefics_seq(c: Any) -> dict[str, Any]:
+    v = c.vision_config
+    return {"image_seq_len": (_side(v.image_size) // _side(v.patch_size)) ** 2 // int(c.scale_factor) ** 2}
+
+
+_IDEFICS_TOKENS: tuple[tuple[str | None, str, str | None], ...] = (
+    ("image_token", "<image>", "image_token_id"),
+    ("fake_image_token", "<fake_token_around_image>", None),
+    ("global_image_token", "<global-img>", None),
+    ("end_of_utterance_token", "<end_of_utterance>", None),
+    *((None, f"<row_{i + 1}_col_{j + 1}>", None) for i in range(6) for j in range(6)),
+)
+
+_LLAVA_TOKENS: tuple[tuple[str | None, str, str | None], ...] = (
+    ("image_token", "<image>", "image_token_index"),
+)
+
+
+def _llava(c: Any) -> dict[str, Any]:
+    v = c.vision_config
+    return {
+        "patch_size": int(v.patch_size),
+        "vision_feature_select_strategy": c.vision_feature_select_strategy,
+        "num_additional_image_tokens": 1,  # CLIP's class token (llava-hf's processor_config.json)
+    }
+
+
+def _clip_image(c: Any) -> dict[str, Any]:
+    side = _side(c.vision_config.image_size)
+    return {"size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side}}
+
+
+VISION_FAMILIES: dict[str, VisionFamily] = {
+    "qwen2_vl": _qwen("Qwen2-VL", "Qwen2VLProcessor", _QWEN2),
+    "qwen2_5_vl": _qwen("Qwen2.5-VL", "Qwen2_5_VLProcessor", _QWEN2),
+    "qwen3_vl": _qwen("Qwen3-VL", "Qwen3VLProcessor", _QWEN3),
+    "qwen3_vl_moe": _qwen("Qwen3-VL-MoE", "Qwen3VLProcessor", _QWEN3),
+    "qwen3_5": _qwen("Qwen3.5", "Qwen3VLProcessor", _QWEN3),
+    "qwen3_5_moe": _qwen("Qwen3.5-MoE", "Qwen3VLProcessor", _QWEN3),
+    "glm4v": VisionFamily(
+        name="GLM-4V",
+        processor="Glm4vProcessor",
+        image_processor="Glm4vImageProcessorPil",
+        tokens=(
+            ("image_token", "<|image|>", "image_token_id"),
+            ("video_token", "<|video|>", "video_token_id"),
+            (None, "<|begin_of_image|>", "image_start_token_id"),
+            (None, "<|end_of_image|>", "image_end_token_id"),
+            (None, "<|begin_of_video|>", "video_start_token_id"),
+            (None, "<|end_of_video|>", "video_end_token_id"),
+        ),
+        placeholder="<|begin_of_image|><|image|><|end_of_image|>",
+        image_processor_kwargs=lambda c: {
+            "patch_size": int(c.vision_config.patch_size),
+            "merge_size": int(c.vision_config.spatial_merge_size),
+            "temporal_patch_size": int(c.vision_config.temporal_patch_size),
+        },
+    ),
+    "gemma3": VisionFamily(
+        name="Gemma 3",
+        processor="Gemma3Processor",
+        image_processor="Gemma3ImageProcessorPil",
+        tokens=(
+            ("image_token", "<image_soft_token>", "image_token_index"),
+            ("boi_token", "<start_of_image>", "boi_token_index"),
+            ("eoi_token", "<end_of_image>", "eoi_token_index"),
+        ),
+        placeholder="<start_of_image>",
+        image_processor_kwargs=lambda c: {"size": _square(c)},
+        processor_kwargs=lambda c: {"image_seq_length": int(c.mm_tokens_per_image)},
+    ),
+    "paligemma": VisionFamily(
+        name="PaliGemma",
+        processor="PaliGemmaProcessor",
+        image_processor="SiglipImageProcessorPil",
+        tokens=(("image_token", "<image>", "image_token_index"), ("bos_token", "<bos>", None)),
+        placeholder="<image>",
+        image_processor_kwargs=lambda c: {"size": _square(c)},
+    ),
+    "llava": VisionFamily(
+        name="LLaVA",
+        processor="LlavaProcessor",
+        image_processor="LlavaImageProcessorPil",
+        tokens=_LLAVA_TOKENS,
+        placeholder="<image>",
+        image_processor_kwargs=_clip_image,
+        processor_kwargs=_llava,
+    ),
+    "llava_next": VisionFamily(
+        name="LLaVA-NeXT",
+        processor="LlavaNextProcessor",
+        image_processor="LlavaNextImageProcessorPil",
+        tokens=_LLAVA_TOKENS,
+        placeholder="<image>",
+        image_processor_kwargs=lambda c: {**_clip_image(c), "image_grid_pinpoints": c.image_grid_pinpoints},
+        processor_kwargs=_llava,
+    ),
+    "mistral3": VisionFamily(
+        name="Mistral 3",
+        processor="PixtralProcessor",
+        image_processor="PixtralImageProcessorPil",
+        tokens=(
+            ("image_token", "[IMG]", "image_token_index"),
+            ("image_break_token", "[IMG_BREAK]", None),
+            ("image_end_token", "[IMG_END]", None),
+        ),
+        placeholder="[IMG]",
+        image_processor_kwargs=lambda c: {
+            "size": {"longest_edge": _side(c.vision_config.image_size)},
+            "patch_size": {
+                "height": int(c.vision_config.patch_size),
+                "width": int(c.vision_config.patch_size),
+            },
+        },
+        processor_kwargs=lambda c: {
+            "patch_size": int(c.vision_config.patch_size),
+            "spatial_merge_size": int(c.spatial_merge_size),
+        },
+        needs=("torchvision",),
+    ),
+    "mllama": VisionFamily(
+        name="Mllama",
+        processor="MllamaProcessor",
+        image_processor="MllamaImageProcessorPil",
+        tokens=(
+            ("image_token", "<|image|>", "image_token_index"),
+            (None, "<|python_tag|>", None),
+            ("bos_token", "<|begin_of_text|>", None),
+        ),
+        placeholder="<|image|>",
+        image_processor_kwargs=lambda c: {
+            "size": _square(c),
+            "max_image_tiles": int(c.vision_config.max_num_tiles),
+        },
+        nested_images=True,
+    ),
+    "idefics3": VisionFamily(
+        name="Idefics3",
+        processor="Idefics3Processor",
+        image_processor="Idefics3ImageProcessorPil",
+        tokens=_IDEFICS_TOKENS,
+        placeholder="<image>",
+        image_processor_kwargs=_idefics_image,
+        processor_kwargs=_idefics_seq,
+        projector=("connector",),
+        nested_images=True,
+    ),
+    "smolvlm": VisionFamily(
+        name="SmolVLM",
+        processor="SmolVLMProcessor",
+        image_processor="SmolVLMImageProcessorPil",
+        tokens=_IDEFICS_TOKENS,
+        placeholder="<image>",
+        image_processor_kwargs=_idefics_image,
+        processor_kwargs=_idefics_seq,
+        projector=("connector",),
+        nested_images=True,
+        needs=("num2words",),
+    ),
+    "internvl": VisionFamily(
+        name="InternVL",
+        processor="InternVLProcessor",
+        image_processor="GotOcr2ImageProcessorPil",
+        tokens=(
+            ("context_image_token", "<IMG_CONTEXT>", "image_token_id"),
+            ("start_image_token", "<img>", None),
+            ("end_image_token", "</img>", None),
+            ("video_token", "<video>", None),
+        ),
+        placeholder="<IMG_CONTEXT>",
+        image_processor_kwargs=lambda c: {"size": _square(c), "crop_to_patches": True},
+        processor_kwargs=lambda c: {
+            "image_seq_length": int(
+                (_side(c.vision_config.image_size) // _side(c.vision_config.patch_size)) ** 2
+                * float(c.downsample_ratio) ** 2
+            )
+        },
+    ),
+}
+"""Every vision-language ``model_type`` vramguard builds rows for, by its processor (the Hub's processor of the
+family's reference checkpoints: Qwen/Qwen2-VL-7B-Instruct, Qwen/Qwen3-VL-8B-Instruct, google/gemma-3-4b-it,
+llava-hf/llava-1.5-7b-hf, llava-hf/llava-v1.6-mistral-7b-hf, meta-llama/Llama-3.2-11B-Vision, HuggingFaceM4/Idefics3-8B-Llama3,
+HuggingFaceTB/SmolVLM-Instruct, google/paligemma-3b-pt-224, mistralai/Mistral-Small-3.1-24B-Instruct-2503,
+OpenGVLab/InternVL3-1B-hf, THUDM/GLM-4.1V-9B-Thinking)."""
+
+VIDEO_ATTRIBUTES = ("video_processor",)
+
+
+def is_vision_config(data: dict[str, Any]) -> bool:
+    """Whether a ``config.json`` dict is a vision-language model's: it has a ``vision_config``, or its
+    ``model_type`` is one of :data:`VISION_FAMILIES`."""
+    return isinstance(data.get("vision_config"), dict) or data.get("model_type") in VISION_FAMILIES
+
+
+def family_of(model_type: str) -> VisionFamily:
+    """The :class:`VisionFamily` of ``model_type`` (UsageError naming the known ones when there is none)."""
+    try:
+        return VISION_FAMILIES[model_type]
+    except KeyError:
+        raise UsageError(
+            f"model_type {model_type!r} is a vision-language model vramguard makes no image inputs for "
+            f"(known: {', '.join(sorted(VISION_FAMILIES))})"
+        ) from None
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """The shapes of a vision-language config: its language model's (``text``, the fields a text model's
+    :class:`~vramguard.workload.models.ModelSpec` has) and its vision tower's (``vision``: layers, hidden size,
+    heads, patch size)."""
+
+    model_type: str
+    text: dict[str, Any]
+    vision: dict[str, int]
+
+
+_TEXT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_VISION_KEYS = {
+    "layers": ("depth", "num_hidden_layers"),
+    "hidden_size": ("hidden_size", "embed_dim"),
+    "heads": ("num_heads", "num_attention_heads", "attention_heads"),
+    "patch_size": ("patch_size",),
+}
+
+
+def vision_shape(path: Path | str, config: Any) -> VisionShape:
+    """The :class:`VisionShape` of a transformers vision-language config; a missing or non-positive size is a
+    one-line UsageError naming the sub-config and key (never the text model's ``vocab_size ... None``)."""
+    text = config.get_text_config(decoder=True)
+    vision = getattr(config, "vision_config", None)
+    if text is None or text is config or vision is None:
+        raise UsageError(f"model config {path}: a vision-language config needs text_config and vision_config")
+    fields: dict[str, Any] = {}
+    for key in _TEXT_KEYS:
+        value = getattr(text, key, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise UsageError(
+                f"model config {path}: text_config.{key} must be a positive integer, got {value!r}"
+            )
+        fields[key] = value
+    kv = getattr(text, "num_key_value_heads", None) or fields["num_attention_heads"]
+    fields["num_key_value_heads"] = kv
+    head_dim = getattr(text, "head_dim", None) or fields["hidden_size"] // fields["num_attention_heads"]
+    fields["head_dim"] = head_dim
+    fields["tie_word_embeddings"] = bool(getattr(config, "tie_word_embeddings", False))
+    shapes: dict[str, int] = {}
+    for key, names in _VISION_KEYS.items():
+        value = _get(vision, *names)
+        value = _side(value) if isinstance(value, (list, tuple)) and value else value
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise UsageError(
+                f"model config {path}: vision_config.{names[0]} must be a positive integer, got {value!r}"
+            )
+        shapes[key] = value
+    return VisionShape(model_type=config.model_type, text=fields, vision=shapes)
+
+
+def image_text_class(hf_config: Any) -> Any:
+    """The ``AutoModelForImageTextToText`` class of a transformers config (UsageError when there is none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    try:
+        return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(hf_config)]
+    except KeyError:
+        raise UsageError(
+            f"model_type {hf_config.model_type!r} has no image-text-to-text model class in transformers"
+        ) from None
+
+
+_SIZE = re.compile(r"\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*")
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """``HxW`` (height by width, in pixels) as ``(height, width)``; anything else is a UsageError."""
+    m = _SIZE.fullmatch(text) if isinstance(text, str) else None
+    if m is None:
+        raise UsageError(f"image size must be HxW in pixels (e.g. 448x448), got {text!r}")
+    h, w = int(m.group(1)), int(m.group(2))
+    if not (0 < h <= MAX_IMAGE_SIDE and 0 < w <= MAX_IMAGE_SIDE):
+        raise UsageError(f"image size sides must be between 1 and {MAX_IMAGE_SIDE} pixels, got {h}x{w}")
+    return h, w
+
+
+FILLER = "w"
+"""The one word of text the rows are filled with (a token of its own in :func:`row_tokenizer`)."""
+
+
+def token_ids(family: VisionFamily, hf_config: Any, vocab_size: int) -> dict[str, int]:
+    """The id of every special token the family's processor writes: the model config's where it names one
+    (``image_token_id``, ``vision_start_token_id``, ...), else a free id counted down from the vocabulary's end.
+    Ids 0 and 1 are the tokenizer's unknown token and :data:`FILLER`."""
+    ids: dict[str, int] = {}
+    for _attr, text, key in family.tokens:
+        if key is not None:
+            value = getattr(hf_config, key, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                if not 2 <= value < vocab_size:
+                    raise UsageError(
+                        f"{family.name} config: {key} {value} is outside the language model's vocabulary "
+                        f"(2 to {vocab_size - 1} here)"
+                    )
+                if value in ids.values():
+                    raise UsageError(f"{family.name} config: {key} {value} is another special token's id too")
+                ids[text] = value
+    free = vocab_size - 1
+    for _attr, text, _key in family.tokens:
+        if text in ids:
+            continue
+        while free in ids.values():
+            free -= 1
+        if free < 2:
+            raise UsageError(
+                f"{family.name} config: the vocabulary is too small for the processor's special tokens"
+            )
+        ids[text] = free
+        free -= 1
+    return ids
+
+
+IMAGE_TOKEN_ATTRIBUTES = ("image_token", "context_image_token")
+"""The tokenizer attribute of the token an image's features replace (InternVL calls it the context token; Gemma 3's
+processor names ``boi_token`` its ``image_token``, but the features go in its tokenizer's ``image_token``)."""
+
+
+def image_token_id(family: VisionFamily, hf_config: Any, vocab_size: int) -> int:
+    """The id of the token whose positions take the image features (what the model config names)."""
+    text = next(text for attr, text, _ in family.tokens if attr in IMAGE_TOKEN_ATTRIBUTES)
+    return token_ids(family, hf_config, vocab_size)[text]
+
+
+def row_tokenizer(family: VisionFamily, ids: dict[str, int]) -> Any:
+    """A word-level tokenizer (the ``tokenizers`` library's, wrapped as transformers' fast tokenizer) whose
+    special tokens are the family's, with ``ids``, and the attributes its processor reads (``image_token``,
+    ``boi_token``, ...); every other word is one token (:data:`FILLER`)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, FILLER: 1, **ids}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    named = {
+        attr: text
+        for attr, text, _key in family.tokens
+        if attr is not None and not attr.endswith("bos_token")
+    }
+    extra: dict[str, Any] = {}
+    bos = next((text for attr, text, _ in family.tokens if attr == "bos_token"), None)
+    if bos is not None:
+        extra["bos_token"] = bos
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", extra_special_tokens=named, **extra
+    )
+    tok.add_special_tokens({"additional_special_tokens": [t for t in ids if t != bos]})
+    return tok
+
+
+def _without_video(cls: type) -> type:
+    """``cls`` (a processor class) without its video sub-processor: transformers' video processors need
+    torchvision, and no image row reads them. Everything else (the image processor, the placeholder
+    expansion, the token type ids) is ``cls``'s own code."""
+    from transformers.processing_utils import ProcessorMixin
+
+    attributes = [a for a in cls.get_attributes() if a not in VIDEO_ATTRIBUTES]
+    if attributes == cls.get_attributes():
+        return cls
+
+    class ImageOnly(cls):  # type: ignore[misc, valid-type]
+        @classmethod
+        def get_attributes(klass) -> list[str]:
+            return attributes
+
+    ImageOnly.__name__ = ImageOnly.__qualname__ = cls.__name__
+    assert issubclass(ImageOnly, ProcessorMixin)
+    return ImageOnly
+
+
+def family_processor(family: VisionFamily, hf_config: Any, vocab_size: int) -> Any:
+    """The family's processor for ``hf_config``: its own processor and image processor classes, with the
+    settings its Hub checkpoints' processor files hold (:class:`VisionFamily`), and :func:`row_tokenizer`."""
+    import importlib.util
+
+    import transformers
+
+    for package in family.needs:
+        if importlib.util.find_spec(package) is None:
+            raise UsageError(
+                f"{family.name}'s processor ({family.processor}) needs the {package} package: pip install {package}"
+            )
+    ids = token_ids(family, hf_config, vocab_size)
+    image_cls = getattr(transformers, family.image_processor)
+    processor_cls = _without_video(getattr(transformers, family.processor))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        image_processor = image_cls(**family.image_processor_kwargs(hf_config))
+        if family.processor == "PaliGemmaProcessor":  # its processor reads the count off the image processor
+            v = hf_config.vision_config
+            image_processor.image_seq_length = (_side(v.image_size) // _side(v.patch_size)) ** 2
+        return processor_cls(
+            image_processor=image_processor,
+            tokenizer=row_tokenizer(family, ids),
+            **family.processor_kwargs(hf_config),
+        )
+
+
+def synthetic_image(height: int, width: int, seed: int) -> Any:
+    """An RGB PIL image of ``height`` x ``width`` pixels of noise, deterministic in ``seed``."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed % (1 << 63))
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+
+
+@dataclass
+class ImageRows:
+    """A batch of vision-language rows as the family's processor made them, with how many tokens each image took."""
+
+    inputs: dict[str, Any]
+    image_tokens: int
+    """Placeholder tokens of the row's images (the image token's count in one row)."""
+    text_tokens: int
+
+    @property
+    def layout(self) -> str:
+        """The image inputs the processor made, by name and shape (Qwen's grid by value)."""
+        parts = []
+        for k, v in self.inputs.items():
+            if k in _ROW_KEYS or not isinstance(v, torch.Tensor):
+                continue
+            parts.append(
+                f"{k} {v.tolist()}" if k.endswith("grid_thw") else f"{k} {'x'.join(map(str, v.shape))}"
+            )
+        return ", ".join(parts) or "no image inputs"
+
+
+_ROW_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
+
+
+def _process(processor: Any, images: list[Any] | None, texts: list[str]) -> dict[str, Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return dict(processor(images=images, text=texts, return_tensors="pt"))
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            what = "these images" if images else "text-only rows"
+            raise UsageError(f"{type(processor).__name__} refuses {what}: {first_line(exc)}") from None
+
+
+def image_rows(
+    family: VisionFamily,
+    hf_config: Any,
+    vocab_size: int,
+    image_size: tuple[int, int] | None,
+    seq_len: int,
+    batch: int = 1,
+    images_per_row: int = 1,
+    seed: int = 0,
+) -> ImageRows:
+    """``batch`` rows of exactly ``seq_len`` tokens each (``--seq-len`` is the whole row, image tokens included,
+    as TRL's ``max_length`` counts it): ``images_per_row`` images of ``image_size`` (height, width), each as the
+    family's processor expands it, then :data:`FILLER` text to the row's length. Made by the family's processor:
+    its ``input_ids`` and ``attention_mask``, every image input its forward reads, and ``labels`` (the
+    ``input_ids``, the image tokens masked with -100 as TRL's vision collator masks them). A row the images alone
+    overflow is a UsageError naming their token count. ``image_size`` None: text-only rows (no image inputs)."""
+    processor = family_processor(family, hf_config, vocab_size)
+    image_id = image_token_id(family, hf_config, vocab_size)
+    if image_size is None:  # what the processor adds to a text (PaliGemma's bos and newline) counts too
+        extra = int(_process(processor, None, [FILLER])["input_ids"].shape[-1]) - 1
+        if seq_len <= extra:
+            raise UsageError(f"{family.name}'s processor adds {extra} tokens to a row: seq-len must be more")
+        inputs = _process(processor, None, [" ".join([FILLER] * (seq_len - extra))] * batch)
+        inputs["labels"] = inputs["input_ids"].clone()
+        return ImageRows(inputs=inputs, image_tokens=0, text_tokens=int(inputs["input_ids"].shape[-1]))
+    if not 0 < images_per_row <= MAX_IMAGES_PER_ROW:
+        raise UsageError(f"images per row must be between 1 and {MAX_IMAGES_PER_ROW}, got {images_per_row}")
+    h, w = image_size
+    image = synthetic_image(h, w, seed)
+    prompt = family.placeholder * images_per_row
+    bare = _process(processor, [image] * images_per_row, [prompt])
+    used = int(bare["input_ids"].shape[-1])
+    image_tokens = int((bare["input_ids"] == image_id).sum())
+    if used > seq_len:
+        raise UsageError(
+            f"{images_per_row} image(s) of {h}x{w} take {used} tokens in {family.name}'s rows ({image_tokens} image "
+            f"tokens), more than seq-len {seq_len}: raise seq-len or lower the image size"
+        )
+    text = prompt + (" " + " ".join([FILLER] * (seq_len - used)) if seq_len > used else "")
+    images = [synthetic_image(h, w, seed + b) for b in range(batch) for _ in range(images_per_row)]
+    if family.nested_images:
+        images = [images[b * images_per_row : (b + 1) * images_per_row] for b in range(batch)]
+    inputs = _process(processor, images, [text] * batch)
+    got = int(inputs["input_ids"].shape[-1])
+    if (
+        got != seq_len
+    ):  # the processor's own rows must come out as asked: a check of this code, not of the user's
+        raise UsageError(f"{family.name}'s processor made rows of {got} tokens for seq-len {seq_len}")
+    labels = inputs["input_ids"].clone()
+    labels[labels == image_id] = -100
+    inputs["labels"] = labels
+    return ImageRows(inputs=inputs, image_tokens=image_tokens, text_tokens=seq_len - image_tokens)
+
+
+@dataclass
+class VisionQLoRAModel:
+    """A PEFT-wrapped 4-bit vision-language model (:func:`build_vision_qlora`) with the rows it trains on: a
+    :class:`~vramguard.workload.models.QLoRAModel` whose :meth:`batch` is the family processor's image rows."""
+
+    q: Any  # the QLoRAModel
+    family: VisionFamily
+    rows: ImageRows
+    image_size: tuple[int, int] | None
+    images_per_row: int
+
+
+def load_vision_config(path: str | Path) -> tuple[Any, dict[str, Any]]:
+    """(the transformers config, the ``config.json`` dict) of a vision-language config file; a file that is no
+    vision-language config transformers knows is a one-line UsageError."""
+    import json
+
+    from vramguard.workload.families import transformers_config
+    from vramguard.workload.models import MAX_CONFIG_BYTES, read_at_most
+
+    try:
+        data = json.loads(read_at_most(Path(path), MAX_CONFIG_BYTES + 1).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise UsageError(f"cannot read model config {path}: {first_line(exc)}") from None
+    if not isinstance(data, dict) or not is_vision_config(data):
+        raise UsageError(f"model config {path} is no vision-language config (no vision_config)")
+    try:
+        config = transformers_config(data)
+    except Exception as exc:  # noqa: BLE001  (transformers' own validation, one line)
+        raise UsageError(f"model config {path}: {first_line(exc)}") from None
+    return config, data
+
+
+@dataclass
+class VisionSetup:
+    """What the real build (:func:`build_vision_qlora`) and the meta one (:mod:`vramguard.estimate.vision`) of a
+    vision-language config share: the resolved model, its family and shapes, the model class, the attention it
+    runs and the processor's rows."""
+
+    spec: Any  # the ModelSpec
+    hf_config: Any
+    family: VisionFamily
+    shape: VisionShape
+    model_class: Any
+    attn: str
+    rows: ImageRows
+    image_size: tuple[int, int] | None
+    images_per_row: int
+
+    @property
+    def name(self) -> str:
+        """The model's name (the config file's stem, a preset's or a Hub id)."""
+        return str(self.spec.name)
+
+    def line(self) -> str:
+        """What a row is, in one line (the build's note)."""
+        r = self.rows
+        if self.image_size is None:
+            return (
+                f"vision-language model ({self.family.name}): text-only rows of {r.text_tokens} tokens (no "
+                "--image-size): the vision tower and projector hold weights and run nothing"
+            )
+        h, w = self.image_size
+        return (
+            f"vision-language model ({self.family.name}): {self.images_per_row} image(s) of {h}x{w} a row, "
+            f"{r.image_tokens} image tokens as its processor makes them ({self.family.processor}, "
+            f"{self.family.image_processor}: {r.layout}) + {r.text_tokens} text tokens = seq-len "
+            f"{r.image_tokens + r.text_tokens}"
+        )
+
+
+def is_vision_spec(spec: Any) -> bool:
+    """Whether a resolved model (:class:`~vramguard.workload.models.ModelSpec`) is a vision-language model."""
+    return spec.hf is not None and is_vision_config(spec.hf)
+
+
+def vision_setup(
+    config: Any,
+    image_size: tuple[int, int] | None = None,
+    images_per_row: int | None = None,
+    spec: Any = None,
+) -> VisionSetup:
+    """The :class:`VisionSetup` of ``config`` (a :class:`~vramguard.workload.models.QLoRAConfig` whose model is a
+    vision-language config; ``spec``: that model resolved). ``image_size`` and ``images_per_row`` default to the
+    config's (``--image-size``, ``--images-per-row``; no image size: text-only rows). A bad config or a processor
+    that cannot run here is one line."""
+    config.validate()
+    spec = spec if spec is not None else config.spec
+    if image_size is None and config.image_size:
+        image_size = parse_image_size(config.image_size)
+    if images_per_row is None:
+        images_per_row = config.images_per_row
+    hf_config = spec.transformers_config()
+    family = family_of(hf_config.model_type)
+    shape = vision_shape(spec.name, hf_config)
+    model_class = image_text_class(hf_config)
+    rows = image_rows(
+        family,
+        hf_config,
+        shape.text["vocab_size"],
+        image_size,
+        config.seq_len,
+        config.batch,
+        images_per_row if image_size is not None else 0,
+        config.seed,
+    )
+    attn = config.attn_implementation
+    if attn == "flash_attention_2":
+        raise UsageError("vision-language models are measured with sdpa or eager attention for now")
+    if config.target_modules == "peft-default":
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+        if hf_config.model_type not in PEFT_DEFAULTS:
+            raise UsageError(
+                f"PEFT has no default target modules for {hf_config.model_type} (peft-default, TRL's default): "
+                "name them, e.g. --target-modules all-linear (LoRA in the vision tower too)"
+            )
+    if config.padding_free or config.use_liger_kernel:
+        raise UsageError("vision-language models are not priced padding-free or with Liger's kernels yet")
+    if attn == "sdpa" and not getattr(model_class, "_supports_sdpa", False):
+        attn = "eager"
+    hf_config._attn_implementation = attn
+    return VisionSetup(
+        spec,
+        hf_config,
+        family,
+        shape,
+        model_class,
+        attn,
+        rows,
+        image_size,
+        images_per_row if image_size else 0,
+    )
+
+
+def image_text_model(setup: VisionSetup, model: torch.nn.Module, config: Any, inputs: dict[str, Any]) -> Any:
+    """The :class:`~vramguard.workload.models.QLoRAModel` of a built vision-language ``model`` whose
+    :meth:`batch` is ``inputs`` (the same images every step: a step's bytes depend on their sizes only) and whose
+    ``vision`` is ``setup``."""
+    from vramguard.workload.models import QLoRAModel
+
+    class ImageTextModel(QLoRAModel):
+        vision = setup
+        one_sequence_per_row = True  # (the meta run's question: the rows pass no position ids)
+
+        def batch(self, step: int = 0) -> dict[str, Any]:
+            """The processor's rows."""
+            return dict(inputs)
+
+    notes = (
+        (setup.line(),)
+        if setup.attn == config.attn_implementation
+        else (
+            setup.line(),
+            f"{setup.model_class.__name__} has no sdpa attention in transformers: it ran eager attention",
+        )
+    )
+    return ImageTextModel(
+        model=model, spec=setup.spec, config=config, attn_implementation=setup.attn, notes=notes
+    )
+
+
+def build_vision_qlora(
+    config: Any,
+    image_size: tuple[int, int] | None = None,
+    images_per_row: int | None = None,
+    spec: Any = None,
+) -> VisionQLoRAModel:
+    """A vision-language model as users load it for QLoRA: random weights written to a temporary checkpoint,
+    ``AutoModelForImageTextToText.from_pretrained`` of it with the ``BitsAndBytesConfig`` of ``config`` (a
+    :class:`~vramguard.workload.models.QLoRAConfig`: 4-bit, its quant type and compute dtype), PEFT's
+    ``prepare_model_for_kbit_training`` and ``get_peft_model`` with its LoRA (``all-linear`` by default, which
+    includes the vision tower and projector, as bitsandbytes quantizes them), and the family processor's rows of
+    ``config.seq_len`` tokens (:func:`image_rows`) as its batch."""
+    from transformers.utils import logging as hf_logging
+
+    from vramguard.workload.models import (
+        BUILD_ERRORS,
+        bnb_4bit_config,
+        build_error,
+        parse_dtype,
+        prepare_for_training,
+        with_lora,
+    )
+
+    setup = vision_setup(config, image_size, images_per_row, spec)
+    compute_dtype = parse_dtype(config.compute_dtype)
+    torch.manual_seed(config.seed)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory(prefix="vramguard-vlm-") as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            random_model = setup.model_class(setup.hf_config)
+        except BUILD_ERRORS as exc:
+            raise UsageError(f"transformers cannot build {setup.name}: {build_error(exc)}") from None
+        random_model.save_pretrained(tmp)
+        del random_model
+        model = setup.model_class.from_pretrained(
+            tmp,
+            quantization_config=bnb_4bit_config(config),
+            device_map={"": config.device},
+            dtype=compute_dtype,
+            attn_implementation=setup.attn,
+        )
+        model = prepare_for_training(model, config)
+        model = with_lora(model, config)
+    model.train()
+    model.config.use_cache = False
+    device = torch.device(config.device)
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in setup.rows.inputs.items()}
+    q = image_text_model(setup, model, config, inputs)
+    return VisionQLoRAModel(
+        q=q,
+        family=setup.family,
+        rows=setup.rows,
+        image_size=setup.image_size,
+        images_per_row=setup.images_per_row,
+    )
+
+
+def saved_by_stack(records: Any, family: VisionFamily) -> dict[str, int]:
+    """Saved bytes of a ledger's records (:class:`~vramguard.measure.ledger.SavedRecord`) per stack
+    (:data:`STACKS`), each record under the stack of the module that saved it."""
+    out = dict.fromkeys(STACKS, 0)
+    for r in records:
+        out[family.stack_of(r.module)] += r.bytes
+    return out
+
+
+__all__ = [
+    "STACKS",
+    "VISION_FAMILIES",
+    "ImageRows",
+    "VisionFamily",
+    "VisionQLoRAModel",
+    "VisionSetup",
+    "VisionShape",
+    "build_vision_qlora",
+    "family_of",
+    "family_processor",
+    "image_rows",
+    "image_text_class",
+    "image_text_model",
+    "is_vision_config",
+    "is_vision_spec",
+    "load_vision_config",
+    "parse_image_size",
+    "row_tokenizer",
+    "saved_by_stack",
+    "synthetic_image",
+    "token_ids",
+    "vision_setup",
+    "vision_shape",
+]

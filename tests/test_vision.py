@@ -1,0 +1,549 @@
+"""Vision-language models (issue 45): shapes from text_config / vision_config, rows made by each family's own
+processor, and a real QLoRA step (from_pretrained with BitsAndBytesConfig, PEFT all-linear) whose saved bytes
+vramguard's ledger counts as an independent hook-and-ctx count (tests/saved_count.py) does, byte for byte."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from saved_count import independent_saved_bytes, saved_storages
+
+from vramguard.errors import UsageError
+from vramguard.measure.ledger import SavedTensorLedger
+from vramguard.workload.models import PRESETS_DIR, ModelSpec, QLoRAConfig
+from vramguard.workload.vision import (
+    STACKS,
+    VISION_FAMILIES,
+    build_vision_qlora,
+    family_of,
+    family_processor,
+    image_rows,
+    image_text_class,
+    is_vision_config,
+    load_vision_config,
+    parse_image_size,
+    vision_shape,
+)
+
+VLM = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "vlm"
+FIXTURES = {p.stem.removeprefix("tiny-"): p for p in sorted(VLM.glob("tiny-*.json"))}
+"""One tiny config per family: text hidden 64, 2 layers; vision hidden 64, 2 layers (vocab 512)."""
+
+
+def _config(name: str, seq: int = 128, **kw: object) -> QLoRAConfig:
+    return QLoRAConfig(model=str(FIXTURES[name]), seq_len=seq, batch=1, **kw)  # type: ignore[arg-type]
+
+
+# -- config reading -------------------------------------------------------------------------------
+
+
+def test_every_family_has_a_tiny_config_and_a_processor() -> None:
+    """The 14 families of issue 45 and Qwen3-VL-MoE (and Qwen3.5-MoE's processor, shared with Qwen3.5)."""
+    types = {json.loads(p.read_text())["model_type"] for p in FIXTURES.values()}
+    assert len(types) == 15
+    assert types <= set(VISION_FAMILIES)
+
+
+def test_a_vision_config_resolves_to_its_language_models_shape() -> None:
+    """Issue 45: ModelSpec.load refused every vision-language config with "vocab_size must be a positive integer,
+    got None" (it read the top level); the shape is text_config's."""
+    spec = ModelSpec.load(str(FIXTURES["qwen2-vl"]))
+    assert spec.model_type == "qwen2_vl"
+    assert (spec.fields["vocab_size"], spec.fields["hidden_size"], spec.fields["num_hidden_layers"]) == (
+        512,
+        64,
+        2,
+    )
+    assert spec.fields["head_dim"] == 16
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "gemma3", "mllama", "internvl"])
+def test_shapes_come_from_text_and_vision_config(name: str) -> None:
+    data = json.loads(FIXTURES[name].read_text())
+    assert is_vision_config(data)
+    config, _ = load_vision_config(FIXTURES[name])
+    shape = vision_shape(FIXTURES[name], config)
+    assert shape.text["vocab_size"] == data["text_config"]["vocab_size"] == 512
+    assert shape.text["hidden_size"] == 64 and shape.text["num_hidden_layers"] == 2
+    assert shape.vision["layers"] == 2 and shape.vision["hidden_size"] == 64
+    assert image_text_class(config).__name__.endswith("ForConditionalGeneration")
+
+
+def test_a_missing_vision_size_names_the_sub_config(tmp_path: Path) -> None:
+    data = json.loads(FIXTURES["qwen2-vl"].read_text())
+    data["text_config"]["hidden_size"] = 0
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    config, _ = load_vision_config(path)
+    with pytest.raises(UsageError, match=r"text_config\.hidden_size must be a positive integer, got 0"):
+        vision_shape(path, config)
+
+
+def test_text_config_is_no_vision_config(tmp_path: Path) -> None:
+    path = tmp_path / "text.json"
+    path.write_text((PRESETS_DIR / "tiny-qwen3.json").read_text())
+    with pytest.raises(UsageError, match="no vision-language config"):
+        load_vision_config(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("448", "HxW"), ("0x448", "between 1"), ("448x99999", "between 1"), ("axb", "HxW"), ("", "HxW")],
+)
+def test_bad_image_sizes_are_one_line(text: str, message: str) -> None:
+    with pytest.raises(UsageError, match=message) as err:
+        parse_image_size(text)
+    assert "\n" not in str(err.value)
+
+
+def test_image_sizes_parse() -> None:
+    assert parse_image_size("448x336") == (448, 336)
+    assert parse_image_size(" 56 X 112 ") == (56, 112)
+
+
+# -- rows made by the families' processors -------------------------------------------------------
+
+
+def _rows(name: str, size: tuple[int, int], seq: int = 256, images: int = 1):  # type: ignore[no-untyped-def]
+    config, _ = load_vision_config(FIXTURES[name])
+    family = family_of(config.model_type)
+    return config, image_rows(family, config, 512, size, seq, images_per_row=images)
+
+
+@pytest.mark.parametrize(("size", "grid"), [((56, 56), (4, 4)), ((112, 84), (8, 6)), ((100, 300), (8, 22))])
+def test_qwen2_vl_image_tokens_are_the_processors_grid(size: tuple[int, int], grid: tuple[int, int]) -> None:
+    """Qwen2-VL: the image is resized to multiples of patch x merge (28) and takes (h/14 x w/14) / 4 tokens;
+    the grid is the processor's (image_grid_thw), the row exactly seq-len long with mm_token_type_ids."""
+    config, rows = _rows("qwen2-vl", size)
+    thw = rows.inputs["image_grid_thw"].tolist()
+    assert thw == [[1, *grid]]
+    assert rows.image_tokens == grid[0] * grid[1] // 4
+    ids = rows.inputs["input_ids"]
+    assert ids.shape == (1, 256)
+    assert int((ids == config.image_token_id).sum()) == rows.image_tokens
+    assert int(rows.inputs["mm_token_type_ids"].sum()) == rows.image_tokens  # 1 on image tokens
+    assert rows.inputs["pixel_values"].shape[0] == grid[0] * grid[1]
+    assert (rows.inputs["labels"] == -100).sum() == rows.image_tokens
+
+
+def test_qwen3_vl_min_pixels_upscale_small_images() -> None:
+    """Qwen3-VL's processor keeps at least 65,536 pixels (256 x 256 at patch 16): a 56x56 image takes 64 tokens,
+    as many as a 256x256 one; 512x512 takes 256."""
+    assert _rows("qwen3-vl", (56, 56))[1].image_tokens == 64
+    assert _rows("qwen3-vl", (256, 256))[1].image_tokens == 64
+    assert _rows("qwen3-vl", (512, 512), seq=512)[1].image_tokens == 256
+
+
+def test_fixed_size_families_ignore_the_image_size() -> None:
+    """Gemma 3 takes mm_tokens_per_image whatever the image (no pan-and-scan by default); LLaVA its tower's
+    patches; LLaVA-NeXT adds tiles by the image's aspect (its grid pinpoints)."""
+    assert _rows("gemma3", (56, 56))[1].image_tokens == _rows("gemma3", (300, 120))[1].image_tokens == 16
+    assert _rows("llava", (56, 56))[1].image_tokens == _rows("llava", (300, 120))[1].image_tokens == 16
+    assert _rows("llava-next", (56, 56))[1].image_tokens < _rows("llava-next", (112, 112))[1].image_tokens
+
+
+def test_images_per_row_and_an_overflowing_row() -> None:
+    one = _rows("qwen2-vl", (112, 112))[1].image_tokens
+    assert _rows("qwen2-vl", (112, 112), images=3)[1].image_tokens == 3 * one
+    with pytest.raises(UsageError, match=r"take \d+ tokens .* more than seq-len 16"):
+        _rows("qwen2-vl", (112, 112), seq=16)
+
+
+def test_special_token_ids_must_fit_the_vocabulary_and_differ(tmp_path: Path) -> None:
+    data = json.loads(FIXTURES["qwen2-vl"].read_text())
+    for change, message in (
+        ({"image_token_id": 600}, "outside the language model's vocabulary"),
+        ({"vision_start_token_id": 500}, "another special token's id too"),
+    ):
+        path = tmp_path / "ids.json"
+        path.write_text(json.dumps({**data, **change}))
+        config, _ = load_vision_config(path)
+        with pytest.raises(UsageError, match=message):
+            image_rows(family_of("qwen2_vl"), config, 512, (56, 56), 64)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("num2words") is not None, reason="num2words is installed")
+def test_smolvlm_without_num2words_is_a_one_line_refusal() -> None:
+    config, _ = load_vision_config(FIXTURES["smolvlm"])
+    with pytest.raises(UsageError, match="needs the num2words package"):
+        family_processor(family_of("smolvlm"), config, 512)
+
+
+# -- a real QLoRA step, its ledger and an independent count --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen25() -> object:
+    """Tiny Qwen2.5-VL as users load it: from_pretrained with BitsAndBytesConfig (nf4, bf16), PEFT all-linear."""
+    return build_vision_qlora(_config("qwen2.5-vl", seq=128), (56, 56))
+
+
+def _ledger(model: torch.nn.Module, batch: dict) -> object:  # type: ignore[type-arg]
+    with SavedTensorLedger(model) as ledger:
+        out = model(**batch)
+        ledger.add_roots(out.loss)
+    out.loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    return ledger.report
+
+
+def test_the_vision_tower_is_4bit_and_has_lora(qwen25) -> None:  # type: ignore[no-untyped-def]
+    """bitsandbytes quantizes every nn.Linear but lm_head, the tower's and the merger's too, and all-linear puts
+    LoRA on them: what users of the usual recipe get."""
+    import bitsandbytes as bnb
+
+    stacks = {s: {"4bit": 0, "lora": 0} for s in STACKS}
+    for name, module in qwen25.q.model.named_modules():
+        stack = qwen25.family.stack_of(name)
+        stacks[stack]["4bit"] += isinstance(module, bnb.nn.Linear4bit)
+        stacks[stack]["lora"] += hasattr(module, "lora_A")
+    assert all(s["4bit"] > 0 and s["lora"] == s["4bit"] for s in stacks.values()), stacks
+    head = qwen25.q.model.get_base_model().lm_head
+    assert not isinstance(head, bnb.nn.Linear4bit)
+
+
+def test_ledger_equals_an_independent_count_at_two_image_sizes(qwen25) -> None:  # type: ignore[no-untyped-def]
+    """The ledger's saved bytes are the independent count's, and the vision tower's share grows with the image:
+    the same model, rows of 56x56 and 112x112 images from its processor."""
+    config, _ = load_vision_config(FIXTURES["qwen2.5-vl"])
+    shares = []
+    for size in ((56, 56), (112, 112)):
+        rows = image_rows(qwen25.family, config, 512, size, 128)
+        report = _ledger(qwen25.q.model, rows.inputs)
+        assert report.saved_bytes == independent_saved_bytes(qwen25.q.model, rows.inputs)
+        tower = sum(r.bytes for r in report.records if qwen25.family.stack_of(r.module) == "vision tower")
+        shares.append(tower / report.saved_bytes)
+    assert 0 < shares[0] < shares[1]
+
+
+def test_matmul4bit_keeps_only_the_packed_weight_on_ctx(qwen25) -> None:  # type: ignore[no-untyped-def]
+    """What the ctx walk of both counts finds here: bitsandbytes 0.50's MatMul4Bit keeps ``ctx.tensors = (None,
+    B)`` and its QuantState, all resident (older releases kept the input A there too, which no hook sees): on
+    this stack every saved activation goes through the hooks, and the walk adds nothing."""
+    from saved_count import _tensors, graph_nodes, resident_storages
+
+    resident = resident_storages(qwen25.q.model)
+    out = qwen25.q.model(**qwen25.q.batch())
+    nodes = [n for n in graph_nodes(out.loss.grad_fn) if type(n).__name__ == "MatMul4BitBackward"]
+    kept = [t for n in nodes for k, v in vars(n).items() if not k.startswith("_") for t in _tensors(v, 2)]
+    out.loss.backward()
+    for p in qwen25.q.model.parameters():
+        p.grad = None
+    assert len(nodes) > 20  # the 4-bit linears of the tower, the merger and the language model
+    assert kept and all(t.untyped_storage().data_ptr() in resident for t in kept)
+    batch = qwen25.q.batch()
+    with_ctx, loss = saved_storages(qwen25.q.model, batch)
+    loss.backward()
+    hooks_only, loss = saved_storages(qwen25.q.model, batch, walk_ctx=False)
+    loss.backward()
+    for p in qwen25.q.model.parameters():
+        p.grad = None
+    assert sum(with_ctx.values()) == sum(hooks_only.values())
+
+
+def test_one_step_trains_the_towers_lora(qwen25) -> None:  # type: ignore[no-untyped-def]
+    out = qwen25.q.model(**qwen25.q.batch())
+    assert math.isfinite(float(out.loss.detach()))
+    out.loss.backward()
+    grads = [  # (lora_A's gradients are zero at the first step: lora_B starts at zero)
+        p.grad
+        for n, p in qwen25.q.model.named_parameters()
+        if "lora_B" in n and qwen25.family.stack_of(n) == "vision tower"
+    ]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+    for p in qwen25.q.model.parameters():
+        p.grad = None
+
+
+def test_qwen3_vl_8b_preset_has_the_published_shape() -> None:
+    """The preset is Qwen/Qwen3-VL-8B-Instruct's config.json: 8.77B parameters built on meta; one 448x448 image is
+    (448/16)^2 / 4 = 196 tokens of a 512-token row."""
+    path = PRESETS_DIR / "qwen3-vl-8b.json"
+    config, _ = load_vision_config(path)
+    shape = vision_shape(path, config)
+    assert (shape.text["hidden_size"], shape.text["num_hidden_layers"], shape.vision["layers"]) == (
+        4096,
+        36,
+        27,
+    )
+    with torch.device("meta"):
+        model = image_text_class(config)(config)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 8.77
+    rows = image_rows(family_of("qwen3_vl"), config, shape.text["vocab_size"], (448, 448), 512)
+    assert rows.image_tokens == 196 and rows.inputs["input_ids"].shape == (1, 512)
+
+
+# -- every family (slow: about 3 s a family and size) ---------------------------------------------
+
+TWO_SIZES = {"qwen3-vl": ((256, 256), (512, 512)), "qwen3-vl-moe": ((256, 256), (512, 512))}
+TWO_SIZES |= {
+    "qwen3.5": TWO_SIZES["qwen3-vl"],
+    "idefics3": ((56, 56), (56, 112)),
+    "smolvlm": ((56, 56), (56, 112)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_every_family_steps_and_its_ledger_equals_the_independent_count(name: str) -> None:
+    """Each family's tiny config through the whole path at two image sizes; one that cannot run here is a
+    one-line refusal naming why (a processor's missing package)."""
+    family = family_of(json.loads(FIXTURES[name].read_text())["model_type"])
+    missing = [p for p in family.needs if importlib.util.find_spec(p) is None]
+    if missing:
+        with pytest.raises(UsageError, match=f"needs the {missing[0]} package"):
+            build_vision_qlora(_config(name, seq=640), (56, 56))
+        return
+    q = build_vision_qlora(_config(name, seq=640), TWO_SIZES.get(name, ((56, 56), (112, 112)))[0])
+    config, _ = load_vision_config(FIXTURES[name])
+    for size in TWO_SIZES.get(name, ((56, 56), (112, 112))):
+        rows = image_rows(q.family, config, 512, size, 640)
+        independent = independent_saved_bytes(q.q.model, rows.inputs)  # first: a fresh model's first forward
+        report = _ledger(q.q.model, rows.inputs)
+        assert report.saved_bytes == independent, (name, size)
+        by_stack = {s: 0 for s in STACKS}
+        for r in report.records:
+            by_stack[q.family.stack_of(r.module)] += r.bytes
+        assert by_stack["vision tower"] > 0 and by_stack["language model"] > 0, by_stack
+
+
+# -- the meta run -------------------------------------------------------------------------------
+
+
+def _figures(step: object) -> dict:  # type: ignore[type-arg]
+    d = step.to_dict()  # type: ignore[attr-defined]
+    del d["seconds"]
+    for s in d["steps"]:
+        del s["loss"]  # meta has no values
+    return d
+
+
+@pytest.mark.parametrize("size", [(56, 56), (112, 112)])
+def test_meta_step_equals_the_cpu_audit(size: tuple[int, int]) -> None:
+    """Two steps of tiny Qwen2.5-VL on meta (the image inputs' values carried: grid sizes, cu_seqlens, the
+    image tokens' positions) give the CPU audit's phase peaks, saved bytes per stack and retained bytes, to the
+    byte."""
+    from vramguard.estimate.vision import audit_vision_step, estimate_vision_step
+
+    config = _config("qwen2.5-vl")
+    audit = audit_vision_step(config, size)
+    assert _figures(estimate_vision_step(config, size, target="cpu")) == _figures(audit)
+    assert audit.by_stack["vision tower"] > 0
+
+
+def test_plain_meta_cannot_run_the_vision_tower() -> None:
+    """Without the carried values the tower stops at its first value read (what ImageValues answers)."""
+    from vramguard.estimate.vision import build_vision_meta
+
+    built, _values = build_vision_meta(_config("qwen2.5-vl"), (56, 56))
+    with pytest.raises(RuntimeError, match="meta"):
+        built.q.model(**built.q.batch())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_every_family_meta_step_equals_the_cpu_audit(name: str) -> None:
+    from vramguard.estimate.vision import audit_vision_step, estimate_vision_step
+
+    family = family_of(json.loads(FIXTURES[name].read_text())["model_type"])
+    if any(importlib.util.find_spec(p) is None for p in family.needs):
+        pytest.skip(f"{family.name}'s processor needs {', '.join(family.needs)}")
+    config = _config(name, seq=640)
+    for size in TWO_SIZES.get(name, ((56, 56), (112, 112))):
+        expected = _figures(audit_vision_step(config, size))
+        assert _figures(estimate_vision_step(config, size, target="cpu")) == expected, (name, size)
+
+
+@pytest.mark.slow
+def test_qwen3_vl_8b_estimate_splits_the_stacks() -> None:
+    """Issue 45's acceptance: a Qwen3-VL-8B-shaped estimate with one 448x448 image at seq 512 runs on the CPU
+    (about 15 s here) and splits vision tower / projector / language model bytes."""
+    from vramguard.estimate.vision import estimate_vision_step
+
+    config = QLoRAConfig(model=str(PRESETS_DIR / "qwen3-vl-8b.json"), seq_len=512, batch=1)
+    step = estimate_vision_step(config, (448, 448), target="cuda")
+    assert step.image_tokens == 196
+    assert all(step.by_stack[s] > 0 for s in STACKS)
+    assert sum(step.by_stack.values()) == step.ledger.saved_bytes
+    assert step.seconds < 120
+
+
+# -- the commands --------------------------------------------------------------------------------
+
+
+LOOP = ["--trainer", "loop", "--target", "cpu"]
+"""The audit's recipe on the CPU's kernels (estimate's default recipe is trl sft's)."""
+
+
+def test_audit_and_estimate_commands_of_a_vlm_agree_to_the_byte(tmp_path: Path) -> None:
+    """``vramguard audit --model <tiny VLM config> --image-size HxW`` measures (exit 0) and notes the rows and
+    the saved bytes per stack; ``vramguard estimate ... --trainer loop --target cpu`` gives the same phase peaks,
+    totals and per-stack note."""
+    from vramguard.cli.app import main
+
+    base = [
+        "--model",
+        str(FIXTURES["qwen2.5-vl"]),
+        "--image-size",
+        "112x84",
+        "--seq-len",
+        "96",
+        "--batch",
+        "1",
+    ]
+    audit, estimate = tmp_path / "audit.json", tmp_path / "estimate.json"
+    assert main(["audit", *base, "--steps", "2", "--device", "cpu", "--quiet", "--json", str(audit)]) == 0
+    assert main(["estimate", *base, *LOOP, "--steps", "2", "--quiet", "--json", str(estimate)]) == 0
+    a, e = json.loads(audit.read_text()), json.loads(estimate.read_text())
+    assert a["config"]["image_size"] == e["config"]["image_size"] == "112x84"
+    assert a["totals"] == e["totals"] and a["totals"]["saved_bytes"] > 0
+    assert {k: v["peak_bytes"] for k, v in a["phases"].items()} == {
+        k: v["peak_bytes"] for k, v in e["phases"].items()
+    }
+
+    def notes(doc: dict) -> list[str]:  # type: ignore[type-arg]
+        return [n for n in doc["verdict"]["notes"] if "vision" in n]
+
+    assert notes(a) == notes(e)
+    assert any("12 image tokens" in n and "image_grid_thw [[1, 8, 6]]" in n for n in notes(a)), notes(a)
+    assert any(n.startswith("saved for backward by stack: vision tower") for n in notes(a)), notes(a)
+
+
+def test_text_run_documents_have_no_image_fields() -> None:
+    d = QLoRAConfig().to_dict()
+    assert "image_size" not in d and "images_per_row" not in d
+    assert QLoRAConfig(image_size="56x56", images_per_row=2).to_dict()["images_per_row"] == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--image-size", "0x56"], "image size sides must be between 1"),
+        (["--image-size", "56"], "image size must be HxW"),
+        (["--images-per-row", "2"], "images-per-row needs image-size"),
+        (["--image-size", "448x448", "--seq-len", "8"], "more than seq-len 8"),
+    ],
+)
+def test_bad_image_options_are_one_line_exit_2(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vramguard.cli.app import main
+
+    argv = ["estimate", "--model", str(FIXTURES["qwen2-vl"]), "--batch", "1", "--seq-len", "64", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_a_family_whose_processor_cannot_run_here_is_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from vramguard.cli.app import main
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: Mistral 3's processor runs")
+    argv = ["estimate", "--model", str(FIXTURES["mistral3"]), "--image-size", "56x56", "--seq-len", "64"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs the torchvision package" in err and "\n" not in err
+
+
+def test_text_only_rows_without_an_image_size() -> None:
+    """The seed's TEXT mode: a vision-language model trained on text rows (no --image-size): the processor's rows
+    have no image inputs; PaliGemma's processor wants images and says so in one line."""
+    _, rows = _rows("qwen3-vl", None, seq=64)  # type: ignore[arg-type]
+    assert rows.image_tokens == 0 and rows.inputs["input_ids"].shape == (1, 64)
+    assert "pixel_values" not in rows.inputs and rows.layout == "no image inputs"
+    with pytest.raises(UsageError, match="PaliGemmaProcessor refuses text-only rows"):
+        _rows("paligemma", None)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"gradient_checkpointing": True},
+        {"lora_dropout": 0.1},
+        {"batch": 2},
+        {"images_per_row": 2},
+        {"image_size": ""},
+    ],
+    ids=["checkpointing", "dropout", "batch-2", "two-images", "text-only"],
+)
+def test_estimate_equals_the_audit_for_the_step_options(change: dict) -> None:  # type: ignore[type-arg]
+    from vramguard.audit.run import run_audit
+    from vramguard.estimate.run import run_estimate
+
+    base = {"model": str(FIXTURES["qwen3-vl"]), "seq_len": 320, "batch": 1, "image_size": "256x256"}
+    config = QLoRAConfig(**{**base, **change}).resolved()  # type: ignore[arg-type]
+    audit, estimate = run_audit(config, steps=2), run_estimate(config, steps=2, target="cpu")
+    assert audit.totals == estimate.totals
+    assert {k: v.peak_bytes for k, v in audit.phases.items()} == {
+        k: v.peak_bytes for k, v in estimate.phases.items()
+    }
+
+
+def test_offloaded_estimate_keeps_the_masks_values() -> None:
+    """TRL's activation offloading on meta copies every saved tensor to an emulated host buffer: Qwen3-VL's
+    deepstack mask, which its backward indexes with, keeps its value there (without it the meta backward stopped
+    at nonzero)."""
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(
+        model=str(FIXTURES["qwen3-vl"]), seq_len=128, batch=1, image_size="256x256", offload_activations=True
+    )
+    report = run_estimate(config.resolved(), steps=1, target="cpu")
+    assert report.estimate is not None and report.phases["backward"].peak_bytes > 0
+    assert any("activations offloaded" in n for n in report.verdict.notes)
+
+
+def test_a_towers_encoder_layers_keep_their_stack_in_the_layer_table() -> None:
+    """CLIP/SigLIP towers (LLaVA, Gemma 3, PaliGemma, ...) have ``encoder.layers.N`` too: the layer table names
+    them by their path, apart from the language model's ``layers.N``, and lists each stack in order."""
+    from vramguard.step.assemble import layer_rows
+    from vramguard.measure.ledger import LedgerReport, SavedRecord
+    from vramguard.view.report import short_layer_name
+
+    tower = "base_model.model.model.vision_tower.vision_model.encoder.layers"
+    lm = "base_model.model.model.language_model.layers"
+    names = [f"{tower}.1.mlp", f"{lm}.1.mlp", f"{tower}.0.mlp", f"{lm}.0.mlp"]
+    report = LedgerReport(
+        records=[
+            SavedRecord(n, "MulBackward0", (4,), "float32", 16, "hook", "activation", "cpu") for n in names
+        ]
+    )
+    assert [short_layer_name(r.name) for r in layer_rows(report)] == [
+        "layers.0",
+        "layers.1",
+        "vision_tower.vision_model.encoder.layers.0",
+        "vision_tower.vision_model.encoder.layers.1",
+    ]
+    assert short_layer_name("base_model.model.model.layers.3") == "layers.3"
+
+
+def test_estimates_default_recipe_runs_in_the_loop_for_a_vlm(capsys: pytest.CaptureFixture[str]) -> None:
+    """``vramguard estimate`` prices trl sft's recipe by default; a vision-language model's step is priced in
+    vramguard's loop with those defaults, and the recipe line says why."""
+    from vramguard.cli.app import main
+
+    argv = ["estimate", "--model", str(FIXTURES["qwen2.5-vl"]), "--image-size", "56x56", "--seq-len", "64"]
+    assert main([*argv, "--batch", "1", "--target-modules", "all-linear", "--target", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "a vision-language model" in out and "saved for backward by stack" in out
+
+
+def test_trl_default_targets_on_a_vlm_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """TRL's default LoRA targets are PEFT's per-architecture list, which has no vision-language model: one line
+    naming --target-modules, before anything is built."""
+    from vramguard.cli.app import main
+
+    argv = ["estimate", "--model", str(FIXTURES["qwen3-vl"]), "--image-size", "56x56", "--seq-len", "128"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "PEFT has no default target modules for qwen3_vl" in err and "--target-modules all-linear" in err

@@ -8,6 +8,8 @@ import stat
 import threading
 from pathlib import Path
 
+import pytest
+
 from vramguard.atomic import write_text_atomic
 
 
@@ -56,3 +58,24 @@ def test_a_symlink_keeps_pointing_at_its_target_which_is_replaced(tmp_path: Path
     link.symlink_to(target)
     assert write_text_atomic(link, "new") == link
     assert link.is_symlink() and target.read_text() == "new"
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_a_new_file_follows_the_umask_like_a_plain_open(tmp_path: Path, umask: int, mode: int) -> None:
+    """mkstemp's temporary is 0600 whatever the umask: reports and records were private to their writer."""
+    old = os.umask(umask)
+    try:
+        write_text_atomic(tmp_path / "report.json", "{}")
+        (tmp_path / "plain.json").write_text("{}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "report.json").stat().st_mode) == mode
+    assert stat.S_IMODE((tmp_path / "plain.json").stat().st_mode) == mode
+
+
+def test_a_replaced_file_keeps_its_mode(tmp_path: Path) -> None:
+    path = tmp_path / "report.json"
+    path.write_text("old")
+    path.chmod(0o640)
+    write_text_atomic(path, "new")
+    assert path.read_text() == "new" and stat.S_IMODE(path.stat().st_mode) == 0o640

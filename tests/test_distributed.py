@@ -298,7 +298,7 @@ def test_the_json_document_has_the_distributed_section(fsdp2_audit, tmp_path: Pa
         (["estimate", "--world-size", "2", "--sharding", "fsdp2", "--cpu-offload"], "needs CUDA ranks"),
         (["estimate", "--world-size", "2", "--sharding", "zero3"], "zero3"),
         (
-            ["estimate", "--world-size", "2", "--sharding", "fsdp2", "--fit", "0"],
+            ["estimate", "--world-size", "2", "--sharding", "fsdp2", "--fit", "0GiB"],
             "--fit must be a positive size",
         ),
     ],

@@ -68,7 +68,7 @@ def test_fit_without_world_size_finds_the_smallest(tmp_path: Path) -> None:
     )
     assert two < one
     out = tmp_path / "fit.json"
-    assert main([*ESTIMATE, "--fit", str((one + two) // 2), "--json", str(out)]) == 0
+    assert main([*ESTIMATE, "--fit", f"{(one + two) // 2}B", "--json", str(out)]) == 0
     fit = _fit_of(out)
     assert fit["smallest_world_size"] == 2 and fit["runs"] == [[1, one], [2, two]]
     assert json.loads(out.read_text())["distributed"]["world_size"] == 2

@@ -195,7 +195,8 @@ def test_full_size_config_runs_on_meta_without_allocating(tmp_path: Path) -> Non
 
 def test_cli_json_is_the_audit_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "estimate.json"
-    code = main(["estimate", "--model", "tiny-llama", "--seq-len", "32", "--batch", "1", "--json", str(out)])
+    argv = ["estimate", "--model", "tiny-llama", "--seq-len", "32", "--batch", "1", "--json", str(out)]
+    code = main([*argv, "--verbose"])  # every table: the overheads' among them
     assert code == 0
     text = capsys.readouterr().out
     assert "vramguard estimate tiny-llama" in text and "cuBLAS workspace" in text
@@ -499,7 +500,7 @@ def test_fit_on_meta_is_right_at_the_border_and_names_cheaper_changes(
     at = {b: run_estimate(QLoRAConfig(seq_len=64, batch=b), steps=2).estimate.total_bytes for b in (3, 4)}
     size = (at[3] + at[4]) // 2  # batch 3 fits, batch 4 does not
     assert (
-        main([*base, "--batch", "8", "--fit", str(size), "--quiet"]) == 1
+        main([*base, "--batch", "8", "--fit", f"{size}B", "--quiet"]) == 1
     )  # the requested shape does not fit
     out = capsys.readouterr().out
     assert "the largest batch that fits" in out and " is 3 (" in out
@@ -508,13 +509,20 @@ def test_fit_on_meta_is_right_at_the_border_and_names_cheaper_changes(
     assert runs <= 22 and "at most 22)" in out
     assert "--gradient-checkpointing:" in out
     assert "--optimizer adamw-8bit:" in out and "--offload-activations:" in out  # each with its figure
-    assert main([*base, "--batch", "2", "--fit", str(size), "--quiet"]) == 0
+    assert main([*base, "--batch", "2", "--fit", f"{size}B", "--quiet"]) == 0
 
 
 def test_fit_with_a_bad_size_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--fit", "lots"]) == 2
     err = capsys.readouterr().err
     assert "not a size" in err and err.count("\n") == 1
+
+
+def test_fit_without_a_unit_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--fit 24`` had meant 24 bytes ("not even batch 1 fits in 24 B"), after a whole search."""
+    assert main(["estimate", "--fit", "24"]) == 2
+    err = capsys.readouterr().err
+    assert err == "vramguard: error: '24' has no unit: say e.g. '24GiB' (binary, 2^30) or '24GB' (SI, 10^9)\n"
 
 
 def test_adamw_8bit_on_meta_equals_the_same_run_on_cpu() -> None:

@@ -358,6 +358,7 @@ TINY_SHAPE = {
 }
 MAMBA = {"mamba_d_state": 16, "mamba_n_groups": 1, "mamba_expand": 2, "mamba_d_conv": 4, "mamba_chunk_size": 16}
 FAST_ESTIMATE = ["--target", "cpu", "--seq-len", "16", "--steps", "1", "--quiet"]
+ALL_LINEAR = ["--target-modules", "all-linear"]
 
 
 def _tiny_config(tmp_path: Path, kind: str) -> Path:
@@ -399,11 +400,19 @@ def test_a_router_returning_a_tuple_is_refused_with_the_targets_that_work(
     kind: str, router: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = str(_tiny_config(tmp_path, kind))
+    # flags alone take trl sft's defaults: PEFT's default targets, which it has none of for this model type
     err = _refusal(capsys, ["estimate", "--model", model, *FAST_ESTIMATE])
-    assert f"PEFT cannot put LoRA on the experts' router 'router' ({router})" in err, err
+    assert f"PEFT has no default targets for {kind}: pass --target-modules all-linear" in err, err
+    for trainer in ("sft", "loop"):  # all-linear puts LoRA on the router in TRL's step and in the loop alike
+        err = _refusal(capsys, ["estimate", "--model", model, *FAST_ESTIMATE, *ALL_LINEAR, "--trainer", trainer])
+        assert f"PEFT cannot put LoRA on the experts' router 'router' ({router})" in err, err
     targets = err.split("--target-modules ")[1].split()[0]
     assert "q_proj" in targets.split(",") and "router" not in targets.split(",")
-    assert main(["estimate", "--model", model, *FAST_ESTIMATE, "--target-modules", targets]) == 0
+    with_targets = ["estimate", "--model", model, *FAST_ESTIMATE, "--target-modules", targets]
+    assert main([*with_targets, "--trainer", "loop"]) == 0
+    # TRL 1.16's own step then fails on both in its fused loss, as the user's trl sft run would: one line
+    err = _refusal(capsys, [*with_targets, "--trainer", "sft"])
+    assert "as a `trl sft` run of it would: AttributeError" in err, err
 
 
 def test_falcon_h1_reads_its_config_and_names_the_targets_peft_takes(
@@ -411,8 +420,9 @@ def test_falcon_h1_reads_its_config_and_names_the_targets_peft_takes(
 ) -> None:
     model = _tiny_config(tmp_path, "falcon_h1")
     assert '"__float__": "Infinity"' in model.read_text()
-    err = _refusal(capsys, ["estimate", "--model", str(model), *FAST_ESTIMATE])
-    assert "PEFT refuses LoRA on the Mamba mixer's out_proj and conv1d in falcon_h1 models" in err, err
+    for trainer in ("sft", "loop"):
+        err = _refusal(capsys, ["estimate", "--model", str(model), *FAST_ESTIMATE, *ALL_LINEAR, "--trainer", trainer])
+        assert "PEFT refuses LoRA on the Mamba mixer's out_proj and conv1d in falcon_h1 models" in err, err
     targets = err.split("--target-modules ")[1].split()[0]
     assert "in_proj" in targets.split(",") and "out_proj" not in targets.split(",")
     assert main(["estimate", "--model", str(model), *FAST_ESTIMATE, "--target-modules", targets]) == 0
@@ -423,6 +433,9 @@ def test_falcon_h1_reads_its_config_and_names_the_targets_peft_takes(
 def test_granite_4_reads_its_config_and_is_measured(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = _tiny_config(tmp_path, "granitemoehybrid")
     assert '"__float__": "Infinity"' in model.read_text()
-    assert main(["estimate", "--model", str(model), *FAST_ESTIMATE]) == 0
+    assert main(["estimate", "--model", str(model), *FAST_ESTIMATE, *ALL_LINEAR, "--trainer", "loop"]) == 0
+    # TRL 1.16's own step reads config.num_experts for the MoE auxiliary loss, which Granite 4's config lacks
+    err = _refusal(capsys, ["estimate", "--model", str(model), *FAST_ESTIMATE, *ALL_LINEAR, "--trainer", "sft"])
+    assert "as a `trl sft` run of it would: AttributeError" in err and "router_aux_loss_coef: 0.0" in err, err
     code, doc = _audit(tmp_path, model)
     assert code == 0 and doc["architecture"]["model_type"] == "granitemoehybrid"

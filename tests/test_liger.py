@@ -261,7 +261,7 @@ def test_refused_in_one_line_where_liger_is_not_installed(
 def test_refused_in_one_line_on_a_cpu_target(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--use-liger-kernel", "--target", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--target cuda" in err[0], err
+    assert len(err) == 1 and "--device cuda" in err[0], err
     assert main(["estimate", "--use-liger-kernel", "--world-size", "2", "--sharding", "fsdp2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "on one device" in err[0], err

@@ -529,3 +529,26 @@ def test_the_timeline_of_a_sharded_run_is_refused_in_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--world-size" in err[0]
     assert not (tmp_path / "s.pickle").exists()
+
+
+def test_the_picture_and_the_phase_table_say_what_their_peaks_count(
+    audited: tuple[AuditReport, Path, AllocationLog],
+) -> None:
+    """The page's peak counts the model's storages, the phase table's does not (7.28 vs 6.44 MiB for the README's
+    audit, unsaid): each says which, and the page gives both."""
+    import io
+
+    from vramguard.units import format_bytes
+    from vramguard.view.console import text_console
+    from vramguard.view.report import audit_phases
+    from vramguard.view.timeline import render_run_html
+
+    report, _, _ = audited
+    t = report.timeline
+    assert t is not None and t.peak_bytes > t.traced_peak_bytes
+    buf = io.StringIO()
+    audit_phases(report, text_console(buf, width=300))
+    assert "the steps' storages, not the model's weights" in " ".join(buf.getvalue().split())
+    page = " ".join(render_run_html(report).split())
+    assert f"together, {format_bytes(t.peak_bytes)}" in page
+    assert f"without them, is {format_bytes(t.traced_peak_bytes)}" in page

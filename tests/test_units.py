@@ -13,12 +13,17 @@ KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("0", 0),
-        ("4096", 4096),
-        (4096, 4096),
+        (4096, 4096),  # a Python number is bytes; a string needs its unit
+        ("0 B", 0),
+        ("24G", 24 * GiB),  # the short forms are binary, as ls -h and free -h write them
+        ("24 GiB", 24 * GiB),
+        ("24GB", 24 * 10**9),  # SI, as GPU vendors write a card's memory
+        ("512k", 512 * KiB),
+        ("1.5m", 3 * MiB // 2),
+        ("2T", 2 * TiB),
         (0, 0),
-        (2.6, 3),  # numbers round like strings do ("2.6" -> 3), they are not truncated
-        ("2.6", 3),
+        (2.6, 3),  # numbers round like strings do ("2.6 B" -> 3), they are not truncated
+        ("2.6 B", 3),
         ("17 B", 17),
         ("17b", 17),
         ("512 KiB", 512 * KiB),
@@ -52,6 +57,10 @@ def test_parse_size_known_answers(text: str | int | float, expected: int) -> Non
         "- 3 MiB",
         "-3 MiB",
         "-1",
+        "0",
+        "24",  # no unit: --fit 24 had meant 24 bytes
+        " 4096 ",
+        "1.5",
         -1,
         -0.5,
         True,
@@ -69,6 +78,8 @@ def test_parse_size_rejects_bad_input(text: object) -> None:
 
 
 def test_parse_size_messages_are_clear() -> None:
+    with pytest.raises(UsageError, match=r"'24' has no unit: say e\.g\. '24GiB' \(binary, 2\^30\) or '24GB' \(SI"):
+        parse_size("24")
     with pytest.raises(UsageError, match=r"not a size: '12 XB' \(use e\.g\."):
         parse_size("12 XB")
     with pytest.raises(UsageError, match="cannot be negative"):

@@ -1,4 +1,9 @@
-"""Size strings ("12 MiB", "1.5GB", "3%") in and out, so markers and options read like pytest-memray's."""
+"""Size strings ("12 MiB", "24G", "1.5GB", "3%") in and out, so markers and options read like pytest-memray's.
+
+A size string needs its unit: ``24`` alone is refused (``--fit 24`` had meant 24 bytes). Binary units:
+``KiB``/``MiB``/``GiB``/``TiB`` and their short forms ``K``/``M``/``G``/``T`` (as ``ls -h`` and ``free -h`` write
+them); SI units: ``kB``/``MB``/``GB``/``TB`` (powers of 1000, as GPU vendors write a card's memory); ``B``: bytes.
+A Python number (``4096``) is bytes."""
 
 from __future__ import annotations
 
@@ -8,8 +13,11 @@ import re
 from vramguard.errors import UsageError
 
 _UNITS = {
-    "": 1,
     "b": 1,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
     "kb": 10**3,
     "mb": 10**6,
     "gb": 10**9,
@@ -22,13 +30,17 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([+-]?\d+(?:\.\d*)?|[+-]?\.\d+)\s*([a-zA-Z]*)\s*$")
 
 
+SIZE_HELP = "24GiB or 24G: binary (2^30 bytes); 24GB: SI (10^9 bytes); a unit is required"
+"""How a size option's help says what :func:`parse_size` reads."""
+
 MAX_COUNT = 2**31 - 1
 """The largest count (sequence length, batch, rank, steps, ranks) a run takes: counts beyond it are no run
 anyone launches, and their products with the model's widths overflow torch's 64-bit sizes."""
 
 
 def parse_size(text: str | int | float) -> int:
-    """Bytes from ``"12 MiB"`` / ``"1.5GB"`` / ``4096``; raises UsageError on anything else."""
+    """Bytes from ``"12 MiB"`` / ``"24G"`` / ``"1.5GB"`` / ``4096`` (a number: bytes); raises UsageError on
+    anything else, a string without a unit among them."""
     if isinstance(text, bool):
         raise UsageError(f"not a size: {text!r}")
     if isinstance(text, (int, float)):
@@ -38,6 +50,11 @@ def parse_size(text: str | int | float) -> int:
             raise UsageError(f"a size cannot be negative: {text!r}")
         return int(round(text))
     m = _SIZE.match(str(text))
+    if m and not m.group(2):
+        raise UsageError(
+            f"{str(text).strip()[:40]!r} has no unit: say e.g. '{str(text).strip()[:40]}GiB' (binary, 2^30) or "
+            f"'{str(text).strip()[:40]}GB' (SI, 10^9)"
+        )
     if not m or m.group(2).lower() not in _UNITS:
         raise UsageError(f"not a size: {text!r} (use e.g. '512 KiB', '12 MiB', '1.5 GiB')")
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]

@@ -203,6 +203,11 @@ class DeviceEstimate:
     # totals had the H100's overheads, whatever their target
     target: str = "cuda"
 
+    @property
+    def high_total_bytes(self) -> int:
+        """The total with each overhead at its high bound (the fragmentation allowance's largest measured share)."""
+        return self.total_bytes + sum(o.high_bytes - o.bytes for o in self.overheads if o.high_bytes is not None)
+
 
 @dataclass
 class RankRow:

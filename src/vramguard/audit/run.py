@@ -104,7 +104,7 @@ def refuse_fp16_on_cpu(config: QLoRAConfig, device_type: str) -> None:
     if config.mixed_precision == "fp16" and device_type == "cpu":
         raise UsageError(
             "fp16 mixed precision runs on a GPU only (accelerate refuses it on the CPU, as Trainer would): "
-            "use --bf16, or estimate --target cuda"
+            "use --bf16, or estimate --device cuda"
         )
 
 
@@ -117,7 +117,7 @@ def refuse_what_the_audit_cannot_run(config: QLoRAConfig) -> None:
     if config.attn_implementation == "flash_attention_2":
         raise UsageError(
             "attn-implementation flash_attention_2 needs the flash_attn package and a CUDA GPU, which the audit "
-            "does not load: price it with vramguard estimate --target cuda"
+            "does not load: price it with vramguard estimate --device cuda"
         )
 
 

@@ -22,8 +22,10 @@ import os
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from vramguard import __version__
+from vramguard.cli.helptext import PlainHelpFormatter
 from vramguard.errors import RunKilled, UsageError
 
 # Modules that contribute a subcommand (``register(subparsers) -> None``).
@@ -98,7 +100,12 @@ def library_noise_hidden() -> Iterator[list[str]]:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting, so every usage error takes the same one-line path."""
+    """argparse that raises instead of exiting, so every usage error takes the same one-line path; its help is
+    plain text with the defaults shown (:class:`~vramguard.cli.helptext.PlainHelpFormatter`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", PlainHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)

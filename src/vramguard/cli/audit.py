@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from vramguard.cli.helptext import summary
 from vramguard.atomic import write_text_atomic
 from vramguard.audit import run as _audit_run
 from vramguard.audit.run import check_fits, resolve_device, run_audit
@@ -47,7 +48,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "audit",
         help="train a small QLoRA model a few steps and account for its memory",
-        description=_audit_run.__doc__.splitlines()[0],
+        description=summary(_audit_run.__doc__),
     )
     add_qlora_options(
         p,

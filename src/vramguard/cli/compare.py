@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from vramguard.cli.helptext import summary
 from vramguard.atomic import write_text_atomic
 from vramguard.audit.report import AuditReport
 from vramguard.cli.options import check_json_path
@@ -26,7 +27,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "compare",
         help="memory deltas between two benchmark runs; exit 1 on a regression or missing data",
-        description=_compare.__doc__.splitlines()[0],
+        description=summary(_compare.__doc__),
     )
     p.add_argument(
         "baseline",

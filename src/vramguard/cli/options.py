@@ -108,7 +108,7 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument(
         "--attn-implementation",
         choices=ATTN_IMPLEMENTATIONS,
-        help=f"loop's default: {d.attn_implementation}; flash_attention_2: estimate --target cuda only, priced from "
+        help=f"loop's default: {d.attn_implementation}; flash_attention_2: estimate --device cuda only, priced from "
         "flash-attn 2's rules (the package is CUDA-only)",
     )
     p.add_argument(  # the flag's earlier name
@@ -210,13 +210,16 @@ def check_json_path(path: Path | None, flag: str = "--json") -> None:
         raise UsageError(f"cannot write {flag} {path}: {parent or path.parent} is not a writable directory")
 
 
-def add_talk_options(p: argparse.ArgumentParser, quiet_help: str) -> None:
-    """``--quiet`` (``quiet_help``) or ``--verbose``: the library log lines that ``vramguard``'s
-    :func:`~vramguard.cli.app.main` hides (:data:`~vramguard.cli.app.LIBRARY_NOISE`) noted on stderr."""
+def add_talk_options(p: argparse.ArgumentParser, quiet_help: str, verbose_help: str = "") -> None:
+    """``--quiet`` (``quiet_help``) or ``--verbose`` (what ``verbose_help`` says it adds, and the library log lines
+    that ``vramguard``'s :func:`~vramguard.cli.app.main` hides (:data:`~vramguard.cli.app.LIBRARY_NOISE`) noted on
+    stderr)."""
     talk = p.add_mutually_exclusive_group()
     talk.add_argument("--quiet", action="store_true", help=quiet_help)
     talk.add_argument(
-        "--verbose", action="store_true", help="also show the library log lines vramguard hides (stderr)"
+        "--verbose",
+        action="store_true",
+        help=f"also show {verbose_help}the library log lines vramguard hides (stderr)",
     )
 
 

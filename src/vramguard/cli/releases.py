@@ -14,6 +14,7 @@ from pathlib import Path
 from vramguard.bisect.pkgindex import IndexOptions, check_package_name
 from vramguard.bisect.run import Terminated, signals_end_the_run
 from vramguard.errors import UsageError
+from vramguard.units import SIZE_HELP
 
 
 MAX_TIMEOUT_S = 365 * 24 * 3600
@@ -68,7 +69,12 @@ def add_release_options(p: argparse.ArgumentParser, *, versions_help: str, timeo
         default=None,
         help="overlay cache, shared by bisect and sweep (default $VRAMGUARD_CACHE or ~/.cache/vramguard/overlays)",
     )
-    p.add_argument("--cache-max", default="10 GiB", metavar="SIZE", help="cache bound, LRU eviction (10 GiB)")
+    p.add_argument(
+        "--cache-max",
+        default="10 GiB",
+        metavar="SIZE",
+        help=f"cache bound, LRU eviction; {SIZE_HELP} (default: 10 GiB)",
+    )
     p.add_argument(
         "--log",
         type=Path,

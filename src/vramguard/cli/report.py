@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from vramguard.cli.helptext import summary
 from vramguard.atomic import write_text_atomic
 from vramguard.errors import UsageError
 from vramguard.history.compare import DEFAULT_MEMORY_THRESHOLD
@@ -43,10 +44,10 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "report",
         help="a self-contained HTML (and markdown) report of a results store across runs",
-        description=__doc__.splitlines()[0],
+        description=summary(__doc__),
     )
     p.add_argument("store", type=Path, metavar="STORE", help="a results store (a directory with index.jsonl)")
-    p.add_argument("-o", "--output", type=Path, default=Path("report.html"), help="HTML file (report.html)")
+    p.add_argument("-o", "--output", type=Path, default=Path("report.html"), help="the HTML file to write")
     p.add_argument("--markdown", type=Path, metavar="FILE", help="also write the report as markdown")
     p.add_argument(
         "--fail-above",

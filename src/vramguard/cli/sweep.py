@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from vramguard.cli.helptext import summary
 from vramguard.bisect.overlay import OverlayCache, default_cache_dir
 from vramguard.bisect.sweep import STORE_ENV, Sweep, default_log_path, open_store, releases_to_sweep
 from vramguard.cli.releases import (
@@ -61,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         usage="vramguard sweep PACKAGE (--versions A,B,C | --from V1 --to V2 [--every N]) "
         "--store DIR [options] -- COMMAND...",
         help="run a command once per release of a package, each run recorded in the results store",
-        description=__doc__.splitlines()[0],
+        description=summary(__doc__),
     )
 
 

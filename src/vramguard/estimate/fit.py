@@ -171,6 +171,7 @@ def cheaper_changes(
     largest_batch: int = 0,
     target: str = "cuda",
     peak_phase: str = "",
+    total: Callable[[AuditReport], int] = _total,
 ) -> list[dict[str, Any]]:
     """For a shape that does not fit: the estimate of each change vramguard can run, cheapest first
     (what fits, then the fewest flags changed, then the smallest total).
@@ -181,7 +182,8 @@ def cheaper_changes(
     accumulation; its own meta run prices the gradients that holds, so it may still not fit. ``target``: the
     estimate's; on ``cpu`` offloading activations to the host saves nothing, so it is not offered. ``peak_phase``:
     the requested shape's; where it is the optimizer step, on CUDA, the fused AdamW is offered (torch's default
-    there, ``foreach``, holds a temporary as large as the trainable parameters in that step only)."""
+    there, ``foreach``, holds a temporary as large as the trainable parameters in that step only). ``total``: the
+    figure of a report held against ``size`` (:func:`search`'s; :func:`high_end` for ``--fit-at high``)."""
     half = max(1, config.lora_rank // 2)
     options: list[tuple[str, QLoRAConfig]] = []
     rows_a_step = config.batch * config.gradient_accumulation_steps
@@ -222,11 +224,75 @@ def cheaper_changes(
         )
     rows = []
     for flag, changed in options:
-        total = _total(estimate(changed))
-        rows.append({"change": flag, "total_bytes": total, "fits": total <= size})
+        got = total(estimate(changed))
+        rows.append({"change": flag, "total_bytes": got, "fits": got <= size})
     # cheapest: what fits, then the fewest flags changed (a single change before a combination)
     rows.sort(key=lambda r: (not r["fits"], r["change"].count("--"), r["total_bytes"]))
     return rows
+
+
+def high_end(report: AuditReport) -> int:
+    """A report's total at the high end (each overhead at its largest measured share: ``--fit-at high``)."""
+    from vramguard.estimate.run import high_total
+
+    assert report.estimate is not None
+    return high_total(report.estimate)
+
+
+FIT_AT = {"expected": _total, "high": high_end}
+"""``--fit-at``: the figure of a report held against the memory, by name."""
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a change costs in step time: ``rank`` (0 none, higher slower), ``word`` (a few words for the
+    answer line) and ``detail``."""
+
+    rank: int
+    word: str
+    detail: str
+
+
+COSTS: dict[str, Cost] = {}
+"""The step-time cost of each option a change sets, by the option's name (:func:`cost_of`)."""
+
+
+def register_cost(flag: str, cost: Cost) -> None:
+    """Say what setting ``flag`` costs in step time."""
+    COSTS[flag] = cost
+
+
+register_cost("--lora-rank", Cost(0, "no time", "a smaller adapter, with less capacity"))
+register_cost("--optimizer", Cost(0, "no time", "the optimizer's state kept in another form"))
+register_cost(
+    "--gradient-accumulation-steps",
+    Cost(1, "smaller matmuls", "the same rows in smaller micro-batches: the GPU less busy per kernel"),
+)
+register_cost(
+    "--gradient-checkpointing",
+    Cost(2, "recompute", "each decoder layer's forward runs again in backward"),
+)
+register_cost(
+    "--offload-activations",
+    Cost(3, "PCIe traffic", "every saved tensor copied to the host in forward and back in backward"),
+)
+
+
+def cost_of(change: str) -> Cost:
+    """The cost of a change (``"--gradient-checkpointing --lora-rank 8"``): its costliest option's; an option
+    with no registered cost counts as unknown, after every known one."""
+    flags = [word for word in change.split() if word.startswith("--")]
+    costs = [COSTS.get(f, Cost(99, "unknown cost", "not said")) for f in flags if f != "--batch"]
+    return max(costs, key=lambda c: c.rank, default=Cost(99, "unknown cost", "not said"))
+
+
+def by_cost(changes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``--fit``'s changes (its document's rows) as a person should read them: what fits first, the cheapest in
+    step time, then the fewest options changed, then the fewest bytes."""
+    def key(row: dict[str, Any]) -> tuple[bool, int, int, int]:
+        return (not row["fits"], cost_of(row["change"]).rank, row["change"].count("--"), row["total_bytes"])
+
+    return sorted(changes, key=key)
 
 
 def rank_total(report: AuditReport) -> int:

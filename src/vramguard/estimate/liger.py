@@ -85,7 +85,7 @@ def check(target: str, device: str = "meta") -> None:
     (its launches would run)."""
     if target != "cuda":
         raise UsageError(
-            "use_liger_kernel runs Liger's Triton kernels on CUDA only: estimate it with --target cuda"
+            "use_liger_kernel runs Liger's Triton kernels on CUDA only: estimate it with --device cuda"
         )
     problem = missing()
     if problem is not None:

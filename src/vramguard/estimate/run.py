@@ -121,12 +121,14 @@ def overheads(
     offloading: bool = False,
     target: str = "cuda",
     offloaded_bytes: int = 0,
+    gpu: Any = None,
 ) -> list[Overhead]:
     """What the allocator peak of the meta run leaves out of the ``target``'s memory. On cuda a GPU's: the
     context, cuBLAS's workspaces and the fragmentation allowance at its expected (median) share, its
     ``low_bytes`` and ``high_bytes`` the measured range. On cpu none of those (the host's kernels), but the
     ``offloaded_bytes`` that activation offloading packs to the host stay in the host's memory there (an upper
-    bound: their peak and the step's are added, whenever each falls)."""
+    bound: their peak and the step's are added, whenever each falls). ``gpu``: the card
+    (:class:`vramguard.estimate.gpus.Gpu`) whose context allowance replaces the H100's."""
     if target != "cuda":
         if not offloaded_bytes:
             return []
@@ -144,7 +146,9 @@ def overheads(
             "CUDA context + kernels",
             CUDA_CONTEXT_BYTES,
             "744 MiB measured on an H100 (NVML, CUDA 13); outside the allocator, varies by GPU and driver",
-        ),
+        )
+        if gpu is None
+        else Overhead("CUDA context + kernels", gpu.context_bytes, f"{gpu.label}: {gpu.context_basis}"),
         Overhead(
             "cuBLAS workspaces",
             CUBLAS_WORKSPACE_BYTES,
@@ -166,9 +170,7 @@ def overheads(
 
 def high_total(estimate: DeviceEstimate) -> int:
     """The total with each overhead at its high bound (the fragmentation allowance's largest measured share)."""
-    return estimate.total_bytes + sum(
-        o.high_bytes - o.bytes for o in estimate.overheads if o.high_bytes is not None
-    )
+    return estimate.high_total_bytes
 
 
 def check_context(config: QLoRAConfig, spec: ModelSpec) -> None:
@@ -294,6 +296,7 @@ def data_bounds(
     device: str,
     optimizer: str,
     routing: Routing | None = None,
+    gpu: Any = None,
 ) -> Finding | None:
     """What the batch's data decides, in one line: the figure is for the longest batch the config allows
     (``batch`` rows of ``seq_len`` tokens, every row full); the rows' lengths and, with packing, the sequences
@@ -317,6 +320,7 @@ def data_bounds(
             offload_activations=config.offload_activations,
             one_sequence_per_row=True,
             routing=routing,
+            gpu=gpu,
         ).estimate
         assert low is not None
         return Finding(
@@ -368,7 +372,7 @@ def meta_step_contexts(
     rows = q.one_sequence_per_row if one_sequence_per_row is None else one_sequence_per_row
     if q.attn_implementation == "flash_attention_2":
         if target != "cuda":
-            raise UsageError("flash_attention_2 runs on CUDA only: estimate it with --target cuda")
+            raise UsageError("flash_attention_2 runs on CUDA only: estimate it with --device cuda")
         from vramguard.estimate.flash import flash_attention_2
 
         flash = flash_attention_2(q.model, target, rows)
@@ -388,6 +392,7 @@ def run_estimate(
     events: AllocationLog | None = None,
     one_sequence_per_row: bool | None = None,
     routing: Routing | None = None,
+    gpu: Any = None,
 ) -> AuditReport:
     """Build ``config``'s model on meta, run ``steps`` steps under the tracker (the ledger on the
     first) and return the report. ``config.device`` is only validated; the run is on meta.
@@ -406,6 +411,9 @@ def run_estimate(
 
     ``routing``: a mixture of experts' routing forced to one of :data:`vramguard.workload.routing.ROUTINGS`
     (:func:`~vramguard.estimate.meta.routed_on_meta`), as ``run_audit(routing=...)`` forces it on a device.
+
+    ``gpu``: the card (:class:`vramguard.estimate.gpus.Gpu`) whose CUDA context allowance the total adds (the
+    H100's by default).
     """
     if target not in TARGETS:
         raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
@@ -442,6 +450,7 @@ def run_estimate(
             target=target,
             events=events,
             one_sequence_per_row=one_sequence_per_row,
+            gpu=gpu,
         )
     opt = make_estimate_optimizer(q, optimizer, target)
     # the meta run takes the target's kernel choices (see estimate.meta)
@@ -510,7 +519,7 @@ def run_estimate(
         meta_run=True,
     )
     offloaded = offload.host_peak_bytes if isinstance(offload, OffloadActivations) else 0
-    estimate = device_estimate(report, q, config, target, offloaded, bool(offload_activations))
+    estimate = device_estimate(report, q, config, target, offloaded, bool(offload_activations), gpu=gpu)
     estimate.forced_decisions = dict(taken)
     phase, step_peak = estimate.peak_phase, estimate.step_peak_bytes
     cuda = target == "cuda"
@@ -520,7 +529,7 @@ def run_estimate(
             f"(max_position_embeddings); it would need {format_bytes(estimate.total_bytes)} "
             f"({estimate.allocator_peak_bytes:,} B allocator peak, estimated on meta)"
         )
-    line = headline(estimate, config, bool(offload_activations), offloaded)
+    line = headline(estimate, config, bool(offload_activations), offloaded, gpu=gpu)
     notes = [
         Finding(
             checks.META_RUN,
@@ -533,7 +542,7 @@ def run_estimate(
                 "the caching allocator's whole blocks), rank 0 of FSDP within 1.2 %; "
                 "reserved memory varies more (the fragmentation line)"
                 if cuda
-                else "; with the CPU's kernels: on a CUDA device fp32 GQA attention keeps more (--target cuda)"
+                else "; with the CPU's kernels: on a CUDA device fp32 GQA attention keeps more (--device cuda)"
             ),
         )
     ]
@@ -546,7 +555,7 @@ def run_estimate(
                 f"with >= {PAGED_MIN_NUMEL:,} elements) would live in CUDA unified memory (cudaMallocManaged, "
                 "outside torch's allocator: max_memory_allocated leaves it out); counted here on the device, "
                 "where it stays until memory runs short, then the driver pages it to the host (evictable)"
-                + ("" if cuda else "; with --target cpu, plain host memory, counted with the step's tensors")
+                + ("" if cuda else "; with --device cpu, plain host memory, counted with the step's tensors")
                 + ". "
                 "Estimated by running AdamW8bit: paged memory does not exist on meta",
                 paged,
@@ -558,7 +567,7 @@ def run_estimate(
                 checks.OFFLOADING,
                 f"activations offloaded to the host (save_on_cpu, emulated): {offload.packs // steps:,} saved "
                 f"tensors per step, at most {format_bytes(offload.host_peak_bytes)} of host memory at once, "
-                + ("not in the device figures" if cuda else "in the total (the host's: --target cpu)")
+                + ("not in the device figures" if cuda else "in the total (the host's: --device cpu)")
                 + "; copied back one by one in backward (counted there). "
                 "The per-layer table lists what stays on the device",
                 offload.host_peak_bytes,
@@ -569,7 +578,7 @@ def run_estimate(
 
         notes.append(Finding(checks.LIGER, liger_line(ran)))
     bounds = data_bounds(
-        q, config, estimate, target, one_sequence_per_row, steps, method, device, optimizer, routing
+        q, config, estimate, target, one_sequence_per_row, steps, method, device, optimizer, routing, gpu
     )
     if bounds is not None:
         notes.append(bounds)
@@ -586,10 +595,17 @@ def run_estimate(
 
 
 def device_estimate(
-    report: AuditReport, q: QLoRAModel, config: QLoRAConfig, target: str, offloaded: int, offloading: bool
+    report: AuditReport,
+    q: QLoRAModel,
+    config: QLoRAConfig,
+    target: str,
+    offloaded: int,
+    offloading: bool,
+    gpu: Any = None,
 ) -> DeviceEstimate:
     """The device's figures of a meta step's ``report``: weights, trainable parameters, the highest phase's peak,
-    the allocator peak and what the meta run leaves out on ``target`` (:func:`overheads`)."""
+    the allocator peak and what the meta run leaves out on ``target`` (:func:`overheads`; ``gpu``: the card whose
+    context allowance it takes)."""
     weights = report.totals.model_resident_bytes
     trainable = sum(p.numel() * p.element_size() for p in q.trainable_parameters())
     phase = max(PHASES, key=lambda name: report.phases[name].peak_bytes)
@@ -601,6 +617,7 @@ def device_estimate(
         offloading=offloading,
         target=target,
         offloaded_bytes=offloaded,
+        gpu=gpu,
     )
     return DeviceEstimate(
         weights_bytes=weights,
@@ -616,8 +633,11 @@ def device_estimate(
     )
 
 
-def headline(estimate: DeviceEstimate, config: QLoRAConfig, offloading: bool, offloaded: int) -> str:
-    """The estimate's one line: the total and its parts (with a GPU's overheads on the ``cuda`` target)."""
+def headline(
+    estimate: DeviceEstimate, config: QLoRAConfig, offloading: bool, offloaded: int, gpu: Any = None
+) -> str:
+    """The estimate's one line: the total and its parts (with a GPU's overheads on the ``cuda`` target; ``gpu``:
+    the card whose context allowance the total takes)."""
     fb = format_bytes
     weights, trainable, allocator = estimate.weights_bytes, estimate.trainable_bytes, estimate.allocator_peak_bytes
     phase, step_peak = estimate.peak_phase, estimate.step_peak_bytes
@@ -625,7 +645,8 @@ def headline(estimate: DeviceEstimate, config: QLoRAConfig, offloading: bool, of
     return (
         f"estimate: {fb(estimate.total_bytes)} on the device = allocator peak {fb(allocator)} "
         f"(weights {fb(weights)}, trainable {fb(trainable)}, {phase} peak {fb(step_peak)}) "
-        f"+ {fb(estimate.overhead_bytes)} the meta run leaves out (H100 figures; fragmentation at "
+        f"+ {fb(estimate.overhead_bytes)} the meta run leaves out "
+        f"({'H100 figures' if gpu is None else f'{gpu.context_note}, H100 figures otherwise'}; fragmentation at "
         f"{frag.expected * 100:.0f} %, the median measured {frag.mode}, of {frag.low * 100:.0f}-"
         f"{frag.high * 100:.0f} %: {fb(high_total(estimate))} at {frag.high * 100:.0f} %"
         f"{small_step_caveat(allocator)})"
@@ -634,7 +655,7 @@ def headline(estimate: DeviceEstimate, config: QLoRAConfig, offloading: bool, of
         f"weights {fb(weights)} + trainable {fb(trainable)} + {phase} peak {fb(step_peak)}"
         + (f" + at most {fb(offloaded)} of activations offloaded to the host" if offloaded else "")
         + " (the figures `vramguard audit --device cpu` measures for the step; the Python process's own memory "
-        "is not in it, nor a GPU's overheads: --target cuda adds those)"
+        "is not in it, nor a GPU's overheads: --device cuda adds those)"
     )
 
 

@@ -38,6 +38,7 @@ from vramguard.errors import UsageError
 from vramguard.estimate.kernels import cuda_kernel_temporaries
 from vramguard.estimate.meta import META, _deepcopy_on_meta, build_meta
 from vramguard.integrations.trainer_step import (
+    fails_as_the_users_run,
     loop_rows,
     make_trainer,
     trainer_arguments,
@@ -192,7 +193,7 @@ def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str)
         runner, callback = trainer_on_meta(q, trainer, target, steps, tmp)
         q = dataclasses.replace(q, model=runner.model)
         decisions, flash = meta_step_contexts(q, q.config, target)
-        with decisions, flash, _autocast_asked_as(target), _AnswerItems():
+        with decisions, flash, _autocast_asked_as(target), _AnswerItems(), fails_as_the_users_run(q, trainer):
             runner.train()
     assert callback.report is not None
     return callback.report, q, time.perf_counter() - t0
@@ -212,10 +213,11 @@ def _short(v: str) -> str:
 
 
 def run_trainer_estimate(
-    config: QLoRAConfig, trainer: str, steps: int = 2, target: str = "cuda"
+    config: QLoRAConfig, trainer: str, steps: int = 2, target: str = "cuda", gpu: Any = None
 ) -> AuditReport:
     """The estimate of ``trainer``'s own step ("sft" or "trainer") for ``config`` on meta: the callback's report
-    with the device's figures (:func:`vramguard.estimate.run.device_estimate`) and the estimate's line."""
+    with the device's figures (:func:`vramguard.estimate.run.device_estimate`; ``gpu``: the card whose context
+    allowance the total takes) and the estimate's line."""
     from vramguard.audit import verdict as checks
     from vramguard.audit.report import Finding
     from vramguard.estimate.run import device_estimate, headline, refuse_fp16_on_cpu
@@ -226,12 +228,12 @@ def run_trainer_estimate(
     config.validate()
     refuse_fp16_on_cpu(config, target)  # as the loop's estimate and accelerate for Trainer
     report, q, elapsed = run_trainer_step(config, trainer, steps, target)
-    estimate = device_estimate(report, q, config, target, 0, False)
-    line = headline(estimate, config, False, 0)
+    estimate = device_estimate(report, q, config, target, 0, False, gpu=gpu)
+    line = headline(estimate, config, False, 0, gpu=gpu)
     note = Finding(
         checks.META_RUN,
         f"estimated on the meta device through {trainer_label(trainer)}'s own step (its model preparation, "
-        "collator, compute_loss and optimizer): shapes and dtypes are real, values are not; with --target cpu "
+        "collator, compute_loss and optimizer): shapes and dtypes are real, values are not; with --device cpu "
         f"it equals `vramguard audit --trainer {trainer}` to the byte",
     )
     build = checks.notes(checks.BUILD, q.notes)

@@ -23,6 +23,7 @@ from vramguard.audit.report import AuditReport, with_routing_note
 from vramguard.errors import UsageError
 from vramguard.integrations.trainer_step import (
     TRAINERS,
+    fails_as_the_users_run,
     loop_rows,
     make_trainer,
     trainer_arguments,
@@ -120,7 +121,7 @@ def _train(
     forced: contextlib.AbstractContextManager[Any] = contextlib.nullcontext({})
     if routing is not None:
         forced = routes.forced_routing(q.model, routing, config.batch * config.seq_len)
-    with offload, forced as taken, _no_module_overrides_kept():
+    with offload, forced as taken, _no_module_overrides_kept(), fails_as_the_users_run(q, trainer):
         runner.train()
     report = cb.report
     assert report is not None

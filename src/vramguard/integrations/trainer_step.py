@@ -11,15 +11,17 @@ gradients and casts the adapters of a quantized model to bf16, and it never call
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from vramguard.errors import UsageError, first_line
-from vramguard.workload.models import QLoRAConfig, QLoRAModel, lora_config
+from vramguard.workload.models import QLoRAConfig, QLoRAModel, lora_config, lora_refused, refuse_tuple_routers
 from vramguard.workload.run_config import TRL_OPTIMIZER_OF
 from vramguard.workload.training import optimizer_on
 
@@ -142,8 +144,29 @@ def make_trainer(q: QLoRAModel, trainer: str, args: Any, rows: list[list[int]], 
             except ValueError as exc:  # as vramguard.workload.models.with_lora says it for the loop
                 if not _raised_by(exc, "peft"):
                     raise
-                raise UsageError(f"PEFT refuses this LoRA setup: {first_line(exc)}") from None
+                raise lora_refused(exc, q.model) from None
+        refuse_tuple_routers(runner.model)
     from transformers.trainer_callback import PrinterCallback
 
     runner.remove_callback(PrinterCallback)
     return runner
+
+
+@contextlib.contextmanager
+def fails_as_the_users_run(q: QLoRAModel, trainer: str) -> Iterator[None]:
+    """An AttributeError or TypeError raised inside TRL's or transformers' trainer code while it trains ``q``
+    (TRL 1.16's MoE auxiliary loss reads ``config.num_experts``, which Granite 4's config names otherwise) is the
+    library's limit, hit by the user's own run the same way: one line naming it and the workaround."""
+    try:
+        yield
+    except (AttributeError, TypeError) as exc:
+        if not (_raised_by(exc, "trl") or _raised_by(exc, "transformers")):
+            raise
+        kind = getattr(q.spec, "model_type", None) or q.spec.name
+        hint = "; --trainer loop runs vramguard's loop instead"
+        if "num_experts" in str(exc):
+            hint = " (its MoE auxiliary loss; router_aux_loss_coef: 0.0 in the YAML turns that off)" + hint
+        raise UsageError(
+            f"the {trainer} trainer's own step fails on this {kind} model, as a `trl sft` run of it would: "
+            f"{type(exc).__name__}: {first_line(exc)}{hint}"
+        ) from None

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vramguard.audit.report import AuditReport, LayerRow
+from vramguard.audit.verdict import META_RUN
 from vramguard.units import format_bytes as fb
 
 Section = Callable[[AuditReport, Any], None]
@@ -176,6 +177,47 @@ estimate_layers = _layers(
     ["layer", "saved", "weight copies", "analytic", "top modules"],
     lambda r: [short_layer_name(r.name), fb(r.saved_bytes), _copies(r), _analytic(r), _tops(r)],
 )
+
+
+def layer_runs(rows: list[LayerRow], cells: Callable[[LayerRow], list[Any]]) -> list[tuple[str, list[Any]]]:
+    """``rows`` with each run of consecutive layers whose ``cells`` (all but the name) are equal in one row:
+    ``layers.1-31`` and the cells of one of them (a decoder's identical layers: 28 near-identical rows were
+    most of an estimate's output)."""
+    runs: list[tuple[list[LayerRow], list[Any]]] = []
+    for row in rows:
+        key = cells(row)
+        if runs and [str(c) for c in runs[-1][1]] == [str(c) for c in key]:
+            runs[-1][0].append(row)
+        else:
+            runs.append(([row], key))
+    return [(_span(group), key) for group, key in runs]
+
+
+def _span(group: list[LayerRow]) -> str:
+    first, last = short_layer_name(group[0].name), short_layer_name(group[-1].name)
+    if len(group) == 1:
+        return first
+    head, _, number = last.rpartition(".")
+    if first.startswith(head + ".") and number.isdigit():
+        return f"{first}-{number}"
+    return f"{first} to {last} ({len(group)} layers)"
+
+
+def collapsed_estimate_layers(report: AuditReport, console: Any) -> None:
+    """The per-layer table of an estimate with identical consecutive layers in one row (``--verbose``: every
+    layer)."""
+    t = _table(
+        "Saved for backward per layer (on meta; identical layers share a row)",
+        ["layers", "saved", "weight copies", "analytic", "top modules"],
+        ("layers", "top modules"),
+    )
+    for name, cells in layer_runs(
+        report.layers, lambda r: [fb(r.saved_bytes), _copies(r), _analytic(r), _tops(r)]
+    ):
+        t.add_row(name, *cells)
+    console.print(t)
+
+
 trainer_layers = _layers(
     "Saved for backward, per decoder layer (step {ledger_step})",
     ["layer", "saved", "activations", "weight copies", "top modules"],
@@ -257,14 +299,14 @@ def estimate_components(report: AuditReport, console: Any) -> None:
 
 
 def estimate_device(report: AuditReport, console: Any) -> None:
-    """The total: the allocator peak, then each overhead the meta run leaves out (a GPU's for ``--target cuda``;
+    """The total: the allocator peak, then each overhead the meta run leaves out (a GPU's for ``--device cuda``;
     for cpu, the host's tensors and what offloading keeps there)."""
     e = report.estimate
     assert e is not None
     title = (
         "On the device: the allocator peak, then what the meta run leaves out (figures measured on an H100)"
         if e.target == "cuda"
-        else "On the host (--target cpu): the step's tensors at their peak; no GPU overhead is added"
+        else "On the host (--device cpu): the step's tensors at their peak; no GPU overhead is added"
     )
     o = _table(title, ["what", "bytes", "basis"], ("what", "basis"))
     o.add_row(
@@ -282,10 +324,22 @@ def estimate_device(report: AuditReport, console: Any) -> None:
 # -- phases, steps, notes, verdict --------------------------------------------------------------------------
 
 
+def tracker_basis(report: AuditReport) -> str:
+    """What the tracker's peaks count from, said with its phase table: on CUDA every allocated byte; on the CPU
+    and meta the storages made during the steps, without the model's own (its timeline picture's peak counts
+    those: the two differ by them)."""
+    if str(report.device).startswith("cuda"):
+        return "tracker: all allocated, the model's weights too"
+    return "tracker: the steps' storages, not the model's weights"
+
+
 def _phases(title: str, reserved: bool = False) -> Section:
     def section(report: AuditReport, console: Any) -> None:
         shown = reserved and any(v.reserved_peak_bytes is not None for v in report.phases.values())
-        p = _table(title, ["phase", "peak", "above phase start", *(["reserved peak"] if shown else [])])
+        p = _table(
+            title.format(basis=tracker_basis(report)),
+            ["phase", "peak", "above phase start", *(["reserved peak"] if shown else [])],
+        )
         for name, v in report.phases.items():
             cells = [name, fb(v.peak_bytes), fb(v.peak_above_start)]
             if shown:
@@ -297,9 +351,9 @@ def _phases(title: str, reserved: bool = False) -> Section:
     return section
 
 
-audit_phases = _phases("Peak live memory per phase (tracker)", reserved=True)
+audit_phases = _phases("Peak live memory per phase ({basis})", reserved=True)
 estimate_phases = _phases("Peak per phase (tracker on meta; above the weights and LoRA parameters)")
-trainer_phases = _phases("Peak live memory per phase (max over steps)")
+trainer_phases = _phases("Peak live memory per phase (max over steps; {basis})")
 
 
 def step_lines(report: AuditReport, console: Any) -> None:
@@ -314,6 +368,20 @@ def notes(report: AuditReport, console: Any) -> None:
 
     for n in report.verdict.notes:
         console.print(Text.assemble(("note:", "yellow"), f" {n}"), highlight=False)
+
+
+BRIEF_LEFT_OUT = (META_RUN,)
+"""Note kinds the default estimate view leaves to ``--verbose``: the same caveat on every estimate (how the
+meta run compares with the GPUs it was measured against)."""
+
+
+def brief_notes(report: AuditReport, console: Any) -> None:
+    """The verdict's notes but the kinds of :data:`BRIEF_LEFT_OUT`, one line each."""
+    from rich.text import Text
+
+    for f in report.verdict.findings:
+        if not f.problem and f.kind not in BRIEF_LEFT_OUT:
+            console.print(Text.assemble(("note:", "yellow"), f" {f.message}"), highlight=False)
 
 
 def verdict_line(report: AuditReport, console: Any) -> None:
@@ -509,6 +577,59 @@ LAYOUTS: dict[str, tuple[Section, ...]] = {
 """The sections of each view of a report, in order."""
 
 
+ESTIMATE_BRIEF: tuple[Section, ...] = (estimate_header, collapsed_estimate_layers, brief_notes, verdict_line)
+"""``vramguard estimate``'s default view, at most a screen: identical layers collapsed, the tables of the
+components, the phases and the overheads (the verdict line names each overhead's figure) and the meta run's
+standing caveat left to ``--verbose`` (:data:`LAYOUTS`' ``estimate``)."""
+
+
+def estimate_layout(verbose: bool) -> tuple[Section, ...]:
+    """The sections ``vramguard estimate`` prints after its answer: every table with ``verbose``."""
+    return LAYOUTS["estimate"] if verbose else ESTIMATE_BRIEF
+
+
+def answer(report: AuditReport, budget: int | None, at: str = "expected", fit: dict[str, Any] | None = None,
+           card: str | None = None) -> str:
+    """The line a person reads first: whether the step fits ``budget`` (``card``'s memory, or ``--fit``'s),
+    judged ``at`` the expected total or the high end, with both figures, and what to try when it does not fit
+    (the first two of ``fit``'s changes that fit, in the order given, each with its ``cost`` where the row has
+    one, and the largest batch that fits); without a budget the two figures alone."""
+    e = report.estimate
+    assert e is not None
+    expected, high = e.total_bytes, e.high_total_bytes
+    figures = f"{fb(expected)} expected" + (f", {fb(high)} at the high end" if high != expected else "")
+    where = f"{fb(budget)} ({card})" if card is not None and budget is not None else fb(budget or 0)
+    if budget is None:
+        place = "on the device" if e.target == "cuda" else "of the host's memory"
+        return f"{fb(expected)} expected {place}" + (f", {fb(high)} at the high end" if high != expected else "")
+    judged = high if at == "high" else expected
+    if judged <= budget:
+        caveat = "; at the high end it does not (--fit-at high judges there)" if high > budget else ""
+        return f"fits in {where}: {figures}{caveat}"
+    line = f"does not fit in {where}" + (" at the high end" if at == "high" and expected <= budget else "")
+    line += f": {figures}"
+    tries = [c for c in (fit or {}).get("changes", []) if c["fits"]][:2]
+    if tries:
+        line += "; try " + " or ".join(
+            f"{c['change']} ({fb(c['total_bytes'])}" + (f", costs {c['cost']})" if "cost" in c else ")")
+            for c in tries
+        )
+    if fit and fit.get("dim") == "batch" and fit.get("largest"):
+        line += f"; batch {fit['largest']} fits"
+    return line
+
+
+def answer_section(
+    budget: int | None, at: str = "expected", fit: dict[str, Any] | None = None, card: str | None = None
+) -> Section:
+    """:func:`answer` as the first section of a view, in bold."""
+
+    def section(report: AuditReport, console: Any) -> None:
+        console.print(answer(report, budget, at, fit, card), style="bold", highlight=False, soft_wrap=True)
+
+    return section
+
+
 def render(report: AuditReport, console: Any, layout: str | tuple[Section, ...] = "audit") -> None:
     """Print ``report`` on the rich ``console`` as the sections of ``layout`` (a :data:`LAYOUTS` name, or
     the sections themselves)."""
@@ -517,7 +638,8 @@ def render(report: AuditReport, console: Any, layout: str | tuple[Section, ...] 
 
 
 def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console: Any) -> None:
-    """``vramguard estimate --fit``: the largest batch (or sequence length) that fits, and each cheaper change."""
+    """``vramguard estimate --fit``: the largest batch (or sequence length) that fits, and each change in the order
+    given, with its ``cost`` and ``cost_detail`` in step time where its row has them."""
     what = "batch" if dim == "batch" else "sequence length"
     fixed = f"at seq {seq_len}" if dim == "batch" else f"at batch {batch}"
     if fit["largest"]:
@@ -531,8 +653,11 @@ def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console:
     )
     for row in fit["changes"]:
         verdict = "fits" if row["fits"] else "does not fit"
+        cost = f"; costs {row['cost']}: {row['cost_detail']}" if "cost" in row else ""
         console.print(
-            f"  {row['change']}: {fb(row['total_bytes'])} ({verdict})", highlight=False, soft_wrap=True
+            f"  {row['change']}: {fb(row['total_bytes'])} ({verdict}{cost})",
+            highlight=False,
+            soft_wrap=True,
         )
 
 

@@ -100,7 +100,9 @@ def _timeline_figure(plt: Any, t: Timeline, salt: str, title: str) -> Any:
         mark.set_gid(f"peak-{salt}")
         alive = sorted(((b, c) for c, b in t.at_peak.items() if b), reverse=True)[:3]
         ax.annotate(
-            f"peak {format_bytes(t.peak_bytes)}: " + ", ".join(f"{c} {format_bytes(b)}" for b, c in alive),
+            f"peak {format_bytes(t.peak_bytes)} with the model's storages "
+            f"(the steps' own: {format_bytes(t.traced_peak_bytes)}): "
+            + ", ".join(f"{c} {format_bytes(b)}" for b, c in alive),
             (peak_x, t.peak_bytes / scale),
             textcoords="offset points",
             xytext=(0, 10),
@@ -218,7 +220,7 @@ def render_run_html(report: AuditReport) -> str:
             f"{e(format_bytes(est.allocator_peak_bytes))} + {e(format_bytes(est.overhead_bytes))} the meta run leaves "
             "out (CUDA context, cuBLAS workspaces, fragmentation): the timeline shows the allocator peak</p>"
             if est.target == "cuda"
-            else f"<p>host estimate {e(format_bytes(est.total_bytes))} (--target cpu): the step's tensors at their "
+            else f"<p>host estimate {e(format_bytes(est.total_bytes))} (--device cpu): the step's tensors at their "
             f"peak, {e(format_bytes(est.allocator_peak_bytes))}, which the timeline shows"
             + (f", + {e(format_bytes(est.overhead_bytes))} of activations offloaded to the host" if est.overhead_bytes else "")
             + "; no GPU overhead is added</p>"
@@ -227,7 +229,9 @@ def render_run_html(report: AuditReport) -> str:
         "<h2>Memory through the steps</h2>",
         (
             f"<p>{t.events:,} allocation events; the model's own storages (weights, trainable parameters) stand "
-            "under what the steps allocate. Phases: forward (blue), backward (red), optimizer (green).</p>"
+            "under what the steps allocate, so the peak here is theirs and the steps' together, "
+            f"{e(format_bytes(t.peak_bytes))}; the steps' own peak, without them, is "
+            f"{e(format_bytes(t.traced_peak_bytes))}. Phases: forward (blue), backward (red), optimizer (green).</p>"
         ),
         f"<figure class='plot timeline'>{timeline_svg(t, 'run')}</figure>",
         "<h2 id='peak'>At the peak</h2>" + _peak_table(t),

@@ -631,11 +631,22 @@ def with_lora(model: Any, config: QLoRAConfig) -> Any:
     try:
         peft_model = get_peft_model(model, lora_config(config))
     except ValueError as exc:
-        if "incompatible with Mamba-based models" in str(exc):
-            raise UsageError(mamba_refusal(model)) from None
-        raise UsageError(f"PEFT refuses this LoRA setup: {first_line(exc)}") from None
+        raise lora_refused(exc, model) from None
     refuse_tuple_routers(peft_model)
     return peft_model
+
+
+def lora_refused(exc: ValueError, model: torch.nn.Module) -> UsageError:
+    """The one line for a LoRA setup PEFT refuses for ``model`` (PEFT's own ``get_peft_model`` in the loop, or
+    inside ``SFTTrainer``): the Mamba mixer's layers named with the targets that work, a model type PEFT has no
+    default targets for with the flag that sets them, anything else as PEFT says it."""
+    if "incompatible with Mamba-based models" in str(exc):
+        return UsageError(mamba_refusal(model))
+    line = f"PEFT refuses this LoRA setup: {first_line(exc)}"
+    if "specify `target_modules`" in str(exc):
+        kind = getattr(getattr(model, "config", None), "model_type", "this model")
+        line += f" (PEFT has no default targets for {kind}: pass --target-modules all-linear, or names)"
+    return UsageError(line)
 
 
 MAMBA_REFUSED = ("out_proj", "conv1d")

@@ -91,6 +91,8 @@ def test_every_published_figure_has_its_source_and_a_config_that_parses() -> Non
         assert row["urls"] and all(u.startswith("https://") for u in row["urls"]), row["id"]
         assert row["quote"] and row["kind"] in figures["kinds"], row["id"]
         assert load_run_config(FIXTURES / row["config"]).values["model"], row["id"]
+        # the trainer the source used, named in the command the page prints (issue 44)
+        assert row["flags"][:1] == ["--trainer"] and row["flags"][1] in ("sft", "trainer", "loop"), row["id"]
 
 
 @pytest.mark.slow

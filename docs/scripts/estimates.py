@@ -2,7 +2,7 @@
 
 Shared by ``docs/scripts/techniques.py`` and ``docs/scripts/published.py``: every number those pages print
 comes from here, never typed. A run is the real command (``vramguard.cli.main``), so what a user types
-(``vramguard estimate --config X --target cuda --json out.json``) gives the same bytes.
+(``vramguard estimate --config X --device cuda --json out.json``) gives the same bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def not_priced(output: str) -> list[str]:
 
 
 def estimate(config: Path, *extra: str, target: str = "cuda") -> dict[str, Any]:
-    """``vramguard estimate --config config --target target --json ... --quiet`` (plus ``extra`` flags): the
+    """``vramguard estimate --config config --device target --json ... --quiet`` (plus ``extra`` flags): the
     figures of its ``--json`` document, in bytes, and the keys it does not price."""
     from vramguard.cli import main
 
@@ -36,7 +36,7 @@ def estimate(config: Path, *extra: str, target: str = "cuda") -> dict[str, Any]:
             "estimate",
             "--config",
             str(config),
-            "--target",
+            "--device",
             target,
             "--json",
             str(out),

@@ -1,5 +1,7 @@
 """The techniques table of docs/techniques.md: what each QLoRA technique changes in one training step of a
-model (Llama-3.1-8B by default) at two sequence lengths, every cell a ``vramguard estimate --config`` run.
+model (Llama-3.1-8B by default) at two sequence lengths, every cell a ``vramguard estimate --config ...
+--trainer loop`` run: vramguard's own reproducer loop, which runs every row (Liger, activation offloading and
+full fine-tuning are priced only there), not TRL's SFTTrainer step that a TRL YAML gets by default.
 
     PYTHONPATH=src python docs/scripts/techniques.py                  # run all rows, write the JSON and the page
     PYTHONPATH=src python docs/scripts/techniques.py --rows 0,5       # only these rows (the others kept from the JSON)
@@ -84,7 +86,9 @@ def run(model: str, seqs: list[int], rows: list[tuple[str, dict[str, Any]]]) -> 
             for seq in seqs:
                 config = {"model_name_or_path": str(model_path(model)), **BASELINE, "max_length": seq, **keys}
                 tic = time.perf_counter()
-                cells[str(seq)] = estimate(write_yaml(Path(tmp) / f"row{i}-s{seq}.yaml", config))
+                cells[str(seq)] = estimate(
+                    write_yaml(Path(tmp) / f"row{i}-s{seq}.yaml", config), "--trainer", "loop"
+                )
                 cells[str(seq)]["config"] = {k: v for k, v in config.items() if k != "model_name_or_path"}
                 print(
                     f"{label} @ {seq}: {cells[str(seq)]['allocator_peak_bytes'] / GIB:.2f} GiB "

@@ -183,15 +183,13 @@ def test_fit_offers_the_same_rows_a_step_in_micro_batches_that_fit(tmp_path) -> 
 def test_the_fit_option_keeps_the_rows_a_step(batch: int, steps: int, largest: int, offered: str | None) -> None:
     """The micro-batch option keeps the rows a step (batch x micro-batches) exactly, in micro-batches no larger
     than the largest batch that fit (a stand-in estimator: this is the option's arithmetic, not its pricing)."""
-    from types import SimpleNamespace
-
     from vramguard.estimate.fit import cheaper_changes
 
     seen = []
 
     def estimate(config: QLoRAConfig):
         seen.append(config)
-        return SimpleNamespace(estimate=SimpleNamespace(total_bytes=1))
+        return 1
 
     config = QLoRAConfig(batch=batch, gradient_accumulation_steps=steps)
     changes = [c["change"] for c in cheaper_changes(config, 0, estimate, largest_batch=largest)]

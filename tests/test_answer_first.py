@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from vramguard.audit.report import AuditReport
 from vramguard.cli import main
 from vramguard.estimate.run import FRAGMENTATION, high_total
+from vramguard.step.report import AuditReport
 from vramguard.units import format_bytes as fb
 from vramguard.view.console import text_console
 from vramguard.view.report import answer, answer_section, estimate_layout, layer_runs, render
@@ -92,7 +92,7 @@ def test_every_change_fit_suggests_has_its_cost_and_the_cheapest_comes_first() -
         total = 9 if config.optimizer != "adamw" or config.lora_rank != 16 else 20
         total = 5 if config.offload_activations else 6 if config.gradient_checkpointing else total
         total = 7 if config.batch == 2 else total
-        return SimpleNamespace(estimate=SimpleNamespace(total_bytes=total))
+        return total
 
     rows = cheaper_changes(
         QLoRAConfig(batch=8, lora_rank=16), 8, estimate, largest_batch=2, target="cuda", peak_phase="optimizer"

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from vramguard.audit import run as audit
-from vramguard.audit.report import SCHEMA_VERSION, AuditReport
 from vramguard.audit.run import run_audit
 from vramguard.cli import audit as audit_cli
 from vramguard.cli.app import library_noise_hidden, main
 from vramguard.errors import UsageError
 from vramguard.model.analytic import planned_expectation
+from vramguard.step.report import SCHEMA_VERSION, AuditReport
 from vramguard.view.console import UNWRAPPED_WIDTH
 from vramguard.workload.models import ModelSpec, QLoRAConfig, build_qlora, parse_dtype
 
@@ -412,7 +412,7 @@ def test_the_verdict_is_one_line_even_with_columns_set(
 
 def test_a_verdict_whose_ok_disagrees_with_its_problems_is_not_read() -> None:
     """ok is derived from the problems; a document where the two disagree is refused, not flipped."""
-    from vramguard.audit.report import Verdict
+    from vramguard.step.report import Verdict
 
     good = Verdict.from_dict({"ok": False, "line": "PROBLEM: x", "problems": ["x"], "notes": []})
     assert not good.ok and good.problems == ["x"]

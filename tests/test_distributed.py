@@ -200,8 +200,8 @@ def test_fsdp2_shards_the_weights_and_replicates_the_quant_state(fsdp2_audit) ->
 def _fake_ranks(sharding: ShardingConfig, steps: int = STEPS, config: QLoRAConfig = CONFIG) -> list:
     """Each rank of ``sharding``'s step on the host's real tensors in this process, under torch's fake process
     group (collectives move nothing; every buffer FSDP allocates is real): the rows, as the ranks write them."""
-    from vramguard.audit.distributed import measure_rank, rank_expectation
     from vramguard.estimate.distributed import fake_process_group
+    from vramguard.step.rank import measure_rank, rank_expectation
     from vramguard.workload.sharding import cpu_mesh
 
     rows = []
@@ -268,7 +268,7 @@ def test_fsdp1_fake_process_group_on_the_host_equals_the_meta_estimate(fsdp1_est
 
 
 def test_the_json_document_has_the_distributed_section(fsdp2_audit, tmp_path: Path) -> None:
-    from vramguard.audit.report import AuditReport
+    from vramguard.step.report import AuditReport
 
     doc = fsdp2_audit.to_dict()
     d = doc["distributed"]

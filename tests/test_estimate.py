@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from vramguard.audit.report import AuditReport
 from vramguard.audit.run import run_audit
 from vramguard.cli import main
+from vramguard.step.report import AuditReport
 from vramguard.workload.models import QLoRAConfig, build_qlora, parse_dtype, presets
 
 STEPS = 2
@@ -406,11 +406,9 @@ class _Fake:
         self.total = total
         self.calls: list[int] = []
 
-    def __call__(self, config: QLoRAConfig) -> AuditReport:
-        from types import SimpleNamespace
-
+    def __call__(self, config: QLoRAConfig) -> int:
         self.calls.append(config.batch)
-        return SimpleNamespace(estimate=SimpleNamespace(total_bytes=self.total(config.batch)))  # type: ignore[return-value]
+        return self.total(config.batch)
 
 
 FIT_SHAPES = {
@@ -433,16 +431,14 @@ class _Fake:
         self.total = total
         self.calls: list[int] = []
 
-    def __call__(self, config: QLoRAConfig) -> AuditReport:
-        from types import SimpleNamespace
-
+    def __call__(self, config: QLoRAConfig) -> int:
         from vramguard.estimate.run import TooLarge
 
         self.calls.append(config.batch)
         total = self.total(config.batch)
         if total is None:
             raise TooLarge("beyond 2^63 bytes")
-        return SimpleNamespace(estimate=SimpleNamespace(total_bytes=total))  # type: ignore[return-value]
+        return total
 
 
 @pytest.mark.parametrize("shape", list(FIT_SHAPES))
@@ -623,8 +619,6 @@ def test_fit_on_cuda_offers_the_fused_adamw_where_the_foreach_step_sets_the_peak
     as large as the parameters there, which ``--optimizer adamw-fused`` does not make: one of the cheaper
     changes ``--fit`` names, with its own total, its optimizer step smaller by exactly the trainable bytes. Not
     offered for the CPU, where AdamW already steps one parameter at a time, nor where another phase peaks."""
-    from types import SimpleNamespace
-
     from vramguard.estimate.fit import cheaper_changes
     from vramguard.estimate.run import run_estimate
 
@@ -633,8 +627,10 @@ def test_fit_on_cuda_offers_the_fused_adamw_where_the_foreach_step_sets_the_peak
     base = report.estimate
     assert base is not None and base.peak_phase == "optimizer"
 
-    def on_cuda(changed: QLoRAConfig) -> AuditReport:
-        return run_estimate(changed, steps=STEPS, target="cuda")
+    def on_cuda(changed: QLoRAConfig) -> int:
+        estimate = run_estimate(changed, steps=STEPS, target="cuda").estimate
+        assert estimate is not None
+        return estimate.total_bytes
 
     offered = cheaper_changes(config, 0, on_cuda, target="cuda", peak_phase=base.peak_phase)
     rows = {r["change"]: r["total_bytes"] for r in offered}
@@ -645,7 +641,7 @@ def test_fit_on_cuda_offers_the_fused_adamw_where_the_foreach_step_sets_the_peak
     assert optimizer - fused.phases["optimizer"].peak_bytes == base.trainable_bytes
 
     def anything(changed: QLoRAConfig) -> Any:
-        return SimpleNamespace(estimate=SimpleNamespace(total_bytes=1))
+        return 1
 
     for target, phase in (("cpu", "optimizer"), ("cuda", "backward")):  # nothing to save there
         rows = cheaper_changes(config, 0, anything, target=target, peak_phase=phase)

@@ -14,9 +14,9 @@ from types import ModuleType
 
 import pytest
 
-from vramguard.audit.report import AuditReport
 from vramguard.cli import main
 from vramguard.estimate.run import overheads, run_estimate
+from vramguard.step.report import AuditReport
 from vramguard.workload.models import QLoRAConfig
 
 ROOT = Path(__file__).resolve().parents[1]

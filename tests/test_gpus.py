@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from vramguard.audit.report import DeviceEstimate, Overhead
 from vramguard.cli import main
 from vramguard.cli.estimate import fit_size
 from vramguard.errors import UsageError
 from vramguard.estimate.fit import FIT_AT, search
 from vramguard.estimate.gpus import GPUS, gpu_named, register
 from vramguard.estimate.run import CUDA_CONTEXT_BYTES, overheads
+from vramguard.step.report import DeviceEstimate, Overhead
 from vramguard.workload.models import QLoRAConfig
 
 MEASUREMENTS = Path(__file__).resolve().parents[1] / "docs" / "measurements"
@@ -95,6 +95,6 @@ def test_fit_at_high_searches_with_the_high_end() -> None:
         estimate = DeviceEstimate(0, 0, 0, "backward", total - 50, 50, total, overheads=[frag])
         return SimpleNamespace(estimate=estimate)
 
-    expected = search(QLoRAConfig(), 2000, estimate, limit=64, total=FIT_AT["expected"])  # type: ignore[arg-type]
-    high = search(QLoRAConfig(), 2000, estimate, limit=64, total=FIT_AT["high"])  # type: ignore[arg-type]
+    expected = search(QLoRAConfig(), 2000, lambda c: FIT_AT["expected"](estimate(c)), limit=64)  # type: ignore[arg-type]
+    high = search(QLoRAConfig(), 2000, lambda c: FIT_AT["high"](estimate(c)), limit=64)  # type: ignore[arg-type]
     assert (expected.largest, high.largest) == (10, 9)  # high: 1000 + 100 b + 10 b <= 2000

@@ -11,10 +11,10 @@ import types
 import pytest
 import torch
 
-from vramguard.audit.report import AuditReport
 from vramguard.audit.run import run_audit
 from vramguard.errors import UsageError
 from vramguard.integrations.transformers import VramGuardCallback
+from vramguard.step.report import AuditReport
 from vramguard.workload.models import QLoRAConfig, build_qlora
 from vramguard.workload.training import make_optimizer
 

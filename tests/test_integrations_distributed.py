@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from vramguard.audit.report import AuditReport
 from vramguard.integrations.transformers import rank_path
+from vramguard.step.report import AuditReport
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "tests" / "probes" / "trainer_rank.py"

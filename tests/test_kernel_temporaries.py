@@ -70,7 +70,7 @@ def test_an_eager_estimate_for_cuda_peaks_by_one_attention_gradient_more(model: 
     sharding = ShardingConfig(world_size=2, sharding="fsdp2")
     monkeypatch.undo()
     ranked = distributed.run_distributed_estimate(config, sharding, steps=1).distributed
-    monkeypatch.setattr(distributed, "cuda_kernel_temporaries", lambda func, args, kwargs: [])
+    monkeypatch.setattr(run, "cuda_kernel_temporaries", lambda func, args, kwargs: [])
     bare_ranked = distributed.run_distributed_estimate(config, sharding, steps=1).distributed
     assert ranked is not None and bare_ranked is not None
     gap = ranked.per_rank[0].allocator_peak_bytes - bare_ranked.per_rank[0].allocator_peak_bytes

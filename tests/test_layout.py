@@ -17,7 +17,7 @@ SRC = Path(vramguard.__file__).resolve().parents[1]
 PACKAGE = SRC / "vramguard"
 
 #: Parts that measure, estimate, check and record; they never render nor parse a command line.
-CORE = ("measure", "model", "workload", "grad", "history", "bisect", "audit", "estimate")
+CORE = ("measure", "model", "workload", "grad", "history", "bisect", "step", "audit", "estimate")
 #: Imports that belong to a face (the CLI, the pytest plugins), never to the core.
 FACES = ("rich", "argparse", "pytest", "_pytest", "vramguard.cli", "vramguard.pytest", "vramguard.view")
 #: The one part that draws: every rich import is in it (the CLI, the pytest plugins and the integrations draw
@@ -243,3 +243,89 @@ def test_a_missing_docstring_is_found(tmp_path: Path) -> None:
         "vramguard/m.py:7 run",
         "vramguard/m.py:13 Thing.method",
     ]
+
+
+# -- the estimate stands on shared step pieces, in small functions -----------------------------------------
+
+#: The part that prices a step on meta; it shares the step's pieces with the audit, never imports it.
+ESTIMATE = "vramguard.estimate"
+#: The longest function, in lines (its ``def`` to its last line, docstring included), and the most parameters
+#: (``*args`` and ``**kwargs`` count one each; ``self`` and ``cls`` none) a function in :data:`ESTIMATE` has.
+MAX_LINES, MAX_PARAMETERS = 80, 6
+#: Functions that stand in for a library's own function on meta: their signature is the library's (transformers
+#: inspects flash-attn's for the arguments it passes), so their parameters are not the estimate's to choose.
+LIBRARY_SIGNATURES = {
+    "vramguard.estimate.flash.flash_attn_func",
+    "vramguard.estimate.flash.flash_attn_varlen_func",
+}
+
+
+def audit_imports_in_the_estimate(graph: dict[str, set[str]]) -> list[str]:
+    """``module imports name`` for each import of ``vramguard.audit`` by a module of :data:`ESTIMATE`."""
+    return sorted(
+        f"{module} imports {name}"
+        for module, names in graph.items()
+        if module == ESTIMATE or module.startswith(ESTIMATE + ".")
+        for name in names
+        if name == "vramguard.audit" or name.startswith("vramguard.audit.")
+    )
+
+
+def parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The parameters a function takes: positional and keyword-only, ``*args`` and ``**kwargs`` one each;
+    a method's ``self`` or ``cls`` not counted."""
+    a = node.args
+    names = [*a.posonlyargs, *a.args]
+    own = 1 if names and names[0].arg in ("self", "cls") else 0
+    return len(names) - own + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def oversized_functions(path: Path, module: str) -> list[str]:
+    """``module.function: N lines, M parameters`` for each function (nested ones and methods included) of
+    ``path`` longer than :data:`MAX_LINES` or taking more than :data:`MAX_PARAMETERS` parameters."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if f"{module}.{node.name}" in LIBRARY_SIGNATURES:
+            continue
+        lines, parameters = (node.end_lineno or node.lineno) - node.lineno + 1, parameter_count(node)
+        if lines > MAX_LINES or parameters > MAX_PARAMETERS:
+            out.append(f"{module}.{node.name}: {lines} lines, {parameters} parameters")
+    return out
+
+
+def test_the_estimate_imports_no_audit() -> None:
+    """The estimate and the audit both build on the step's shared pieces (refusals, the analytic expectation,
+    report assembly, the report schema); the estimate does not reach into the audit for them."""
+    assert audit_imports_in_the_estimate(import_graph()) == []
+
+
+def test_an_audit_import_in_the_estimate_is_found() -> None:
+    """The check can fail: an estimate module that imports the audit's loop is named."""
+    graph = import_graph()
+    graph["vramguard.estimate.fit"] = graph["vramguard.estimate.fit"] | {"vramguard.audit.run"}
+    assert "vramguard.estimate.fit imports vramguard.audit.run" in audit_imports_in_the_estimate(graph)
+
+
+def test_the_estimate_has_small_functions() -> None:
+    found = [
+        line
+        for path in sorted((PACKAGE / "estimate").rglob("*.py"))
+        for line in oversized_functions(path, _module_name(path))
+    ]
+    assert found == []
+
+
+def test_an_oversized_function_is_found(tmp_path: Path) -> None:
+    """The check can fail: a function of 81 lines and one of 7 parameters (a method's self not counted) are
+    named, one of 80 lines and 6 parameters is not."""
+    path = tmp_path / "m.py"
+    body = "    x = 1\n"
+    path.write_text(
+        "def long():\n" + body * 80
+        + "def fits():\n" + body * 79
+        + "def many(a, b, c, d, e, f, *args):\n    pass\n"
+        + "class C:\n    def six(self, a, b, c, d, e, **kw):\n        pass\n"
+    )
+    assert oversized_functions(path, "m") == ["m.long: 81 lines, 0 parameters", "m.many: 2 lines, 7 parameters"]

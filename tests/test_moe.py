@@ -347,8 +347,8 @@ def _fake_rank_figures(config: QLoRAConfig, sharding: Any, rank: int, kind: str)
     """``rank``'s row of ``config``'s FSDP2 step on the host's real tensors, in this process under torch's fake
     process group (collectives move nothing; every buffer is real), the routing forced by the audit's own hook
     (:func:`vramguard.workload.routing.forced_routing`): the reference the meta estimate is held to."""
-    from vramguard.audit.distributed import measure_rank, rank_expectation
     from vramguard.estimate.distributed import fake_process_group
+    from vramguard.step.rank import measure_rank, rank_expectation
     from vramguard.workload.routing import forced_routing
     from vramguard.workload.sharding import cpu_mesh
 
@@ -370,7 +370,7 @@ def test_a_sharded_estimate_of_eager_experts_bounds_each_rank_by_its_forced_rout
     routes its own batch): the rank rows are the highest routing's and equal, byte for byte, the same rank run
     on the host's real tensors with that routing forced; the routing line names the three routings' peaks of
     those real runs."""
-    from vramguard.audit.report import AuditReport
+    from vramguard.step.report import AuditReport
     from vramguard.units import format_bytes
     from vramguard.workload.sharding import ShardingConfig
 

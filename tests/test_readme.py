@@ -61,6 +61,7 @@ RUN = {
     ("docs/case-studies.md", "import torch\nfrom trl.kernels import ChunkedLogProbFunction"),
     ("docs/case-studies.md", "from vramguard.grad import patches"),
     ("docs/grad-equivalence.md", "# mypkg/patches.py"),
+    ("docs/architecture.md", "from vramguard.estimate.techniques import BUILT_IN, offloading"),
 }
 
 
@@ -200,11 +201,13 @@ DOTTED = re.compile(r"(?<![\w./-])vramguard(?:\.[A-Za-z_]\w*)+")
 
 def unresolved(text: str) -> list[str]:
     """The ``vramguard.``-dotted names in ``text`` that are neither a module nor an attribute of one (the
-    longest importable prefix, then getattr for the rest); the entry-point group of patches is a name too."""
+    longest importable prefix, then getattr for the rest); the entry-point groups of patches and of techniques
+    are names too."""
+    from vramguard.estimate import techniques
     from vramguard.grad.patches import ENTRY_POINT_GROUP
 
     stale = []
-    for name in sorted(set(DOTTED.findall(text)) - {ENTRY_POINT_GROUP}):
+    for name in sorted(set(DOTTED.findall(text)) - {ENTRY_POINT_GROUP, techniques.ENTRY_POINT_GROUP}):
         parts = name.split(".")
         for cut in range(len(parts), 0, -1):
             if _is_module(".".join(parts[:cut])):
@@ -225,7 +228,13 @@ def test_every_dotted_name_in_the_pages_resolves() -> None:
 
 def test_a_stale_dotted_name_is_found() -> None:
     """The names that were stale in the README before the docs site, a module and an attribute."""
-    text = "see `vramguard.report.AuditReport` and `vramguard.capabilities`, not `vramguard.audit.report.AuditReport`"
+    text = "see `vramguard.report.AuditReport` and `vramguard.capabilities`, not `vramguard.step.report.AuditReport`"
     assert unresolved(text) == ["vramguard.capabilities", "vramguard.report.AuditReport"]
     assert unresolved("`vramguard.measure.ledger.NoSuchThing`") == ["vramguard.measure.ledger.NoSuchThing"]
     assert unresolved("machine_info.vramguard.packages, docs/vramguard.json, vramguard.patches") == []
+
+
+def test_the_technique_walk_through_runs() -> None:
+    """docs/architecture.md's technique is the registry's own value, field by field."""
+    scope = _run("from vramguard.estimate.techniques import BUILT_IN, offloading", "docs/architecture.md")
+    assert scope["TECHNIQUE"].name == "offload_activations"

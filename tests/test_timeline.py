@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import torch
 
-from vramguard.audit.report import AuditReport
 from vramguard.audit.run import run_audit
 from vramguard.cli.app import main
 from vramguard.estimate.run import run_estimate
 from vramguard.measure.events import UNKNOWN, AllocationLog, dump_snapshot
 from vramguard.measure.tracker import StorageTracker
+from vramguard.step.report import AuditReport
 from vramguard.workload.models import QLoRAConfig
 
 SMALL = QLoRAConfig(seq_len=32, batch=1)

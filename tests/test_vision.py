@@ -506,7 +506,7 @@ def test_offloaded_estimate_keeps_the_masks_values() -> None:
 def test_a_towers_encoder_layers_keep_their_stack_in_the_layer_table() -> None:
     """CLIP/SigLIP towers (LLaVA, Gemma 3, PaliGemma, ...) have ``encoder.layers.N`` too: the layer table names
     them by their path, apart from the language model's ``layers.N``, and lists each stack in order."""
-    from vramguard.audit.assemble import layer_rows
+    from vramguard.step.assemble import layer_rows
     from vramguard.measure.ledger import LedgerReport, SavedRecord
     from vramguard.view.report import short_layer_name
 

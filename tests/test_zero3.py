@@ -126,7 +126,7 @@ def test_saved_zero3_weights_are_gathered_weights_not_copies(zero3_audit) -> Non
 def test_the_ranks_agree_and_the_json_section_names_the_engine(zero3_audit) -> None:
     from importlib.metadata import version
 
-    from vramguard.audit.report import AuditReport
+    from vramguard.step.report import AuditReport
 
     rows = zero3_audit.distributed.per_rank
     assert [r.rank for r in rows] == [0, 1]
@@ -142,7 +142,7 @@ _FAKE_RANK0 = """
 import dataclasses, json, sys
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from vramguard.audit.distributed import rank_expectation
+from vramguard.step.rank import rank_expectation
 from vramguard.audit.zero3 import build_zero3_rank, measure_zero3_rank
 from vramguard.workload.models import QLoRAConfig
 config = QLoRAConfig()

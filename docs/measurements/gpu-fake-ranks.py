@@ -4,7 +4,7 @@ item 2): what ``vramguard estimate --world-size N --sharding S`` prices on meta,
 The model is built the FSDP + QLoRA recipe's way on the GPU (``build_qlora(sharded=True)``), sharded by the
 real engine over a one-dimensional CUDA mesh of N ranks (the fake group answers every collective at once and
 moves nothing; every buffer FSDP allocates, the all-gathered layers included, is real), and trained for
-``--steps`` steps of vramguard's loop by :func:`vramguard.audit.distributed.measure_rank`, the function the
+``--steps`` steps of vramguard's loop by :func:`vramguard.step.rank.measure_rank`, the function the
 audit's ranks and the estimate's meta ranks run. The allocator's peak statistics are reset after the build,
 so ``max_memory_allocated`` covers the sharding and the steps. Writes one JSON document.
 
@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from vramguard.audit.distributed import measure_rank, rank_expectation
 from vramguard.estimate.distributed import fake_process_group
+from vramguard.step.rank import measure_rank, rank_expectation
 from vramguard.workload.models import QLoRAConfig, build_qlora
 from vramguard.workload.sharding import ShardingConfig
 

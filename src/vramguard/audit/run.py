@@ -18,17 +18,17 @@ from typing import Any
 
 import torch
 
-from vramguard.audit import verdict as checks
-from vramguard.audit.assemble import Measured, assemble
-from vramguard.audit.report import AuditReport, StepRow, with_routing_note
 from vramguard.errors import UsageError, first_line
-from vramguard.measure.events import AllocationLog, timeline
-from vramguard.measure.ledger import LedgerReport
+from vramguard.measure.events import AllocationLog
 from vramguard.measure.tracker import MemoryTracker
-from vramguard.model.analytic import Expectation, planned_expectation, qlora_expectation, weights_expectation
+from vramguard.model.analytic import Expectation, planned_expectation
+from vramguard.step import verdict as checks
+from vramguard.step.assemble import assemble_report
+from vramguard.step.expectation import expectation_of
+from vramguard.step.refusals import refuse_fp16_on_cpu
+from vramguard.step.report import AuditReport, with_routing_note
 from vramguard.units import format_bytes
-from vramguard.workload.families import NoAnalyticModel
-from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
+from vramguard.workload.models import ModelSpec, QLoRAConfig, build_qlora
 from vramguard.workload.routing import (
     Routing,
     bounds_line,
@@ -37,7 +37,7 @@ from vramguard.workload.routing import (
     forced_line,
     forced_routing,
 )
-from vramguard.workload.training import PHASES, StepResult, make_optimizer, run_steps
+from vramguard.workload.training import StepResult, make_optimizer, run_steps
 
 RoutingFigures = Callable[[QLoRAConfig, int], dict[str, tuple[int, int]]]
 """``(config, steps) -> {routing: (step peak, saved bytes)}`` for each forced routing."""
@@ -98,16 +98,6 @@ def check_fits(config: QLoRAConfig, spec: ModelSpec | None = None) -> Expectatio
     return plan
 
 
-def refuse_fp16_on_cpu(config: QLoRAConfig, device_type: str) -> None:
-    """fp16 autocast on the CPU is refused (:class:`UsageError`), as accelerate refuses it for Trainer
-    ("fp16 mixed precision requires a device in ...", with no GradScaler for the CPU)."""
-    if config.mixed_precision == "fp16" and device_type == "cpu":
-        raise UsageError(
-            "fp16 mixed precision runs on a GPU only (accelerate refuses it on the CPU, as Trainer would): "
-            "use --bf16, or estimate --device cuda"
-        )
-
-
 def refuse_what_the_audit_cannot_run(config: QLoRAConfig) -> None:
     """fp16 autocast on the CPU (:func:`refuse_fp16_on_cpu`) and flash_attention_2 (the flash_attn package
     is CUDA-only and the audit does not load it) are refused with a one-line :class:`UsageError`."""
@@ -148,44 +138,6 @@ def apply_liger_on_device(model: torch.nn.Module, device: str) -> None:
             "use_liger_kernel needs liger-kernel and Triton "
             f'(pip install -c constraints.txt -e ".[liger]"): {first_line(exc)}'
         ) from None
-
-
-def expectation_of(q: QLoRAModel, config: QLoRAConfig, target: str, analytic: bool = True) -> Expectation:
-    """The analytic expectation of ``q``'s step for ``config`` with ``target``'s kernels; the weights
-    alone (with the reason) where the analytic model has no answer, or with ``analytic`` False."""
-    try:
-        if not analytic:
-            raise NoAnalyticModel(f"no analytic model for --method {config.method}")
-        if config.mixed_precision != "no":
-            raise NoAnalyticModel(
-                f"no analytic model for Trainer's {config.mixed_precision} autocast: measured only"
-            )
-        if q.attn_implementation == "flash_attention_2":
-            raise NoAnalyticModel("no analytic model for flash_attention_2: measured only")
-        if config.use_dora:
-            raise NoAnalyticModel("no analytic model for DoRA (use_dora): measured only")
-        if config.use_liger_kernel:
-            raise NoAnalyticModel("no analytic model for Liger's kernels (use_liger_kernel): measured only")
-        if config.target_modules != "all-linear" or config.target_parameters:
-            raise NoAnalyticModel(
-                "no analytic model for LoRA on target modules other than all-linear "
-                f"({config.target_modules}{'; parameters ' + config.target_parameters if config.target_parameters else ''})"
-            )
-        return qlora_expectation(
-            q.model,
-            q.spec,
-            batch=config.batch,
-            seq_len=config.seq_len,
-            lora_rank=config.lora_rank,
-            compute_dtype=parse_dtype(config.compute_dtype),
-            double_quant=config.double_quant,
-            checkpointing=config.gradient_checkpointing,
-            attn_implementation=q.attn_implementation,
-            lora_dropout=config.lora_dropout > 0,
-            target=target,
-        )
-    except NoAnalyticModel as exc:  # measured all the same; compared with nothing
-        return weights_expectation(q.model, double_quant=config.double_quant, reason=str(exc))
 
 
 def run_audit(
@@ -248,63 +200,3 @@ def run_audit(
     return with_routing_note(report, checks.ROUTING, line, measured[0])
 
 
-def assemble_report(
-    q: QLoRAModel,
-    config: QLoRAConfig,
-    expected: Expectation,
-    tracker: MemoryTracker,
-    results: list[StepResult],
-    ledger: LedgerReport,
-    optimizer: torch.optim.Optimizer,
-    top: int,
-    elapsed: float,
-    meta_run: bool = False,
-) -> AuditReport:
-    """The report of a run of vramguard's loop (the audit's, or with ``meta_run`` the estimate's) through
-    :func:`~vramguard.audit.assemble.assemble`: the build's notes, the fp32-activation check (``qlora``
-    only: the norms are upcast by ``prepare_model_for_kbit_training``) and, for the audit, the note that one
-    step checks no leak. The meta run records its step options (method, optimizer, offloading) in the
-    config."""
-    steps = [
-        StepRow(
-            step=r.step + 1,
-            loss=r.loss,
-            retained_bytes=r.retained_bytes,
-            retained_after_forward=r.after_forward_bytes - r.start_bytes,
-            peak_bytes=r.peak_bytes,
-        )
-        for r in results
-    ]
-    return assemble(
-        Measured(
-            model=q.model,
-            ledger=ledger,
-            tracker=tracker,
-            phases=PHASES,
-            steps=steps,
-            expected=expected,
-            optimizer=optimizer,
-            trainable=q.trainable_parameters(),
-            config=config.to_dict(step_options=meta_run or config.optimizer != "adamw"),
-            architecture={
-                "model_type": q.spec.model_type,
-                "model_class": q.model_class,
-                "attn_implementation": q.attn_implementation,
-                "analytic_model": None if expected.no_analytic_model else expected.family,
-            },
-            environment_device=config.device,
-            elapsed_s=elapsed,
-            leak_tolerance=checks.leak_tolerance(config.device),
-            top=top,
-            findings_first=checks.notes(checks.BUILD, q.notes),
-            findings=[
-                checks.fp32_activations(q.model, config.compute_dtype) if config.method == "qlora" else None,
-                checks.dora(ledger, q.model),
-                checks.vision(q, ledger),
-                None if meta_run else checks.one_step(steps),
-            ],
-            offloaded=config.offload_activations,  # on the host by design: no deviation note
-            autocast=config.mixed_precision,
-            timeline=timeline(tracker.events) if tracker.events is not None else None,
-        )
-    )

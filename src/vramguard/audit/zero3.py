@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from vramguard.audit.distributed import row_of
-from vramguard.audit.report import AuditReport, RankRow
-from vramguard.audit.run import assemble_report
 from vramguard.measure.storage import frozen_resident_bytes
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.model.analytic import Expectation
+from vramguard.step.assemble import assemble_report
+from vramguard.step.rank import row_of
+from vramguard.step.report import AuditReport, RankRow
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
 from vramguard.workload.training import make_optimizer, run_steps
 from vramguard.workload.zero3 import (

@@ -10,12 +10,12 @@ from typing import Any
 
 from vramguard.cli.helptext import summary
 from vramguard.atomic import write_text_atomic
-from vramguard.audit.report import AuditReport
 from vramguard.cli.options import check_json_path
 from vramguard.errors import UsageError
 from vramguard.history import compare as _compare
 from vramguard.history.compare import Gate, add_gate_options
 from vramguard.history.store import load_spec
+from vramguard.step.report import AuditReport
 from vramguard.units import format_bytes
 from vramguard.view.compare import markdown, render
 from vramguard.view.console import wide_stdout_console

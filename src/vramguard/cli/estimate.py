@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from vramguard.atomic import write_text_atomic
-from vramguard.audit.report import AuditReport
 from vramguard.cli.options import (
     add_qlora_options,
     add_sharding_options,
@@ -34,6 +33,7 @@ from vramguard.cli.options import (
 from vramguard.errors import UsageError
 from vramguard.estimate.fit import FIT_AT
 from vramguard.estimate.gpus import GPUS, Gpu, gpu_named
+from vramguard.step.report import AuditReport
 from vramguard.units import SIZE_HELP, parse_size
 from vramguard.workload.models import METHODS, OPTIMIZERS, QLoRAConfig
 
@@ -321,14 +321,15 @@ def _fit(
         limit = min(limit, positions) if positions is not None else limit
     assert report.estimate is not None
     requested = config.batch if args.fit_dim == "batch" else config.seq_len
-    result = search(
-        config, size, estimate, dim=args.fit_dim, limit=limit, known={requested: judged(report)}, total=judged
-    )
+    def figure(c: QLoRAConfig) -> int:
+        return judged(estimate(c))
+
+    result = search(config, size, figure, dim=args.fit_dim, limit=limit, known={requested: judged(report)})
     if judged(report) > size:
         largest = result.largest if args.fit_dim == "batch" else 0
         phase = report.estimate.peak_phase
         result.changes = cheaper_changes(
-            config, size, estimate, largest_batch=largest, target=args.target, peak_phase=phase, total=judged
+            config, size, figure, largest_batch=largest, target=args.target, peak_phase=phase
         )
     fit = result.to_dict()
     if args.fit_at != "expected":  # (the default's document is as it was)
@@ -428,10 +429,9 @@ def _largest_at_world(
     result = search(
         config,
         size,
-        lambda c: _rank0(c, sharding, args),
+        lambda c: rank_total(_rank0(c, sharding, args)),
         dim=args.fit_dim,
         limit=limit,
         known={requested: requested_total},
-        total=rank_total,
     )
     return result.to_dict()

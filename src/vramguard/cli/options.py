@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vramguard.audit import verdict as checks
-from vramguard.audit.report import AuditReport
 from vramguard.errors import UsageError
+from vramguard.step import verdict as checks
+from vramguard.step.report import AuditReport
 from vramguard.units import MAX_COUNT
 from vramguard.workload.models import ATTN_IMPLEMENTATIONS, QLoRAConfig
 from vramguard.workload.sharding import SHARDINGS, ShardingConfig

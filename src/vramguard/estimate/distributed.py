@@ -4,7 +4,7 @@ The real engine runs in this one process: torch's fake process group (``FakeStor
 world size N, this process playing rank r) answers every collective at once without moving data, and FSDP2's
 ``fully_shard`` shards the meta-built model of the FSDP + QLoRA recipe over a ``meta`` device mesh. Each
 rank's shards, all-gather buffers, reduce-scatter buffers, gradients and optimizer state get their real
-shapes and dtypes; the step runs under the audit's ledger and tracker (:func:`vramguard.audit.distributed.
+shapes and dtypes; the step runs under the audit's ledger and tracker (:func:`vramguard.step.rank.
 measure_rank`, shared with the real ranks), so on CPU kernels (``--target cpu``) it equals
 ``audit --world-size N`` rank by rank.
 
@@ -39,16 +39,15 @@ from typing import Any
 
 import torch
 
-from vramguard.audit.distributed import measure_rank, merged, rank_expectation
-from vramguard.audit.report import AuditReport, RankRow
 from vramguard.errors import UsageError
-from vramguard.estimate.kernels import cuda_kernel_temporaries
-from vramguard.estimate.meta import META, TARGETS, build_meta, routed_on_meta
-from vramguard.estimate.run import highest_routing, meta_step_contexts, overheads, with_bounds
+from vramguard.estimate.meta import build_meta, routed_on_meta
+from vramguard.estimate.run import highest_routing, meta_source, meta_step_contexts, overheads, with_bounds
 from vramguard.measure.storage import local_tensor, storage_key
-from vramguard.measure.tracker import StorageTracker
+from vramguard.step.rank import measure_rank, merged, rank_expectation
+from vramguard.step.report import AuditReport, RankRow
+from vramguard.step.request import META, StepRequest
 from vramguard.workload.models import QLoRAConfig, QLoRAModel
-from vramguard.workload.routing import ROUTINGS, Routing, eager_top_k
+from vramguard.workload.routing import ROUTINGS, eager_top_k
 from vramguard.workload.sharding import ShardingConfig, check_adapters
 
 
@@ -201,10 +200,8 @@ def run_distributed_estimate(
             f"estimate --sharding {sharding.sharding}: only fsdp2 and fsdp1 run on the meta device; "
             "measure it with audit --world-size"
         )
-    if target not in TARGETS:
-        raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
-    config.validate()
-    config = config.resolved()
+    request = StepRequest(config, target=target, steps=steps)  # validated once; its model resolved
+    config = request.config
     world = sharding.world_size
     wanted = list(range(world)) if ranks is None else sorted(set(ranks))
     if not wanted or wanted[0] < 0 or wanted[-1] >= world:
@@ -225,9 +222,11 @@ def run_distributed_estimate(
             rows.append(dataclasses.replace(row, rank=rank, same_as=first))
             continue
         if top_k is None:
-            report, row = _one_rank(config, sharding, rank, steps, top, target)
+            report, row = _one_rank(request, sharding, rank, top)
         else:  # the rank's report and row are the highest routing's, its routing: line names all
-            runs = {kind: _one_rank(config, sharding, rank, steps, top, target, kind) for kind in ROUTINGS}
+            runs = {
+                kind: _one_rank(dataclasses.replace(request, routing=kind), sharding, rank, top) for kind in ROUTINGS
+            }
             high = highest_routing({kind: r for kind, (r, _) in runs.items()})
             forced_by = f"a meta run of rank {rank}'s step"  # the report shows rank 0's line
             report = with_bounds({kind: r for kind, (r, _) in runs.items()}, high, top_k, forced_by)
@@ -240,23 +239,17 @@ def run_distributed_estimate(
 
 
 def _one_rank(
-    config: QLoRAConfig,
-    sharding: ShardingConfig,
-    rank: int,
-    steps: int,
-    top: int,
-    target: str,
-    routing: Routing | None = None,
+    request: StepRequest, sharding: ShardingConfig, rank: int, top: int
 ) -> tuple[AuditReport, RankRow]:
-    """``rank``'s report and row; ``routing``: the experts' routing forced (each rank routes its own batch)."""
+    """``rank``'s report and row of ``request``'s step; the request's ``routing``: the experts' routing forced
+    (each rank routes its own batch)."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    config, target, steps, routing = request.config, request.target, request.steps, request.routing
 
     q = build_meta(config, sharded=True)
     expected = rank_expectation(q, config)
-    source = StorageTracker(None)  # meta storages and the host-side ones (Adam's step counters), as the audit
-    source.device = META
-    if target == "cuda":  # what CUDA's kernels hold inside themselves (estimate.kernels)
-        source.kernel_temporaries = cuda_kernel_temporaries
+    source = meta_source(META, target)
     decisions, flash = meta_step_contexts(q, config, target)  # autocast, attention kernels: as on one device
     routed: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if routing is not None:  # entered outside the tracker, which measure_rank enters

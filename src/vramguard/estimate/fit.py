@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from vramguard.audit.report import AuditReport
 from vramguard.estimate.run import TooLarge
+from vramguard.estimate.techniques import registered
+from vramguard.step.report import AuditReport
 from vramguard.workload.models import QLoRAConfig
 
 DIMS = ("batch", "seq")
@@ -57,7 +58,10 @@ class Fit:
         return d
 
 
-Estimator = Callable[[QLoRAConfig], AuditReport]
+Estimator = Callable[[QLoRAConfig], int]
+"""A config's figure held against the memory: its step's total as ``--fit`` judges it (:data:`FIT_AT`: the
+expected total or the high end; a sharded step's highest rank's, :func:`rank_total`); :class:`TooLarge` where
+torch cannot describe the step."""
 
 
 def _total(report: AuditReport) -> int:
@@ -77,13 +81,11 @@ def search(
     dim: str = "batch",
     limit: int = FIT_LIMIT,
     known: dict[int, int] | None = None,
-    total: Callable[[AuditReport], int] = _total,
 ) -> Fit:
     """The largest value of ``dim`` (batch or seq) in [1, ``limit``] whose estimated total fits ``size``,
     in at most :func:`run_bound` runs (memory is taken to grow with the value). ``known``: totals
-    already estimated (the requested shape's), used as measured, not counted as runs. ``total``: the figure
-    of a report held against ``size`` (the device estimate's total; a sharded step's, its highest rank's:
-    :func:`rank_total`)."""
+    already estimated (the requested shape's), used as measured, not counted as runs. ``estimate``: a config's
+    figure held against ``size`` (:data:`Estimator`)."""
     if dim not in DIMS:
         raise ValueError(f"dim must be one of {DIMS}, got {dim!r}")
     if limit < 1:
@@ -94,7 +96,7 @@ def search(
 
     def fits(value: int) -> bool:
         try:
-            got: int | None = total(estimate(dataclasses.replace(config, **{key: value})))
+            got: int | None = estimate(dataclasses.replace(config, **{key: value}))
         except TooLarge:
             got = None
         measured[value] = got
@@ -171,19 +173,20 @@ def cheaper_changes(
     largest_batch: int = 0,
     target: str = "cuda",
     peak_phase: str = "",
-    total: Callable[[AuditReport], int] = _total,
 ) -> list[dict[str, Any]]:
     """For a shape that does not fit: the estimate of each change vramguard can run, cheapest first
     (what fits, then the fewest flags changed, then the smallest total).
 
-    ``estimate`` receives the changed config (its ``optimizer`` or ``offload_activations`` changed too).
+    ``estimate`` receives the changed config (its ``optimizer`` or ``offload_activations`` changed too) and
+    gives its figure (:data:`Estimator`).
     ``largest_batch``: the largest batch that fits (a ``--fit`` search's answer), below the requested one: then
     the same rows a step in micro-batches of the largest batch that divides them and is no larger, by gradient
     accumulation; its own meta run prices the gradients that holds, so it may still not fit. ``target``: the
-    estimate's; on ``cpu`` offloading activations to the host saves nothing, so it is not offered. ``peak_phase``:
+    estimate's; each registered technique offers its own alternative
+    (:func:`vramguard.estimate.techniques.registered`): on ``cpu`` offloading activations to the host saves
+    nothing, so it is not offered. ``peak_phase``:
     the requested shape's; where it is the optimizer step, on CUDA, the fused AdamW is offered (torch's default
-    there, ``foreach``, holds a temporary as large as the trainable parameters in that step only). ``total``: the
-    figure of a report held against ``size`` (:func:`search`'s; :func:`high_end` for ``--fit-at high``)."""
+    there, ``foreach``, holds a temporary as large as the trainable parameters in that step only)."""
     half = max(1, config.lora_rank // 2)
     options: list[tuple[str, QLoRAConfig]] = []
     rows_a_step = config.batch * config.gradient_accumulation_steps
@@ -208,13 +211,7 @@ def cheaper_changes(
                 dataclasses.replace(config, optimizer="adamw-8bit"),
             )
         )
-    if not config.offload_activations and target == "cuda":
-        options.append(
-            (
-                "--offload-activations",
-                dataclasses.replace(config, offload_activations=True),
-            )
-        )
+    options += [o for o in (t.cheaper(config, target) for t in registered()) if o is not None]
     if not config.gradient_checkpointing and config.lora_rank > 1:
         options.append(
             (
@@ -224,7 +221,7 @@ def cheaper_changes(
         )
     rows = []
     for flag, changed in options:
-        got = total(estimate(changed))
+        got = estimate(changed)
         rows.append({"change": flag, "total_bytes": got, "fits": got <= size})
     # cheapest: what fits, then the fewest flags changed (a single change before a combination)
     rows.sort(key=lambda r: (not r["fits"], r["change"].count("--"), r["total_bytes"]))

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from vramguard.audit.report import Finding
 from vramguard.errors import UsageError
+from vramguard.step.report import Finding
 from vramguard.units import format_bytes
 from vramguard.workload.models import QLoRAConfig, parse_dtype
 from vramguard.workload.sharding import ShardingConfig, decoder_layers

@@ -37,6 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from vramguard.errors import UsageError, first_line
 from vramguard.estimate.autocast import autocast_off
 from vramguard.model.layers import sdpa_kernel
+from vramguard.step.patching import patch_all
+from vramguard.step.request import META, TARGETS
 from vramguard.workload.models import (
     BUILD_ERRORS,
     METHODS,
@@ -55,9 +57,6 @@ from vramguard.workload.models import (
     with_lora,
 )
 from vramguard.workload.routing import Routing
-
-META = "meta"
-
 
 class _AnswerScalars(TorchDispatchMode):
     """Answers ``_local_scalar_dense`` (``.item()``, ``bool()``) of a meta tensor with ``answer``."""
@@ -241,10 +240,6 @@ def _foreach_of_pointwise(name: str) -> bool:
 _KEYED_BY_VALUE = (bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
-TARGETS: tuple[str, ...] = ("cuda", "cpu")
-"""The devices whose kernel choices a meta run can take (``forced_decisions(target)``)."""
-
-
 @contextlib.contextmanager
 def forced_decisions(
     target: str = "cpu", one_sequence_per_row: bool = True, autocast: bool = False
@@ -273,10 +268,45 @@ def forced_decisions(
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    from torch.optim import optimizer as torch_optimizer
+    from torch.utils import checkpoint
     from transformers import masking_utils
 
-    original = masking_utils.find_packed_sequence_indices
-    taken = {"find_packed_sequence_indices": 0}
+    functional = torch.nn.functional
+    taken = {"find_packed_sequence_indices": 0, "scaled_dot_product_attention": 0}
+    meta_autocast = _meta_autocast(target if autocast else "cpu")
+    grouped = _GroupedMmAnyDtype()
+    routing = _routing(target) if autocast else None
+    meta_autocast.routing = routing  # type: ignore[attr-defined]
+    packed = _packed_answer(masking_utils.find_packed_sequence_indices, one_sequence_per_row, taken)
+    patches = [
+        (masking_utils, "find_packed_sequence_indices", packed),
+        (functional, "scaled_dot_product_attention", _meta_sdpa(target, routing, taken)),
+        (functional, "dropout", _dropout_as_on(target, functional.dropout)),
+        (torch, "autocast", meta_autocast),
+        (torch.amp, "autocast", meta_autocast),
+        # the optimizers' implementation: torch.optim.optimizer asks these two
+        (torch_optimizer, "_get_foreach_kernels_supported_devices", _foreach_devices(target)),
+        (torch_optimizer, "_get_fused_kernels_supported_devices", _fused_devices),
+    ]
+    if autocast:  # a checkpointed block's device is the target's (its recomputation restores that autocast)
+        patches.append((checkpoint, "_infer_device_type", _infer_as(target, checkpoint._infer_device_type)))
+    shapes = PointwiseShapeCache(PROCESS_ANSWERS)
+    try:
+        with contextlib.ExitStack() as stack:
+            patch_all(stack, patches)
+            with shapes, grouped:  # the cache first: below every mode the step pushes (it answers as the kernels)
+                yield taken
+    finally:
+        taken["grouped_mm"] = grouped.answered
+        if routing is not None:
+            taken["autocast_routed"] = routing.routed
+            taken["autocast_unprobed"] = len(routing.unprobed)
+
+
+def _packed_answer(original: Any, one_sequence_per_row: bool, taken: dict[str, int]) -> Any:
+    """transformers' ``find_packed_sequence_indices`` on meta position ids, answered as the real ones answer
+    (counted in ``taken``); other devices' run unchanged."""
 
     def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
         if position_ids.device.type != META:
@@ -288,9 +318,13 @@ def forced_decisions(
         taken["find_packed_sequence_indices"] += 1
         return result
 
-    functional = torch.nn.functional
-    original_sdpa = functional.scaled_dot_product_attention
-    taken["scaled_dot_product_attention"] = 0
+    return find_packed_sequence_indices
+
+
+def _meta_sdpa(target: str, routing: Any, taken: dict[str, int]) -> Any:
+    """torch's ``scaled_dot_product_attention`` on meta tensors through ``target``'s kernel (:func:`_sdpa_as_on`;
+    counted in ``taken``), its inputs cast as ``target``'s autocast would under a ``routing`` mode."""
+    original_sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def scaled_dot_product_attention(
         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
@@ -298,7 +332,6 @@ def forced_decisions(
         if query.device.type != META:
             return original_sdpa(query, key, value, *args, **kwargs)
         taken["scaled_dot_product_attention"] += 1
-        routing = routed.get("mode")
         if routing is not None and torch.is_autocast_enabled(target):
             # autocast casts the inputs as the target's sdpa kernel would get them, then the kernel runs
             # with autocast off (the autocast kernel's redispatch), so its choice sees the cast dtypes
@@ -306,12 +339,15 @@ def forced_decisions(
                 original_sdpa, (query, key, value, *args), kwargs
             )
             with autocast_off(target):
-                return _sdpa_as_on(target, original_sdpa, query, key, value, *args, **kwargs)
-        return _sdpa_as_on(target, original_sdpa, query, key, value, *args, **kwargs)
+                return _sdpa_as_on((target, original_sdpa), query, key, value, *args, **kwargs)
+        return _sdpa_as_on((target, original_sdpa), query, key, value, *args, **kwargs)
 
-    routed: dict[str, Any] = {}
+    return scaled_dot_product_attention
 
-    original_dropout = functional.dropout
+
+def _dropout_as_on(target: str, original_dropout: Any) -> Any:
+    """torch's ``dropout`` on meta as ``target`` runs it: on CUDA ``native_dropout`` (a bool mask kept), where
+    the CPU multiplies by a mask in the input's dtype."""
 
     def dropout(
         input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
@@ -320,58 +356,37 @@ def forced_decisions(
             return original_dropout(input, p, training, inplace)
         return torch.native_dropout(input, p, True)[0]
 
-    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
-    functional.scaled_dot_product_attention = scaled_dot_product_attention
-    functional.dropout = dropout
-    original_autocast = torch.autocast
-    meta_autocast = _meta_autocast(target if autocast else "cpu")
-    torch.autocast = torch.amp.autocast = meta_autocast  # type: ignore[misc]
-    from torch.utils import checkpoint
+    return dropout
 
-    original_infer = checkpoint._infer_device_type
-    if autocast:
 
-        def _infer_device_type(*args: Any) -> str:
-            found = original_infer(*args)
-            return target if found == META else found
+def _infer_as(target: str, original_infer: Any) -> Any:
+    """``torch.utils.checkpoint._infer_device_type`` answering ``target`` for meta tensors."""
 
-        checkpoint._infer_device_type = _infer_device_type  # type: ignore[assignment]
-    grouped = _GroupedMmAnyDtype()
-    routing = _routing(target) if autocast else None
-    meta_autocast.routing = routing  # type: ignore[attr-defined]
-    routed["mode"] = routing
-    # the optimizers' implementation: torch.optim.optimizer asks these two (torch.utils._foreach_utils' own,
-    # read there again, so a block inside another one answers for its own target)
-    from torch.optim import optimizer as torch_optimizer
+    def _infer_device_type(*args: Any) -> str:
+        found = original_infer(*args)
+        return target if found == META else found
+
+    return _infer_device_type
+
+
+def _foreach_devices(target: str) -> Any:
+    """The devices with foreach kernels as torch's optimizers ask them, meta among them on ``target`` cuda
+    (torch.utils._foreach_utils' own list, read there again, so a block inside another one answers for its own
+    target)."""
     from torch.utils import _foreach_utils
 
     def foreach_devices() -> list[str]:
         devices = _foreach_utils._get_foreach_kernels_supported_devices()
         return [*devices, META] if target == "cuda" else devices
 
-    def fused_devices() -> list[str]:
-        return [*_foreach_utils._get_fused_kernels_supported_devices(), META]
+    return foreach_devices
 
-    original_foreach = torch_optimizer._get_foreach_kernels_supported_devices
-    original_fused = torch_optimizer._get_fused_kernels_supported_devices
-    torch_optimizer._get_foreach_kernels_supported_devices = foreach_devices  # type: ignore[attr-defined]
-    torch_optimizer._get_fused_kernels_supported_devices = fused_devices  # type: ignore[attr-defined]
-    shapes = PointwiseShapeCache(PROCESS_ANSWERS)
-    try:
-        with shapes, grouped:  # the cache first: below every mode the step pushes (it answers as the kernels)
-            yield taken
-    finally:
-        masking_utils.find_packed_sequence_indices = original
-        functional.scaled_dot_product_attention = original_sdpa
-        functional.dropout = original_dropout
-        torch.autocast = torch.amp.autocast = original_autocast  # type: ignore[misc]
-        checkpoint._infer_device_type = original_infer
-        torch_optimizer._get_foreach_kernels_supported_devices = original_foreach  # type: ignore[attr-defined]
-        torch_optimizer._get_fused_kernels_supported_devices = original_fused  # type: ignore[attr-defined]
-        taken["grouped_mm"] = grouped.answered
-        if routing is not None:
-            taken["autocast_routed"] = routing.routed
-            taken["autocast_unprobed"] = len(routing.unprobed)
+
+def _fused_devices() -> list[str]:
+    """The devices with fused optimizer kernels, meta among them (meta has the fused kernel's shape rules)."""
+    from torch.utils import _foreach_utils
+
+    return [*_foreach_utils._get_fused_kernels_supported_devices(), META]
 
 
 def _function_modes() -> list[Any]:
@@ -572,15 +587,10 @@ _FLASH = 1  # torch's SDPBackend.flash_attention
 
 
 def _sdpa_as_on(
-    target: str,
-    original: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *args: Any,
-    **kwargs: Any,
+    on: tuple[str, Any], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention`` on meta tensors, through the kernel ``target`` would pick.
+    """``scaled_dot_product_attention`` on meta tensors, through the kernel the target would pick (``on``: the
+    target and torch's own function).
 
     CUDA (no device here to ask): :func:`vramguard.model.layers.sdpa_kernel`'s rules; its flash and
     memory-efficient kernels keep what the CPU's flash kernel keeps (q, k, v, out, logsumexp; the
@@ -595,6 +605,7 @@ def _sdpa_as_on(
     composite calls, ``_scaled_dot_product_flash_attention_for_cpu``, whose meta kernel and
     backward are torch's own (the CPU kernel takes fewer key/value heads as they are: ``enable_gqa``).
     """
+    target, original = on
     params = dict(zip(_SDPA_PARAMS, args, strict=False))
     params.update(kwargs)
     mask = params.get("attn_mask")
@@ -745,19 +756,9 @@ def build_meta(
         raise ValueError("build the real-device QLoRA model with vramguard.workload.models.build_qlora")
     config.validate()
     spec = spec or config.spec
-    from vramguard.workload.vision import is_vision_spec
-
-    if is_vision_spec(spec):  # the family's processor's rows, their values carried (estimate.vision)
-        if method != "qlora" or device != META or sharded or not prepared:
-            raise UsageError(
-                "vision-language models are estimated for --method qlora on one device in vramguard's loop "
-                "(--trainer loop) for now"
-            )
-        from vramguard.estimate.vision import build_vision_meta
-
-        built_vlm, values = build_vision_meta(config, spec=spec)
-        built_vlm.q.image_values = values  # run_estimate steps it under values_on_meta
-        return built_vlm.q  # type: ignore[no-any-return]
+    vision = _vision_meta(config, spec, method == "qlora" and device == META and not sharded and prepared)
+    if vision is not None:  # the family's processor's rows, their values carried (estimate.vision)
+        return vision
     from transformers.quantizers import AutoHfQuantizer
     from transformers.utils import logging as hf_logging
 
@@ -768,16 +769,7 @@ def build_meta(
         attn == "flash_attention_2"
     ):  # transformers refuses it without the package: built with sdpa, run with it
         built = hf_config._attn_implementation = "sdpa"
-        notes.append(
-            "flash_attention_2: the flash_attn package is CUDA-only and not loaded; transformers' flash path runs "
-            "with flash-attn 2's kernel priced from its own rules (vramguard.estimate.flash): it saves q, k, v, "
-            "the output, an fp32 b x h x s logsumexp and no s x s tensor"
-            + (
-                "; a padding-free batch runs its varlen kernel (an h x total logsumexp)"
-                if config.padding_free
-                else ""
-            )
-        )
+        notes.append(_flash_note(config))
     compute_dtype = parse_dtype(config.compute_dtype)
     weights_dtype = parse_dtype(config.full_dtype) if method == "full" else compute_dtype
     hf_logging.set_verbosity_error()
@@ -819,6 +811,36 @@ def build_meta(
         config=_with_device(config, device),
         attn_implementation=attn,
         notes=tuple(notes),
+    )
+
+
+def _vision_meta(config: QLoRAConfig, spec: ModelSpec, supported: bool) -> QLoRAModel | None:
+    """A vision-language model on meta (:func:`vramguard.estimate.vision.build_vision_meta`), its rows' values
+    kept on it for the step (``image_values``: run_estimate steps it under ``values_on_meta``); refused in one line
+    where not ``supported`` (off the loop's qlora step on one device). None for a text model."""
+    from vramguard.workload.vision import is_vision_spec
+
+    if not is_vision_spec(spec):
+        return None
+    if not supported:
+        raise UsageError(
+            "vision-language models are estimated for --method qlora on one device in vramguard's loop "
+            "(--trainer loop) for now"
+        )
+    from vramguard.estimate.vision import build_vision_meta
+
+    built_vlm, values = build_vision_meta(config, spec=spec)
+    built_vlm.q.image_values = values  # run_estimate steps it under values_on_meta
+    return built_vlm.q  # type: ignore[no-any-return]
+
+
+def _flash_note(config: QLoRAConfig) -> str:
+    """The build's note for flash_attention_2: built with sdpa, run with flash-attn 2's kernel priced on meta."""
+    return (
+        "flash_attention_2: the flash_attn package is CUDA-only and not loaded; transformers' flash path runs "
+        "with flash-attn 2's kernel priced from its own rules (vramguard.estimate.flash): it saves q, k, v, "
+        "the output, an fp32 b x h x s logsumexp and no s x s tensor"
+        + ("; a padding-free batch runs its varlen kernel (an h x total logsumexp)" if config.padding_free else "")
     )
 
 

@@ -2,8 +2,8 @@
 
 The ledger and the storage tracker run unchanged: on meta every storage still has its real size,
 so saved bytes per module and live bytes per phase are the libraries' own, without data. The
-report is :class:`vramguard.audit.report.AuditReport` (the audit's schema), with ``device`` ``meta`` and
-``estimate`` (:class:`~vramguard.audit.report.DeviceEstimate`) filled in.
+report is :class:`vramguard.step.report.AuditReport` (the audit's schema), with ``device`` ``meta`` and
+``estimate`` (:class:`~vramguard.step.report.DeviceEstimate`) filled in.
 """
 
 from __future__ import annotations
@@ -15,28 +15,30 @@ from typing import Any
 
 import torch
 
-from vramguard.audit import verdict as checks
-from vramguard.audit.report import AuditReport, DeviceEstimate, Finding, Overhead, with_routing_note
-from vramguard.audit.run import assemble_report, expectation_of, refuse_fp16_on_cpu
 from vramguard.errors import UsageError, first_line
 from vramguard.estimate.kernels import cuda_kernel_temporaries
 from vramguard.estimate.meta import (
-    META,
-    TARGETS,
-    MetaQLoRAModel,
     build_meta,
     forced_decisions,
     routed_on_meta,
 )
-from vramguard.estimate.offload import OffloadActivations
+from vramguard.estimate.techniques import offloading, used_by
 from vramguard.measure.events import AllocationLog
+from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
+from vramguard.model.analytic import Expectation
+from vramguard.step import verdict as checks
+from vramguard.step.assemble import assemble_report
+from vramguard.step.expectation import expectation_of
+from vramguard.step.refusals import refuse_fp16_on_cpu
+from vramguard.step.request import META, StepRequest
+from vramguard.step.technique import contexts_of, enter_stage
+from vramguard.step.report import AuditReport, DeviceEstimate, Finding, Overhead, with_routing_note
 from vramguard.units import format_bytes
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, packed_lengths
 from vramguard.workload.routing import (
     META_RUNS,
     ROUTINGS,
-    Routing,
     bounds_line,
     eager_top_k,
     experts_top_k,
@@ -44,7 +46,7 @@ from vramguard.workload.routing import (
     forced_routing,
 )
 from vramguard.workload.routing import figures as routing_figures_of
-from vramguard.workload.training import PHASES, make_optimizer, run_steps
+from vramguard.workload.training import PHASES, StepResult, make_optimizer, run_steps
 
 MiB = 1 << 20
 
@@ -285,43 +287,21 @@ def peak_term(
     return Finding(checks.PEAK_TERM, f"peak: {what} set it; removed by {remedy}", max(square, logits))
 
 
-def data_bounds(
-    q: QLoRAModel,
-    config: QLoRAConfig,
-    estimate: DeviceEstimate,
-    target: str,
-    one_sequence_per_row: bool | None,
-    steps: int,
-    method: str,
-    device: str,
-    optimizer: str,
-    routing: Routing | None = None,
-    gpu: Any = None,
-) -> Finding | None:
+def data_bounds(q: QLoRAModel, request: StepRequest, estimate: DeviceEstimate) -> Finding | None:
     """What the batch's data decides, in one line: the figure is for the longest batch the config allows
     (``batch`` rows of ``seq_len`` tokens, every row full); the rows' lengths and, with packing, the sequences
     in a row decide lower figures. With packing and sdpa or eager attention the rows' boundaries decide whether
     transformers builds the packed-sequence mask: priced as real packed rows hold several sequences (the high,
     and the expected for TRL's bfd packing of shorter documents), and run again with every row one sequence (a
     document as long as the row: the low). None for the low run itself."""
-    if one_sequence_per_row is not None:
+    config = request.config
+    if request.one_sequence_per_row is not None:
         return None
     fb = format_bytes
     tokens = f"{config.batch:,} x {config.seq_len:,} tokens"
     packed = config.packing and q.attn_implementation in ("sdpa", "eager") and not q.one_sequence_per_row
-    if packed and device == META:  # (on a real device the position ids' values decide: nothing to force)
-        low = run_estimate(
-            config,
-            steps=steps,
-            method=method,
-            device=device,
-            optimizer=optimizer,
-            target=target,
-            offload_activations=config.offload_activations,
-            one_sequence_per_row=True,
-            routing=routing,
-            gpu=gpu,
-        ).estimate
+    if packed and request.device == META:  # (on a real device the position ids' values decide: nothing to force)
+        low = run_estimate(dataclasses.replace(request, one_sequence_per_row=True)).estimate
         assert low is not None
         return Finding(
             checks.DATA_BOUNDS,
@@ -333,31 +313,34 @@ def data_bounds(
             estimate.total_bytes - low.total_bytes,
         )
     if config.padding_free:
-        varlen = ""
-        if q.attn_implementation == "flash_attention_2":
-            from vramguard.estimate.flash import varlen_bytes_per_sequence
-
-            fields = q.spec.fields
-            heads = int(fields["num_attention_heads"])
-            per_sequence = varlen_bytes_per_sequence(
-                heads, int(fields.get("head_dim") or fields["hidden_size"] // heads)
-            )
-            sequences = config.batch * len(packed_lengths(config.seq_len, config.packing))
-            varlen = (
-                f"; with flash_attention_2 each sequence in the batch adds 128 rows to the varlen backward's "
-                f"fp32 softmax_d and dq_accum ({fb(per_sequence)} a sequence, one layer's at a "
-                f"time): priced at {sequences:,} sequences, so a packed batch of more, shorter documents needs "
-                "that much more for each one beyond"
-            )
         return Finding(
             checks.DATA_BOUNDS,
             f"data: padding-free rows, priced full ({tokens}: the longest batch the config allows); a batch of "
-            f"shorter sequences holds fewer tokens and needs less{varlen}",
+            f"shorter sequences holds fewer tokens and needs less{_varlen_clause(q, config)}",
         )
     return Finding(
         checks.DATA_BOUNDS,
         f"data: every row priced at max_length ({tokens}: the longest batch the config allows); TRL pads a batch "
         "to its longest row, so a batch whose rows are all shorter needs less",
+    )
+
+
+def _varlen_clause(q: QLoRAModel, config: QLoRAConfig) -> str:
+    """With flash_attention_2, what each sequence of a padding-free batch adds to the varlen backward; empty
+    otherwise."""
+    if q.attn_implementation != "flash_attention_2":
+        return ""
+    from vramguard.estimate.flash import varlen_bytes_per_sequence
+
+    fields = q.spec.fields
+    heads = int(fields["num_attention_heads"])
+    per_sequence = varlen_bytes_per_sequence(heads, int(fields.get("head_dim") or fields["hidden_size"] // heads))
+    sequences = config.batch * len(packed_lengths(config.seq_len, config.packing))
+    return (
+        f"; with flash_attention_2 each sequence in the batch adds 128 rows to the varlen backward's "
+        f"fp32 softmax_d and dq_accum ({format_bytes(per_sequence)} a sequence, one layer's at a "
+        f"time): priced at {sequences:,} sequences, so a packed batch of more, shorter documents needs "
+        "that much more for each one beyond"
     )
 
 
@@ -381,236 +364,254 @@ def meta_step_contexts(
 
 
 def run_estimate(
-    config: QLoRAConfig,
-    steps: int = 2,
-    top: int = 3,
-    method: str | None = None,
-    device: str = META,
-    optimizer: str | None = None,
-    target: str = "cuda",
-    offload_activations: bool | None = None,
-    events: AllocationLog | None = None,
-    one_sequence_per_row: bool | None = None,
-    routing: Routing | None = None,
-    gpu: Any = None,
+    request: StepRequest | QLoRAConfig, top: int = 3, events: AllocationLog | None = None, **options: Any
 ) -> AuditReport:
-    """Build ``config``'s model on meta, run ``steps`` steps under the tracker (the ledger on the
-    first) and return the report. ``config.device`` is only validated; the run is on meta.
+    """Run ``request``'s step on meta (:class:`~vramguard.step.request.StepRequest`: the model built there,
+    ``steps`` steps under the tracker, the ledger on the first) and return the report, with ``top`` layers
+    itemised. A config with ``options`` (the request's fields, and ``method``, ``optimizer`` and
+    ``offload_activations``, which replace the config's when given) is made into the request first.
+    ``config.device`` is only validated; the run is on the request's ``device``: meta, or ``cpu`` on real
+    tensors (random weights; not for ``qlora``, whose CPU reference is ``vramguard audit``), the tests'
+    reference for ``lora`` and ``full``.
 
-    ``method``, ``optimizer``, ``offload_activations``: when given, they replace the config's fields
-    (:data:`~vramguard.workload.models.METHODS`, :data:`~vramguard.workload.models.OPTIMIZERS`; offloading
-    keeps what autograd saves on the host, emulated on meta). ``device="cpu"`` runs the same code on real
-    tensors (random weights; not for ``qlora``, whose CPU reference is ``vramguard audit``): the
-    tests' reference for ``lora`` and ``full``.
-
-    ``target``: the device whose kernel choices the meta run takes (:data:`TARGETS`): ``cuda``, where
-    the step will run, or ``cpu``, whose audit the meta run then equals to the byte.
+    The request's ``target``: the device whose kernel choices the meta run takes (:data:`TARGETS`): ``cuda``,
+    where the step will run, or ``cpu``, whose audit the meta run then equals to the byte. ``routing``: a
+    mixture of experts' routing forced to one of :data:`vramguard.workload.routing.ROUTINGS`
+    (:func:`~vramguard.estimate.meta.routed_on_meta`), as ``run_audit(routing=...)`` forces it on a device.
 
     ``events``: every allocation and free of the steps is logged there (the storages the tracker counts, with
     phase, module stack and category); the report then has a ``timeline``.
-
-    ``routing``: a mixture of experts' routing forced to one of :data:`vramguard.workload.routing.ROUTINGS`
-    (:func:`~vramguard.estimate.meta.routed_on_meta`), as ``run_audit(routing=...)`` forces it on a device.
-
-    ``gpu``: the card (:class:`vramguard.estimate.gpus.Gpu`) whose CUDA context allowance the total adds (the
-    H100's by default).
     """
-    if target not in TARGETS:
-        raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
-    if steps < 1:
-        raise UsageError(f"steps must be at least 1, got {steps}")
-    given = {"method": method, "optimizer": optimizer, "offload_activations": offload_activations}
-    config = dataclasses.replace(config, **{k: v for k, v in given.items() if v is not None})
-    config.validate()
-    config = config.resolved()
-    refuse_fp16_on_cpu(config, target)
-    if config.use_liger_kernel:
-        from vramguard.estimate.liger import check
-
-        check(target, device)  # before anything is built: the extra, the target, the device
-    method, optimizer, offload_activations = config.method, config.optimizer, config.offload_activations
-    spec = config.spec
-    too_long: _TooLong | None = None
-    try:
-        check_context(config, spec)
-    except _TooLong as exc:
-        too_long = exc
+    if not isinstance(request, StepRequest):
+        request = StepRequest.of(request, **options)
+    elif options:
+        raise TypeError(f"a StepRequest carries its options; got {sorted(options)}")
+    too_long = refused_before_the_build(request)
+    config = request.config
     t0 = time.perf_counter()
-    q = build_meta(config, spec, method=method, device=device)
+    q = build_meta(config, config.spec, method=config.method, device=request.device)
     top_k = eager_top_k(q.model)
-    if routing is None and top_k is not None:
+    if request.routing is None and top_k is not None:
         # a loop over the experts hit: routing decides the peak, and meta has no routing to draw
         del q
-        return routing_bounds(
-            config,
-            top_k,
-            steps=steps,
-            top=top,
-            device=device,
-            target=target,
-            events=events,
-            one_sequence_per_row=one_sequence_per_row,
-            gpu=gpu,
-        )
-    opt = make_estimate_optimizer(q, optimizer, target)
-    # the meta run takes the target's kernel choices (see estimate.meta)
-    expected = expectation_of(q, config, target, analytic=method == "qlora")
-    # every device: meta storages and the host-side ones the libraries keep (Adam's step counters),
-    # as the CPU audit counts them
-    source = StorageTracker(None)
-    source.device = device
-    if target == "cuda":  # what CUDA's kernels hold inside themselves (estimate.kernels)
-        source.kernel_temporaries = cuda_kernel_temporaries
-    offload = OffloadActivations(q.model) if offload_activations else contextlib.nullcontext()
-    decisions, flash = meta_step_contexts(q, config, target, one_sequence_per_row)
-    liger: contextlib.AbstractContextManager[dict[str, Any]] = contextlib.nullcontext({})
-    if config.use_liger_kernel:
-        from vramguard.estimate.liger import liger_kernel
-
-        assert isinstance(q, MetaQLoRAModel)
-        liger = liger_kernel(q.model, target, q.host_labels())
-    routed: contextlib.AbstractContextManager[Any] = contextlib.nullcontext({})
-    if routing is not None:
-        tokens = config.batch * config.seq_len
-        routed = (
-            routed_on_meta(q.model, routing, tokens)
-            if device == META
-            else forced_routing(q.model, routing, tokens)
-        )
-    image_values = getattr(q, "image_values", None)
-    if image_values is not None:  # a vision-language model's rows: their values carried beside their meta tensors
-        from vramguard.estimate.vision import values_on_meta
-
-        routed = values_on_meta(image_values)
-    try:
-        with (
-            decisions as taken,
-            routed as forced,
-            liger as ran,
-            MemoryTracker(device, model=q.model, source=source, events=events) as tracker,
-            offload,
-            flash,
-        ):
-            results, ledger = run_steps(q, steps, tracker, optimizer=opt, ledger_step=0)
-    except RuntimeError as exc:
-        if "overflow" not in str(exc):
-            raise
-        # e.g. the math attention's b x a x s x s probabilities at seq 10^9: more than 2^63 bytes
-        beyond = (
-            f"seq-len {config.seq_len:,} is beyond {spec.name}'s {too_long.limit:,} positions "
-            "(max_position_embeddings); "
-            if too_long is not None
-            else ""
-        )
-        raise TooLarge(
-            f"{beyond}batch {config.batch:,} x seq-len {config.seq_len:,} needs a tensor larger than torch "
-            f"can describe (over 2^63 bytes) on {target}: {first_line(exc)}"
-        ) from None
-    assert ledger is not None
-    if taken["find_packed_sequence_indices"] == 0 and taken["scaled_dot_product_attention"] == 0:
-        taken = {}  # neither branch exists in this transformers version / model: nothing was forced
-    if routing is not None:  # the experts calls given the forced routing, the loop's steps answered from it
-        taken = {**taken, "routing_forced": forced["forced"], "routing_answered": forced.get("answered", 0)}
+        return routing_bounds(request, top_k, top, events)
+    step = meta_step(q, request, events, too_long)
     report = assemble_report(
         q,
         q.config,
-        expected,
-        tracker,
-        results,
-        ledger,
-        opt,
+        step.expected,
+        step.tracker,
+        step.results,
+        step.ledger,
+        step.optimizer,
         top,
         time.perf_counter() - t0,
         meta_run=True,
     )
-    offloaded = offload.host_peak_bytes if isinstance(offload, OffloadActivations) else 0
-    estimate = device_estimate(report, q, config, target, offloaded, bool(offload_activations), gpu=gpu)
-    estimate.forced_decisions = dict(taken)
-    phase, step_peak = estimate.peak_phase, estimate.step_peak_bytes
-    cuda = target == "cuda"
+    return estimate_report(q, request, step, report, too_long)
+
+
+def refused_before_the_build(request: StepRequest) -> _TooLong | None:
+    """What ``request`` refuses before anything is built (fp16 autocast on the CPU, Liger where it is not
+    priced); a sequence beyond the model's positions is returned, said by the caller with the estimate's
+    number."""
+    config = request.config
+    refuse_fp16_on_cpu(config, request.target)
+    for technique in used_by(config):  # before anything is built (Liger: the extra, the target, the device)
+        technique.refuse(request)
+    try:
+        check_context(config, config.spec)
+    except _TooLong as exc:
+        return exc
+    return None
+
+
+@dataclasses.dataclass
+class MetaStep:
+    """What one meta run of a request measured, and what its techniques saw: the forced decisions ``taken``,
+    the routing ``forced`` and, by technique name, what each technique's context yielded (``seen``)."""
+
+    expected: Expectation
+    optimizer: torch.optim.Optimizer
+    tracker: MemoryTracker
+    results: list[StepResult]
+    ledger: LedgerReport
+    taken: dict[str, int]
+    forced: dict[str, Any]
+    seen: dict[str, Any]
+
+
+def meta_step(
+    q: QLoRAModel, request: StepRequest, events: AllocationLog | None, too_long: _TooLong | None
+) -> MetaStep:
+    """``request``'s steps of ``q`` under the tracker, in the contexts put on the step: the target's forced
+    decisions and the routing, then the techniques' (:func:`~vramguard.step.technique.enter_stage`, by their
+    stage around or under the tracker), then flash-attn 2's kernel; a tensor beyond what torch can describe is
+    :class:`TooLarge`."""
+    config, target, device = request.config, request.target, request.device
+    opt = make_estimate_optimizer(q, config.optimizer, target)
+    # the meta run takes the target's kernel choices (see estimate.meta)
+    expected = expectation_of(q, config, target, analytic=config.method == "qlora")
+    source = meta_source(device, target)
+    techniques = used_by(config)
+    contexts = contexts_of(techniques, q, request)
+    decisions, flash = meta_step_contexts(q, config, target, request.one_sequence_per_row)
+    routed = routed_step(q, request)
+    try:
+        with contextlib.ExitStack() as stack:
+            taken = stack.enter_context(decisions)
+            forced = stack.enter_context(routed)
+            seen = enter_stage(stack, "around", techniques, contexts)
+            tracker = stack.enter_context(MemoryTracker(device, model=q.model, source=source, events=events))
+            seen |= enter_stage(stack, "under", techniques, contexts)
+            stack.enter_context(flash)
+            results, ledger = run_steps(q, request.steps, tracker, optimizer=opt, ledger_step=0)
+    except RuntimeError as exc:
+        if "overflow" not in str(exc):
+            raise
+        raise too_large(exc, request, too_long) from None
+    assert ledger is not None
+    if taken["find_packed_sequence_indices"] == 0 and taken["scaled_dot_product_attention"] == 0:
+        taken = {}  # neither branch exists in this transformers version / model: nothing was forced
+    if request.routing is not None:  # the experts calls given the forced routing, the loop's steps answered from it
+        taken = {**taken, "routing_forced": forced["forced"], "routing_answered": forced.get("answered", 0)}
+    return MetaStep(expected, opt, tracker, results, ledger, taken, forced, seen)
+
+
+def meta_source(device: str, target: str) -> StorageTracker:
+    """The tracker's source on every device: meta storages and the host-side ones the libraries keep (Adam's
+    step counters), as the CPU audit counts them; for ``cuda``, what its kernels hold inside themselves
+    (:mod:`vramguard.estimate.kernels`)."""
+    source = StorageTracker(None)
+    source.device = device
+    if target == "cuda":
+        source.kernel_temporaries = cuda_kernel_temporaries
+    return source
+
+
+def routed_step(q: QLoRAModel, request: StepRequest) -> contextlib.AbstractContextManager[Any]:
+    """The request's routing forced on ``q``'s experts (on meta, or on a real device's tensors); a context that
+    does nothing without one. A vision-language model's rows have their values carried beside their meta
+    tensors instead (:func:`vramguard.estimate.vision.values_on_meta`)."""
+    image_values = getattr(q, "image_values", None)
+    if image_values is not None:  # a vision-language model's rows: their values carried beside their meta tensors
+        from vramguard.estimate.vision import values_on_meta
+
+        return values_on_meta(image_values)
+    if request.routing is None:
+        return contextlib.nullcontext({})
+    tokens = request.config.batch * request.config.seq_len
+    if request.device == META:
+        return routed_on_meta(q.model, request.routing, tokens)
+    return forced_routing(q.model, request.routing, tokens)
+
+
+def too_large(exc: RuntimeError, request: StepRequest, too_long: _TooLong | None) -> TooLarge:
+    """The one line for a step whose tensor torch cannot describe (e.g. the math attention's b x a x s x s
+    probabilities at seq 10^9: more than 2^63 bytes), with the model's positions when the sequence is beyond
+    them."""
+    config = request.config
+    beyond = (
+        f"seq-len {config.seq_len:,} is beyond {config.spec.name}'s {too_long.limit:,} positions "
+        "(max_position_embeddings); "
+        if too_long is not None
+        else ""
+    )
+    return TooLarge(
+        f"{beyond}batch {config.batch:,} x seq-len {config.seq_len:,} needs a tensor larger than torch "
+        f"can describe (over 2^63 bytes) on {request.target}: {first_line(exc)}"
+    )
+
+
+def estimate_report(
+    q: QLoRAModel, request: StepRequest, step: MetaStep, report: AuditReport, too_long: _TooLong | None
+) -> AuditReport:
+    """The meta run's ``report`` with the device estimate, its headline and the estimate's notes; a sequence
+    beyond the model's positions is refused here, with the figure it would need."""
+    config, target = request.config, request.target
+    offload = step.seen.get(offloading.TECHNIQUE.name)
+    offloaded = offload.host_peak_bytes if offload is not None else 0
+    estimate = device_estimate(report, q, config, target, offloaded, request.gpu)
+    estimate.forced_decisions = dict(step.taken)
     if too_long is not None:
         raise UsageError(
-            f"seq-len {config.seq_len:,} is beyond {spec.name}'s {too_long.limit:,} positions "
+            f"seq-len {config.seq_len:,} is beyond {config.spec.name}'s {too_long.limit:,} positions "
             f"(max_position_embeddings); it would need {format_bytes(estimate.total_bytes)} "
             f"({estimate.allocator_peak_bytes:,} B allocator peak, estimated on meta)"
         )
-    line = headline(estimate, config, bool(offload_activations), offloaded, gpu=gpu)
-    notes = [
-        Finding(
-            checks.META_RUN,
-            "estimated on the meta device: shapes and dtypes are real, values are not"
-            + (
-                "; against an H100 and an H200 (docs/measurements/2026-11-22-h100, 2026-11-25-h100, "
-                "2026-11-27-h200, 2026-11-27-h200-blog13b): activations to the byte, the allocator peak within 1.1 % "
-                "where measured (checkpointing, eager and sdpa attention, packing through sdpa, Liger, DoRA, MoE, "
-                "gradient accumulation, both AdamW steps; flash-attn not measured; the 13B shapes 0.3-1.0 % low, "
-                "the caching allocator's whole blocks), rank 0 of FSDP within 1.2 %; "
-                "reserved memory varies more (the fragmentation line)"
-                if cuda
-                else "; with the CPU's kernels: on a CUDA device fp32 GQA attention keeps more (--device cuda)"
-            ),
-        )
-    ]
-    if optimizer == "paged-adamw-8bit":
-        paged, tensors = paged_state_bytes(opt)
-        notes.append(
-            Finding(
-                checks.PAGED_OPTIMIZER,
-                f"paged optimizer: {format_bytes(paged)} of its state ({tensors} moment tensors of parameters "
-                f"with >= {PAGED_MIN_NUMEL:,} elements) would live in CUDA unified memory (cudaMallocManaged, "
-                "outside torch's allocator: max_memory_allocated leaves it out); counted here on the device, "
-                "where it stays until memory runs short, then the driver pages it to the host (evictable)"
-                + ("" if cuda else "; with --device cpu, plain host memory, counted with the step's tensors")
-                + ". "
-                "Estimated by running AdamW8bit: paged memory does not exist on meta",
-                paged,
-            )
-        )
-    if isinstance(offload, OffloadActivations):
-        notes.append(
-            Finding(
-                checks.OFFLOADING,
-                f"activations offloaded to the host (save_on_cpu, emulated): {offload.packs // steps:,} saved "
-                f"tensors per step, at most {format_bytes(offload.host_peak_bytes)} of host memory at once, "
-                + ("not in the device figures" if cuda else "in the total (the host's: --device cpu)")
-                + "; copied back one by one in backward (counted there). "
-                "The per-layer table lists what stays on the device",
-                offload.host_peak_bytes,
-            )
-        )
-    if config.use_liger_kernel:
-        from vramguard.estimate.liger import liger_line
-
-        notes.append(Finding(checks.LIGER, liger_line(ran)))
-    bounds = data_bounds(
-        q, config, estimate, target, one_sequence_per_row, steps, method, device, optimizer, routing, gpu
-    )
-    if bounds is not None:
-        notes.append(bounds)
-    term = peak_term(report, config, int(q.spec.fields["vocab_size"]), target, step_peak, phase)
-    if term is not None:
-        notes.append(term)
+    line = headline(estimate, config, bool(config.offload_activations), offloaded, gpu=request.gpu)
+    notes = estimate_notes(q, request, step, estimate, report)
     verdict = checks.verdict([*report.verdict.findings, *notes], len(report.steps), headline=line)
-    report = dataclasses.replace(report, verdict=verdict, estimate=estimate, device=device)
-    if routing is not None:
+    report = dataclasses.replace(report, verdict=verdict, estimate=estimate, device=request.device)
+    if request.routing is not None:
         report = with_routing_note(
-            report, checks.ROUTING, forced_line(routing, experts_top_k(q.model), forced["counts"])
+            report, checks.ROUTING, forced_line(request.routing, experts_top_k(q.model), step.forced["counts"])
         )
     return report
 
 
+def estimate_notes(
+    q: QLoRAModel, request: StepRequest, step: MetaStep, estimate: DeviceEstimate, report: AuditReport
+) -> list[Finding]:
+    """The estimate's own findings, in order: the meta run, the paged optimizer's state, the offloaded
+    activations, Liger's kernels, what the data decides and the term that sets the peak."""
+    config, target, cuda = request.config, request.target, request.target == "cuda"
+    notes = [meta_run_note(cuda)]
+    if config.optimizer == "paged-adamw-8bit":
+        notes.append(paged_note(step.optimizer, cuda))
+    for technique in used_by(config):
+        notes += technique.findings(q, request, step.seen[technique.name])
+    bounds = data_bounds(q, request, estimate)
+    if bounds is not None:
+        notes.append(bounds)
+    vocab = int(q.spec.fields["vocab_size"])
+    term = peak_term(report, config, vocab, target, estimate.step_peak_bytes, estimate.peak_phase)
+    if term is not None:
+        notes.append(term)
+    return notes
+
+
+def meta_run_note(cuda: bool) -> Finding:
+    """The line that says the figures come from a meta run, and what they were checked against."""
+    return Finding(
+        checks.META_RUN,
+        "estimated on the meta device: shapes and dtypes are real, values are not"
+        + (
+            "; against an H100 and an H200 (docs/measurements/2026-11-22-h100, 2026-11-25-h100, "
+            "2026-11-27-h200, 2026-11-27-h200-blog13b): activations to the byte, the allocator peak within 1.1 % "
+            "where measured (checkpointing, eager and sdpa attention, packing through sdpa, Liger, DoRA, MoE, "
+            "gradient accumulation, both AdamW steps; flash-attn not measured; the 13B shapes 0.3-1.0 % low, "
+            "the caching allocator's whole blocks), rank 0 of FSDP within 1.2 %; "
+            "reserved memory varies more (the fragmentation line)"
+            if cuda
+            else "; with the CPU's kernels: on a CUDA device fp32 GQA attention keeps more (--device cuda)"
+        ),
+    )
+
+
+def paged_note(optimizer: torch.optim.Optimizer, cuda: bool) -> Finding:
+    """The paged optimizer's state: counted on the device, where it lives in CUDA unified memory."""
+    paged, tensors = paged_state_bytes(optimizer)
+    return Finding(
+        checks.PAGED_OPTIMIZER,
+        f"paged optimizer: {format_bytes(paged)} of its state ({tensors} moment tensors of parameters "
+        f"with >= {PAGED_MIN_NUMEL:,} elements) would live in CUDA unified memory (cudaMallocManaged, "
+        "outside torch's allocator: max_memory_allocated leaves it out); counted here on the device, "
+        "where it stays until memory runs short, then the driver pages it to the host (evictable)"
+        + ("" if cuda else "; with --device cpu, plain host memory, counted with the step's tensors")
+        + ". "
+        "Estimated by running AdamW8bit: paged memory does not exist on meta",
+        paged,
+    )
+
+
 def device_estimate(
-    report: AuditReport,
-    q: QLoRAModel,
-    config: QLoRAConfig,
-    target: str,
-    offloaded: int,
-    offloading: bool,
-    gpu: Any = None,
+    report: AuditReport, q: QLoRAModel, config: QLoRAConfig, target: str, offloaded: int, gpu: Any = None
 ) -> DeviceEstimate:
     """The device's figures of a meta step's ``report``: weights, trainable parameters, the highest phase's peak,
-    the allocator peak and what the meta run leaves out on ``target`` (:func:`overheads`; ``gpu``: the card whose
-    context allowance it takes)."""
+    the allocator peak and what the meta run leaves out on ``target`` (:func:`overheads`; ``offloaded``: the
+    bytes the config's activation offloading keeps on the host; ``gpu``: the card whose context allowance it
+    takes)."""
     weights = report.totals.model_resident_bytes
     trainable = sum(p.numel() * p.element_size() for p in q.trainable_parameters())
     phase = max(PHASES, key=lambda name: report.phases[name].peak_bytes)
@@ -619,7 +620,7 @@ def device_estimate(
     extra = overheads(
         allocator,
         checkpointing=config.gradient_checkpointing,
-        offloading=offloading,
+        offloading=bool(config.offload_activations),
         target=target,
         offloaded_bytes=offloaded,
         gpu=gpu,
@@ -678,15 +679,15 @@ def forced_routing_figures(config: QLoRAConfig, steps: int) -> dict[str, tuple[i
 
 
 def routing_bounds(
-    config: QLoRAConfig, top_k: int, events: AllocationLog | None = None, **options: Any
+    request: StepRequest, top_k: int, top: int = 3, events: AllocationLog | None = None
 ) -> AuditReport:
-    """The estimate of a mixture of experts with ``eager`` experts: the step run with each forced routing
-    (:data:`~vramguard.workload.routing.ROUTINGS`); the report is the highest one's, its ``routing:`` line
-    names all (:func:`~vramguard.workload.routing.bounds_line`). ``options``: :func:`run_estimate`'s."""
-    reports = {kind: run_estimate(config, routing=kind, **options) for kind in ROUTINGS}
+    """The estimate of a mixture of experts with ``eager`` experts: ``request``'s step run with each forced
+    routing (:data:`~vramguard.workload.routing.ROUTINGS`); the report is the highest one's, its ``routing:``
+    line names all (:func:`~vramguard.workload.routing.bounds_line`)."""
+    reports = {kind: run_estimate(dataclasses.replace(request, routing=kind), top) for kind in ROUTINGS}
     high = highest_routing(reports)
     if events is not None:  # the timeline of the run reported
-        reports[high] = run_estimate(config, routing=high, events=events, **options)
+        reports[high] = run_estimate(dataclasses.replace(request, routing=high), top, events)
     return with_bounds(reports, high, top_k)
 
 

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vramguard.audit.report import AuditReport
 from vramguard.errors import UsageError
 from vramguard.estimate.kernels import cuda_kernel_temporaries
 from vramguard.estimate.meta import META, _deepcopy_on_meta, build_meta
@@ -46,6 +45,7 @@ from vramguard.integrations.trainer_step import (
 )
 from vramguard.integrations.transformers import VramGuardCallback
 from vramguard.measure.tracker import StorageTracker
+from vramguard.step.report import AuditReport
 from vramguard.workload.models import QLoRAConfig, QLoRAModel
 from vramguard.workload.routing import eager_top_k
 
@@ -218,9 +218,10 @@ def run_trainer_estimate(
     """The estimate of ``trainer``'s own step ("sft" or "trainer") for ``config`` on meta: the callback's report
     with the device's figures (:func:`vramguard.estimate.run.device_estimate`; ``gpu``: the card whose context
     allowance the total takes) and the estimate's line."""
-    from vramguard.audit import verdict as checks
-    from vramguard.audit.report import Finding
-    from vramguard.estimate.run import device_estimate, headline, refuse_fp16_on_cpu
+    from vramguard.estimate.run import device_estimate, headline
+    from vramguard.step import verdict as checks
+    from vramguard.step.refusals import refuse_fp16_on_cpu
+    from vramguard.step.report import Finding
 
     if target not in ("cuda", "cpu"):
         raise UsageError(f"target must be one of cuda, cpu, got {target!r}")
@@ -228,7 +229,7 @@ def run_trainer_estimate(
     config.validate()
     refuse_fp16_on_cpu(config, target)  # as the loop's estimate and accelerate for Trainer
     report, q, elapsed = run_trainer_step(config, trainer, steps, target)
-    estimate = device_estimate(report, q, config, target, 0, False, gpu=gpu)
+    estimate = device_estimate(report, q, config, target, 0, gpu)
     line = headline(estimate, config, False, 0, gpu=gpu)
     note = Finding(
         checks.META_RUN,

@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 
-from vramguard.audit import verdict as checks
-from vramguard.audit.report import AuditReport, with_routing_note
 from vramguard.errors import UsageError
 from vramguard.integrations.trainer_step import (
     TRAINERS,
@@ -30,6 +28,8 @@ from vramguard.integrations.trainer_step import (
     trainer_prepares,
 )
 from vramguard.integrations.transformers import VramGuardCallback
+from vramguard.step import verdict as checks
+from vramguard.step.report import AuditReport, with_routing_note
 from vramguard.workload import routing as routes
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora
 from vramguard.workload.routing import Routing

@@ -18,7 +18,7 @@ events (:class:`~vramguard.measure.tracker.CpuAllocatorSource`, a few percent of
 retained memory that grows after the first step is a leak. One chosen step (``ledger_step``, 1-based)
 also runs the saved-tensor ledger over its first forward, which gives the per-decoder-layer table.
 
-The result is the ``vramguard audit --json`` document (:class:`vramguard.audit.report.AuditReport`), written
+The result is the ``vramguard audit --json`` document (:class:`vramguard.step.report.AuditReport`), written
 atomically to ``report_path`` at the end of training, and ``vramguard/*`` metrics added to the logs
 the trainer hands to ``on_log`` (callbacks that run after this one, e.g. TensorBoard or W&B when this
 callback is inserted first, see them).
@@ -40,9 +40,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import TrainerCallback
 
 from vramguard.atomic import write_bytes_atomic, write_text_atomic
-from vramguard.audit import verdict as checks
-from vramguard.audit.assemble import Measured, assemble, layer_rows
-from vramguard.audit.report import AuditReport, Finding, RankRow, StepRow
 from vramguard.errors import UsageError
 from vramguard.measure.decoder import decoder_layer
 from vramguard.measure.events import (
@@ -65,6 +62,9 @@ from vramguard.measure.tracker import (
     source_for,
 )
 from vramguard.model.analytic import weights_expectation
+from vramguard.step import verdict as checks
+from vramguard.step.assemble import Measured, assemble, layer_rows
+from vramguard.step.report import AuditReport, Finding, RankRow, StepRow
 from vramguard.units import format_bytes, parse_size
 
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
@@ -384,7 +384,7 @@ class VramGuardCallback(TrainerCallback):
 
         import torch.distributed as dist
 
-        from vramguard.audit.distributed import merged, rank_row
+        from vramguard.step.rank import merged, rank_row
         from vramguard.workload.sharding import ShardingConfig, transient_terms
 
         assert self.report is not None and self._model is not None

@@ -1,4 +1,4 @@
-"""The one renderer of a step report (:class:`~vramguard.audit.report.AuditReport`) as rich tables.
+"""The one renderer of a step report (:class:`~vramguard.step.report.AuditReport`) as rich tables.
 
 A report is drawn as a list of sections; :data:`LAYOUTS` names the three lists in use: ``audit``
 (``vramguard audit``, any trainer), ``estimate`` (``vramguard estimate``, a meta-device run) and
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vramguard.audit.report import AuditReport, LayerRow
-from vramguard.audit.verdict import META_RUN
+from vramguard.step.report import AuditReport, LayerRow
+from vramguard.step.verdict import META_RUN
 from vramguard.units import format_bytes as fb
 
 Section = Callable[[AuditReport, Any], None]

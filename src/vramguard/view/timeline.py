@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from vramguard.atomic import write_bytes_atomic, write_text_atomic
-from vramguard.audit.report import AuditReport
 from vramguard.errors import UsageError
 from vramguard.measure.events import CATEGORIES, Timeline
+from vramguard.step.report import AuditReport
 from vramguard.units import format_bytes
 from vramguard.view.html import CSS, _figure_svg, _pyplot
 from vramguard.view.report import batch_text, short_layer_name

@@ -152,7 +152,7 @@ class RankTerms:
 
     Sharded (each rank holds its shard): ``packed_4bit_bytes`` (the quantized weights, stored in the model
     dtype), ``unquantized_bytes`` (embeddings, norms, ``lm_head``), ``trainable_bytes`` (the LoRA shards;
-    their gradients and optimizer state are :func:`vramguard.audit.assemble.lora_training_bytes`).
+    their gradients and optimizer state are :func:`vramguard.step.assemble.lora_training_bytes`).
     Replicated (every rank holds all of it): ``quant_state_bytes`` (absmax, nested statistics, code
     tables: plain attributes, no engine shards them) and ``buffer_bytes`` (rotary frequencies)."""
 

@@ -1,11 +1,11 @@
 """The one assembler of a step report: what a producer measured (:class:`Measured`) in, the
-:class:`~vramguard.audit.report.AuditReport` with its verdict out.
+:class:`~vramguard.step.report.AuditReport` with its verdict out.
 
 The producers are vramguard's loop (:func:`vramguard.audit.run.run_audit`), the meta-device run
 (:func:`vramguard.estimate.run.run_estimate`) and the Trainer callback
 (:class:`vramguard.integrations.transformers.VramGuardCallback`); each measures its own way, hands the
 numbers and its own findings here, and gets the same document and the same verdict rules
-(:mod:`vramguard.audit.verdict`).
+(:mod:`vramguard.step.verdict`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,13 @@ from typing import Any
 import torch
 
 from vramguard import __version__, environment
-from vramguard.audit import verdict as checks
-from vramguard.audit.report import (
+from vramguard.measure.events import Timeline, timeline
+from vramguard.measure.ledger import LedgerReport
+from vramguard.measure.storage import frozen_resident_bytes, local_tensor, storage_nbytes
+from vramguard.measure.tracker import MemoryTracker
+from vramguard.model.analytic import Expectation
+from vramguard.step import verdict as checks
+from vramguard.step.report import (
     SCHEMA_VERSION,
     AnalyticComparison,
     AuditReport,
@@ -29,11 +34,8 @@ from vramguard.audit.report import (
     StepRow,
     Totals,
 )
-from vramguard.measure.events import Timeline
-from vramguard.measure.ledger import LedgerReport
-from vramguard.measure.storage import frozen_resident_bytes, local_tensor, storage_nbytes
-from vramguard.measure.tracker import MemoryTracker
-from vramguard.model.analytic import Expectation
+from vramguard.workload.models import QLoRAConfig, QLoRAModel
+from vramguard.workload.training import PHASES, StepResult
 
 
 def lora_training_bytes(trainable: Iterable[torch.nn.Parameter], optimizer: Any) -> int:
@@ -145,7 +147,7 @@ class Measured:
 
     ``findings_first`` go before the shared checks (weight copies, leak), ``findings`` after them; each
     list keeps its order. ``ok_detail`` ends the OK line (``None``: ``; `` and the saved activations
-    against the analytic model, :func:`~vramguard.audit.verdict.activation_summary`); ``offloaded``: the activations were kept on the host (no deviation note against the model)."""
+    against the analytic model, :func:`~vramguard.step.verdict.activation_summary`); ``offloaded``: the activations were kept on the host (no deviation note against the model)."""
 
     model: torch.nn.Module
     ledger: LedgerReport
@@ -219,4 +221,66 @@ def assemble(m: Measured) -> AuditReport:
         elapsed_s=round(m.elapsed_s, 3),
         architecture=m.architecture,
         timeline=m.timeline,
+    )
+
+
+def assemble_report(
+    q: QLoRAModel,
+    config: QLoRAConfig,
+    expected: Expectation,
+    tracker: MemoryTracker,
+    results: list[StepResult],
+    ledger: LedgerReport,
+    optimizer: torch.optim.Optimizer,
+    top: int,
+    elapsed: float,
+    meta_run: bool = False,
+) -> AuditReport:
+    """The report of a run of vramguard's loop (the audit's, or with ``meta_run`` the estimate's) through
+    :func:`~vramguard.step.assemble.assemble`: the build's notes, the fp32-activation check (``qlora``
+    only: the norms are upcast by ``prepare_model_for_kbit_training``) and, for the audit, the note that one
+    step checks no leak. The meta run records its step options (method, optimizer, offloading) in the
+    config."""
+    steps = [
+        StepRow(
+            step=r.step + 1,
+            loss=r.loss,
+            retained_bytes=r.retained_bytes,
+            retained_after_forward=r.after_forward_bytes - r.start_bytes,
+            peak_bytes=r.peak_bytes,
+        )
+        for r in results
+    ]
+    return assemble(
+        Measured(
+            model=q.model,
+            ledger=ledger,
+            tracker=tracker,
+            phases=PHASES,
+            steps=steps,
+            expected=expected,
+            optimizer=optimizer,
+            trainable=q.trainable_parameters(),
+            config=config.to_dict(step_options=meta_run or config.optimizer != "adamw"),
+            architecture={
+                "model_type": q.spec.model_type,
+                "model_class": q.model_class,
+                "attn_implementation": q.attn_implementation,
+                "analytic_model": None if expected.no_analytic_model else expected.family,
+            },
+            environment_device=config.device,
+            elapsed_s=elapsed,
+            leak_tolerance=checks.leak_tolerance(config.device),
+            top=top,
+            findings_first=checks.notes(checks.BUILD, q.notes),
+            findings=[
+                checks.fp32_activations(q.model, config.compute_dtype) if config.method == "qlora" else None,
+                checks.dora(ledger, q.model),
+                checks.vision(q, ledger),
+                None if meta_run else checks.one_step(steps),
+            ],
+            offloaded=config.offload_activations,  # on the host by design: no deviation note
+            autocast=config.mixed_precision,
+            timeline=timeline(tracker.events) if tracker.events is not None else None,
+        )
     )

@@ -1,9 +1,9 @@
 """The one verdict on a step report: structured findings (kind, bytes, message) and the line they make.
 
 Every producer of a report (vramguard's loop, the meta-device estimate, the Trainer callback) hands its
-observations to :func:`vramguard.audit.assemble.assemble` as :class:`Finding` objects; the checks every
+observations to :func:`vramguard.step.assemble.assemble` as :class:`Finding` objects; the checks every
 producer shares are the functions below, and :func:`verdict` turns the findings into the
-:class:`~vramguard.audit.report.Verdict`. Code that needs to know what a verdict says reads
+:class:`~vramguard.step.report.Verdict`. Code that needs to know what a verdict says reads
 ``Finding.kind``, never the wording.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from vramguard.audit.report import AnalyticComparison, Finding, StepRow, Verdict
 from vramguard.measure.ledger import LedgerReport
+from vramguard.step.report import AnalyticComparison, Finding, StepRow, Verdict
 from vramguard.units import format_bytes
 from vramguard.workload.models import parse_dtype
 

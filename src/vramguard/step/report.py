@@ -98,7 +98,7 @@ class Finding:
     """One thing a verdict says: ``kind`` (a stable name, e.g. ``weight-copies``, ``leak``, ``one-step``: what
     code reads), ``message`` (the wording, for people), ``bytes`` (the figure it is about, where one is) and
     whether it is a ``problem`` (fails the verdict) or a note. The kinds are listed in
-    :mod:`vramguard.audit.verdict`."""
+    :mod:`vramguard.step.verdict`."""
 
     kind: str
     message: str

@@ -1,0 +1,59 @@
+"""One step request: what to run, validated once at construction and passed on.
+
+A :class:`StepRequest` holds the model (resolved), the data shape, the method and the techniques (all in its
+:class:`~vramguard.workload.models.QLoRAConfig`), the target whose kernels the step takes, and how it runs (steps,
+the device of the run, a forced routing, the rows' sequences). The estimate's runs, its ranks and ``--fit``'s
+probes take it; a derived request (``dataclasses.replace``) is validated again, cheaply: the model stays resolved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vramguard.errors import UsageError
+from vramguard.workload.models import QLoRAConfig
+from vramguard.workload.routing import Routing
+
+TARGETS: tuple[str, ...] = ("cuda", "cpu")
+"""The devices whose kernel choices a meta run can take (``forced_decisions(target)``)."""
+
+META = "meta"
+"""The device an estimate runs on: real shapes and dtypes, no data."""
+
+CONFIG_OVERRIDES: tuple[str, ...] = ("method", "optimizer", "offload_activations")
+"""Config fields a request can be given apart from its config (None: the config's own)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRequest:
+    """One training step to run: ``config`` (the model resolved, data shape, method, techniques), ``target``
+    (:data:`TARGETS`: the device whose kernels the step takes), ``steps``, ``device`` (where it runs: meta, or
+    cpu for the tests' real-tensor reference), ``routing`` (a mixture of experts' routing forced, or None) and
+    ``one_sequence_per_row`` (packed rows forced to one sequence each, or None: as the data decides) and ``gpu``
+    (the card, :class:`vramguard.estimate.gpus.Gpu`, whose CUDA context allowance the total takes; None: the
+    H100's). Validated at construction (one-line :class:`UsageError`), its config resolved there."""
+
+    config: QLoRAConfig
+    target: str = "cuda"
+    steps: int = 2
+    device: str = META
+    routing: Routing | None = None
+    one_sequence_per_row: bool | None = None
+    gpu: Any = None
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {self.target!r}")
+        if self.steps < 1:
+            raise UsageError(f"steps must be at least 1, got {self.steps}")
+        self.config.validate()
+        object.__setattr__(self, "config", self.config.resolved())
+
+    @classmethod
+    def of(cls, config: QLoRAConfig, **options: Any) -> StepRequest:
+        """A request for ``config`` with ``options``: this class's fields, and :data:`CONFIG_OVERRIDES` (when
+        not None they replace the config's fields)."""
+        changes = {k: options.pop(k) for k in CONFIG_OVERRIDES if k in options}
+        config = dataclasses.replace(config, **{k: v for k, v in changes.items() if v is not None})
+        return cls(config, **options)

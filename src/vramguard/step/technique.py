@@ -1,0 +1,78 @@
+"""A technique a training step can use (activation offloading, Liger's kernels, ...), as one value.
+
+Modelled on :class:`vramguard.grad.patches.Patch`: a name, a description and small functions, no flags spread
+over the code. A technique says the stage it acts at (:data:`STAGES`), whether a config uses it, what it
+refuses before anything is built, the context it puts on the step (what that context yields is what it saw),
+its findings for the report, and the cheaper alternative ``--fit`` may offer. The registry of the estimate's
+techniques, in its declared order, is :mod:`vramguard.estimate.techniques`; they are applied together in one
+place (:func:`enter_stage`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vramguard.step.report import Finding
+from vramguard.step.request import StepRequest
+from vramguard.workload.models import QLoRAConfig
+
+STAGES: tuple[str, ...] = ("around", "under")
+"""Where a technique's context sits on the step, in the order they are entered: ``around`` the tracker (entered
+before it: the libraries it patches are in place when the tracker starts, e.g. Liger's kernels), then
+``under`` it (entered after: the tracker sees what it allocates and frees, e.g. activation offloading's
+saved-tensor hooks). Within a stage, the registry's order."""
+
+
+def _refuses_nothing(request: StepRequest) -> None:
+    """No refusal: the technique prices every request that uses it."""
+
+
+def _no_findings(model: Any, request: StepRequest, seen: Any) -> list[Finding]:
+    """No finding: the technique says nothing in the report."""
+    return []
+
+
+def _no_alternative(config: QLoRAConfig, target: str) -> tuple[str, QLoRAConfig] | None:
+    """No cheaper alternative to offer ``--fit``."""
+    return None
+
+
+@dataclass(frozen=True)
+class Technique:
+    """One technique: ``name`` (the config field or flag people know it by), ``description``, ``stage``
+    (:data:`STAGES`), ``applies(config)`` (whether the step uses it), ``refuse(request)`` (a one-line
+    UsageError where it cannot be priced, before the build), ``context(model, request)`` (a context manager on
+    the step; what it yields is what the technique saw), ``findings(model, request, seen)`` (its lines in the
+    report, in the registry's order) and ``cheaper(config, target)`` (the flag and the changed config ``--fit``
+    offers when a step does not fit, or None)."""
+
+    name: str
+    description: str
+    stage: str
+    applies: Callable[[QLoRAConfig], bool]
+    context: Callable[[Any, StepRequest], contextlib.AbstractContextManager[Any]]
+    refuse: Callable[[StepRequest], None] = _refuses_nothing
+    findings: Callable[[Any, StepRequest, Any], list[Finding]] = _no_findings
+    cheaper: Callable[[QLoRAConfig, str], tuple[str, QLoRAConfig] | None] = _no_alternative
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(
+                f"technique {self.name}: stage must be one of {', '.join(STAGES)}, got {self.stage!r}"
+            )
+
+
+def contexts_of(techniques: list[Technique], model: Any, request: StepRequest) -> dict[str, Any]:
+    """Each technique's context for the step, made (not entered) before any is entered, by name."""
+    return {t.name: t.context(model, request) for t in techniques}
+
+
+def enter_stage(
+    stack: contextlib.ExitStack, stage: str, techniques: list[Technique], contexts: dict[str, Any]
+) -> dict[str, Any]:
+    """Enter, on ``stack``, the context (:func:`contexts_of`) of each of ``techniques`` at ``stage``, in their
+    order; what each yielded (what it saw), by name."""
+    return {t.name: stack.enter_context(contexts[t.name]) for t in techniques if t.stage == stage}

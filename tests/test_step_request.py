@@ -1,0 +1,56 @@
+"""One step request (:class:`vramguard.step.request.StepRequest`), validated once at construction, is what the
+estimate's runs take; a config with options still makes one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vramguard.errors import UsageError
+from vramguard.estimate.run import run_estimate
+from vramguard.step.request import StepRequest
+from vramguard.workload.models import ModelSpec, QLoRAConfig
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"target": "tpu"}, "target must be one of cuda, cpu, got 'tpu'"),
+        ({"steps": 0}, "steps must be at least 1, got 0"),
+        ({"config": QLoRAConfig(seq_len=0)}, "seq-len must be positive, got 0"),
+    ],
+    ids=["target", "steps", "config"],
+)
+def test_a_request_is_refused_at_construction(changes: dict, message: str) -> None:
+    fields = {"config": QLoRAConfig(), **changes}
+    with pytest.raises(UsageError) as err:
+        StepRequest(**fields)
+    assert str(err.value) == message
+
+
+def test_a_request_holds_its_model_resolved_and_stays_resolved_when_derived() -> None:
+    request = StepRequest(QLoRAConfig(model="tiny-llama"), target="cpu", steps=1)
+    assert isinstance(request.config.model, ModelSpec)
+    derived = dataclasses.replace(request, one_sequence_per_row=True)
+    assert derived.config.model is request.config.model  # validated again, not resolved again
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.steps = 2  # type: ignore[misc]
+
+
+def test_of_applies_the_config_overrides() -> None:
+    request = StepRequest.of(QLoRAConfig(), method="lora", optimizer=None, target="cpu", steps=1)
+    assert (request.config.method, request.config.optimizer, request.target) == ("lora", "adamw", "cpu")
+
+
+def _without_time(report: dict) -> dict:
+    return {k: v for k, v in report.items() if k != "elapsed_s"}
+
+
+def test_run_estimate_takes_a_request_as_it_takes_a_config_and_options() -> None:
+    config = QLoRAConfig(seq_len=32, batch=1)
+    by_request = run_estimate(StepRequest(config, target="cpu", steps=1), top=2)
+    by_options = run_estimate(config, top=2, steps=1, target="cpu")
+    assert _without_time(by_request.to_dict()) == _without_time(by_options.to_dict())
+    with pytest.raises(TypeError, match="a StepRequest carries its options"):
+        run_estimate(StepRequest(config, target="cpu", steps=1), steps=2)

@@ -216,3 +216,50 @@ def test_commit_entries_are_evicted_like_releases(tmp_path: Path) -> None:
     second = cache.get_commit("vg-tiny", "b" * 40, fill)
     assert not first.path.exists() and second.path.exists()  # max_bytes 0: only the newest is kept
     assert cache.get_commit("vg-tiny", "b" * 40, fill).installed_now is False
+
+
+def test_another_build_command_is_another_entry(tmp_path: Path) -> None:
+    """A commit built by one command (the CPU default) is not reused for another (a CUDA build): the entry is
+    keyed by the command too, where the same folder had silently served both."""
+    cache = OverlayCache(tmp_path, max_bytes=10**9)
+    cache.prepare()
+    built: list[str] = []
+
+    def fill_as(how: str):
+        def fill(work: Path, target: Path) -> None:
+            built.append(how)
+            (target / "vgtiny").mkdir(parents=True)
+            (target / "vgtiny" / "__init__.py").write_text(f"BUILT = {how!r}\n")
+            (target / "vg_tiny-0.1.0.dist-info").mkdir()
+            (target / "vg_tiny-0.1.0.dist-info" / "METADATA").write_text("Name: vg-tiny\nVersion: 0.1.0\n")
+
+        return fill
+
+    cpu = cache.get_commit("vg-tiny", "c" * 40, fill_as("cpu"), build="cmake -DCOMPUTE_BACKEND=cpu")
+    cuda = cache.get_commit("vg-tiny", "c" * 40, fill_as("cuda"), build="cmake -DCOMPUTE_BACKEND=cuda")
+    assert built == ["cpu", "cuda"] and cpu.path != cuda.path
+    assert "'cuda'" in (cuda.path / "vgtiny" / "__init__.py").read_text()
+    again = cache.get_commit("vg-tiny", "c" * 40, fill_as("cpu"), build="cmake -DCOMPUTE_BACKEND=cpu")
+    assert again.installed_now is False and built == ["cpu", "cuda"]
+
+
+def test_good_merged_in_from_a_side_branch_is_one_line(capsys, tmp_path: Path) -> None:
+    """--good on a side branch merged into --bad's line is not on its first-parent line: the commits between
+    would not all contain it, so it is refused in one line, as docs/bisect.md says."""
+    repo = tmp_path / "merged"
+    repo.mkdir()
+    _git(repo, "init", "-q", "-b", "main")
+    for name in ("m1", "m2"):
+        (repo / name).write_text(name)
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", name)
+    _git(repo, "checkout", "-q", "-b", "side", "HEAD~1")
+    (repo / "s1").write_text("s1")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "s1")
+    _git(repo, "tag", "good")
+    _git(repo, "checkout", "-q", "main")
+    _git(repo, "merge", "-q", "--no-ff", "-m", "merge side", "side")
+    _git(repo, "tag", "bad")
+    code, _, err = _bisect(capsys, repo, tmp_path / "c", tmp_path / "log.json", "--good", "good", "--bad", "bad")
+    assert code == 2 and "--good good is not on the first-parent line of --bad bad" in err, err

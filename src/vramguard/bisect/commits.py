@@ -103,7 +103,8 @@ def commit_range(repo: Path, good: str, bad: str, find_fix: bool) -> list[Commit
     for line in log.stdout.splitlines():
         sha, _, subj = line.partition("\0")
         commits.append(Commit(sha, subj))
-    if len(commits) < 2 or commits[-1].sha != new:
+    line = _git(repo, "rev-list", "--first-parent", new).stdout.split()
+    if len(commits) < 2 or old not in line:  # merged in from a side branch: the line's commits lack it
         raise UsageError(f"{old_flag} {old_ref} is not on the first-parent line of {new_flag} {new_ref}")
     return commits
 
@@ -127,7 +128,7 @@ class CommitBuilder:
     def overlay(self, commit: Commit) -> Overlay:
         """The commit's overlay, built now or found in the cache; InstallError when it does not build."""
         return self.cache.get_commit(
-            self.package, commit.sha, lambda work, target: self._fill(commit, work, target)
+            self.package, commit.sha, lambda work, target: self._fill(commit, work, target), build=self.build or ""
         )
 
     def _fill(self, commit: Commit, work: Path, target: Path) -> None:

@@ -14,6 +14,7 @@ never what a running one is using (the lock is held).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -170,9 +171,11 @@ class OverlayCache:
         except OSError as exc:
             raise UsageError(f"{flag} {self.root}: cannot write there ({exc.strerror or exc})") from None
 
-    def commit_entry_dir(self, package: str, sha: str) -> Path:
-        """The folder of the entry for one commit's build of ``package`` on this interpreter and machine."""
-        return self.root / canonicalize_name(package) / f"git-{sha}-{python_tag()}"
+    def commit_entry_dir(self, package: str, sha: str, build: str = "") -> Path:
+        """The folder of the entry for one commit's build of ``package`` by the build command ``build`` on this
+        interpreter and machine: another command (a CUDA build after a CPU one) is another entry."""
+        how = hashlib.sha256(build.encode()).hexdigest()[:12]
+        return self.root / canonicalize_name(package) / f"git-{sha}-{how}-{python_tag()}"
 
     def lookup(self, package: str, version: str) -> Overlay | None:
         """The complete entry for (package, version), touching its last-use time; None if absent."""
@@ -188,12 +191,17 @@ class OverlayCache:
         return Overlay(path, package, str(marker.get("version", "")), names, installed_now=False)
 
     def get_commit(
-        self, package: str, sha: str, fill: Callable[[Path, Path], None], timeout: float | None = None
+        self,
+        package: str,
+        sha: str,
+        fill: Callable[[Path, Path], None],
+        timeout: float | None = None,
+        build: str = "",
     ) -> Overlay:
         """The overlay of commit ``sha``, built once: ``fill(work, target)`` builds it in the scratch folder
         ``work`` and installs it into ``target`` (raising InstallError when it cannot); the version is the
         one the build installed."""
-        path = self.commit_entry_dir(package, sha)
+        path = self.commit_entry_dir(package, sha, build)
         with self._lock(f"{path.parent.name}-{path.name}"):
             if (found := self._lookup(path, package)) is not None:
                 return found

@@ -254,3 +254,29 @@ def test_axolotl_and_llama_factory_configs_estimate_with_a_per_key_account(
     assert f"config {name}: priced: " in out and f"config {name}: changes no byte: " in out
     assert "own code is not run" in out  # the framework's patches and trainer subclass: said
     assert "made_up_key" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("command", [["estimate", "--device", "cpu"], ["audit", "--trainer", "sft", "--steps", "1"]])
+def test_a_config_trls_trainer_refuses_is_one_line(tmp_path: Path, capsys, command: list[str]) -> None:
+    """padding_free without packing at a max_length: SFTTrainer's own check refuses it, as the user's `trl sft`
+    run would be refused; one line naming TRL's way out, where it was an internal error."""
+    yaml = tmp_path / "pf.yaml"
+    yaml.write_text(
+        "per_device_train_batch_size: 2\nmax_length: 64\nuse_peft: true\nload_in_4bit: true\npadding_free: true\n"
+    )
+    assert main([*command, "--config", str(yaml), "--model", "tiny-llama"]) == 2
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("vramguard:")]
+    assert len(errors) == 1 and "TRL's SFTTrainer refuses this config" in errors[0] and "packing" in errors[0], errors
+
+
+@pytest.mark.parametrize("value", ["unsloth", "offload"])
+def test_axolotls_own_checkpointing_is_checkpointing_with_its_offload_not_priced(value: str) -> None:
+    """Axolotl's gradient_checkpointing: unsloth / offload checkpoint too (they were refused as "must be true or
+    false" under a key the user never wrote); the host offload of its own is named NOT PRICED."""
+    from vramguard.workload.framework_configs import AXOLOTL, translate
+
+    trl, names, other = translate(AXOLOTL, {"gradient_checkpointing": value, "adapter": "qlora"})
+    assert trl["gradient_checkpointing"] is True and names["gradient_checkpointing"] == "gradient_checkpointing"
+    assert [(k, v) for k, v, why in other if "not priced" not in why and why != "no-byte"] == [
+        ("gradient_checkpointing", value)
+    ]

@@ -142,6 +142,9 @@ def make_trainer(q: QLoRAModel, trainer: str, args: Any, rows: list[list[int]], 
                     peft_config=lora_config(q.config) if trainer_prepares(trainer) else None,
                 )
             except ValueError as exc:  # as vramguard.workload.models.with_lora says it for the loop
+                if _raised_by(exc, "trl"):  # its own checks of the config, which the user's run meets the same
+                    why = first_line(exc)
+                    raise UsageError(f"TRL's SFTTrainer refuses this config, as `trl sft` would: {why}") from None
                 if not _raised_by(exc, "peft"):
                     raise
                 raise lora_refused(exc, q.model) from None

@@ -98,6 +98,11 @@ def detect(data: dict[str, Any]) -> Framework | None:
     return None
 
 
+OWN_CHECKPOINTING = ("unsloth", "offload")
+"""Axolotl's ``gradient_checkpointing`` values for its own checkpointing (Unsloth's, or with the checkpoints
+offloaded to the host): checkpointed, plus a host offload vramguard does not price."""
+
+
 def translate(framework: Framework, data: dict[str, Any]) -> Translation:
     """(the TRL keys of the run, TRL key -> the file's key, the file's keys read otherwise as (key, value,
     reading) with reading "no-byte" or a why for NOT PRICED)."""
@@ -114,6 +119,9 @@ def translate(framework: Framework, data: dict[str, Any]) -> Translation:
             continue  # an empty key is the framework's default
         if key in SHARDING or (key == "stage" and value != "sft"):
             other.append((key, value, SHARDING.get(key, "only the sft stage is priced (trl sft's step)")))
+        elif key == "gradient_checkpointing" and isinstance(value, str) and value.lower() in OWN_CHECKPOINTING:
+            put("gradient_checkpointing", True, key)  # checkpointed all the same; its own offload is not priced
+            other.append((key, value, f"{framework.name}'s own {value!r} checkpointing: priced as plain checkpointing"))
         elif key in framework.keys:
             put(framework.keys[key], value, key)
         elif key in framework.no_byte:

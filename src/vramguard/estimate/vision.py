@@ -260,14 +260,7 @@ def estimate_vision_step(
         MemoryTracker(META, model=q.model, source=source) as tracker,
     ):
         results, ledger = run_steps(q, steps, tracker, optimizer=optimizer, ledger_step=0)
-    assert ledger is not None
-    return VisionStep(
-        results=results,
-        ledger=ledger,
-        by_stack=saved_by_stack(ledger.records, built.family),
-        image_tokens=built.rows.image_tokens,
-        seconds=time.perf_counter() - t0,
-    )
+    return _vision_step(results, ledger, built, t0)
 
 
 def audit_vision_step(
@@ -286,6 +279,11 @@ def audit_vision_step(
     built = build_vision_qlora(config, image_size, images_per_row)
     with MemoryTracker(config.device, model=built.q.model) as tracker:
         results, ledger = run_steps(built.q, steps, tracker, optimizer=make_optimizer(built.q), ledger_step=0)
+    return _vision_step(results, ledger, built, t0)
+
+
+def _vision_step(results: Any, ledger: Any, built: Any, t0: float) -> VisionStep:
+    """The :class:`VisionStep` of a run's step results and first-step ledger (on meta or on a device)."""
     assert ledger is not None
     return VisionStep(
         results=results,

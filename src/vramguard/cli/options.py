@@ -55,6 +55,12 @@ STEP_FLAGS: tuple[str, ...] = (
     "gradient_accumulation_steps",
     "image_size",
     "images_per_row",
+    "vision_tower",
+    "llm_int8_skip_modules",
+    "lora_scope",
+    "tower_checkpointing",
+    "min_pixels",
+    "max_pixels",
 )
 """The :class:`QLoRAConfig` fields a flag may set (each flag's destination is the field's name). A flag
 not given is ``None`` in the parsed arguments, so a ``--config`` file decides it; without a file, the
@@ -88,6 +94,7 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument(
         "--images-per-row", type=positive_int, metavar="N", help="with --image-size: images in each row (default: 1)"
     )
+    add_tower_options(p)
     p.add_argument(
         "--batch",
         "--per-device-train-batch-size",
@@ -160,6 +167,46 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
         const="no",
         help="no autocast (TRL's bf16: false): what trl sft's defaults (bf16) would otherwise take",
     )
+
+
+def add_tower_options(p: argparse.ArgumentParser) -> None:
+    """A vision-language model's tower choices and Qwen's processor bounds (:class:`vramguard.workload.vision.
+    TowerChoices`); each priced, and named in the notes."""
+    from vramguard.workload.vision import LORA_SCOPES, TOWER_DTYPES
+
+    p.add_argument(
+        "--vision-tower",
+        choices=TOWER_DTYPES,
+        help="a vision-language model's tower: 4bit (default: load_in_4bit quantizes its linear layers too) or "
+        "unquantized (its qualified name, e.g. model.visual, added to BitsAndBytesConfig's llm_int8_skip_modules; "
+        "PEFT's k-bit preparation then holds it in fp32)",
+    )
+    p.add_argument(
+        "--llm-int8-skip-modules",
+        metavar="NAMES",
+        help="BitsAndBytesConfig's llm_int8_skip_modules as you write it, comma-separated (a list replaces "
+        "transformers' default, which keeps lm_head); the notes name a name that matched no layer",
+    )
+    p.add_argument(
+        "--lora-scope",
+        choices=LORA_SCOPES,
+        help="where --target-modules get LoRA in a vision-language model: all (default: the tower too), "
+        "language-model (tower and projector frozen), language-model+projector (PEFT's exclude_modules)",
+    )
+    p.add_argument(
+        "--tower-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        help="with --gradient-checkpointing: the vision tower's layers checkpointed too (default: on, what "
+        "gradient_checkpointing_enable does where the tower has checkpointing layers)",
+    )
+    for bound in ("min", "max"):
+        p.add_argument(
+            f"--{bound}-pixels",
+            type=positive_int,
+            metavar="N",
+            help=f"Qwen's image processor {bound}_pixels (AutoProcessor.from_pretrained(..., {bound}_pixels=N)): "
+            "images are resized into [min, max] pixels at patch x merge multiples; default: the processor's",
+        )
 
 
 def qlora_config(args: argparse.Namespace, **fixed: object) -> tuple[QLoRAConfig, list[str]]:

@@ -759,6 +759,9 @@ def build_meta(
     vision = _vision_meta(config, spec, method == "qlora" and device == META and not sharded and prepared)
     if vision is not None:  # the family's processor's rows, their values carried (estimate.vision)
         return vision
+    from vramguard.workload.vision import refuse_tower_options
+
+    refuse_tower_options(config)
     from transformers.quantizers import AutoHfQuantizer
     from transformers.utils import logging as hf_logging
 

@@ -40,6 +40,7 @@ from vramguard.workload.training import StepResult, run_steps
 from vramguard.workload.vision import (
     STACKS,
     VisionQLoRAModel,
+    apply_tower_checkpointing,
     image_text_model,
     saved_by_stack,
     vision_setup,
@@ -178,13 +179,16 @@ def build_vision_meta(
                 )
         except (*BUILD_ERRORS, RuntimeError) as exc:
             raise UsageError(f"transformers cannot build {setup.name}: {build_error(exc)}") from None
-        quantizer = AutoHfQuantizer.from_config(bnb_4bit_config(config), pre_quantized=False)
+        quantizer = AutoHfQuantizer.from_config(
+            bnb_4bit_config(config, skip_modules=setup.choices.skip_modules), pre_quantized=False
+        )
         quantizer.preprocess_model(model, device_map={"": META}, dtype=compute_dtype)
         _quantize_on_meta(model, compute_dtype)
         quantizer.postprocess_model(model)
         model.hf_quantizer = quantizer
         model = prepare_for_training(model, config)
-        model = with_lora(model, config)
+        apply_tower_checkpointing(model, setup.family, setup.choices)
+        model = with_lora(model, config, setup.choices.exclude_modules)
     model.train()
     model.config.use_cache = False
     values = ImageValues()

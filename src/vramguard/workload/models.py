@@ -330,7 +330,12 @@ class QLoRAConfig:
     left (so every micro-batch after the first runs with the whole gradient held), then one optimizer step.
     ``image_size`` (``HxW``) and ``images_per_row``: a vision-language model's images, each row that many of that
     size as its family's processor makes them (:mod:`vramguard.workload.vision`; ``seq_len`` is the whole row,
-    image tokens included); empty: text-only rows. Recorded in the JSON document only when set."""
+    image tokens included); empty: text-only rows. Recorded in the JSON document only when set. The vision tower's
+    choices (:data:`vramguard.workload.vision.TOWER_FIELDS`, recorded only where not their defaults):
+    ``vision_tower`` (``4bit`` or ``unquantized``), ``llm_int8_skip_modules`` (``BitsAndBytesConfig``'s, as the
+    user writes it), ``lora_scope`` (``all``, ``language-model``, ``language-model+projector``),
+    ``tower_checkpointing`` and Qwen's processor bounds ``min_pixels`` / ``max_pixels`` (0: the processor's
+    default); resolved once into :class:`~vramguard.workload.vision.TowerChoices`."""
 
     model: str | ModelSpec = "tiny-llama"
     seq_len: int = 128
@@ -360,6 +365,12 @@ class QLoRAConfig:
     gradient_accumulation_steps: int = 1
     image_size: str = ""
     images_per_row: int = 1
+    vision_tower: str = "4bit"
+    llm_int8_skip_modules: str = ""
+    lora_scope: str = "all"
+    tower_checkpointing: bool = True
+    min_pixels: int = 0
+    max_pixels: int = 0
 
     @property
     def spec(self) -> ModelSpec:
@@ -439,6 +450,9 @@ class QLoRAConfig:
                 raise UsageError(f"images-per-row must be an integer from 1 to {MAX_IMAGES_PER_ROW}, got {n!r}")
         elif self.images_per_row != 1:
             raise UsageError("images-per-row needs image-size (HxW)")
+        from vramguard.workload.vision import validate_tower_options
+
+        validate_tower_options(self)
         if not names_of(self.target_modules) and not names_of(self.target_parameters):
             raise UsageError("target-modules is empty and so is target-parameters: LoRA would adapt nothing")
         dev = self.device
@@ -467,6 +481,12 @@ class QLoRAConfig:
             d["model_revision"] = self.model.revision  # the Hub commit the config was read at
         if not d["image_size"]:  # a text model's run: its document as before the fields
             del d["image_size"], d["images_per_row"]
+        from vramguard.workload.vision import TOWER_FIELDS
+
+        defaults = QLoRAConfig()
+        for name in TOWER_FIELDS:  # the vision tower's choices: recorded where they are not the defaults
+            if d[name] == getattr(defaults, name):
+                del d[name]
         d["extra"] = options if step_options else {}
         return d
 
@@ -587,13 +607,18 @@ def _placement(config: QLoRAConfig) -> dict[str, Any]:
     return {} if is_deepspeed_zero3_enabled() else {"device_map": {"": config.device}}
 
 
-def bnb_4bit_config(config: QLoRAConfig, sharded: bool = False) -> Any:
+def bnb_4bit_config(
+    config: QLoRAConfig, sharded: bool = False, skip_modules: tuple[str, ...] | None = None
+) -> Any:
     """The ``BitsAndBytesConfig`` a user passes to ``from_pretrained`` for ``config``'s 4-bit base; with
     ``sharded``, the FSDP + QLoRA recipe's: packed weights stored in the compute dtype
-    (``bnb_4bit_quant_storage``), so a wrap unit has one dtype (:mod:`vramguard.workload.sharding`)."""
+    (``bnb_4bit_quant_storage``), so a wrap unit has one dtype (:mod:`vramguard.workload.sharding`);
+    ``skip_modules``: its ``llm_int8_skip_modules`` (a vision-language model's tower kept unquantized)."""
     from transformers import BitsAndBytesConfig
 
-    extra = {"bnb_4bit_quant_storage": parse_dtype(config.compute_dtype)} if sharded else {}
+    extra: dict[str, Any] = {"bnb_4bit_quant_storage": parse_dtype(config.compute_dtype)} if sharded else {}
+    if skip_modules is not None:
+        extra["llm_int8_skip_modules"] = list(skip_modules)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=config.quant_type,
@@ -639,13 +664,14 @@ def refuse_kernel_experts(hf_config: Any, name: str) -> None:
         )
 
 
-def with_lora(model: Any, config: QLoRAConfig) -> Any:
-    """PEFT's ``get_peft_model`` with the config's LoRA; a LoRA config PEFT refuses for this model (no target
-    module found, dropout on expert parameters, ...) is bad input, said in one line as PEFT says it."""
+def with_lora(model: Any, config: QLoRAConfig, exclude_modules: str | None = None) -> Any:
+    """PEFT's ``get_peft_model`` with the config's LoRA (``exclude_modules``: PEFT's, a regex of module names
+    left without LoRA); a LoRA config PEFT refuses for this model (no target module found, dropout on expert
+    parameters, ...) is bad input, said in one line as PEFT says it."""
     from peft import get_peft_model
 
     try:
-        peft_model = get_peft_model(model, lora_config(config))
+        peft_model = get_peft_model(model, lora_config(config, exclude_modules))
     except ValueError as exc:
         raise lora_refused(exc, model) from None
     refuse_tuple_routers(peft_model)
@@ -721,9 +747,9 @@ def refuse_tuple_routers(model: torch.nn.Module) -> None:
     )
 
 
-def lora_config(config: QLoRAConfig) -> Any:
+def lora_config(config: QLoRAConfig, exclude_modules: str | None = None) -> Any:
     """PEFT's ``LoraConfig`` for ``config``: rank, alpha, dropout, target modules and parameters, rsLoRA,
-    DoRA, causal LM."""
+    DoRA, causal LM; ``exclude_modules`` where given (PEFT's default otherwise: none)."""
     from peft import LoraConfig
 
     targets: str | list[str] | None = names_of(config.target_modules)  # [] with target_parameters alone
@@ -738,6 +764,7 @@ def lora_config(config: QLoRAConfig) -> Any:
         use_rslora=config.use_rslora,
         use_dora=config.use_dora,
         task_type="CAUSAL_LM",
+        **({"exclude_modules": exclude_modules} if exclude_modules is not None else {}),
     )
 
 
@@ -896,6 +923,9 @@ def build_qlora(
                 "vision-language models are measured on one device in vramguard's loop (--trainer loop) for now"
             )
         return build_vision_qlora(config, spec=spec).q  # type: ignore[no-any-return]
+    from vramguard.workload.vision import refuse_tower_options
+
+    refuse_tower_options(config)
     from transformers.utils import logging as hf_logging
 
     hf_config, model_class, attn, notes = resolve_attention(config, spec)

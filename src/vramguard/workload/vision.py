@@ -74,6 +74,14 @@ class VisionFamily:
     projector: tuple[str, ...] = ("merger", "multi_modal_projector", "connector", "deepstack_merger_list")
     needs: tuple[str, ...] = ()
     """Python packages the processor imports (a refusal names the missing one)."""
+    tower_path: str = "model.vision_tower"
+    """The vision tower's qualified module name in transformers 5's model (what ``llm_int8_skip_modules`` and
+    PEFT's ``exclude_modules`` must name: transformers matches skip patterns from the start of the name, so the
+    bare ``visual`` of older recipes matches nothing)."""
+    projector_paths: tuple[str, ...] = ("model.multi_modal_projector",)
+    """The projector's qualified module names (Qwen's merger sits inside the tower)."""
+    pixels: bool = False
+    """The image processor takes ``min_pixels`` / ``max_pixels`` (Qwen's and GLM-4V's ``size`` bounds)."""
     nested_images: bool = False
     """The processor takes a batch's images as one list per row (Mllama, Idefics3, SmolVLM)."""
     """Why vramguard cannot run this family on the CPU (None: it can)."""
@@ -120,6 +128,9 @@ def _qwen(name: str, processor: str, pixels: dict[str, int]) -> VisionFamily:
         tokens=_QWEN_TOKENS,
         placeholder=_QWEN_PLACEHOLDER,
         image_processor_kwargs=lambda c: _qwen_image(c, **pixels),
+        tower_path="model.visual",
+        projector_paths=("model.visual.merger", "model.visual.deepstack_merger_list"),
+        pixels=True,
     )
 
 
@@ -192,6 +203,8 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
             "merge_size": int(c.vision_config.spatial_merge_size),
             "temporal_patch_size": int(c.vision_config.temporal_patch_size),
         },
+        tower_path="model.visual",
+        projector_paths=("model.visual.merger",),
     ),
     "gemma3": VisionFamily(
         name="Gemma 3",
@@ -270,6 +283,7 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
             "max_image_tiles": int(c.vision_config.max_num_tiles),
         },
         nested_images=True,
+        tower_path="model.vision_model",
     ),
     "idefics3": VisionFamily(
         name="Idefics3",
@@ -281,6 +295,8 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         processor_kwargs=_idefics_seq,
         projector=("connector",),
         nested_images=True,
+        tower_path="model.vision_model",
+        projector_paths=("model.connector",),
     ),
     "smolvlm": VisionFamily(
         name="SmolVLM",
@@ -293,6 +309,8 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         projector=("connector",),
         nested_images=True,
         needs=("num2words",),
+        tower_path="model.vision_model",
+        projector_paths=("model.connector",),
     ),
     "internvl": VisionFamily(
         name="InternVL",
@@ -511,9 +529,13 @@ def _without_video(cls: type) -> type:
     return ImageOnly
 
 
-def family_processor(family: VisionFamily, hf_config: Any, vocab_size: int) -> Any:
+def family_processor(
+    family: VisionFamily, hf_config: Any, vocab_size: int, pixels: dict[str, int] | None = None
+) -> Any:
     """The family's processor for ``hf_config``: its own processor and image processor classes, with the
-    settings its Hub checkpoints' processor files hold (:class:`VisionFamily`), and :func:`row_tokenizer`."""
+    settings its Hub checkpoints' processor files hold (:class:`VisionFamily`), and :func:`row_tokenizer`.
+    ``pixels``: ``min_pixels`` / ``max_pixels`` given to the image processor as users pass them to
+    ``AutoProcessor.from_pretrained`` (Qwen's families; they replace its ``size`` bounds)."""
     import importlib.util
 
     import transformers
@@ -528,7 +550,7 @@ def family_processor(family: VisionFamily, hf_config: Any, vocab_size: int) -> A
     processor_cls = _without_video(getattr(transformers, family.processor))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        image_processor = image_cls(**family.image_processor_kwargs(hf_config))
+        image_processor = image_cls(**family.image_processor_kwargs(hf_config), **(pixels or {}))
         if family.processor == "PaliGemmaProcessor":  # its processor reads the count off the image processor
             v = hf_config.vision_config
             image_processor.image_seq_length = (_side(v.image_size) // _side(v.patch_size)) ** 2
@@ -592,14 +614,16 @@ def image_rows(
     batch: int = 1,
     images_per_row: int = 1,
     seed: int = 0,
+    pixels: dict[str, int] | None = None,
 ) -> ImageRows:
     """``batch`` rows of exactly ``seq_len`` tokens each (``--seq-len`` is the whole row, image tokens included,
     as TRL's ``max_length`` counts it): ``images_per_row`` images of ``image_size`` (height, width), each as the
     family's processor expands it, then :data:`FILLER` text to the row's length. Made by the family's processor:
     its ``input_ids`` and ``attention_mask``, every image input its forward reads, and ``labels`` (the
     ``input_ids``, the image tokens masked with -100 as TRL's vision collator masks them). A row the images alone
-    overflow is a UsageError naming their token count. ``image_size`` None: text-only rows (no image inputs)."""
-    processor = family_processor(family, hf_config, vocab_size)
+    overflow is a UsageError naming their token count. ``image_size`` None: text-only rows (no image inputs).
+    ``pixels``: the image processor's ``min_pixels`` / ``max_pixels`` (:func:`family_processor`)."""
+    processor = family_processor(family, hf_config, vocab_size, pixels)
     image_id = image_token_id(family, hf_config, vocab_size)
     if image_size is None:  # what the processor adds to a text (PaliGemma's bos and newline) counts too
         extra = int(_process(processor, None, [FILLER])["input_ids"].shape[-1]) - 1
@@ -670,6 +694,198 @@ def load_vision_config(path: str | Path) -> tuple[Any, dict[str, Any]]:
     return config, data
 
 
+TOWER_DTYPES = ("4bit", "unquantized")
+"""``vision_tower``: the tower's linear layers 4-bit (what ``load_in_4bit`` alone does) or left out of the
+quantization (its qualified name added to ``BitsAndBytesConfig(llm_int8_skip_modules=...)``)."""
+
+LORA_SCOPES = ("all", "language-model", "language-model+projector")
+"""``lora_scope``: where the target modules get LoRA: everywhere they match (``all``, PEFT's own rule: the tower
+too), in the language model only (the tower and projector frozen, as most VLM recipes do: ms-swift's
+``freeze_vit``, LLaMA-Factory's ``freeze_vision_tower``, Unsloth's ``finetune_vision_layers=False``), or in the
+language model and the projector. Done with PEFT's ``exclude_modules`` regex of the tower's (and projector's)
+qualified names."""
+
+
+@dataclass(frozen=True)
+class TowerChoices:
+    """The vision tower's choices of one run, resolved and validated once (:func:`tower_choices`) and passed to
+    both builds: ``skip_modules``, the ``llm_int8_skip_modules`` list given to ``BitsAndBytesConfig`` (None:
+    transformers' default, which keeps ``lm_head`` only); ``exclude_modules``, PEFT's ``exclude_modules`` regex
+    (None: none); ``tower_checkpointing``: with gradient checkpointing, whether the tower's layers stay
+    checkpointed (transformers' ``gradient_checkpointing_enable`` sets every layer's flag, the tower's too; off:
+    the tower's flags cleared after it, as a user's loop over ``model.visual.modules()`` does)."""
+
+    vision_tower: str
+    skip_modules: tuple[str, ...] | None
+    lora_scope: str
+    exclude_modules: str | None
+    tower_checkpointing: bool
+
+    @property
+    def is_default(self) -> bool:
+        """Whether every choice is the usual recipe's (4-bit tower, LoRA where the targets match, checkpointed)."""
+        return self.skip_modules is None and self.exclude_modules is None and self.tower_checkpointing
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def tower_choices(config: Any, family: VisionFamily) -> TowerChoices:
+    """The :class:`TowerChoices` of ``config`` (a :class:`~vramguard.workload.models.QLoRAConfig`) for
+    ``family``: ``vision_tower unquantized`` adds the family's tower name to ``llm_int8_skip_modules`` (with
+    ``lm_head`` when the list was empty: a list replaces transformers' default skips, and the default keeps the
+    output layer); ``lora_scope`` is PEFT's ``exclude_modules`` regex of the tower (and the projector)."""
+    skip = _split(config.llm_int8_skip_modules)
+    if config.vision_tower == "unquantized":
+        skip = tuple(dict.fromkeys((*(skip or ("lm_head",)), family.tower_path)))
+    projectors = tuple(p for p in family.projector_paths if p.startswith(family.tower_path + "."))
+    outside = tuple(p for p in family.projector_paths if p not in projectors)
+    exclude = None
+    if config.lora_scope == "language-model":
+        exclude = "(?:" + "|".join(re.escape(p) for p in (family.tower_path, *outside)) + r")\..*"
+    elif config.lora_scope == "language-model+projector":
+        keep = "".join(f"(?!{re.escape(p[len(family.tower_path) + 1:])}\\.)" for p in projectors)
+        exclude = f"{re.escape(family.tower_path)}\\.{keep}.*"
+    return TowerChoices(
+        vision_tower=config.vision_tower,
+        skip_modules=skip or None,
+        lora_scope=config.lora_scope,
+        exclude_modules=exclude,
+        tower_checkpointing=config.tower_checkpointing,
+    )
+
+
+def validate_tower_options(config: Any) -> None:
+    """The vision options' values (one line each): called by ``QLoRAConfig.validate``."""
+    if config.vision_tower not in TOWER_DTYPES:
+        raise UsageError(f"vision-tower must be one of {', '.join(TOWER_DTYPES)}, got {config.vision_tower!r}")
+    if config.lora_scope not in LORA_SCOPES:
+        raise UsageError(f"lora-scope must be one of {', '.join(LORA_SCOPES)}, got {config.lora_scope!r}")
+    if not isinstance(config.tower_checkpointing, bool):
+        raise UsageError(f"tower-checkpointing must be true or false, got {config.tower_checkpointing!r}")
+    skip = config.llm_int8_skip_modules
+    if not isinstance(skip, str) or any(not _SKIP_NAME.fullmatch(n) for n in _split(skip)):
+        raise UsageError(
+            f"llm-int8-skip-modules must be comma-separated module names or patterns, got {skip!r}"
+        )
+    for name in ("min_pixels", "max_pixels"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PIXELS:
+            raise UsageError(f"{name.replace('_', '-')} must be an integer from 1 to {MAX_PIXELS:,}, got {value!r}")
+    if config.min_pixels and config.max_pixels and config.min_pixels > config.max_pixels:
+        raise UsageError(f"min-pixels {config.min_pixels:,} is more than max-pixels {config.max_pixels:,}")
+
+
+_SKIP_NAME = re.compile(r"[A-Za-z0-9_.\-*+?()|\[\]^$\\]+")
+MAX_PIXELS = MAX_IMAGE_SIDE * MAX_IMAGE_SIDE
+
+TOWER_FIELDS = ("vision_tower", "llm_int8_skip_modules", "lora_scope", "tower_checkpointing", "min_pixels", "max_pixels")
+"""The :class:`~vramguard.workload.models.QLoRAConfig` fields of a vision-language model's tower and processor:
+recorded in the JSON document only where they differ from their defaults; a text model given one is refused."""
+
+
+def refuse_tower_options(config: Any) -> None:
+    """A text model given a vision-tower option: one line naming it."""
+    from dataclasses import fields
+
+    defaults = {f.name: f.default for f in fields(config)}
+    given = [n.replace("_", "-") for n in TOWER_FIELDS if getattr(config, n) != defaults[n]]
+    if given:
+        raise UsageError(f"{', '.join(given)}: options of a vision-language model, and this model has no vision tower")
+
+
+def tower_line(model: torch.nn.Module, family: VisionFamily, choices: TowerChoices, checkpointing: bool) -> str:
+    """What the built model's vision tower, projector and language model really are, per stack: linear layers
+    4-bit or unquantized (with their dtype after PEFT's k-bit preparation), layers with LoRA, trainable
+    parameters, and with gradient checkpointing how many checkpointing layers are on (a tower with none cannot
+    be checkpointed by transformers: said so)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from vramguard.units import format_bytes
+    from vramguard.workload.models import storage_bytes_of
+
+    counts: dict[str, dict[str, Any]] = {
+        s: {"4bit": 0, "plain": 0, "dtypes": set(), "lora": 0, "trained": 0, "ckpt": 0, "layers": 0, "bytes": 0}
+        for s in STACKS
+    }
+    for name, module in model.named_modules():
+        c = counts[family.stack_of(name)]
+        if hasattr(module, "lora_A"):
+            c["lora"] += 1
+        elif isinstance(module, torch.nn.Linear) and ".lora_" not in name and not name.endswith("lm_head"):
+            if type(module).__name__ == "Linear4bit":
+                c["4bit"] += 1
+            else:
+                c["plain"] += 1
+                c["dtypes"].add(str(module.weight.dtype).removeprefix("torch."))
+        if isinstance(module, GradientCheckpointingLayer):
+            c["layers"] += 1
+            c["ckpt"] += bool(module.gradient_checkpointing)
+    for name, p in model.named_parameters():
+        c = counts[family.stack_of(name)]
+        qs = getattr(p, "quant_state", None)
+        c["bytes"] += storage_bytes_of(p, qs) if qs is not None else p.numel() * p.element_size()
+        if p.requires_grad:
+            c["trained"] += p.numel()
+    parts = []
+    for stack, c in counts.items():
+        linear = f"{c['4bit']} 4-bit linear"
+        if c["plain"]:
+            linear += f", {c['plain']} unquantized ({'/'.join(sorted(c['dtypes']))})"
+        text = (
+            f"{stack}: weights {format_bytes(c['bytes'])} ({linear}), LoRA on {c['lora']}, "
+            f"{c['trained']:,} trained params"
+        )
+        if checkpointing and stack != "projector":
+            text += (
+                f", {c['ckpt']} of {c['layers']} layers checkpointed" if c["layers"]
+                else ", no checkpointing layer (transformers cannot checkpoint it: its activations are all kept)"
+            )
+        parts.append(text)
+    asked = [f"vision-tower {choices.vision_tower}"]
+    if choices.skip_modules is not None:
+        asked.append(f"llm_int8_skip_modules {list(choices.skip_modules)}{_unmatched(model, choices.skip_modules)}")
+    asked.append(f"lora-scope {choices.lora_scope}")
+    if choices.exclude_modules is not None:
+        asked.append(f"PEFT exclude_modules {choices.exclude_modules!r}")
+    if checkpointing:
+        asked.append(f"tower checkpointing {'on' if choices.tower_checkpointing else 'off'}")
+    return f"vision tower choices ({'; '.join(asked)}): " + "; ".join(parts)
+
+
+def _unmatched(model: torch.nn.Module, patterns: tuple[str, ...]) -> str:
+    """The part of the line naming the skip patterns that matched no linear layer (transformers' own matcher,
+    ``should_convert_module``, on the base model's names) and the output layer 4-bit because of it."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".lora_" not in name:
+            names.append(name.removeprefix("base_model.model.").removesuffix(".base_layer"))
+    dead = [p for p in patterns if all(should_convert_module(n, [p]) for n in names)]
+    head = next((m for n, m in model.named_modules() if n.endswith("lm_head")), None)
+    out = ""
+    if dead:
+        out += (
+            f" (matched no layer: {', '.join(dead)}; transformers matches a name from the start of the qualified "
+            "name, at a module boundary, or as its end)"
+        )
+    if head is not None and type(head).__name__ == "Linear4bit":
+        out += " (lm_head 4-bit: the list replaces transformers' default skips)"
+    return out
+
+
+def apply_tower_checkpointing(model: torch.nn.Module, family: VisionFamily, choices: TowerChoices) -> None:
+    """With tower checkpointing off, clear the flag ``gradient_checkpointing_enable`` set on every module of the
+    tower (what a user's ``for m in model.visual.modules(): m.gradient_checkpointing = False`` does)."""
+    if choices.tower_checkpointing:
+        return
+    for name, module in model.named_modules():
+        if family.stack_of(name) == "vision tower" and getattr(module, "gradient_checkpointing", False):
+            module.gradient_checkpointing = False
+
+
 @dataclass
 class VisionSetup:
     """What the real build (:func:`build_vision_qlora`) and the meta one (:mod:`vramguard.estimate.vision`) of a
@@ -685,6 +901,7 @@ class VisionSetup:
     rows: ImageRows
     image_size: tuple[int, int] | None
     images_per_row: int
+    choices: TowerChoices
 
     @property
     def name(self) -> str:
@@ -733,6 +950,10 @@ def vision_setup(
     family = family_of(hf_config.model_type)
     shape = vision_shape(spec.name, hf_config)
     model_class = image_text_class(hf_config)
+    pixels = {k: getattr(config, k) for k in ("min_pixels", "max_pixels") if getattr(config, k)}
+    if pixels and not family.pixels:
+        raise UsageError(f"min-pixels / max-pixels bound Qwen's processors; {family.name}'s takes no such bound")
+    choices = tower_choices(config, family)
     rows = image_rows(
         family,
         hf_config,
@@ -742,6 +963,7 @@ def vision_setup(
         config.batch,
         images_per_row if image_size is not None else 0,
         config.seed,
+        pixels,
     )
     attn = config.attn_implementation
     if attn == "flash_attention_2":
@@ -769,6 +991,7 @@ def vision_setup(
         rows,
         image_size,
         images_per_row if image_size else 0,
+        choices,
     )
 
 
@@ -786,14 +1009,11 @@ def image_text_model(setup: VisionSetup, model: torch.nn.Module, config: Any, in
             """The processor's rows."""
             return dict(inputs)
 
-    notes = (
-        (setup.line(),)
-        if setup.attn == config.attn_implementation
-        else (
-            setup.line(),
-            f"{setup.model_class.__name__} has no sdpa attention in transformers: it ran eager attention",
-        )
-    )
+    notes: tuple[str, ...] = (setup.line(),)
+    if setup.attn != config.attn_implementation:
+        notes += (f"{setup.model_class.__name__} has no sdpa attention in transformers: it ran eager attention",)
+    if not setup.choices.is_default:  # the usual recipe's documents stay as they were
+        notes += (tower_line(model, setup.family, setup.choices, config.gradient_checkpointing),)
     return ImageTextModel(
         model=model, spec=setup.spec, config=config, attn_implementation=setup.attn, notes=notes
     )
@@ -837,13 +1057,14 @@ def build_vision_qlora(
         del random_model
         model = setup.model_class.from_pretrained(
             tmp,
-            quantization_config=bnb_4bit_config(config),
+            quantization_config=bnb_4bit_config(config, skip_modules=setup.choices.skip_modules),
             device_map={"": config.device},
             dtype=compute_dtype,
             attn_implementation=setup.attn,
         )
         model = prepare_for_training(model, config)
-        model = with_lora(model, config)
+        apply_tower_checkpointing(model, setup.family, setup.choices)
+        model = with_lora(model, config, setup.choices.exclude_modules)
     model.train()
     model.config.use_cache = False
     device = torch.device(config.device)

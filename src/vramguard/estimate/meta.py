@@ -759,9 +759,6 @@ def build_meta(
     vision = _vision_meta(config, spec, method == "qlora" and device == META and not sharded and prepared)
     if vision is not None:  # the family's processor's rows, their values carried (estimate.vision)
         return vision
-    from vramguard.workload.vision import refuse_tower_options
-
-    refuse_tower_options(config)
     from transformers.quantizers import AutoHfQuantizer
     from transformers.utils import logging as hf_logging
 
@@ -820,10 +817,12 @@ def build_meta(
 def _vision_meta(config: QLoRAConfig, spec: ModelSpec, supported: bool) -> QLoRAModel | None:
     """A vision-language model on meta (:func:`vramguard.estimate.vision.build_vision_meta`), its rows' values
     kept on it for the step (``image_values``: run_estimate steps it under ``values_on_meta``); refused in one line
-    where not ``supported`` (off the loop's qlora step on one device). None for a text model."""
-    from vramguard.workload.vision import is_vision_spec
+    where not ``supported`` (off the loop's qlora step on one device). None for a text model (given a vision tower
+    option: refused in one line)."""
+    from vramguard.workload.vision import is_vision_spec, refuse_tower_options
 
     if not is_vision_spec(spec):
+        refuse_tower_options(config)
         return None
     if not supported:
         raise UsageError(

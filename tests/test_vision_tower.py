@@ -5,6 +5,7 @@ Each is built by transformers / bitsandbytes / PEFT themselves, its saved bytes 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,55 @@ def test_documents_record_the_choices_only_where_set() -> None:
     assert not {"vision_tower", "llm_int8_skip_modules", "lora_scope", "tower_checkpointing"} & set(d)
     d = QLoRAConfig(image_size="56x56", lora_scope="language-model", max_pixels=12544).to_dict()
     assert d["lora_scope"] == "language-model" and d["max_pixels"] == 12544 and "vision_tower" not in d
+
+
+# -- a trl sft YAML for a vision-language model ---------------------------------------------------------------
+
+LM_ONLY = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+def test_a_trl_vlm_config_with_a_language_model_regex_is_priced(tmp_path: Path) -> None:
+    """TRL's VLM recipe as a trl sft YAML (max_length null as TRL's docs advise for VLMs, use_peft, load_in_4bit,
+    lora_target_modules a string, which PEFT full-matches as a regex: the language model's projections only;
+    remove_unused_columns / dataset_kwargs of the older VLM scripts): priced, with no LoRA in the tower and
+    projector, the two host-side keys changing no byte."""
+    from vramguard.cli.app import main
+
+    config = tmp_path / "vlm.yaml"
+    config.write_text(
+        f"model_name_or_path: {VLM / 'tiny-qwen2.5-vl.json'}\nmax_length: null\nper_device_train_batch_size: 1\n"
+        f"use_peft: true\nload_in_4bit: true\nlora_target_modules: '{LM_ONLY}'\nremove_unused_columns: false\n"
+        "dataset_kwargs: {skip_prepare_dataset: true}\n"
+    )
+    doc = tmp_path / "estimate.json"
+    argv = ["estimate", "--config", str(config), "--image-size", "56x56", "--seq-len", "128", "--target", "cpu"]
+    assert main([*argv, "--quiet", "--json", str(doc)]) == 0
+    notes = json.loads(doc.read_text())["verdict"]["notes"]
+    assert any("priced:" in n and "lora_target_modules=" in n for n in notes), notes
+    assert any("changes no byte: remove_unused_columns" in n and "dataset_kwargs (dataset preparation" in n for n in notes)
+    tower = next(n for n in notes if n.startswith("vision tower choices"))
+    assert f"target_modules {LM_ONLY!r}" in tower
+    stacks = dict(part.split(": weights ", 1) for part in tower.split("): ", 1)[1].split("; "))
+    assert "LoRA on 0, 0 trained params" in stacks["vision tower"]
+    assert "LoRA on 0, 0 trained params" in stacks["projector"]
+    assert "LoRA on 14," in stacks["language model"]
+
+
+def test_a_bad_target_regex_is_one_line() -> None:
+    with pytest.raises(UsageError, match="is no regular expression") as err:
+        QLoRAConfig(target_modules=".*(q_proj").validate()
+    assert "\n" not in str(err.value)
+
+
+def test_trls_smolvlm_example_targets_reach_the_siglip_tower() -> None:
+    """TRL's sft_vlm.py example for SmolVLM names down_proj, o_proj, k_proj, q_proj, gate_proj, up_proj, v_proj:
+    the SigLIP tower of Idefics3 / SmolVLM has q_proj, k_proj, v_proj too, so PEFT puts LoRA there as well; the
+    note says how many layers of each stack took LoRA."""
+    from vramguard.estimate.vision import build_vision_meta
+
+    targets = "down_proj,o_proj,k_proj,q_proj,gate_proj,up_proj,v_proj"
+    built, _ = build_vision_meta(_config("idefics3", seq=640, target_modules=targets), (56, 56))
+    stacks = _per_stack(built)
+    assert stacks["vision tower"]["lora"] == 6 and stacks["projector"]["lora"] == 0, stacks  # 2 layers x q, k, v
+    note = next(n for n in built.q.notes if n.startswith("vision tower choices"))
+    assert f"target_modules '{targets}'" in note and "vision tower: weights" in note

@@ -136,7 +136,8 @@ def add_qlora_options(p: argparse.ArgumentParser, model_help: str) -> None:
         "--target-modules",
         metavar="NAMES",
         help="PEFT's target_modules: all-linear (default), peft-default (PEFT's choice for the architecture, "
-        "TRL's default) or comma-separated module names, e.g. q_proj,v_proj",
+        "TRL's default), comma-separated module names, e.g. q_proj,v_proj, or a regular expression PEFT "
+        "full-matches against qualified names, e.g. '.*language_model.*\\.(q_proj|v_proj)'",
     )
     p.add_argument(
         "--target-parameters",

@@ -283,6 +283,17 @@ MIXED_PRECISION: tuple[str, ...] = ("no", "bf16", "fp16")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
+REGEX_CHARS = frozenset("*()|[]\\^$+?{}")
+"""Characters that make a ``target_modules`` value a regular expression: PEFT full-matches a string
+``target_modules`` against each module's qualified name (what a ``trl sft`` YAML's ``lora_target_modules: "..."``
+string reaches PEFT as, e.g. ``.*language_model.*\\.(q_proj|v_proj)`` for LoRA on the language model only)."""
+
+
+def is_target_regex(value: Any) -> bool:
+    """Whether a ``target_modules`` value is a regular expression (:data:`REGEX_CHARS`) rather than names."""
+    return isinstance(value, str) and value != "all-linear" and any(c in REGEX_CHARS for c in value)
+
+
 def names_of(value: str) -> list[str]:
     """The names of a comma-separated list (``target_modules``, ``target_parameters``), blanks dropped."""
     return [n.strip() for n in value.split(",") if n.strip()] if isinstance(value, str) else []
@@ -312,8 +323,8 @@ class QLoRAConfig:
     parameters' dtype: 8 B per parameter).
 
     ``target_modules``: PEFT's ``target_modules``: ``all-linear``, ``peft-default`` (PEFT's own choice for
-    the architecture, what ``LoraConfig(target_modules=None)`` and TRL's default pick) or comma-separated
-    module names. ``target_parameters``: PEFT's ``target_parameters``, comma-separated parameter names
+    the architecture, what ``LoraConfig(target_modules=None)`` and TRL's default pick), comma-separated
+    module names, or a regular expression (:func:`is_target_regex`) PEFT full-matches against qualified names. ``target_parameters``: PEFT's ``target_parameters``, comma-separated parameter names
     (e.g. a mixture of experts' ``mlp.experts.gate_up_proj``), empty for none. ``use_rslora``: PEFT's
     rank-stabilised scaling (``alpha / sqrt(r)``). ``use_dora``: PEFT's DoRA (``LoraConfig(use_dora=True)``: a
     trained magnitude vector per adapted layer, and a forward that dequantizes the 4-bit weight to compute the
@@ -433,7 +444,12 @@ class QLoRAConfig:
             raise UsageError(
                 f"mixed precision must be one of {', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}"
             )
-        for name in ("target_modules", "target_parameters"):
+        if is_target_regex(self.target_modules):
+            try:
+                re.compile(self.target_modules)
+            except re.error as exc:
+                raise UsageError(f"target-modules {self.target_modules!r} is no regular expression: {exc}") from None
+        for name in ("target_modules", "target_parameters")[is_target_regex(self.target_modules) :]:
             value = getattr(self, name)
             names = names_of(value)
             if not isinstance(value, str) or any(not _NAME.fullmatch(n) for n in names):
@@ -453,7 +469,9 @@ class QLoRAConfig:
         from vramguard.workload.vision import validate_tower_options
 
         validate_tower_options(self)
-        if not names_of(self.target_modules) and not names_of(self.target_parameters):
+        if not (is_target_regex(self.target_modules) or names_of(self.target_modules)) and not names_of(
+            self.target_parameters
+        ):
             raise UsageError("target-modules is empty and so is target-parameters: LoRA would adapt nothing")
         dev = self.device
         try:
@@ -755,6 +773,8 @@ def lora_config(config: QLoRAConfig, exclude_modules: str | None = None) -> Any:
     targets: str | list[str] | None = names_of(config.target_modules)  # [] with target_parameters alone
     if config.target_modules in ("all-linear", "peft-default"):
         targets = None if config.target_modules == "peft-default" else "all-linear"
+    elif is_target_regex(config.target_modules):  # PEFT full-matches a string against qualified names
+        targets = config.target_modules
     return LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.lora_alpha,

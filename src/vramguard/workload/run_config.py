@@ -93,6 +93,8 @@ NO_BYTE_KEYS: dict[str, str] = {
     "chat_template_path": "the text, not its length bound",
     "eos_token": "the text",
     "pad_token": "the text",
+    "remove_unused_columns": "which dataset columns the host keeps (a VLM's images column, for its collator)",
+    "dataset_kwargs": "dataset preparation on the host (skip_prepare_dataset: the collator tokenizes instead)",
 }
 """Keys that decide values, schedules, logging or files but not one byte of a step, with why. Besides these,
 every key whose name starts with one of :data:`NO_BYTE_PREFIXES`."""

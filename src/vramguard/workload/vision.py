@@ -795,13 +795,14 @@ def refuse_tower_options(config: Any) -> None:
         raise UsageError(f"{', '.join(given)}: options of a vision-language model, and this model has no vision tower")
 
 
-def tower_line(model: torch.nn.Module, family: VisionFamily, choices: TowerChoices, checkpointing: bool) -> str:
+def tower_line(model: torch.nn.Module, family: VisionFamily, choices: TowerChoices, config: Any) -> str:
     """What the built model's vision tower, projector and language model really are, per stack: linear layers
     4-bit or unquantized (with their dtype after PEFT's k-bit preparation), layers with LoRA, trainable
     parameters, and with gradient checkpointing how many checkpointing layers are on (a tower with none cannot
-    be checkpointed by transformers: said so)."""
+    be checkpointed by transformers: said so). ``config``: the run's QLoRAConfig (its targets, checkpointing)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
+    checkpointing, targets = config.gradient_checkpointing, config.target_modules
     from vramguard.units import format_bytes
     from vramguard.workload.models import storage_bytes_of
 
@@ -847,6 +848,8 @@ def tower_line(model: torch.nn.Module, family: VisionFamily, choices: TowerChoic
     if choices.skip_modules is not None:
         asked.append(f"llm_int8_skip_modules {list(choices.skip_modules)}{_unmatched(model, choices.skip_modules)}")
     asked.append(f"lora-scope {choices.lora_scope}")
+    if targets != "all-linear":
+        asked.append(f"target_modules {targets!r}")
     if choices.exclude_modules is not None:
         asked.append(f"PEFT exclude_modules {choices.exclude_modules!r}")
     if checkpointing:
@@ -1012,8 +1015,8 @@ def image_text_model(setup: VisionSetup, model: torch.nn.Module, config: Any, in
     notes: tuple[str, ...] = (setup.line(),)
     if setup.attn != config.attn_implementation:
         notes += (f"{setup.model_class.__name__} has no sdpa attention in transformers: it ran eager attention",)
-    if not setup.choices.is_default:  # the usual recipe's documents stay as they were
-        notes += (tower_line(model, setup.family, setup.choices, config.gradient_checkpointing),)
+    if not setup.choices.is_default or config.target_modules != "all-linear":  # (all-linear's stay as they were)
+        notes += (tower_line(model, setup.family, setup.choices, config),)
     return ImageTextModel(
         model=model, spec=setup.spec, config=config, attn_implementation=setup.attn, notes=notes
     )

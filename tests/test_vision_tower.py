@@ -277,3 +277,24 @@ def test_trls_smolvlm_example_targets_reach_the_siglip_tower() -> None:
     assert stacks["vision tower"]["lora"] == 6 and stacks["projector"]["lora"] == 0, stacks  # 2 layers x q, k, v
     note = next(n for n in built.q.notes if n.startswith("vision tower choices"))
     assert f"target_modules '{targets}'" in note and "vision tower: weights" in note
+
+
+def test_audit_and_estimate_commands_take_the_choices_and_agree(tmp_path: Path) -> None:
+    """``vramguard audit`` and ``vramguard estimate --trainer loop --target cpu`` with the tower unquantized and LoRA
+    on the language model and projector: both record the choices in the document, name them in the same note, and
+    give the same totals and phase peaks."""
+    from vramguard.cli.app import main
+
+    base = ["--model", str(VLM / "tiny-qwen2.5-vl.json"), "--image-size", "56x56", "--seq-len", "96", "--batch", "1"]
+    base += ["--vision-tower", "unquantized", "--lora-scope", "language-model+projector", "--steps", "2", "--quiet"]
+    audit, estimate = tmp_path / "audit.json", tmp_path / "estimate.json"
+    assert main(["audit", *base, "--device", "cpu", "--json", str(audit)]) == 0
+    assert main(["estimate", *base, "--trainer", "loop", "--target", "cpu", "--json", str(estimate)]) == 0
+    a, e = json.loads(audit.read_text()), json.loads(estimate.read_text())
+    for doc in (a, e):
+        assert doc["config"]["vision_tower"] == "unquantized"
+        assert doc["config"]["lora_scope"] == "language-model+projector"
+    assert a["totals"] == e["totals"]
+    assert {k: v["peak_bytes"] for k, v in a["phases"].items()} == {k: v["peak_bytes"] for k, v in e["phases"].items()}
+    notes = [[n for n in d["verdict"]["notes"] if n.startswith("vision tower choices")] for d in (a, e)]
+    assert notes[0] == notes[1] and "0 4-bit linear, 10 unquantized (float32)" in notes[0][0]

@@ -298,3 +298,40 @@ def test_audit_and_estimate_commands_take_the_choices_and_agree(tmp_path: Path) 
     assert {k: v["peak_bytes"] for k, v in a["phases"].items()} == {k: v["peak_bytes"] for k, v in e["phases"].items()}
     notes = [[n for n in d["verdict"]["notes"] if n.startswith("vision tower choices")] for d in (a, e)]
     assert notes[0] == notes[1] and "0 4-bit linear, 10 unquantized (float32)" in notes[0][0]
+
+
+def _init_yaml(tmp_path: Path, extra: str = "") -> Path:
+    config = tmp_path / "init.yaml"
+    config.write_text(
+        f"model_name_or_path: {VLM / 'tiny-qwen2.5-vl.json'}\nmax_length: 128\nper_device_train_batch_size: 1\n"
+        "use_peft: true\nlora_target_modules: all-linear\ndtype: bfloat16\n" + extra + "model_init_kwargs:\n"
+        "  quantization_config: {load_in_4bit: true, llm_int8_skip_modules: [model.visual, lm_head]}\n"
+        "  device_map: auto\n"
+    )
+    return config
+
+
+def test_a_trl_yaml_keeps_the_tower_unquantized_through_model_init_kwargs(tmp_path: Path) -> None:
+    """A trl sft YAML cannot pass llm_int8_skip_modules through ModelConfig: it gives SFTConfig's
+    model_init_kwargs a quantization_config (without load_in_4bit, which SFTTrainer refuses beside it). It is read
+    by transformers' AutoQuantizationConfig and priced: method qlora, the tower unquantized; the other keys of
+    model_init_kwargs are named NOT PRICED."""
+    from vramguard.workload.run_config import load_run_config
+
+    run = load_run_config(_init_yaml(tmp_path))
+    assert run.values["method"] == "qlora" and run.values["llm_int8_skip_modules"] == "model.visual,lm_head"
+    priced = {r.key for r in run.named("priced")}
+    assert "model_init_kwargs.quantization_config" in priced
+    assert [r.key for r in run.named("not-priced")] == ["model_init_kwargs.device_map"]
+    q = build_vision_qlora(run.config(image_size="56x56"), (56, 56))
+    stacks = _per_stack(q)
+    assert stacks["vision tower"]["4bit"] == 0 and stacks["vision tower"]["plain"] > 0, stacks
+    assert stacks["language model"]["4bit"] > 0
+
+
+def test_quantization_config_twice_is_refused_as_sfttrainer_refuses_it(tmp_path: Path) -> None:
+    from vramguard.workload.run_config import load_run_config
+
+    with pytest.raises(UsageError, match="both by load_in_4bit and in model_init_kwargs") as err:
+        load_run_config(_init_yaml(tmp_path, "load_in_4bit: true\n"))
+    assert "\n" not in str(err.value)

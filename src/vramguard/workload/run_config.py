@@ -615,10 +615,18 @@ def _run_config(path: Path, data: dict[str, Any]) -> RunConfig:
     else:
         raise UsageError(f"--config {path}: dtype must be bfloat16, float16, float32 or auto, got {dtype!r}")
 
+    # a BitsAndBytesConfig given to from_pretrained through model_init_kwargs (how a YAML keeps a VLM's tower out of
+    # 4-bit: llm_int8_skip_modules; TRL refuses it together with load_in_4bit, as SFTTrainer does)
+    quantized, init_readings = _init_quantization(path, data, sft.model_init_kwargs, four_bit)
+    if quantized:
+        values.update(quantized)
+        values["method"] = "qlora" if peft else "full"
+    readings += init_readings
+
     # everything else the file sets
     read = {r.key for r in readings}
     for key in data:
-        if key in PRICED_KEYS or key in read or not given(key):
+        if key in PRICED_KEYS or key in read or not given(key) or (key == "model_init_kwargs" and init_readings):
             continue  # mapped above, or at TRL's default: the run TRL describes, nothing to name
         why = NO_BYTE_KEYS.get(key) or next(
             (f"{p.rstrip('_')} only" for p in NO_BYTE_PREFIXES if key.startswith(p)), None
@@ -641,6 +649,55 @@ def _run_config(path: Path, data: dict[str, Any]) -> RunConfig:
         for key, value, why in other
     ]
     return RunConfig(path, values, readings, model_problem, framework.own_code)
+
+
+def _init_quantization(
+    path: Path, data: dict[str, Any], kwargs: Any, four_bit: bool
+) -> tuple[dict[str, Any], list[KeyReading]]:
+    """The :class:`QLoRAConfig` values and readings of ``model_init_kwargs`` (SFTConfig's, passed to
+    ``from_pretrained``): its ``quantization_config``, read by transformers' own ``AutoQuantizationConfig`` as
+    ``from_pretrained`` reads a mapping, is priced when it is bitsandbytes' 4-bit (quant type, double quant,
+    ``llm_int8_skip_modules``); every other key of it is named NOT PRICED. Nothing for a file without it."""
+    if "model_init_kwargs" not in data or not isinstance(kwargs, dict):
+        return {}, []
+    readings = [
+        KeyReading(f"model_init_kwargs.{k}", v, "not-priced", "passed to from_pretrained; not run by vramguard")
+        for k, v in kwargs.items()
+        if k != "quantization_config"
+    ]
+    quant = kwargs.get("quantization_config")
+    if quant is None:
+        return {}, readings
+    if four_bit:  # SFTTrainer: "You set `quantization_config` both as a trainer argument and in model_init_kwargs"
+        raise UsageError(
+            f"--config {path}: quantization_config is set both by load_in_4bit and in model_init_kwargs "
+            "(SFTTrainer refuses both): keep one"
+        )
+    from transformers.quantizers.auto import AutoQuantizationConfig
+
+    try:
+        bnb = AutoQuantizationConfig.from_dict(dict(quant)) if isinstance(quant, dict) else None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UsageError(f"--config {path}: model_init_kwargs.quantization_config: {first_line(exc)}") from None
+    key = "model_init_kwargs.quantization_config"
+    if bnb is None or _value_of(getattr(bnb, "quant_method", "")) != "bitsandbytes" or not bnb.load_in_4bit:
+        return {}, [*readings, KeyReading(key, quant, "not-priced", "only bitsandbytes' 4-bit is run")]
+    if bnb.bnb_4bit_quant_type not in ("nf4", "fp4"):
+        raise UsageError(f"--config {path}: {key}.bnb_4bit_quant_type must be nf4 or fp4")
+    skip = bnb.llm_int8_skip_modules
+    values = {
+        "quant_type": bnb.bnb_4bit_quant_type,
+        "double_quant": bool(bnb.bnb_4bit_use_double_quant),
+        "llm_int8_skip_modules": ",".join(skip) if skip else "",
+    }
+    why = f"method qlora, {', '.join(f'{k}={v!r}' for k, v in values.items() if v != '')}"
+    readings.append(KeyReading(key, quant, "priced", why))
+    compute = str(bnb.bnb_4bit_compute_dtype).removeprefix("torch.")
+    if compute != "float32" or "bnb_4bit_compute_dtype" in quant:
+        readings.append(
+            KeyReading(f"{key}.bnb_4bit_compute_dtype", compute, "not-priced", "priced with the compute dtype of dtype")
+        )
+    return values, readings
 
 
 def _named_as(r: KeyReading, translated: dict[str, str]) -> KeyReading:

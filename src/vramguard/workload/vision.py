@@ -844,7 +844,7 @@ def tower_line(model: torch.nn.Module, family: VisionFamily, choices: TowerChoic
                 else ", no checkpointing layer (transformers cannot checkpoint it: its activations are all kept)"
             )
         parts.append(text)
-    asked = [f"vision-tower {choices.vision_tower}"]
+    asked = ["vision-tower unquantized"] if choices.vision_tower == "unquantized" else []
     if choices.skip_modules is not None:
         asked.append(f"llm_int8_skip_modules {list(choices.skip_modules)}{_unmatched(model, choices.skip_modules)}")
     asked.append(f"lora-scope {choices.lora_scope}")

@@ -657,17 +657,16 @@ def _init_quantization(
     """The :class:`QLoRAConfig` values and readings of ``model_init_kwargs`` (SFTConfig's, passed to
     ``from_pretrained``): its ``quantization_config``, read by transformers' own ``AutoQuantizationConfig`` as
     ``from_pretrained`` reads a mapping, is priced when it is bitsandbytes' 4-bit (quant type, double quant,
-    ``llm_int8_skip_modules``); every other key of it is named NOT PRICED. Nothing for a file without it."""
-    if "model_init_kwargs" not in data or not isinstance(kwargs, dict):
-        return {}, []
+    ``llm_int8_skip_modules``); every other key of it is named NOT PRICED. Nothing for a file without a
+    ``quantization_config`` there (``model_init_kwargs`` is then named NOT PRICED as a whole, as before)."""
+    if "model_init_kwargs" not in data or not isinstance(kwargs, dict) or "quantization_config" not in kwargs:
+        return {}, []  # (named NOT PRICED as a whole, as before)
     readings = [
         KeyReading(f"model_init_kwargs.{k}", v, "not-priced", "passed to from_pretrained; not run by vramguard")
         for k, v in kwargs.items()
         if k != "quantization_config"
     ]
-    quant = kwargs.get("quantization_config")
-    if quant is None:
-        return {}, readings
+    quant = kwargs["quantization_config"]
     if four_bit:  # SFTTrainer: "You set `quantization_config` both as a trainer argument and in model_init_kwargs"
         raise UsageError(
             f"--config {path}: quantization_config is set both by load_in_4bit and in model_init_kwargs "

@@ -58,6 +58,8 @@ def _saved(model: torch.nn.Module, batch: dict) -> int:  # type: ignore[type-arg
     [
         ("qwen2.5-vl", {"vision_tower": "unquantized"}),
         ("qwen2.5-vl", {"lora_scope": "language-model"}),
+        ("qwen2.5-vl", {"train_projector": True, "lora_scope": "language-model"}),
+        pytest.param("llava", {"train_projector": True}, marks=pytest.mark.slow),
         pytest.param("llava", {"vision_tower": "unquantized"}, marks=pytest.mark.slow),
         pytest.param("llava", {"lora_scope": "language-model"}, marks=pytest.mark.slow),
         pytest.param("qwen3-vl", {"vision_tower": "unquantized"}, marks=pytest.mark.slow),
@@ -66,13 +68,18 @@ def _saved(model: torch.nn.Module, batch: dict) -> int:  # type: ignore[type-arg
 )
 def test_choice_is_built_and_its_saved_bytes_equal_the_independent_count(name: str, choice: dict) -> None:  # type: ignore[type-arg]
     """The tower unquantized: no 4-bit layer in it (transformers matched the family's qualified name), LoRA still
-    on it; LoRA on the language model only: no LoRA in the tower or projector, the language model's as before.
+    on it; LoRA on the language model only: no LoRA in the tower or projector, the language model's as before; the
+    projector trained whole: PEFT's modules_to_save copy of it, unquantized, trained.
     The ledger equals the independent count of the same step."""
     size = (256, 256) if name == "qwen3-vl" else (56, 56)
     q = build_vision_qlora(_config(name, seq=640 if name == "llava" else 128, **choice), size)
     stacks = _per_stack(q)
     if "vision_tower" in choice:
         assert stacks["vision tower"]["4bit"] == 0 and stacks["vision tower"]["lora"] > 0, stacks
+    elif "train_projector" in choice:  # the projector trained whole: unquantized, no LoRA, its parameters trained
+        assert stacks["projector"]["4bit"] == stacks["projector"]["lora"] == 0 and stacks["projector"]["plain"] > 0
+        trained = [n for n, p in q.q.model.named_parameters() if p.requires_grad and q.family.stack_of(n) == "projector"]
+        assert trained and all("modules_to_save" in n for n in trained), trained
     else:
         assert stacks["vision tower"]["lora"] == stacks["projector"]["lora"] == 0, stacks
         assert stacks["vision tower"]["4bit"] > 0, stacks
@@ -97,10 +104,12 @@ CHOICES = [
     {"lora_scope": "language-model"},
     {"lora_scope": "language-model+projector"},
     {"gradient_checkpointing": True, "tower_checkpointing": False},
+    {"train_projector": True, "lora_scope": "language-model"},
 ]
+IDS = ["unquantized", "lm-only", "lm+projector", "tower-not-checkpointed", "projector-trained"]
 
 
-@pytest.mark.parametrize("choice", CHOICES, ids=["unquantized", "lm-only", "lm+projector", "tower-not-checkpointed"])
+@pytest.mark.parametrize("choice", CHOICES, ids=IDS)
 def test_meta_estimate_equals_the_cpu_audit_with_each_choice(choice: dict) -> None:  # type: ignore[type-arg]
     """Tiny Qwen2.5-VL: the meta step (transformers' quantizer with the same skip list, PEFT with the same
     exclude_modules, the tower's flags cleared the same way) gives the CPU audit's phase peaks, saved bytes per
@@ -112,7 +121,7 @@ def test_meta_estimate_equals_the_cpu_audit_with_each_choice(choice: dict) -> No
     assert _figures(estimate_vision_step(_config("qwen2.5-vl", **choice), (56, 56), target="cpu")) == _figures(audit)
     default = estimate_vision_step(_config("qwen2.5-vl", **base), (56, 56), target="cpu")
     assert _figures(audit) != _figures(default)
-    if choice.get("lora_scope") == "language-model":
+    if choice.get("lora_scope") == "language-model" and "train_projector" not in choice:
         assert audit.by_stack["vision tower"] == audit.by_stack["projector"] == 0
         assert default.by_stack["vision tower"] > 0
     if "tower_checkpointing" in choice:  # the tower keeps its activations, the language model stays checkpointed
@@ -122,7 +131,7 @@ def test_meta_estimate_equals_the_cpu_audit_with_each_choice(choice: dict) -> No
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llava", "qwen3-vl"])
-@pytest.mark.parametrize("choice", CHOICES, ids=["unquantized", "lm-only", "lm+projector", "tower-not-checkpointed"])
+@pytest.mark.parametrize("choice", CHOICES, ids=IDS)
 def test_meta_estimate_equals_the_cpu_audit_on_other_families(name: str, choice: dict) -> None:  # type: ignore[type-arg]
     from vramguard.estimate.vision import audit_vision_step, estimate_vision_step
 
@@ -335,3 +344,10 @@ def test_quantization_config_twice_is_refused_as_sfttrainer_refuses_it(tmp_path:
     with pytest.raises(UsageError, match="both by load_in_4bit and in model_init_kwargs") as err:
         load_run_config(_init_yaml(tmp_path, "load_in_4bit: true\n"))
     assert "\n" not in str(err.value)
+
+
+def test_a_trained_projector_takes_no_lora() -> None:
+    with pytest.raises(UsageError, match="takes no LoRA"):
+        from vramguard.workload.vision import vision_setup
+
+        vision_setup(_config("qwen2.5-vl", image_size="56x56", train_projector=True, lora_scope="language-model+projector"))

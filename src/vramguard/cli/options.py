@@ -59,6 +59,7 @@ STEP_FLAGS: tuple[str, ...] = (
     "llm_int8_skip_modules",
     "lora_scope",
     "tower_checkpointing",
+    "train_projector",
     "min_pixels",
     "max_pixels",
 )
@@ -199,6 +200,12 @@ def add_tower_options(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         help="with --gradient-checkpointing: the vision tower's layers checkpointed too (default: on, what "
         "gradient_checkpointing_enable does where the tower has checkpointing layers)",
+    )
+    p.add_argument(
+        "--train-projector",
+        action=argparse.BooleanOptionalAction,
+        help="train a vision-language model's projector whole (PEFT's modules_to_save; it is then left out of 4-bit "
+        "and of LoRA), as LLaVA-style recipes do; default: off",
     )
     for bound in ("min", "max"):
         p.add_argument(

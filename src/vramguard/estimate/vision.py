@@ -188,7 +188,7 @@ def build_vision_meta(
         model.hf_quantizer = quantizer
         model = prepare_for_training(model, config)
         apply_tower_checkpointing(model, setup.family, setup.choices)
-        model = with_lora(model, config, setup.choices.exclude_modules)
+        model = with_lora(model, config, setup.choices)
     model.train()
     model.config.use_cache = False
     values = ImageValues()

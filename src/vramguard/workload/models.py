@@ -380,6 +380,7 @@ class QLoRAConfig:
     llm_int8_skip_modules: str = ""
     lora_scope: str = "all"
     tower_checkpointing: bool = True
+    train_projector: bool = False
     min_pixels: int = 0
     max_pixels: int = 0
 
@@ -682,14 +683,15 @@ def refuse_kernel_experts(hf_config: Any, name: str) -> None:
         )
 
 
-def with_lora(model: Any, config: QLoRAConfig, exclude_modules: str | None = None) -> Any:
-    """PEFT's ``get_peft_model`` with the config's LoRA (``exclude_modules``: PEFT's, a regex of module names
-    left without LoRA); a LoRA config PEFT refuses for this model (no target module found, dropout on expert
-    parameters, ...) is bad input, said in one line as PEFT says it."""
+def with_lora(model: Any, config: QLoRAConfig, tower: Any = None) -> Any:
+    """PEFT's ``get_peft_model`` with the config's LoRA (``tower``: a vision-language model's
+    :class:`~vramguard.workload.vision.TowerChoices`, its ``exclude_modules`` and ``modules_to_save``); a LoRA
+    config PEFT refuses for this model (no target module found, dropout on expert parameters, ...) is bad input,
+    said in one line as PEFT says it."""
     from peft import get_peft_model
 
     try:
-        peft_model = get_peft_model(model, lora_config(config, exclude_modules))
+        peft_model = get_peft_model(model, lora_config(config, tower))
     except ValueError as exc:
         raise lora_refused(exc, model) from None
     refuse_tuple_routers(peft_model)
@@ -765,9 +767,15 @@ def refuse_tuple_routers(model: torch.nn.Module) -> None:
     )
 
 
-def lora_config(config: QLoRAConfig, exclude_modules: str | None = None) -> Any:
+def lora_config(config: QLoRAConfig, tower: Any = None) -> Any:
     """PEFT's ``LoraConfig`` for ``config``: rank, alpha, dropout, target modules and parameters, rsLoRA,
-    DoRA, causal LM; ``exclude_modules`` where given (PEFT's default otherwise: none)."""
+    DoRA, causal LM; with ``tower`` (a vision-language model's choices) its ``exclude_modules`` and
+    ``modules_to_save`` where set (PEFT's defaults otherwise: none)."""
+    extra: dict[str, Any] = {}
+    if tower is not None and tower.exclude_modules is not None:
+        extra["exclude_modules"] = tower.exclude_modules
+    if tower is not None and tower.modules_to_save is not None:
+        extra["modules_to_save"] = list(tower.modules_to_save)
     from peft import LoraConfig
 
     targets: str | list[str] | None = names_of(config.target_modules)  # [] with target_parameters alone
@@ -784,7 +792,7 @@ def lora_config(config: QLoRAConfig, exclude_modules: str | None = None) -> Any:
         use_rslora=config.use_rslora,
         use_dora=config.use_dora,
         task_type="CAUSAL_LM",
-        **({"exclude_modules": exclude_modules} if exclude_modules is not None else {}),
+        **extra,
     )
 
 

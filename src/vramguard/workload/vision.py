@@ -720,11 +720,18 @@ class TowerChoices:
     lora_scope: str
     exclude_modules: str | None
     tower_checkpointing: bool
+    modules_to_save: tuple[str, ...] | None = None
+    """PEFT's ``modules_to_save``: the projector trained whole (``train_projector``), None: nothing."""
 
     @property
     def is_default(self) -> bool:
         """Whether every choice is the usual recipe's (4-bit tower, LoRA where the targets match, checkpointed)."""
-        return self.skip_modules is None and self.exclude_modules is None and self.tower_checkpointing
+        return (
+            self.skip_modules is None
+            and self.exclude_modules is None
+            and self.tower_checkpointing
+            and self.modules_to_save is None
+        )
 
 
 def _split(text: str) -> tuple[str, ...]:
@@ -735,24 +742,36 @@ def tower_choices(config: Any, family: VisionFamily) -> TowerChoices:
     """The :class:`TowerChoices` of ``config`` (a :class:`~vramguard.workload.models.QLoRAConfig`) for
     ``family``: ``vision_tower unquantized`` adds the family's tower name to ``llm_int8_skip_modules`` (with
     ``lm_head`` when the list was empty: a list replaces transformers' default skips, and the default keeps the
-    output layer); ``lora_scope`` is PEFT's ``exclude_modules`` regex of the tower (and the projector)."""
+    output layer); ``lora_scope`` is PEFT's ``exclude_modules`` regex of the tower (and the projector);
+    ``train_projector`` trains the projector whole (PEFT's ``modules_to_save``), so it is left unquantized
+    (bitsandbytes' 4-bit weights cannot take gradients) and without LoRA."""
     skip = _split(config.llm_int8_skip_modules)
+    projector = family.projector_paths[:1]  # (Qwen3-VL's deepstack mergers, a ModuleList, stay as they are)
     if config.vision_tower == "unquantized":
         skip = tuple(dict.fromkeys((*(skip or ("lm_head",)), family.tower_path)))
-    projectors = tuple(p for p in family.projector_paths if p.startswith(family.tower_path + "."))
-    outside = tuple(p for p in family.projector_paths if p not in projectors)
-    exclude = None
+    if config.train_projector:
+        if config.lora_scope == "language-model+projector":
+            raise UsageError("train-projector trains the projector whole: it takes no LoRA (lora-scope language-model)")
+        skip = tuple(dict.fromkeys((*(skip or ("lm_head",)), *projector)))
+    inside = tuple(p for p in family.projector_paths if p.startswith(family.tower_path + "."))
+    outside = tuple(p for p in family.projector_paths if p not in inside)
+    excluded: tuple[str, ...] = projector if config.train_projector else ()
+    kept: tuple[str, ...] = ()
     if config.lora_scope == "language-model":
-        exclude = "(?:" + "|".join(re.escape(p) for p in (family.tower_path, *outside)) + r")\..*"
+        excluded = (family.tower_path, *outside)
     elif config.lora_scope == "language-model+projector":
-        keep = "".join(f"(?!{re.escape(p[len(family.tower_path) + 1:])}\\.)" for p in projectors)
-        exclude = f"{re.escape(family.tower_path)}\\.{keep}.*"
+        excluded, kept = (family.tower_path,), inside
+    exclude = None
+    if excluded:
+        keep = f"(?!(?:{'|'.join(re.escape(p) for p in kept)})\\.)" if kept else ""
+        exclude = f"{keep}(?:{'|'.join(re.escape(p) for p in excluded)})\\..*"
     return TowerChoices(
         vision_tower=config.vision_tower,
         skip_modules=skip or None,
         lora_scope=config.lora_scope,
         exclude_modules=exclude,
         tower_checkpointing=config.tower_checkpointing,
+        modules_to_save=projector if config.train_projector else None,
     )
 
 
@@ -762,8 +781,9 @@ def validate_tower_options(config: Any) -> None:
         raise UsageError(f"vision-tower must be one of {', '.join(TOWER_DTYPES)}, got {config.vision_tower!r}")
     if config.lora_scope not in LORA_SCOPES:
         raise UsageError(f"lora-scope must be one of {', '.join(LORA_SCOPES)}, got {config.lora_scope!r}")
-    if not isinstance(config.tower_checkpointing, bool):
-        raise UsageError(f"tower-checkpointing must be true or false, got {config.tower_checkpointing!r}")
+    for name in ("tower_checkpointing", "train_projector"):
+        if not isinstance(getattr(config, name), bool):
+            raise UsageError(f"{name.replace('_', '-')} must be true or false, got {getattr(config, name)!r}")
     skip = config.llm_int8_skip_modules
     if not isinstance(skip, str) or any(not _SKIP_NAME.fullmatch(n) for n in _split(skip)):
         raise UsageError(
@@ -780,7 +800,15 @@ def validate_tower_options(config: Any) -> None:
 _SKIP_NAME = re.compile(r"[A-Za-z0-9_.\-*+?()|\[\]^$\\]+")
 MAX_PIXELS = MAX_IMAGE_SIDE * MAX_IMAGE_SIDE
 
-TOWER_FIELDS = ("vision_tower", "llm_int8_skip_modules", "lora_scope", "tower_checkpointing", "min_pixels", "max_pixels")
+TOWER_FIELDS = (
+    "vision_tower",
+    "llm_int8_skip_modules",
+    "lora_scope",
+    "tower_checkpointing",
+    "train_projector",
+    "min_pixels",
+    "max_pixels",
+)
 """The :class:`~vramguard.workload.models.QLoRAConfig` fields of a vision-language model's tower and processor:
 recorded in the JSON document only where they differ from their defaults; a text model given one is refused."""
 
@@ -852,6 +880,8 @@ def tower_line(model: torch.nn.Module, family: VisionFamily, choices: TowerChoic
         asked.append(f"target_modules {targets!r}")
     if choices.exclude_modules is not None:
         asked.append(f"PEFT exclude_modules {choices.exclude_modules!r}")
+    if choices.modules_to_save is not None:
+        asked.append(f"projector trained whole (PEFT modules_to_save {list(choices.modules_to_save)})")
     if checkpointing:
         asked.append(f"tower checkpointing {'on' if choices.tower_checkpointing else 'off'}")
     return f"vision tower choices ({'; '.join(asked)}): " + "; ".join(parts)
@@ -1067,7 +1097,7 @@ def build_vision_qlora(
         )
         model = prepare_for_training(model, config)
         apply_tower_checkpointing(model, setup.family, setup.choices)
-        model = with_lora(model, config, setup.choices.exclude_modules)
+        model = with_lora(model, config, setup.choices)
     model.train()
     model.config.use_cache = False
     device = torch.device(config.device)

@@ -331,11 +331,28 @@ def test_a_trl_yaml_keeps_the_tower_unquantized_through_model_init_kwargs(tmp_pa
     assert run.values["method"] == "qlora" and run.values["llm_int8_skip_modules"] == "model.visual,lm_head"
     priced = {r.key for r in run.named("priced")}
     assert "model_init_kwargs.quantization_config" in priced
-    assert [r.key for r in run.named("not-priced")] == ["model_init_kwargs.device_map"]
+    # BitsAndBytesConfig's own default compute dtype is float32 (TRL's load_in_4bit takes dtype's): named
+    assert sorted(r.key for r in run.named("not-priced")) == [
+        "model_init_kwargs.device_map",
+        "model_init_kwargs.quantization_config.bnb_4bit_compute_dtype",
+    ]
     q = build_vision_qlora(run.config(image_size="56x56"), (56, 56))
     stacks = _per_stack(q)
     assert stacks["vision tower"]["4bit"] == 0 and stacks["vision tower"]["plain"] > 0, stacks
     assert stacks["language model"]["4bit"] > 0
+
+
+def test_a_quantization_config_computing_in_the_models_dtype_is_priced_whole(tmp_path: Path) -> None:
+    from vramguard.workload.run_config import load_run_config
+
+    config = _init_yaml(tmp_path)
+    config.write_text(config.read_text().replace("llm_int8_skip_modules:", "bnb_4bit_compute_dtype: bfloat16, llm_int8_skip_modules:"))
+    run = load_run_config(config)
+    assert [r.key for r in run.named("not-priced")] == ["model_init_kwargs.device_map"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(config.read_text().replace("[model.visual, lm_head]", "[1, 2]"))
+    with pytest.raises(UsageError, match="llm_int8_skip_modules must be a list of names"):
+        load_run_config(bad)
 
 
 def test_quantization_config_twice_is_refused_as_sfttrainer_refuses_it(tmp_path: Path) -> None:

@@ -618,6 +618,17 @@ def _run_config(path: Path, data: dict[str, Any]) -> RunConfig:
     # a BitsAndBytesConfig given to from_pretrained through model_init_kwargs (how a YAML keeps a VLM's tower out of
     # 4-bit: llm_int8_skip_modules; TRL refuses it together with load_in_4bit, as SFTTrainer does)
     quantized, init_readings = _init_quantization(path, data, sft.model_init_kwargs, four_bit)
+    compute = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[values["compute_dtype"]]
+    asked = quantized.pop("bnb_4bit_compute_dtype", compute)
+    if asked != compute:  # BitsAndBytesConfig's default is float32, where TRL's load_in_4bit takes dtype's
+        init_readings.append(
+            KeyReading(
+                "model_init_kwargs.quantization_config.bnb_4bit_compute_dtype",
+                asked,
+                "not-priced",
+                f"the 4-bit layers compute in {asked} there: priced in {compute}, the dtype the model loads in",
+            )
+        )
     if quantized:
         values.update(quantized)
         values["method"] = "qlora" if peft else "full"
@@ -684,18 +695,16 @@ def _init_quantization(
     if bnb.bnb_4bit_quant_type not in ("nf4", "fp4"):
         raise UsageError(f"--config {path}: {key}.bnb_4bit_quant_type must be nf4 or fp4")
     skip = bnb.llm_int8_skip_modules
-    values = {
+    if skip is not None and (not isinstance(skip, list) or not all(isinstance(n, str) for n in skip)):
+        raise UsageError(f"--config {path}: {key}.llm_int8_skip_modules must be a list of names, got {skip!r}")
+    values: dict[str, Any] = {
         "quant_type": bnb.bnb_4bit_quant_type,
         "double_quant": bool(bnb.bnb_4bit_use_double_quant),
         "llm_int8_skip_modules": ",".join(skip) if skip else "",
     }
     why = f"method qlora, {', '.join(f'{k}={v!r}' for k, v in values.items() if v != '')}"
     readings.append(KeyReading(key, quant, "priced", why))
-    compute = str(bnb.bnb_4bit_compute_dtype).removeprefix("torch.")
-    if compute != "float32" or "bnb_4bit_compute_dtype" in quant:
-        readings.append(
-            KeyReading(f"{key}.bnb_4bit_compute_dtype", compute, "not-priced", "priced with the compute dtype of dtype")
-        )
+    values["bnb_4bit_compute_dtype"] = str(bnb.bnb_4bit_compute_dtype).removeprefix("torch.")
     return values, readings
 
 

@@ -89,6 +89,7 @@ def test_the_answer_is_the_largest_image_whose_estimate_fits(tmp_path: Path) -> 
         (VLM / "tiny-gemma3.json", [], "does not keep an image's size"),
         ("tiny-qwen3", [], "has no images"),
         (QWEN25, ["--seq-len", "4"], "not even a 28x28 image fits seq-len 4"),
+        (QWEN25, ["--world-size", "2", "--sharding", "fsdp2"], "searches one device's step"),
     ],
 )
 def test_what_cannot_be_searched_is_one_line_exit_2(

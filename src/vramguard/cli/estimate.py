@@ -189,6 +189,8 @@ def main(args: argparse.Namespace) -> int:
     if size is not None and args.fit_dim == "image":  # refused before any meta run where it cannot be searched
         from vramguard.estimate.fit_image import image_space
 
+        if args.world_size is not None or args.sharding is not None:
+            raise UsageError("--fit-dim image searches one device's step: leave out --world-size and --sharding")
         space = image_space(config)
     loop_only = (("--fit", size is not None), ("--snapshot / --html", events is not None))
     trainer, recipe = resolve_trainer(args, config, loop_only)

@@ -180,3 +180,16 @@ def test_the_vlm_pages_hold_what_their_runs_render() -> None:
         config = runs[name]["config"]
         assert config["model"] == argv[argv.index("--model") + 1] and str(config["seq_len"]) in argv, name
         assert config.get("image_size", "") == (argv[argv.index("--image-size") + 1] if "--image-size" in argv else "")
+
+
+@pytest.mark.slow
+def test_a_full_size_vlm_run_again_gives_the_committed_bytes(tmp_path: Path) -> None:
+    """One committed run of docs/vlm.md (Qwen3-VL-8B, one 448x448 image, seq 512) run again by the script: the
+    same bytes (about 1.5 minutes of a 2-core CPU)."""
+    vlm = script("vlm")
+    vlm.run("q3-448-512", vlm.commands()["q3-448-512"], tmp_path)
+    again = json.loads((tmp_path / "q3-448-512.json").read_text())
+    committed = vlm.load()["q3-448-512"]
+    for key in ("total_bytes", "allocator_peak_bytes", "weights_bytes"):
+        assert again["estimate"][key] == committed["estimate"][key], key
+    assert vlm.stacks(again) == vlm.stacks(committed)

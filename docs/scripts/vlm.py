@@ -103,11 +103,11 @@ def commands() -> dict[str, list[str]]:
     return out
 
 
-def run(name: str, argv: list[str]) -> None:
+def run(name: str, argv: list[str], runs_dir: Path = RUNS_DIR) -> None:
     """``vramguard ARGV --json RUNS_DIR/NAME.json --quiet`` in this process."""
     from vramguard.cli import main
 
-    out = RUNS_DIR / f"{name}.json"
+    out = runs_dir / f"{name}.json"
     sink = io.StringIO()
     tic = time.perf_counter()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):

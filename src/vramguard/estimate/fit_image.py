@@ -88,9 +88,13 @@ class ImageSpace:
 
 
 def _largest(ok: Any, hi: int) -> int:
-    """The largest value in [0, ``hi``] for which ``ok`` holds (it holds below any value it holds for; 0: none)."""
-    lo = 0
-    hi += 1
+    """The largest value in [0, ``hi``] for which ``ok`` holds (it holds below any value it holds for; 0: none):
+    doubling from 1, then bisecting, so that no value above twice the answer is tried (a value here is an image,
+    and a large one costs the processor seconds)."""
+    lo, k = 0, 1
+    while k <= hi and ok(k):
+        lo, k = k, 2 * k
+    hi = min(k, hi + 1)  # the smallest value known not to hold (hi + 1: none tried)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
@@ -137,14 +141,16 @@ def image_space(config: QLoRAConfig) -> ImageSpace:
         dim, by_pixels, "max_pixels", family, hf_config, vision_shape(spec.name, hf_config).text["vocab_size"],
         config.images_per_row,
     )
-    by_seq = _largest(lambda k: space.tokens(k)[0] <= config.seq_len, by_pixels)
+    if space.tokens(by_pixels)[0] <= config.seq_len:  # one processor call where seq-len holds the largest image
+        return space
+    by_seq = _largest(lambda k: space.tokens(k)[0] <= config.seq_len, by_pixels - 1)
     if by_seq < 1:
         used, _ = space.tokens(1)
         raise UsageError(
             f"not even a {dim.text(1)} image fits seq-len {config.seq_len} ({used} tokens in {family.name}'s "
             "rows): raise --seq-len"
         )
-    return space if by_seq == by_pixels else dataclasses.replace(space, limit=by_seq, limited_by="seq-len")
+    return dataclasses.replace(space, limit=by_seq, limited_by="seq-len")
 
 
 __all__ = ["ImageDim", "ImageSpace", "image_space"]

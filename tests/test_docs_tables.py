@@ -165,3 +165,31 @@ def test_the_routing_search_runs_and_no_random_routing_passes_the_named_bounds(
     (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny-mixtral |")]
     same, balanced, skewed = (int(c.replace(",", "")) for c in row.split("|")[2:5])
     assert same < balanced < skewed
+
+
+def test_the_vlm_pages_hold_what_their_runs_render() -> None:
+    """docs/vlm.md's tables and the seed's case study in docs/case-studies.md: each block is what
+    docs/scripts/vlm.py renders from the committed runs under docs/measurements/2026-11-29-vlm/ (every run of
+    the script is there, none typed), and the runs are what the script's commands ask."""
+    vlm = script("vlm")
+    runs = vlm.load()
+    assert sorted(runs) == sorted(vlm.commands())
+    for marker, (page, render) in vlm.PAGES.items():
+        assert between(ROOT / "docs" / page, marker) == render(runs).rstrip(), marker
+    for name, argv in vlm.commands().items():
+        config = runs[name]["config"]
+        assert config["model"] == argv[argv.index("--model") + 1] and str(config["seq_len"]) in argv, name
+        assert config.get("image_size", "") == (argv[argv.index("--image-size") + 1] if "--image-size" in argv else "")
+
+
+@pytest.mark.slow
+def test_a_full_size_vlm_run_again_gives_the_committed_bytes(tmp_path: Path) -> None:
+    """One committed run of docs/vlm.md (Qwen3-VL-8B, one 448x448 image, seq 512) run again by the script: the
+    same bytes (about 1.5 minutes of a 2-core CPU)."""
+    vlm = script("vlm")
+    vlm.run("q3-448-512", vlm.commands()["q3-448-512"], tmp_path)
+    again = json.loads((tmp_path / "q3-448-512.json").read_text())
+    committed = vlm.load()["q3-448-512"]
+    for key in ("total_bytes", "allocator_peak_bytes", "weights_bytes"):
+        assert again["estimate"][key] == committed["estimate"][key], key
+    assert vlm.stacks(again) == vlm.stacks(committed)

@@ -103,7 +103,14 @@ def register(subparsers: Any) -> None:
         "batch (or --fit-dim seq) that fits, and for a shape that does not fit, the changes that would make it; "
         f"{SIZE_HELP}; without SIZE, --gpu's usable memory",
     )
-    p.add_argument("--fit-dim", default="batch", choices=("batch", "seq"), help="what --fit searches")
+    p.add_argument(
+        "--fit-dim",
+        default="batch",
+        choices=("batch", "seq", "image"),
+        help="what --fit searches; image: the largest image of a vision-language model at --batch and --seq-len "
+        "(the whole row, image tokens included: the answer never has more), in its processor's patch steps up to "
+        "its max_pixels, square or --image-size's aspect ratio",
+    )
     p.add_argument(
         "--fit-at",
         default="expected",
@@ -178,6 +185,13 @@ def main(args: argparse.Namespace) -> int:
     events = AllocationLog() if wants_timeline(args) else None
     sharding = sharding_config(args)
     settings = fsdp_settings(args, sharding)
+    space = None
+    if size is not None and args.fit_dim == "image":  # refused before any meta run where it cannot be searched
+        from vramguard.estimate.fit_image import image_space
+
+        if args.world_size is not None or args.sharding is not None:
+            raise UsageError("--fit-dim image searches one device's step: leave out --world-size and --sharding")
+        space = image_space(config)
     loop_only = (("--fit", size is not None), ("--snapshot / --html", events is not None))
     trainer, recipe = resolve_trainer(args, config, loop_only)
     if trainer != "loop":
@@ -215,10 +229,10 @@ def main(args: argparse.Namespace) -> int:
         if size is not None:
 
             def ran(c: QLoRAConfig, runs: int) -> None:
-                what = f"batch {c.batch} x seq {c.seq_len}"
+                what = f"batch {c.batch} x seq {c.seq_len}" + (f", image {c.image_size}" if space else "")
                 progress.update(task, description=f"fit: meta run {runs + 1} ({what})")
 
-            fit = _fit(config, size, args, report, gpu, ran)
+            fit = _fit(config, size, args, report, gpu, ran, space)
             assert report.estimate is not None
             report.estimate.fit = fit
             fits = judged(report) <= size
@@ -298,9 +312,11 @@ def _fit(
     report: AuditReport,
     gpu: Gpu | None = None,
     starting: Any = None,
+    space: Any = None,
 ) -> dict[str, Any]:
     """``--fit``'s search and, for a shape that does not fit, the changes; ``starting(config, runs so far)`` is
-    told before each meta run (the progress line)."""
+    told before each meta run (the progress line). ``space``: ``--fit-dim image``'s sizes
+    (:func:`vramguard.estimate.fit_image.image_space`), its answer under ``image``."""
     from vramguard.estimate.fit import FIT_LIMIT, cheaper_changes, search
     from vramguard.estimate.run import max_positions, run_estimate
 
@@ -321,10 +337,14 @@ def _fit(
         limit = min(limit, positions) if positions is not None else limit
     assert report.estimate is not None
     requested = config.batch if args.fit_dim == "batch" else config.seq_len
+    known = {requested: judged(report)}
+    dim: Any = args.fit_dim
+    if space is not None:
+        dim, limit, known = space.dim, space.limit, space.known(config.image_size, judged(report))
     def figure(c: QLoRAConfig) -> int:
         return judged(estimate(c))
 
-    result = search(config, size, figure, dim=args.fit_dim, limit=limit, known={requested: judged(report)})
+    result = search(config, size, figure, dim=dim, limit=limit, known=known)
     if judged(report) > size:
         largest = result.largest if args.fit_dim == "batch" else 0
         phase = report.estimate.peak_phase
@@ -332,6 +352,8 @@ def _fit(
             config, size, figure, largest_batch=largest, target=args.target, peak_phase=phase
         )
     fit = result.to_dict()
+    if space is not None:
+        fit["image"] = space.answer(result.largest)
     if args.fit_at != "expected":  # (the default's document is as it was)
         fit["judged_at"] = args.fit_at
     return fit

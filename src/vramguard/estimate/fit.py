@@ -32,6 +32,18 @@ FIT_LIMIT = 1 << 20
 """The largest batch or sequence length searched."""
 
 
+@dataclass(frozen=True)
+class Dim:
+    """A dimension :func:`search` takes other than batch and seq: its ``name`` (``Fit.dim``) and how a value of it
+    is set in a config (:meth:`apply`; e.g. :class:`vramguard.estimate.fit_image.ImageDim`)."""
+
+    name: str
+
+    def apply(self, config: QLoRAConfig, value: int) -> QLoRAConfig:
+        """``config`` with this dimension at ``value``."""
+        raise NotImplementedError
+
+
 @dataclass
 class Fit:
     """The answer of a search: ``largest`` (0: not even 1 fits) and every run it took (total None:
@@ -78,25 +90,26 @@ def search(
     config: QLoRAConfig,
     size: int,
     estimate: Estimator,
-    dim: str = "batch",
+    dim: str | Dim = "batch",
     limit: int = FIT_LIMIT,
     known: dict[int, int] | None = None,
 ) -> Fit:
-    """The largest value of ``dim`` (batch or seq) in [1, ``limit``] whose estimated total fits ``size``,
-    in at most :func:`run_bound` runs (memory is taken to grow with the value). ``known``: totals
+    """The largest value of ``dim`` (batch or seq, or a :class:`Dim`) in [1, ``limit``] whose estimated total fits
+    ``size``, in at most :func:`run_bound` runs (memory is taken to grow with the value). ``known``: totals
     already estimated (the requested shape's), used as measured, not counted as runs. ``estimate``: a config's
     figure held against ``size`` (:data:`Estimator`)."""
-    if dim not in DIMS:
+    if not isinstance(dim, Dim) and dim not in DIMS:
         raise ValueError(f"dim must be one of {DIMS}, got {dim!r}")
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
     key = "batch" if dim == "batch" else "seq_len"
-    fit = Fit(size_bytes=size, dim=dim, largest=0, bound=run_bound(limit))
+    fit = Fit(size_bytes=size, dim=dim.name if isinstance(dim, Dim) else dim, largest=0, bound=run_bound(limit))
     measured: dict[int, int | None] = {}  # None: beyond what torch can describe
 
     def fits(value: int) -> bool:
+        changed = dim.apply(config, value) if isinstance(dim, Dim) else dataclasses.replace(config, **{key: value})
         try:
-            got: int | None = estimate(dataclasses.replace(config, **{key: value}))
+            got: int | None = estimate(changed)
         except TooLarge:
             got = None
         measured[value] = got

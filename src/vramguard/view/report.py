@@ -654,7 +654,9 @@ def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console:
     given, with its ``cost`` and ``cost_detail`` in step time where its row has them."""
     what = "batch" if dim == "batch" else "sequence length"
     fixed = f"at seq {seq_len}" if dim == "batch" else f"at batch {batch}"
-    if fit["largest"]:
+    if "image" in fit:
+        line = _image_fit_line(fit, batch, seq_len)
+    elif fit["largest"]:
         line = f"fit: the largest {what} that fits in {fb(fit['size_bytes'])} {fixed} is {fit['largest']}"
     else:
         line = f"fit: not even {what} 1 fits in {fb(fit['size_bytes'])} {fixed}"
@@ -671,6 +673,27 @@ def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console:
             highlight=False,
             soft_wrap=True,
         )
+
+
+def _image_fit_line(fit: dict[str, Any], batch: int, seq_len: int) -> str:
+    """``--fit-dim image``'s answer: the largest image, its tokens, and the bound it was searched under."""
+    image = fit["image"]
+    fixed = f"at batch {batch} x seq {seq_len}"
+    bound = (
+        f"seq-len {seq_len} holds no larger image: it is the whole row, image tokens included, as TRL's max_length "
+        "counts it"
+        if image["limited_by"] == "seq-len"
+        else "the processor's max_pixels: a larger image is resized down to it"
+    )
+    if image["largest"] is None:
+        return f"fit: not even a {image['step']}-pixel-step image fits in {fb(fit['size_bytes'])} {fixed}"
+    at_limit = image["largest"] == image["limit"]
+    return (
+        f"fit: the largest image that fits in {fb(fit['size_bytes'])} {fixed} is {image['largest']} "
+        f"({image['image_tokens']} image tokens, {image['row_tokens']} tokens of the row with their markers; "
+        f"searched in {image['step']}-pixel steps up to {image['limit']}"
+        + (f", where {bound})" if at_limit else ")")
+    )
 
 
 def render_world_fit(fit: dict[str, Any], batch: int, seq_len: int, console: Any) -> None:

@@ -84,7 +84,9 @@ class VisionFamily:
     """The image processor takes ``min_pixels`` / ``max_pixels`` (Qwen's and GLM-4V's ``size`` bounds)."""
     nested_images: bool = False
     """The processor takes a batch's images as one list per row (Mllama, Idefics3, SmolVLM)."""
-    """Why vramguard cannot run this family on the CPU (None: it can)."""
+    image_steps: Callable[[Any], ImageSteps] | None = None
+    """How the processor rounds an image's sides (None: it does not keep the size: Gemma 3's fixed size, tiles):
+    what ``--fit-dim image`` searches in."""
 
     def stack_of(self, module: str) -> str:
         """Which stack the module of qualified name ``module`` belongs to: ``vision tower``, ``projector`` or
@@ -95,6 +97,20 @@ class VisionFamily:
         if any(p in self.tower for p in parts):
             return "vision tower"
         return "language model"
+
+
+@dataclass(frozen=True)
+class ImageSteps:
+    """The sizes a family's processor keeps: each side a multiple of ``step`` pixels (Qwen's smart_resize rounds
+    to ``patch_size * merge_size``), at most ``max_pixels`` pixels (larger images are resized down to it)."""
+
+    step: int
+    max_pixels: int
+
+
+def _qwen_steps(c: Any, max_pixels: int) -> ImageSteps:
+    v = c.vision_config
+    return ImageSteps(step=int(v.patch_size) * int(v.spatial_merge_size), max_pixels=max_pixels)
 
 
 def _qwen_image(c: Any, min_pixels: int, max_pixels: int) -> dict[str, Any]:
@@ -131,6 +147,7 @@ def _qwen(name: str, processor: str, pixels: dict[str, int]) -> VisionFamily:
         tower_path="model.visual",
         projector_paths=("model.visual.merger", "model.visual.deepstack_merger_list"),
         pixels=True,
+        image_steps=lambda c: _qwen_steps(c, pixels["max_pixels"]),
     )
 
 
@@ -605,6 +622,29 @@ def _process(processor: Any, images: list[Any] | None, texts: list[str]) -> dict
             raise UsageError(f"{type(processor).__name__} refuses {what}: {first_line(exc)}") from None
 
 
+def _tokens_of(processor: Any, image_id: int, prompt: str, image: Any, images_per_row: int) -> tuple[int, int]:
+    """(tokens a row of ``prompt`` with its images takes, image tokens among them), as ``processor`` expands it."""
+    bare = _process(processor, [image] * images_per_row, [prompt])
+    return int(bare["input_ids"].shape[-1]), int((bare["input_ids"] == image_id).sum())
+
+
+def row_tokens(
+    family: VisionFamily,
+    hf_config: Any,
+    vocab_size: int,
+    image_size: tuple[int, int],
+    images_per_row: int = 1,
+    pixels: dict[str, int] | None = None,
+) -> tuple[int, int]:
+    """(tokens ``images_per_row`` images of ``image_size`` take in a row with their markers, image tokens among
+    them), as the family's processor expands them (``pixels``: its ``min_pixels`` / ``max_pixels``,
+    :func:`family_processor`): the least ``--seq-len`` that holds them."""
+    processor = family_processor(family, hf_config, vocab_size, pixels)
+    image_id = image_token_id(family, hf_config, vocab_size)
+    prompt = family.placeholder * images_per_row
+    return _tokens_of(processor, image_id, prompt, synthetic_image(*image_size, 0), images_per_row)
+
+
 def image_rows(
     family: VisionFamily,
     hf_config: Any,
@@ -635,11 +675,8 @@ def image_rows(
     if not 0 < images_per_row <= MAX_IMAGES_PER_ROW:
         raise UsageError(f"images per row must be between 1 and {MAX_IMAGES_PER_ROW}, got {images_per_row}")
     h, w = image_size
-    image = synthetic_image(h, w, seed)
     prompt = family.placeholder * images_per_row
-    bare = _process(processor, [image] * images_per_row, [prompt])
-    used = int(bare["input_ids"].shape[-1])
-    image_tokens = int((bare["input_ids"] == image_id).sum())
+    used, image_tokens = _tokens_of(processor, image_id, prompt, synthetic_image(h, w, seed), images_per_row)
     if used > seq_len:
         raise UsageError(
             f"{images_per_row} image(s) of {h}x{w} take {used} tokens in {family.name}'s rows ({image_tokens} image "
@@ -1125,6 +1162,7 @@ __all__ = [
     "STACKS",
     "VISION_FAMILIES",
     "ImageRows",
+    "ImageSteps",
     "VisionFamily",
     "VisionQLoRAModel",
     "VisionSetup",
@@ -1140,6 +1178,7 @@ __all__ = [
     "load_vision_config",
     "parse_image_size",
     "row_tokenizer",
+    "row_tokens",
     "saved_by_stack",
     "synthetic_image",
     "token_ids",

@@ -21,6 +21,7 @@ from vramguard.cli import main
 from vramguard.errors import UsageError
 from vramguard.workload.models import presets
 from vramguard.workload.run_config import load_run_config
+from vramguard.view.report import batch_text
 
 pytest.importorskip("trl")
 
@@ -384,6 +385,13 @@ def test_estimate_on_cpu_kernels_equals_the_audit_of_the_same_file(
         return {k: v for k, v in document["config"].items() if k not in ("device", "extra")}
 
     assert run_config(estimate) == run_config(audit)
+    # a padding-free batch (bfd packing) is one flattened row: the report keeps the configured seq_len and
+    # names the row (its seq_len was the row's 128 tokens, its header "batch 2 x seq 128")
+    padding_free = bool(change.get("packing") or change.get("padding_free"))
+    assert estimate["config"]["seq_len"] == change["max_length"]
+    assert estimate["config"].get("row_tokens") == (2 * change["max_length"] if padding_free else None)
+    header = "batch 2 x seq 64" + (", padding-free: one row of 128 tokens" if padding_free else "")
+    assert batch_text(estimate["config"]) == header
     assert estimate["totals"] == audit["totals"] and estimate["totals"]["saved_bytes"] > 0
     assert estimate["layers"] == audit["layers"]
     assert estimate["phases"] == audit["phases"]

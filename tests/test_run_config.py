@@ -407,6 +407,20 @@ def test_estimate_on_cpu_kernels_equals_the_audit_of_the_same_file(
         )
 
 
+def test_a_padding_free_row_keeps_the_configured_seq_len_or_none_and_names_its_tokens() -> None:
+    """The callback's seq_len from a step's first input_ids: a plain batch's width; a padding-free batch (one row
+    where the trainer asked for two) keeps max_length, and without one (plain TrainingArguments) no seq_len: the
+    header then says ``?`` (it raised KeyError: 'seq_len' in the timeline's heading)."""
+    import torch
+
+    from vramguard.integrations.transformers import row_shape
+
+    assert row_shape(torch.zeros(2, 64), 2, 64) == {"seq_len": 64}
+    assert row_shape(torch.zeros(1, 128), 2, 64) == {"seq_len": 64, "row_tokens": 128}
+    assert row_shape(torch.zeros(1, 128), 2, None) == {"row_tokens": 128}
+    assert batch_text({"batch": 2, "row_tokens": 128}) == "batch 2 x seq ?, padding-free: one row of 128 tokens"
+
+
 def test_dora_runs_peft_dora_path_and_its_weight_copies_are_named(tmp_path: Path) -> None:
     """``use_dora: true`` reaches PEFT (``LoraConfig(use_dora=True)``) on meta as on the CPU: a magnitude vector
     per adapted layer, trained; with dropout, the dequantized base weights PEFT's DoRA forward keeps for

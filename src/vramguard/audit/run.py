@@ -174,7 +174,9 @@ def run_audit(
     def on_step(r: StepResult) -> None:
         report_progress(f"step {r.step + 2}" if r.step + 1 < steps else "done", r.step + 2, steps + 1)
 
-    # the routing technique's context (a forced routing), outside the tracker as on meta
+    # of the registry's techniques the loop enters the routing technique's context (a forced routing), outside the
+    # tracker as on meta; Liger's context is the meta run's (on a device it is applied above) and offloading is
+    # the Trainer's (vramguard audit refuses it for the loop)
     routed = [t for t in techniques if t.name == routing_technique.TECHNIQUE.name]
     contexts = contexts_of(routed, q, request)
     with contextlib.ExitStack() as stack:

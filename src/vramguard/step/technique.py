@@ -30,14 +30,14 @@ def _refuses_nothing(request: StepRequest) -> None:
     """No refusal: the technique prices every request that uses it."""
 
 
-def _no_findings(model: Any, request: StepRequest, seen: Any) -> list[Finding]:
-    """No finding: the technique says nothing in the report."""
-    return []
-
-
 def _revises_nothing(report: Any, model: Any, request: StepRequest, seen: Any) -> Any:
     """No revision: the assembled report stands as it is."""
     return report
+
+
+def _no_findings(model: Any, request: StepRequest, seen: Any) -> list[Finding]:
+    """No finding: the technique says nothing in the report."""
+    return []
 
 
 def _no_alternative(config: QLoRAConfig, target: str) -> tuple[str, QLoRAConfig] | None:

@@ -19,9 +19,10 @@ from vramguard.workload.models import ModelSpec, QLoRAConfig
     [
         ({"target": "tpu"}, "target must be one of cuda, cpu, got 'tpu'"),
         ({"steps": 0}, "steps must be at least 1, got 0"),
+        ({"routing": "same"}, "routing forced to same, but tiny-llama has no experts to route"),
         ({"config": QLoRAConfig(seq_len=0)}, "seq-len must be positive, got 0"),
     ],
-    ids=["target", "steps", "config"],
+    ids=["target", "steps", "routing-on-a-dense-model", "config"],
 )
 def test_a_request_is_refused_at_construction(changes: dict, message: str) -> None:
     fields = {"config": QLoRAConfig(), **changes}

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from vramguard.errors import UsageError
+from vramguard.workload.families import experts_of
 from vramguard.workload.models import QLoRAConfig
 from vramguard.workload.routing import Routing
 
@@ -30,11 +31,12 @@ CONFIG_OVERRIDES: tuple[str, ...] = ("method", "optimizer", "offload_activations
 @dataclasses.dataclass(frozen=True)
 class StepRequest:
     """One training step to run: ``config`` (the model resolved, data shape, method, techniques), ``target``
-    (:data:`TARGETS`: the device whose kernels the step takes), ``steps``, ``device`` (where it runs: meta, or
-    cpu for the tests' real-tensor reference), ``routing`` (a mixture of experts' routing forced, or None) and
+    (:data:`TARGETS`: the device whose kernels the step takes), ``steps``, ``device`` (where it runs: meta,
+    cpu for the tests' real-tensor reference, or the config's device for the audit: :meth:`on_device`), ``routing`` (a mixture of experts' routing forced, or None) and
     ``one_sequence_per_row`` (packed rows forced to one sequence each, or None: as the data decides) and ``gpu``
     (the card, :class:`vramguard.estimate.gpus.Gpu`, whose CUDA context allowance the total takes; None: the
-    H100's). Validated at construction (one-line :class:`UsageError`), its config resolved there."""
+    H100's). Validated at construction (one-line :class:`UsageError`: a routing forced on a dense model too), its
+    config resolved there."""
 
     config: QLoRAConfig
     target: str = "cuda"
@@ -51,6 +53,9 @@ class StepRequest:
         if self.target not in TARGETS:
             raise UsageError(f"target must be one of {', '.join(TARGETS)}, got {self.target!r}")
         object.__setattr__(self, "config", self.config.resolved())
+        if self.routing is not None and experts_of(self.config.spec.built) is None:
+            name = self.config.spec.name
+            raise UsageError(f"routing forced to {self.routing}, but {name} has no experts to route")
 
     @classmethod
     def of(cls, config: QLoRAConfig, **options: Any) -> StepRequest:

@@ -119,7 +119,8 @@ def test_the_real_trainer_holds_the_whole_gradient_as_the_loop_prices_it(tmp_pat
     del q
     forward = {}
     for k in (1, 2):
-        report = run_trainer_audit(_on(device, gradient_accumulation_steps=k), 2, "trainer", tmp_path / f"run{k}")
+        config = _on(device, gradient_accumulation_steps=k)
+        report = run_trainer_audit(config, "trainer", tmp_path / f"run{k}", steps=2)
         forward[k] = report.phases["forward"].peak_bytes
     assert forward[2] - forward[1] == grads + 2 * _held(ROWS, device)
 

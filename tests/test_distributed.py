@@ -202,6 +202,7 @@ def _fake_ranks(sharding: ShardingConfig, steps: int = STEPS, config: QLoRAConfi
     group (collectives move nothing; every buffer FSDP allocates is real): the rows, as the ranks write them."""
     from vramguard.estimate.distributed import fake_process_group
     from vramguard.step.rank import measure_rank, rank_expectation
+    from vramguard.step.request import StepRequest
     from vramguard.workload.sharding import cpu_mesh
 
     rows = []
@@ -210,7 +211,8 @@ def _fake_ranks(sharding: ShardingConfig, steps: int = STEPS, config: QLoRAConfi
         expected = rank_expectation(q, config)
         with fake_process_group(rank, sharding.world_size):
             mesh = cpu_mesh(sharding.world_size)
-            _, row = measure_rank(q, config, sharding, mesh, rank, steps, 3, expected, "cpu")
+            request = StepRequest.on_device(config, steps=steps)
+            _, row = measure_rank(q, request, sharding, mesh, rank, 3, expected)
         rows.append(row)
     return rows
 

@@ -349,6 +349,7 @@ def _fake_rank_figures(config: QLoRAConfig, sharding: Any, rank: int, kind: str)
     (:func:`vramguard.workload.routing.forced_routing`): the reference the meta estimate is held to."""
     from vramguard.estimate.distributed import fake_process_group
     from vramguard.step.rank import measure_rank, rank_expectation
+    from vramguard.step.request import StepRequest
     from vramguard.workload.routing import forced_routing
     from vramguard.workload.sharding import cpu_mesh
 
@@ -359,7 +360,7 @@ def _fake_rank_figures(config: QLoRAConfig, sharding: Any, rank: int, kind: str)
         forced_routing(q.model, kind, config.batch * config.seq_len),
     ):
         mesh = cpu_mesh(sharding.world_size)
-        _, row = measure_rank(q, config, sharding, mesh, rank, 1, 3, expected, "cpu")
+        _, row = measure_rank(q, StepRequest.on_device(config, steps=1), sharding, mesh, rank, 3, expected)
     return row
 
 
@@ -572,18 +573,21 @@ def test_a_trainer_audit_holds_the_drawn_routing_between_the_trainers_own_forced
     same trainer run again with each forced routing; its routing line holds the drawn peak between them (the
     forced runs' own peaks) and names how they ran. A forced run says it was forced."""
     from vramguard.integrations.trainer_audit import _train, run_trainer_audit
+    from vramguard.step.request import StepRequest
     from vramguard.units import format_bytes
     from vramguard.workload.routing import step_peak
 
     config = QLoRAConfig(model=eager("tiny-mixtral", tmp_path), seq_len=64, batch=2, device="cpu")
-    report = run_trainer_audit(config, 1, "trainer", tmp_path / "out")
+    report = run_trainer_audit(config, "trainer", tmp_path / "out", steps=1)
     [line] = [f.message for f in report.verdict.findings if f.message.startswith("routing:")]
     assert "each forced routing a run of this trainer on the CPU" in line, line
-    forced = {k: run_trainer_audit(config, 1, "trainer", tmp_path / k, routing=k) for k in ("same", "skewed")}
+    forced = {
+        k: run_trainer_audit(config, "trainer", tmp_path / k, steps=1, routing=k) for k in ("same", "skewed")
+    }
     low, high = (step_peak(forced[k]) for k in ("same", "skewed"))
     assert low < step_peak(report) < high
     # the drawn run came first: the same run after the forced ones peaks as high (no first-run cache counted)
-    again, _ = _train(config, 1, "trainer", tmp_path / "again", False, None)
+    again, _ = _train(StepRequest.on_device(config, steps=1), "trainer", tmp_path / "again")
     assert step_peak(again) == step_peak(report)
     assert f"between the low {format_bytes(low)}" in line and f"the high {format_bytes(high)}" in line, line
     for r in forced.values():

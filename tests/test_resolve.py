@@ -85,6 +85,22 @@ def test_a_model_directory_and_a_hub_id_in_model_name_or_path_work_the_same(
     assert codes == [0, 0]
 
 
+def test_a_preset_name_in_model_name_or_path_is_the_preset_as_with_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``model_name_or_path: tiny-llama`` names the preset, as ``--model tiny-llama`` does (one rule: origin_of);
+    it was refused with "pass --model"."""
+    docs = []
+    for ref in ("tiny-llama", presets()["tiny-llama"]):
+        (tmp_path / "run.yaml").write_text(f"model_name_or_path: {ref}\nuse_peft: true\nmax_length: 16\n")
+        out = tmp_path / "out.json"
+        code = main(["estimate", "--config", str(tmp_path / "run.yaml"), *FAST, "--quiet", "--json", str(out)])
+        assert code == 0, capsys.readouterr().err
+        docs.append(json.loads(out.read_text()))
+    assert [d["config"]["model"] for d in docs] == ["tiny-llama", str(presets()["tiny-llama"])]
+    assert docs[0]["totals"] == docs[1]["totals"]
+
+
 def test_a_hub_id_not_in_the_cache_offline_is_one_line_and_exit_2(
     offline_cache: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

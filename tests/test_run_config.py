@@ -21,6 +21,7 @@ from vramguard.cli import main
 from vramguard.errors import UsageError
 from vramguard.workload.models import presets
 from vramguard.workload.run_config import load_run_config
+from vramguard.view.report import batch_text
 
 pytest.importorskip("trl")
 
@@ -384,6 +385,13 @@ def test_estimate_on_cpu_kernels_equals_the_audit_of_the_same_file(
         return {k: v for k, v in document["config"].items() if k not in ("device", "extra")}
 
     assert run_config(estimate) == run_config(audit)
+    # a padding-free batch (bfd packing) is one flattened row: the report keeps the configured seq_len and
+    # names the row (its seq_len was the row's 128 tokens, its header "batch 2 x seq 128")
+    padding_free = bool(change.get("packing") or change.get("padding_free"))
+    assert estimate["config"]["seq_len"] == change["max_length"]
+    assert estimate["config"].get("row_tokens") == (2 * change["max_length"] if padding_free else None)
+    header = "batch 2 x seq 64" + (", padding-free: one row of 128 tokens" if padding_free else "")
+    assert batch_text(estimate["config"]) == header
     assert estimate["totals"] == audit["totals"] and estimate["totals"]["saved_bytes"] > 0
     assert estimate["layers"] == audit["layers"]
     assert estimate["phases"] == audit["phases"]
@@ -397,6 +405,20 @@ def test_estimate_on_cpu_kernels_equals_the_audit_of_the_same_file(
         assert (
             mine["peak_bytes"] == theirs["peak_bytes"] and mine["retained_bytes"] == theirs["retained_bytes"]
         )
+
+
+def test_a_padding_free_row_keeps_the_configured_seq_len_or_none_and_names_its_tokens() -> None:
+    """The callback's seq_len from a step's first input_ids: a plain batch's width; a padding-free batch (one row
+    where the trainer asked for two) keeps max_length, and without one (plain TrainingArguments) no seq_len: the
+    header then says ``?`` (it raised KeyError: 'seq_len' in the timeline's heading)."""
+    import torch
+
+    from vramguard.integrations.transformers import row_shape
+
+    assert row_shape(torch.zeros(2, 64), 2, 64) == {"seq_len": 64}
+    assert row_shape(torch.zeros(1, 128), 2, 64) == {"seq_len": 64, "row_tokens": 128}
+    assert row_shape(torch.zeros(1, 128), 2, None) == {"row_tokens": 128}
+    assert batch_text({"batch": 2, "row_tokens": 128}) == "batch 2 x seq ?, padding-free: one row of 128 tokens"
 
 
 def test_dora_runs_peft_dora_path_and_its_weight_copies_are_named(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """One step request (:class:`vramguard.step.request.StepRequest`), validated once at construction, is what the
-estimate's runs take; a config with options still makes one."""
+estimate's runs and the audit take; a config with options still makes one."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from vramguard.audit.run import run_audit
 from vramguard.errors import UsageError
 from vramguard.estimate.run import run_estimate
 from vramguard.step.request import StepRequest
@@ -18,9 +19,10 @@ from vramguard.workload.models import ModelSpec, QLoRAConfig
     [
         ({"target": "tpu"}, "target must be one of cuda, cpu, got 'tpu'"),
         ({"steps": 0}, "steps must be at least 1, got 0"),
+        ({"routing": "same"}, "routing forced to same, but tiny-llama has no experts to route"),
         ({"config": QLoRAConfig(seq_len=0)}, "seq-len must be positive, got 0"),
     ],
-    ids=["target", "steps", "config"],
+    ids=["target", "steps", "routing-on-a-dense-model", "config"],
 )
 def test_a_request_is_refused_at_construction(changes: dict, message: str) -> None:
     fields = {"config": QLoRAConfig(), **changes}
@@ -54,3 +56,26 @@ def test_run_estimate_takes_a_request_as_it_takes_a_config_and_options() -> None
     assert _without_time(by_request.to_dict()) == _without_time(by_options.to_dict())
     with pytest.raises(TypeError, match="a StepRequest carries its options"):
         run_estimate(StepRequest(config, target="cpu", steps=1), steps=2)
+
+
+ON_CPU = QLoRAConfig(seq_len=16, batch=1, device="cpu")
+
+
+def test_the_audit_of_a_request_is_the_audit_of_its_config() -> None:
+    """``run_audit(request)`` runs the request's steps on its config's device, as ``run_audit(config, steps=)``."""
+    request = StepRequest.on_device(ON_CPU, steps=1)
+    assert (request.target, request.device, request.steps) == ("cpu", "cpu", 1)
+    by_request, by_config = run_audit(request), run_audit(ON_CPU, steps=1)
+    assert len(by_request.steps) == len(by_config.steps) == 1
+    assert by_request.totals == by_config.totals and by_request.phases == by_config.phases
+
+
+def test_a_request_refuses_what_the_audit_cannot_take() -> None:
+    """A meta request is the estimate's, not the audit's; a request carries its options; a bad device is named
+    first (the config is validated before the target is read from it)."""
+    with pytest.raises(UsageError, match="not on meta"):
+        run_audit(StepRequest(ON_CPU, target="cpu"))
+    with pytest.raises(TypeError, match="carries its options"):
+        run_audit(StepRequest.on_device(ON_CPU), steps=1)
+    with pytest.raises(UsageError, match="device must be cpu or cuda, got 'mps'"):
+        StepRequest.on_device(QLoRAConfig(device="mps"))

@@ -24,11 +24,19 @@ from vramguard.workload.models import QLoRAConfig
 
 
 def test_the_built_in_techniques_in_their_declared_order() -> None:
-    assert [t.name for t in techniques.BUILT_IN] == ["offload_activations", "use_liger_kernel"]
-    assert [t.stage for t in techniques.BUILT_IN] == ["under", "around"]
+    assert [t.name for t in techniques.BUILT_IN] == ["offload_activations", "use_liger_kernel", "routing", "use_dora"]
+    assert [t.stage for t in techniques.BUILT_IN] == ["under", "around", "around", "around"]
     assert techniques.used_by(QLoRAConfig()) == []
     used = techniques.used_by(QLoRAConfig(offload_activations=True, use_liger_kernel=True))
     assert [t.name for t in used] == ["offload_activations", "use_liger_kernel"]
+
+
+def test_routing_applies_to_a_mixture_of_experts_and_dora_to_its_adapters() -> None:
+    """The routing technique is a mixture of experts' (its routing can be forced), DoRA's the config's flag; DoRA
+    says why the analytic model does not price it (the reason the report gives)."""
+    assert [t.name for t in techniques.used_by(QLoRAConfig(model="tiny-mixtral"))] == ["routing"]
+    assert [t.name for t in techniques.used_by(QLoRAConfig(use_dora=True))] == ["use_dora"]
+    assert techniques.dora.TECHNIQUE.unmodelled == "no analytic model for DoRA (use_dora): measured only"
 
 
 def test_a_stage_outside_the_declared_ones_is_refused() -> None:

@@ -39,7 +39,7 @@ def figures(report) -> tuple[dict[str, int], int, list[int]]:
 )
 def test_the_sft_step_on_meta_equals_its_audit(tmp_path: Path, settings: dict) -> None:
     config = QLoRAConfig(model="tiny-llama", device="cpu", **settings)
-    audited = run_trainer_audit(config, 2, "sft", tmp_path)
+    audited = run_trainer_audit(config, "sft", tmp_path, steps=2)
     estimated = run_trainer_estimate(config, "sft", steps=2, target="cpu")
     assert figures(estimated) == figures(audited)
     assert estimated.device == "meta" and estimated.estimate is not None
@@ -47,7 +47,7 @@ def test_the_sft_step_on_meta_equals_its_audit(tmp_path: Path, settings: dict) -
 
 def test_the_trainer_step_on_meta_equals_its_audit(tmp_path: Path) -> None:
     config = QLoRAConfig(model="tiny-llama", device="cpu", gradient_checkpointing=True)
-    audited = run_trainer_audit(config, 2, "trainer", tmp_path)
+    audited = run_trainer_audit(config, "trainer", tmp_path, steps=2)
     assert figures(run_trainer_estimate(config, "trainer", steps=2, target="cpu")) == figures(audited)
 
 

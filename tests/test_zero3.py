@@ -144,13 +144,14 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from vramguard.step.rank import rank_expectation
 from vramguard.audit.zero3 import build_zero3_rank, measure_zero3_rank
+from vramguard.step.request import StepRequest
 from vramguard.workload.models import QLoRAConfig
 config = QLoRAConfig()
 q, ds = build_zero3_rank(config, 0, 2)
 expected = rank_expectation(q, config)
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 try:
-    _, row = measure_zero3_rank(q, config, ds, 0, int(sys.argv[2]), 3, expected, "cpu")
+    _, row = measure_zero3_rank(q, StepRequest.on_device(config, steps=int(sys.argv[2])), ds, 0, 3, expected)
 finally:
     dist.destroy_process_group()
 with open(sys.argv[1], "w") as fh:

@@ -34,6 +34,7 @@ from vramguard.audit.run import check_fits
 from vramguard.errors import RunKilled, UsageError
 from vramguard.step.rank import measure_rank, merged, rank_expectation
 from vramguard.step.report import AuditReport, RankRow
+from vramguard.step.request import StepRequest, audit_request
 from vramguard.workload.models import QLoRAConfig, build_qlora
 from vramguard.workload.sharding import ShardingConfig, check_adapters, cpu_mesh
 
@@ -59,14 +60,16 @@ does not have a sharding strategy registered"). FSDP1's flat parameters and ZeRO
 
 
 def run_distributed_audit(
-    config: QLoRAConfig,
+    request: StepRequest | QLoRAConfig,
     sharding: ShardingConfig,
-    steps: int = 3,
     top: int = 3,
     timeout: float = DEFAULT_TIMEOUT_S,
     before_ranks: Callable[[], object] | None = None,
+    **options: Any,
 ) -> AuditReport:
-    """Launch ``sharding.world_size`` ranks of ``config``'s step on this host and return the merged report.
+    """Launch ``sharding.world_size`` ranks of the request's step (its ``steps`` on its config's device; a config
+    with ``options``, ``steps`` 3 unless given, is made into the request first: :meth:`StepRequest.on_device`)
+    on this host and return the merged report.
 
     CPU only (gloo): one process per rank needs one device per rank, and NCCL ranks on GPUs are not wired
     here yet. A rank that fails, or a run past ``timeout``, is one line (:class:`UsageError` for what the
@@ -77,8 +80,8 @@ def run_distributed_audit(
     from vramguard.bisect.procgroup import run_with_tail
 
     sharding.validate()
-    config.validate()
-    config = config.resolved()
+    request = audit_request(request, options, steps=3)
+    config = request.config
     if torch.device(config.device).type != "cpu":
         raise UsageError("--world-size runs its ranks on the host (gloo): use --device cpu")
     if sharding.sharding == "fsdp2" and config.optimizer not in SHARDED_OPTIMIZERS:
@@ -101,7 +104,7 @@ def run_distributed_audit(
                 {
                     "config": dataclasses.asdict(dataclasses.replace(config, model=config.model_ref)),
                     "sharding": sharding.to_dict(),
-                    "steps": steps,
+                    "steps": request.steps,
                     "top": top,
                     "folder": tmp,
                 }
@@ -237,7 +240,8 @@ def run_rank(spec_path: str, rank: int) -> int:
     import torch.distributed as dist
 
     spec = json.loads(Path(spec_path).read_text())
-    config = QLoRAConfig(**spec["config"])
+    request = StepRequest.on_device(QLoRAConfig(**spec["config"]), steps=int(spec["steps"]))
+    config = request.config
     sharding = ShardingConfig(**spec["sharding"])
     folder = Path(spec["folder"])
     world = sharding.world_size
@@ -257,14 +261,14 @@ def run_rank(spec_path: str, rank: int) -> int:
     store = dist.FileStore(str(folder / "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
     try:
-        steps, top = int(spec["steps"]), int(spec["top"])
+        top = int(spec["top"])
         if sharding.sharding == "zero3":
             from vramguard.audit.zero3 import measure_zero3_rank
 
-            report, row = measure_zero3_rank(q, config, ds, rank, steps, top, expected, config.device)
+            report, row = measure_zero3_rank(q, request, ds, rank, top, expected)
         else:
             mesh = cpu_mesh(world)
-            report, row = measure_rank(q, config, sharding, mesh, rank, steps, top, expected, config.device)
+            report, row = measure_rank(q, request, sharding, mesh, rank, top, expected)
         write_text_atomic(folder / f"rank{rank}.json", json.dumps(report.to_dict()))
         write_text_atomic(folder / f"rank{rank}.row.json", json.dumps(dataclasses.asdict(row)))
         dist.barrier()  # gloo's teardown aborts now and then when a peer is already gone

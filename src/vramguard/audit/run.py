@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from vramguard.errors import UsageError, first_line
+from vramguard.estimate.techniques import routing as routing_technique
+from vramguard.estimate.techniques import used_by
 from vramguard.measure.events import AllocationLog
 from vramguard.measure.tracker import MemoryTracker
 from vramguard.model.analytic import Expectation, planned_expectation
@@ -27,20 +29,15 @@ from vramguard.step.assemble import assemble_report
 from vramguard.step.expectation import expectation_of
 from vramguard.step.refusals import refuse_fp16_on_cpu
 from vramguard.step.report import AuditReport, with_routing_note
+from vramguard.step.request import StepRequest, audit_request
+from vramguard.step.technique import contexts_of, enter_stage, revised
 from vramguard.units import format_bytes
 from vramguard.workload.models import ModelSpec, QLoRAConfig, build_qlora
-from vramguard.workload.routing import (
-    Routing,
-    bounds_line,
-    eager_top_k,
-    figures,
-    forced_line,
-    forced_routing,
-)
+from vramguard.workload.routing import bounds_line, eager_top_k, figures
 from vramguard.workload.training import StepResult, make_optimizer, run_steps
 
-RoutingFigures = Callable[[QLoRAConfig, int], dict[str, tuple[int, int]]]
-"""``(config, steps) -> {routing: (step peak, saved bytes)}`` for each forced routing."""
+RoutingFigures = Callable[[StepRequest], dict[str, tuple[int, int]]]
+"""``request -> {routing: (step peak, saved bytes)}`` for each forced routing of the request's step."""
 
 Progress = Callable[[str, int, int], None]
 
@@ -141,25 +138,24 @@ def apply_liger_on_device(model: torch.nn.Module, device: str) -> None:
 
 
 def run_audit(
-    config: QLoRAConfig,
-    steps: int = 3,
+    request: StepRequest | QLoRAConfig,
     progress: Progress | None = None,
     top: int = 3,
     events: AllocationLog | None = None,
-    routing: Routing | None = None,
     routing_figures: RoutingFigures | None = None,
+    **options: Any,
 ) -> AuditReport:
-    """Build, train ``steps`` steps, measure; pure apart from the compute (no printing). With ``events`` (CPU:
-    the storage tracker's), every allocation of the steps is logged there and the report has a ``timeline``.
-    ``routing``: a mixture of experts' routing forced to one of :data:`vramguard.workload.routing.ROUTINGS`
-    (None: the routing the router draws). ``routing_figures``: for eager experts and the routing drawn, the
-    (step peak, saved bytes) of the same steps with each forced routing
+    """Build, train the request's ``steps`` steps on its config's device, measure; pure apart from the compute
+    (no printing). A config with ``options`` (the request's fields: ``steps``, 3 unless given, ``routing``, ...)
+    is made into the request first (:meth:`StepRequest.on_device`). With ``events`` (CPU: the storage tracker's),
+    every allocation of the steps is logged there and the report has a ``timeline``. The request's ``routing``:
+    a mixture of experts' routing forced to one of :data:`vramguard.workload.routing.ROUTINGS` (None: the
+    routing the router draws). ``routing_figures``: for eager experts and the routing drawn, the (step peak,
+    saved bytes) of the same request with each forced routing
     (:func:`vramguard.estimate.run.forced_routing_figures`, given by the caller: the estimate builds on the
     audit, not the other way round); the ``routing:`` line then holds the drawn peak between them."""
-    if steps < 1:
-        raise UsageError(f"steps must be at least 1, got {steps}")
-    config.validate()
-    config = config.resolved()
+    request = audit_request(request, options, steps=3)
+    config, steps, routing = request.config, request.steps, request.routing
     refuse_what_the_audit_cannot_run(config)
     if events is not None and torch.device(config.device).type not in ("cpu", "cuda"):
         raise UsageError(f"allocation events are recorded on cpu and cuda, not {config.device}")
@@ -171,32 +167,36 @@ def run_audit(
     if config.use_liger_kernel:
         apply_liger_on_device(q.model, config.device)
     optimizer = make_optimizer(q, name=config.optimizer)
-    expected = expectation_of(q, config, torch.device(config.device).type)
+    techniques = used_by(config)
+    expected = expectation_of(q, config, request.target, techniques=techniques)
     report_progress("step 1", 1, steps + 1)
 
     def on_step(r: StepResult) -> None:
         report_progress(f"step {r.step + 2}" if r.step + 1 < steps else "done", r.step + 2, steps + 1)
 
-    forced: contextlib.AbstractContextManager[Any] = contextlib.nullcontext({})
-    if routing is not None:
-        forced = forced_routing(q.model, routing, config.batch * config.seq_len)
-    with forced as taken, MemoryTracker(config.device, model=q.model, events=events) as tracker:
+    # of the registry's techniques the loop enters the routing technique's context (a forced routing), outside the
+    # tracker as on meta; Liger's context is the meta run's (on a device it is applied above) and offloading is
+    # the Trainer's (vramguard audit refuses it for the loop)
+    routed = [t for t in techniques if t.name == routing_technique.TECHNIQUE.name]
+    contexts = contexts_of(routed, q, request)
+    with contextlib.ExitStack() as stack:
+        seen = enter_stage(stack, "around", routed, contexts)
+        tracker = stack.enter_context(MemoryTracker(config.device, model=q.model, events=events))
         results, ledger = run_steps(q, steps, tracker, optimizer=optimizer, ledger_step=0, on_step=on_step)
     assert ledger is not None
     report = assemble_report(
         q, config, expected, tracker, results, ledger, optimizer, top, time.perf_counter() - t0
     )
+    report = revised(report, routed, q, request, seen)  # a forced routing's routing: line
     top_k = eager_top_k(q.model)
-    if top_k is None:
+    if top_k is None or routing is not None:
         return report
-    if routing is not None:
-        return with_routing_note(report, checks.ROUTING, forced_line(routing, top_k, taken["counts"]))
     if routing_figures is None or torch.device(config.device).type != "cpu":
         # the build's line: these figures are for the routing this run drew. On a GPU the audit's phase peaks are
         # absolute allocator readings (weights and cuBLAS in), the meta runs' are not: nothing comparable yet
         return report
     measured = figures(report)
-    line = bounds_line("eager", top_k, routing_figures(config, steps), measured)
+    line = bounds_line("eager", top_k, routing_figures(request), measured)
     return with_routing_note(report, checks.ROUTING, line, measured[0])
 
 

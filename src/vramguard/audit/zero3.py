@@ -25,6 +25,7 @@ from vramguard.model.analytic import Expectation
 from vramguard.step.assemble import assemble_report
 from vramguard.step.rank import row_of
 from vramguard.step.report import AuditReport, RankRow
+from vramguard.step.request import StepRequest
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
 from vramguard.workload.training import make_optimizer, run_steps
 from vramguard.workload.zero3 import (
@@ -63,17 +64,11 @@ def _settled(watch: StorageTracker, reads: int = 3, pause_s: float = 0.01, limit
 
 
 def measure_zero3_rank(
-    q: QLoRAModel,
-    config: QLoRAConfig,
-    ds: dict[str, Any],
-    rank: int,
-    steps: int,
-    top: int,
-    expected: Expectation,
-    device: str,
+    q: QLoRAModel, request: StepRequest, ds: dict[str, Any], rank: int, top: int, expected: Expectation
 ) -> tuple[AuditReport, RankRow]:
-    """``deepspeed.initialize`` ``q``'s model with ``ds`` (ZeRO-3) and the client AdamW, then ``steps`` steps
-    through the engine under the audit's tracker and ledger; this rank's report and :class:`RankRow`.
+    """``deepspeed.initialize`` ``q``'s model with ``ds`` (ZeRO-3) and the client AdamW, then the request's
+    ``steps`` steps on its device through the engine under the audit's tracker and ledger; this rank's report and
+    :class:`RankRow`.
 
     ``weights_bytes`` is the frozen resident bytes after the steps (partitions of the frozen weights, the
     persistent whole ones, the replicated quant_state and buffers); ``trainable_bytes`` the LoRA partitions.
@@ -81,6 +76,7 @@ def measure_zero3_rank(
     ZeRO-3 keeps for training from ``initialize`` on: LoRA partitions, fp32 master, gradient partitions, reduce
     bucket; ``terms["weights_at_start_bytes"]``, ``terms["training_resident_bytes"]``) plus the highest phase
     peak. Persistent parameters are first gathered in the first forward and then kept: inside the peaks."""
+    config, steps, device = request.config, request.steps, request.device
     t0 = time.perf_counter()
     optimizer = make_optimizer(q, name=config.optimizer)
     watch = StorageTracker(device)

@@ -38,6 +38,7 @@ from vramguard.cli.options import (
 )
 from vramguard.errors import UsageError
 from vramguard.measure.events import AllocationLog
+from vramguard.step.request import StepRequest
 from vramguard.view.console import progress_bar, stdout_console
 from vramguard.view.report import render, verdict_only
 from vramguard.workload.models import QLoRAConfig, may_wrap_parameters
@@ -75,11 +76,11 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=handle)
 
 
-def _forced_routing_figures(config: QLoRAConfig, steps: int) -> dict[str, tuple[int, int]]:
+def _forced_routing_figures(request: StepRequest) -> dict[str, tuple[int, int]]:
     """Eager experts' forced routings, estimated on meta (imported only for such a model)."""
     from vramguard.estimate.run import forced_routing_figures
 
-    return forced_routing_figures(config, steps)
+    return forced_routing_figures(request)
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -134,7 +135,7 @@ def handle(args: argparse.Namespace) -> int:
             from vramguard.estimate.distributed import sharded_build
 
             build_first = functools.partial(sharded_build, config, sharding)
-        report = run_distributed_audit(config, sharding, steps=args.steps, top=args.top, before_ranks=build_first)
+        report = run_distributed_audit(config, sharding, top=args.top, before_ranks=build_first, steps=args.steps)
         report.config["recipe"] = recipe
         report = with_config_notes(report, lines)
         report = lint_lines(report, config, sharding, settings)
@@ -146,10 +147,10 @@ def handle(args: argparse.Namespace) -> int:
         def update(what: str, done: int, total: int) -> None:
             progress.update(task, description=what, completed=done, total=total)
 
+        request = StepRequest.on_device(config, steps=args.steps)
         if args.trainer == "loop":
             report = run_audit(
-                config,
-                steps=args.steps,
+                request,
                 progress=update,
                 top=args.top,
                 events=events,
@@ -159,9 +160,7 @@ def handle(args: argparse.Namespace) -> int:
             from vramguard.integrations.trainer_audit import run_trainer_audit
 
             with tempfile.TemporaryDirectory(prefix="vramguard-trainer-") as tmp:
-                report = run_trainer_audit(
-                    config, args.steps, args.trainer, tmp, offload_activations=config.offload_activations
-                )
+                report = run_trainer_audit(request, args.trainer, tmp)
     report.config["recipe"] = recipe
     report = with_config_notes(report, lines)
     return _show(report, args, console, "audit", lines, events)

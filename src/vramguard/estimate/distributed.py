@@ -40,8 +40,9 @@ from typing import Any
 import torch
 
 from vramguard.errors import UsageError
-from vramguard.estimate.meta import build_meta, routed_on_meta
+from vramguard.estimate.meta import build_meta
 from vramguard.estimate.run import highest_routing, meta_source, meta_step_contexts, overheads, with_bounds
+from vramguard.estimate.techniques import routing as routing_technique
 from vramguard.measure.storage import local_tensor, storage_key
 from vramguard.step.rank import measure_rank, merged, rank_expectation
 from vramguard.step.report import AuditReport, RankRow
@@ -245,20 +246,16 @@ def _one_rank(
     (each rank routes its own batch)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    config, target, steps, routing = request.config, request.target, request.steps, request.routing
+    config, target = request.config, request.target
 
     q = build_meta(config, sharded=True)
     expected = rank_expectation(q, config)
     source = meta_source(META, target)
     decisions, flash = meta_step_contexts(q, config, target)  # autocast, attention kernels: as on one device
-    routed: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if routing is not None:  # entered outside the tracker, which measure_rank enters
-        routed = routed_on_meta(q.model, routing, config.batch * config.seq_len)
+    routed = routing_technique.context(q, request)  # outside the tracker, which measure_rank enters
     with fake_process_group(rank, sharding.world_size), meta_fsdp(), decisions, flash, routed:
         mesh = init_device_mesh(META, (sharding.world_size,))
-        report, row = measure_rank(
-            q, config, sharding, mesh, rank, steps, top, expected, META, source=source, meta_run=True
-        )
+        report, row = measure_rank(q, request, sharding, mesh, rank, top, expected, source=source, meta_run=True)
     extra = overheads(row.allocator_peak_bytes, checkpointing=config.gradient_checkpointing, target=target)
     row = dataclasses.replace(row, total_bytes=row.allocator_peak_bytes + sum(o.bytes for o in extra))
     return dataclasses.replace(report, device=META), row

@@ -17,12 +17,8 @@ import torch
 
 from vramguard.errors import UsageError, first_line
 from vramguard.estimate.kernels import cuda_kernel_temporaries
-from vramguard.estimate.meta import (
-    build_meta,
-    forced_decisions,
-    routed_on_meta,
-)
-from vramguard.estimate.techniques import offloading, used_by
+from vramguard.estimate.meta import build_meta, forced_decisions
+from vramguard.estimate.techniques import offloading, routing, used_by
 from vramguard.measure.events import AllocationLog
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
@@ -32,19 +28,11 @@ from vramguard.step.assemble import assemble_report
 from vramguard.step.expectation import expectation_of
 from vramguard.step.refusals import refuse_fp16_on_cpu
 from vramguard.step.request import META, StepRequest
-from vramguard.step.technique import contexts_of, enter_stage
+from vramguard.step.technique import contexts_of, enter_stage, revised
 from vramguard.step.report import AuditReport, DeviceEstimate, Finding, Overhead, with_routing_note
 from vramguard.units import format_bytes
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, packed_lengths
-from vramguard.workload.routing import (
-    META_RUNS,
-    ROUTINGS,
-    bounds_line,
-    eager_top_k,
-    experts_top_k,
-    forced_line,
-    forced_routing,
-)
+from vramguard.workload.routing import META_RUNS, ROUTINGS, bounds_line, eager_top_k
 from vramguard.workload.routing import figures as routing_figures_of
 from vramguard.workload.training import PHASES, StepResult, make_optimizer, run_steps
 
@@ -377,7 +365,7 @@ def run_estimate(
     The request's ``target``: the device whose kernel choices the meta run takes (:data:`TARGETS`): ``cuda``,
     where the step will run, or ``cpu``, whose audit the meta run then equals to the byte. ``routing``: a
     mixture of experts' routing forced to one of :data:`vramguard.workload.routing.ROUTINGS`
-    (:func:`~vramguard.estimate.meta.routed_on_meta`), as ``run_audit(routing=...)`` forces it on a device.
+    (the routing technique, :mod:`vramguard.estimate.techniques.routing`), as the audit forces it on a device.
 
     ``events``: every allocation and free of the steps is logged there (the storages the tracker counts, with
     phase, module stack and category); the report then has a ``timeline``.
@@ -451,16 +439,15 @@ def meta_step(
     config, target, device = request.config, request.target, request.device
     opt = make_estimate_optimizer(q, config.optimizer, target)
     # the meta run takes the target's kernel choices (see estimate.meta)
-    expected = expectation_of(q, config, target, analytic=config.method == "qlora")
-    source = meta_source(device, target)
     techniques = used_by(config)
+    expected = expectation_of(q, config, target, analytic=config.method == "qlora", techniques=techniques)
+    source = meta_source(device, target)
     contexts = contexts_of(techniques, q, request)
     decisions, flash = meta_step_contexts(q, config, target, request.one_sequence_per_row)
-    routed = routed_step(q, request)
     try:
         with contextlib.ExitStack() as stack:
             taken = stack.enter_context(decisions)
-            forced = stack.enter_context(routed)
+            stack.enter_context(image_values_step(q))
             seen = enter_stage(stack, "around", techniques, contexts)
             tracker = stack.enter_context(MemoryTracker(device, model=q.model, source=source, events=events))
             seen |= enter_stage(stack, "under", techniques, contexts)
@@ -473,6 +460,7 @@ def meta_step(
     assert ledger is not None
     if taken["find_packed_sequence_indices"] == 0 and taken["scaled_dot_product_attention"] == 0:
         taken = {}  # neither branch exists in this transformers version / model: nothing was forced
+    forced = seen.get(routing.TECHNIQUE.name) or {}
     if request.routing is not None:  # the experts calls given the forced routing, the loop's steps answered from it
         taken = {**taken, "routing_forced": forced["forced"], "routing_answered": forced.get("answered", 0)}
     return MetaStep(expected, opt, tracker, results, ledger, taken, forced, seen)
@@ -489,21 +477,16 @@ def meta_source(device: str, target: str) -> StorageTracker:
     return source
 
 
-def routed_step(q: QLoRAModel, request: StepRequest) -> contextlib.AbstractContextManager[Any]:
-    """The request's routing forced on ``q``'s experts (on meta, or on a real device's tensors); a context that
-    does nothing without one. A vision-language model's rows have their values carried beside their meta
-    tensors instead (:func:`vramguard.estimate.vision.values_on_meta`)."""
+def image_values_step(q: QLoRAModel) -> contextlib.AbstractContextManager[Any]:
+    """A vision-language model's rows with their values carried beside their meta tensors
+    (:func:`vramguard.estimate.vision.values_on_meta`); a context that does nothing for a text model. (A forced
+    routing is the routing technique's: :mod:`vramguard.estimate.techniques.routing`.)"""
     image_values = getattr(q, "image_values", None)
-    if image_values is not None:  # a vision-language model's rows: their values carried beside their meta tensors
-        from vramguard.estimate.vision import values_on_meta
+    if image_values is None:
+        return contextlib.nullcontext()
+    from vramguard.estimate.vision import values_on_meta
 
-        return values_on_meta(image_values)
-    if request.routing is None:
-        return contextlib.nullcontext({})
-    tokens = request.config.batch * request.config.seq_len
-    if request.device == META:
-        return routed_on_meta(q.model, request.routing, tokens)
-    return forced_routing(q.model, request.routing, tokens)
+    return values_on_meta(image_values)
 
 
 def too_large(exc: RuntimeError, request: StepRequest, too_long: _TooLong | None) -> TooLarge:
@@ -543,11 +526,7 @@ def estimate_report(
     notes = estimate_notes(q, request, step, estimate, report)
     verdict = checks.verdict([*report.verdict.findings, *notes], len(report.steps), headline=line)
     report = dataclasses.replace(report, verdict=verdict, estimate=estimate, device=request.device)
-    if request.routing is not None:
-        report = with_routing_note(
-            report, checks.ROUTING, forced_line(request.routing, experts_top_k(q.model), step.forced["counts"])
-        )
-    return report
+    return revised(report, used_by(config), q, request, step.seen)  # e.g. a forced routing's routing: line
 
 
 def estimate_notes(
@@ -665,15 +644,14 @@ def headline(
     )
 
 
-def forced_routing_figures(config: QLoRAConfig, steps: int) -> dict[str, tuple[int, int]]:
-    """The (step peak, saved bytes) of ``steps`` steps of ``config`` with each forced routing
-    (:data:`~vramguard.workload.routing.ROUTINGS`), estimated on meta with the kernels of the config's device
-    (on the CPU they equal an audit with the routing forced, to the byte): what ``run_audit(routing_figures=)``
-    holds the routing its router drew against."""
-    target = torch.device(config.device).type
+def forced_routing_figures(request: StepRequest) -> dict[str, tuple[int, int]]:
+    """The (step peak, saved bytes) of ``request``'s steps with each forced routing
+    (:data:`~vramguard.workload.routing.ROUTINGS`), estimated on meta with the kernels of its target (the
+    audit's request: its device's; on the CPU they equal an audit with the routing forced, to the byte): what
+    ``run_audit(routing_figures=)`` holds the routing its router drew against."""
     figures = {}
     for kind in ROUTINGS:
-        forced = run_estimate(config, steps=steps, target=target, routing=kind)
+        forced = run_estimate(dataclasses.replace(request, routing=kind, device=META, gpu=None))
         figures[kind] = routing_figures_of(forced)
     return figures
 

@@ -30,31 +30,32 @@ from vramguard.integrations.trainer_step import (
 from vramguard.integrations.transformers import VramGuardCallback
 from vramguard.step import verdict as checks
 from vramguard.step.report import AuditReport, with_routing_note
+from vramguard.step.request import StepRequest, audit_request
 from vramguard.workload import routing as routes
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora
-from vramguard.workload.routing import Routing
+
 
 def run_trainer_audit(
-    config: QLoRAConfig,
-    steps: int,
-    trainer: str,
-    output_dir: str | Path,
-    offload_activations: bool = False,
-    routing: Routing | None = None,
+    request: StepRequest | QLoRAConfig, trainer: str, output_dir: str | Path, **options: Any
 ) -> AuditReport:
-    """``steps`` steps of ``trainer`` ("trainer" or "sft") on the audit's model and batches.
+    """The request's ``steps`` steps of ``trainer`` ("trainer" or "sft") on the audit's model and batches, on
+    its config's device. A config with ``options`` (the request's fields: ``steps``, 3 unless given,
+    ``routing``, ``offload_activations``) is made into the request first (:meth:`StepRequest.on_device`).
 
-    ``offload_activations``: the trainer's own way where it has one (SFTTrainer: ``activation_offloading``,
-    TRL's ``OffloadActivations``, which needs an accelerator), else ``save_on_cpu(pin_memory=True)`` around
-    ``train()`` (on a machine without CUDA it copies to plain host memory).
+    The config's ``offload_activations``: the trainer's own way where it has one (SFTTrainer:
+    ``activation_offloading``, TRL's ``OffloadActivations``, which needs an accelerator), else
+    ``save_on_cpu(pin_memory=True)`` around ``train()`` (on a machine without CUDA it copies to plain host
+    memory).
 
-    ``routing``: a mixture of experts' routing forced to one of :data:`vramguard.workload.routing.ROUTINGS`
-    (None: the routing the router draws). With eager experts on the CPU and the routing drawn, the same
-    trainer runs again with each forced routing (a fresh model, the same seed: the same weights and batches),
-    and the ``routing:`` line holds the drawn peak between them, as ``vramguard audit``'s loop does with meta
-    runs (the trainer's step is not the loop's, so its own runs bound it)."""
-    config = config.resolved()
-    report, q = _train(config, steps, trainer, output_dir, offload_activations, routing)
+    The request's ``routing``: a mixture of experts' routing forced to one of
+    :data:`vramguard.workload.routing.ROUTINGS` (None: the routing the router draws). With eager experts on the
+    CPU and the routing drawn, the same trainer runs again with each forced routing (a fresh model, the same
+    seed: the same weights and batches), and the ``routing:`` line holds the drawn peak between them, as
+    ``vramguard audit``'s loop does with meta runs (the trainer's step is not the loop's, so its own runs bound
+    it)."""
+    request = audit_request(request, options, steps=3)
+    config, routing = request.config, request.routing
+    report, q = _train(request, trainer, output_dir)
     top_k = routes.eager_top_k(q.model)
     del q  # the forced runs build their own models: not two at once
     # a GPU's phase peaks hold the weights (as in the loop: no bounds there yet); a forced run bounds nothing
@@ -62,7 +63,7 @@ def run_trainer_audit(
         return report
     figures = {}
     for kind in routes.ROUTINGS:  # three more train() runs: the cost of the bounds, said in docs/audit.md
-        forced, _ = _train(config, steps, trainer, Path(output_dir) / kind, offload_activations, kind)
+        forced, _ = _train(dataclasses.replace(request, routing=kind), trainer, Path(output_dir) / kind)
         figures[kind] = routes.figures(forced)
     measured = routes.figures(report)
     line = routes.bounds_line(
@@ -90,15 +91,10 @@ def _no_module_overrides_kept() -> Any:
         del kept[before:]
 
 
-def _train(
-    config: QLoRAConfig,
-    steps: int,
-    trainer: str,
-    output_dir: str | Path,
-    offload_activations: bool,
-    routing: Routing | None,
-) -> tuple[AuditReport, QLoRAModel]:
-    """One audited ``train()``: its report and the model it trained."""
+def _train(request: StepRequest, trainer: str, output_dir: str | Path) -> tuple[AuditReport, QLoRAModel]:
+    """One audited ``train()`` of ``request``: its report and the model it trained."""
+    config, steps, routing = request.config, request.steps, request.routing
+    offload_activations = bool(config.offload_activations)
     if trainer not in ("trainer", "sft"):
         raise UsageError(f"--trainer must be one of {', '.join(TRAINERS)}, got {trainer!r}")
     on_cpu = torch.device(config.device).type == "cpu"

@@ -179,6 +179,7 @@ class VramGuardCallback(TrainerCallback):
         self._t0 = 0.0
         self._trainer_name = "Trainer"
         self._config: dict[str, Any] = {}
+        self._max_length: Any = None  # the arguments' max_length (SFTConfig), for a padding-free batch's seq_len
         self._events: AllocationLog | None = None
 
     # -- trainer events ---------------------------------------------------------------------
@@ -214,6 +215,7 @@ class VramGuardCallback(TrainerCallback):
         self._optimizer = kwargs.get("optimizer")
         device = args.device
         self._trainer_name = _trainer_name(args)
+        self._max_length = getattr(args, "max_length", None)  # SFTConfig's; TrainingArguments has none
         self._config = {
             "trainer": self._trainer_name,
             "model": getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
@@ -487,8 +489,8 @@ class VramGuardCallback(TrainerCallback):
         if not again:
             self._open("forward")
             ids = kwargs.get("input_ids")
-            if isinstance(ids, torch.Tensor) and ids.dim() == 2 and "seq_len" not in self._config:
-                self._config["seq_len"] = int(ids.shape[1])
+            if isinstance(ids, torch.Tensor) and ids.dim() == 2 and not {"seq_len", "row_tokens"} & set(self._config):
+                self._config.update(row_shape(ids, self._config["batch"], self._max_length))
         hooks = hooks_in_force()  # activation offloading: count what it keeps on the host
         if hooks is not None and self._host_cm is None:
             if self._host is None:
@@ -789,6 +791,17 @@ class _AroundBackward:
         for module in (graph, torch.autograd):
             if getattr(module, "_engine_run_backward", None) is self._wrapper:
                 module._engine_run_backward = self._original  # type: ignore[attr-defined]
+
+
+def row_shape(ids: torch.Tensor, batch: int, max_length: Any) -> dict[str, int]:
+    """The report's ``seq_len`` from a step's first ``input_ids``: their width. A padding-free batch (TRL's
+    collator flattens the ``batch`` rows into one: one row where more were asked for) keeps the configured
+    ``max_length`` as ``seq_len`` (none when the arguments set none) and its one row's width as
+    ``row_tokens``."""
+    rows, width = (int(n) for n in ids.shape)
+    if rows == 1 and batch > 1:
+        return {**({"seq_len": max_length} if isinstance(max_length, int) else {}), "row_tokens": width}
+    return {"seq_len": width}
 
 
 def _removed(handle: Any) -> None:

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from vramguard.model.analytic import Expectation, qlora_expectation, weights_expectation
+from vramguard.step.technique import Technique
 from vramguard.workload.families import NoAnalyticModel
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, parse_dtype
 
 
-def expectation_of(q: QLoRAModel, config: QLoRAConfig, target: str, analytic: bool = True) -> Expectation:
+def expectation_of(
+    q: QLoRAModel,
+    config: QLoRAConfig,
+    target: str,
+    analytic: bool = True,
+    techniques: Sequence[Technique] = (),
+) -> Expectation:
     """The analytic expectation of ``q``'s step for ``config`` with ``target``'s kernels; the weights
-    alone (with the reason) where the analytic model has no answer, or with ``analytic`` False."""
+    alone (with the reason) where the analytic model has no answer, or with ``analytic`` False.
+    ``techniques``: those the step uses (the registry's, :func:`vramguard.estimate.techniques.used_by`); the
+    first whose ``unmodelled`` says why the analytic model does not price it gives the reason."""
     try:
         if not analytic:
             raise NoAnalyticModel(f"no analytic model for --method {config.method}")
@@ -19,8 +30,9 @@ def expectation_of(q: QLoRAModel, config: QLoRAConfig, target: str, analytic: bo
             )
         if q.attn_implementation == "flash_attention_2":
             raise NoAnalyticModel("no analytic model for flash_attention_2: measured only")
-        if config.use_dora:
-            raise NoAnalyticModel("no analytic model for DoRA (use_dora): measured only")
+        for technique in techniques:
+            if technique.unmodelled:
+                raise NoAnalyticModel(technique.unmodelled)
         if config.use_liger_kernel:
             raise NoAnalyticModel("no analytic model for Liger's kernels (use_liger_kernel): measured only")
         if config.target_modules != "all-linear" or config.target_parameters:

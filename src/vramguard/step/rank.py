@@ -14,6 +14,7 @@ from vramguard.model.analytic import Expectation, weights_expectation
 from vramguard.step import verdict as checks
 from vramguard.step.assemble import assemble_report
 from vramguard.step.report import AuditReport, DistributedSection, Finding, RankRow
+from vramguard.step.request import StepRequest
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, parse_dtype
 from vramguard.workload.sharding import ShardingConfig, apply_sharding, rank_terms, transient_terms
 from vramguard.workload.training import PHASES, make_optimizer, run_steps
@@ -21,24 +22,24 @@ from vramguard.workload.training import PHASES, make_optimizer, run_steps
 
 def measure_rank(
     q: QLoRAModel,
-    config: QLoRAConfig,
+    request: StepRequest,
     sharding: ShardingConfig,
     mesh: Any,
     rank: int,
-    steps: int,
     top: int,
     expected: Expectation,
-    device: str,
     source: MemorySource | None = None,
     meta_run: bool = False,
     engine: str = "",
 ) -> tuple[AuditReport, RankRow]:
-    """Shard ``q``'s model with the real engine over ``mesh`` and run ``steps`` steps of vramguard's loop
-    under the audit's tracker and ledger; this rank's report and its :class:`RankRow`.
+    """Shard ``q``'s model with the real engine over ``mesh`` and run the request's ``steps`` steps of vramguard's
+    loop on its ``device`` (meta, or the config's: :meth:`StepRequest.on_device`) under the audit's tracker and
+    ledger; this rank's report and its :class:`RankRow`.
 
     The process group is the caller's (gloo between real processes, or torch's fake process group on meta).
     ``expected`` is the analytic expectation of the unsharded model (weights and activations of one rank's
     batch)."""
+    config, steps, device = request.config, request.steps, request.device
     t0 = time.perf_counter()
     model = apply_sharding(q.model, sharding, mesh)
     q = dataclasses.replace(q, model=model)

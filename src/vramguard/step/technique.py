@@ -30,6 +30,11 @@ def _refuses_nothing(request: StepRequest) -> None:
     """No refusal: the technique prices every request that uses it."""
 
 
+def _revises_nothing(report: Any, model: Any, request: StepRequest, seen: Any) -> Any:
+    """No revision: the assembled report stands as it is."""
+    return report
+
+
 def _no_findings(model: Any, request: StepRequest, seen: Any) -> list[Finding]:
     """No finding: the technique says nothing in the report."""
     return []
@@ -55,6 +60,12 @@ class Technique:
     applies: Callable[[QLoRAConfig], bool]
     context: Callable[[Any, StepRequest], contextlib.AbstractContextManager[Any]]
     refuse: Callable[[StepRequest], None] = _refuses_nothing
+    # revise(report, model, request, seen): the assembled report with what the technique changes in it (a build
+    # note it replaces in place, e.g. the routing: line of a forced routing), applied in the registry's order
+    revise: Callable[[Any, Any, StepRequest, Any], Any] = _revises_nothing
+    # unmodelled: why the analytic model does not price a step that uses it (the report's reason), or "" when it
+    # does (vramguard.step.expectation.expectation_of)
+    unmodelled: str = ""
     findings: Callable[[Any, StepRequest, Any], list[Finding]] = _no_findings
     cheaper: Callable[[QLoRAConfig, str], tuple[str, QLoRAConfig] | None] = _no_alternative
 
@@ -76,3 +87,10 @@ def enter_stage(
     """Enter, on ``stack``, the context (:func:`contexts_of`) of each of ``techniques`` at ``stage``, in their
     order; what each yielded (what it saw), by name."""
     return {t.name: stack.enter_context(contexts[t.name]) for t in techniques if t.stage == stage}
+
+
+def revised(report: Any, techniques: list[Technique], model: Any, request: StepRequest, seen: dict[str, Any]) -> Any:
+    """``report`` revised by each of ``techniques`` in their order, each given what its context yielded."""
+    for t in techniques:
+        report = t.revise(report, model, request, seen.get(t.name))
+    return report

@@ -91,9 +91,13 @@ def recipe_line(report: AuditReport, console: Any) -> None:
 
 
 def batch_text(c: dict[str, Any]) -> str:
-    """``batch B x seq S``, and the micro-batches of a step under gradient accumulation."""
+    """``batch B x seq S`` (``?`` where a Trainer run's padding-free batch named no max_length), the one row of a
+    padding-free batch (``row_tokens``), and the micro-batches of a step under gradient accumulation."""
     micro = c.get("gradient_accumulation_steps", 1)
-    return f"batch {c['batch']} x seq {c['seq_len']}" + (f", {micro} micro-batches a step" if micro != 1 else "")
+    row = f", padding-free: one row of {c['row_tokens']:,} tokens" if c.get("row_tokens") else ""
+    return f"batch {c['batch']} x seq {c.get('seq_len', '?')}{row}" + (
+        f", {micro} micro-batches a step" if micro != 1 else ""
+    )
 
 
 def _method(c: dict[str, Any]) -> str:

@@ -89,29 +89,46 @@ ORIGINS: tuple[str, ...] = ("preset", "file", "directory", "hub")
 Hugging Face Hub id (``org/name[@revision]``, its config.json through ``huggingface_hub``)."""
 
 
-def locate(ref: str, fetch: Fetch = hub_config) -> tuple[Path, str, str | None]:
-    """(the config.json, its origin (:data:`ORIGINS`), the Hub commit or None) of a model reference: an
-    existing path (or one ending ``.json``), else a preset name, else a Hub id; anything else is a UsageError
-    that suggests the nearest preset."""
+def origin_of(ref: str) -> str | None:
+    """The origin (:data:`ORIGINS`) a model reference names by its form, before anything is read: an existing
+    path (or one ending ``.json``) is a file or a directory, else a preset name, else a Hub id; None for none of
+    them. ``--model`` (:func:`locate`) and ``--config``'s ``model_name_or_path`` take references by this rule."""
     path = Path(ref)
     if path.suffix == ".json" or path.exists():
-        if not path.is_dir():
-            return path, "file", None
-        if not (path / "config.json").is_file():
-            raise UsageError(f"model directory {path} has no config.json")
-        return path / "config.json", "directory", None
+        return "directory" if path.is_dir() else "file"
+    if ref in presets():
+        return "preset"
+    return "hub" if HUB_ID.fullmatch(ref) else None
+
+
+def unknown_model(ref: str) -> str:
+    """Why ``ref`` names no model (:func:`origin_of` gave None), suggesting the nearest preset."""
     known = presets()
-    if ref in known:
-        return known[ref], "preset", None
-    if HUB_ID.fullmatch(ref):
-        found, commit = fetch_config(ref, fetch)
-        return found, "hub", commit
     near = difflib.get_close_matches(ref.lower(), list(known), n=1)
-    raise UsageError(
+    return (
         f"unknown model {ref!r}: {f'did you mean {near[0]}? ' if near else ''}use a preset "
         f"({', '.join(known)}) or a JSON path (a config.json, or a model directory holding one), or a Hugging Face "
         "Hub id (org/name[@revision])"
     )
+
+
+def locate(ref: str, fetch: Fetch = hub_config) -> tuple[Path, str, str | None]:
+    """(the config.json, its origin (:data:`ORIGINS`, by :func:`origin_of`), the Hub commit or None) of a model
+    reference; anything else is a UsageError that suggests the nearest preset."""
+    origin = origin_of(ref)
+    path = Path(ref)
+    if origin == "file":
+        return path, "file", None
+    if origin == "directory":
+        if not (path / "config.json").is_file():
+            raise UsageError(f"model directory {path} has no config.json")
+        return path / "config.json", "directory", None
+    if origin == "preset":
+        return presets()[ref], "preset", None
+    if origin == "hub":
+        found, commit = fetch_config(ref, fetch)
+        return found, "hub", commit
+    raise UsageError(unknown_model(ref))
 
 
 def read_config(path: Path) -> dict[str, Any]:

@@ -33,8 +33,7 @@ from typing import Any, Literal
 
 from vramguard.errors import UsageError, first_line
 from vramguard.workload.framework_configs import detect, translate
-from vramguard.workload.hub import HUB_ID
-from vramguard.workload.models import MAX_CONFIG_BYTES, QLoRAConfig, read_at_most
+from vramguard.workload.models import MAX_CONFIG_BYTES, QLoRAConfig, origin_of, read_at_most
 
 Reading = Literal["priced", "no-byte", "not-priced"]
 
@@ -413,26 +412,27 @@ def _run_config(path: Path, data: dict[str, Any]) -> RunConfig:
     def not_priced(key: str, why: str) -> None:
         readings.append(KeyReading(key, _value_of(data.get(key)), "not-priced", why))
 
-    # the model: a local directory with config.json, the config.json itself, or a Hub id (resolved with --model's
-    # rules: vramguard.workload.models.locate)
+    # the model: a preset, a config.json, a local directory with config.json or a Hub id, taken by --model's
+    # rule (vramguard.workload.models.origin_of); a relative path is found beside the config file first
     ref = model_args.model_name_or_path
     if ref is not None:
         try:
             candidate = Path(str(ref)).expanduser()
         except RuntimeError as exc:  # ~user that does not exist, or no home directory
             raise UsageError(f"--config {path}: model_name_or_path {ref!r}: {exc}") from None
-        if not candidate.is_absolute():
-            candidate = (path.parent / candidate) if (path.parent / candidate).exists() else candidate
-        if candidate.is_dir() and (candidate / "config.json").is_file():
+        if not candidate.is_absolute() and (path.parent / candidate).exists():
+            candidate = path.parent / candidate
+        origin = origin_of(str(candidate)) if candidate.exists() else origin_of(str(ref))
+        if origin == "directory" and (candidate / "config.json").is_file():
             priced("model_name_or_path", "model", str(candidate / "config.json"))
-        elif candidate.is_file():
+        elif origin == "file" and candidate.is_file():
             priced("model_name_or_path", "model", str(candidate))
-        elif HUB_ID.fullmatch(str(ref)):
+        elif origin in ("preset", "hub"):
             priced("model_name_or_path", "model", str(ref))
         else:
             model_problem = (
-                f"--config {path}: model_name_or_path {ref!r} is not a local directory with a config.json, a "
-                "config.json nor a Hugging Face Hub id (org/name): pass --model"
+                f"--config {path}: model_name_or_path {ref!r} is not a preset, a local directory with a "
+                "config.json, a config.json nor a Hugging Face Hub id (org/name): pass --model"
             )
 
     def integer(key: str, obj: Any, minimum: int = 1) -> int | None:

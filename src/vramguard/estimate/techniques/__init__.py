@@ -12,13 +12,19 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 
-from vramguard.estimate.techniques import liger, offloading
+from vramguard.estimate.techniques import autocast, flash, liger, offloading, padding_free
 from vramguard.step.technique import Technique
 from vramguard.workload.models import QLoRAConfig
 
 ENTRY_POINT_GROUP = "vramguard.techniques"
 
-BUILT_IN: tuple[Technique, ...] = (offloading.TECHNIQUE, liger.TECHNIQUE)
+BUILT_IN: tuple[Technique, ...] = (
+    offloading.TECHNIQUE,
+    liger.TECHNIQUE,
+    autocast.TECHNIQUE,
+    flash.TECHNIQUE,
+    padding_free.TECHNIQUE,
+)
 """The built-in techniques, in their declared order."""
 
 

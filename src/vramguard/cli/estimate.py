@@ -350,7 +350,8 @@ def _limit(config: QLoRAConfig, args: argparse.Namespace, trainer: str) -> int:
         limit = min(limit, positions) if positions is not None else limit
     if trainer != "loop":
         other = config.seq_len if args.fit_dim == "batch" else config.batch
-        limit = min(limit, max(requested, TRAINER_FIT_TOKENS // (other * config.gradient_accumulation_steps * args.steps)))
+        tokens_a_value = other * config.gradient_accumulation_steps * args.steps
+        limit = min(limit, max(requested, TRAINER_FIT_TOKENS // tokens_a_value))
     return limit
 
 

@@ -191,8 +191,8 @@ def micro_batches(config: QLoRAConfig, largest_batch: int) -> Change | None:
 
 
 def single_changes(config: QLoRAConfig, largest_batch: int, place: Place, peak_phase: str) -> list[Change]:
-    """Every change ``--fit`` tries for ``config`` alone (see :func:`cheaper_changes`), in a fixed order: micro-batches,
-    checkpointing, half the LoRA rank, the optimizers, then each registered technique's alternative
+    """Every change ``--fit`` tries for ``config`` alone (see :func:`cheaper_changes`), in a fixed order:
+    micro-batches, checkpointing, half the LoRA rank, the optimizers, then each registered technique's alternative
     (:attr:`~vramguard.step.technique.Technique.cheaper`: bf16 autocast, FlashAttention-2, padding-free, Liger,
     offloading, where the place has them and its trainer prices them), then checkpointing with half the rank."""
     half = max(1, config.lora_rank // 2)
@@ -329,7 +329,9 @@ def register_cost(flag: str, cost: Cost) -> None:
 
 
 register_cost("--lora-rank", Cost(0, "no time", "a smaller adapter, with less capacity"))
-register_cost("--bf16", Cost(0, "none (faster)", "bf16 matmuls on the tensor cores; activations kept in half the bytes"))
+register_cost(
+    "--bf16", Cost(0, "none (faster)", "bf16 matmuls on the tensor cores; activations kept in half the bytes")
+)
 register_cost(
     "--attn-implementation",
     Cost(0, "none (faster)", "FlashAttention-2's fused kernel: no s x s scores kept, less memory traffic"),

@@ -74,6 +74,13 @@ def test_offloading_and_liger_are_offered_on_cuda_where_the_loop_prices_them(mon
     assert "--use-liger-kernel" not in _offered(QLoRAConfig(), _on("rtx4090"))
 
 
+def test_fewer_lora_targets_are_offered_for_all_linear_adapters() -> None:
+    flag = "--target-modules peft-default"
+    assert dict(single_changes(QLoRAConfig(), 0, _on("t4"), ""))[flag] == QLoRAConfig(target_modules="peft-default")
+    assert flag not in _offered(QLoRAConfig(target_modules="q_proj,v_proj"), _on("t4"))
+    assert flag not in _offered(QLoRAConfig(method="full"), _on("t4"))  # no adapters
+
+
 def test_every_technique_offer_comes_from_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """A technique taken off the registry is offered no more: fit.py has no ``if`` of its own for it."""
     config = QLoRAConfig()

@@ -192,7 +192,7 @@ def micro_batches(config: QLoRAConfig, largest_batch: int) -> Change | None:
 
 def single_changes(config: QLoRAConfig, largest_batch: int, place: Place, peak_phase: str) -> list[Change]:
     """Every change ``--fit`` tries for ``config`` alone (see :func:`cheaper_changes`), in a fixed order:
-    micro-batches, checkpointing, half the LoRA rank, the optimizers, then each registered technique's alternative
+    micro-batches, checkpointing, half the LoRA rank, PEFT's default targets instead of all-linear, the optimizers, then each registered technique's alternative
     (:attr:`~vramguard.step.technique.Technique.cheaper`: bf16 autocast, FlashAttention-2, padding-free, Liger,
     offloading, where the place has them and its trainer prices them), then checkpointing with half the rank."""
     half = max(1, config.lora_rank // 2)
@@ -204,6 +204,8 @@ def single_changes(config: QLoRAConfig, largest_batch: int, place: Place, peak_p
         options.append(("--gradient-checkpointing", dataclasses.replace(config, gradient_checkpointing=True)))
     if config.lora_rank > 1:
         options.append((f"--lora-rank {half}", dataclasses.replace(config, lora_rank=half)))
+    if config.method != "full" and config.target_modules == "all-linear" and not config.target_parameters:
+        options.append(("--target-modules peft-default", dataclasses.replace(config, target_modules="peft-default")))
     if config.optimizer == "adamw" and place.target == "cuda" and peak_phase == "optimizer":
         options.append(("--optimizer adamw-fused", dataclasses.replace(config, optimizer="adamw-fused")))
     if config.optimizer in ("adamw", "adamw-fused"):
@@ -258,7 +260,7 @@ def cheaper_changes(
     where none fits, of pairs of the most promising (:func:`pairs`); what fits first, then the fewest flags
     changed, then the smallest total (:func:`by_cost` orders them by their cost in step time for reading).
 
-    At most one meta run per single change (no more than 11: each option and technique offered once) plus
+    At most one meta run per single change (no more than 12: each option and technique offered once) plus
     :data:`PAIR_POOL` pairs (3): ``estimate`` (:data:`Estimator`) is called once per change, and a caller that
     measured a config already (the search's) can answer it from a cache (:func:`remembered`).
     ``largest_batch``: the largest batch that fits (a ``--fit`` search's answer; 0: none or not searched): the
@@ -340,6 +342,10 @@ register_cost("--padding-free", Cost(0, "none", "no pad tokens: the rows flatten
 register_cost("--packing", Cost(0, "none", "TRL's bfd packing, padding-free: no pad tokens, fewer rows a step"))
 register_cost("--use-liger-kernel", Cost(0, "none", "Liger's fused Triton kernels and chunked cross-entropy"))
 register_cost("--optimizer", Cost(0, "no time", "the optimizer's state kept in another form"))
+register_cost(
+    "--target-modules",
+    Cost(0, "no time", "adapters on PEFT's default modules for the architecture only, with less capacity"),
+)
 register_cost(
     "--gradient-accumulation-steps",
     Cost(1, "smaller matmuls", "the same rows in smaller micro-batches: the GPU less busy per kernel"),

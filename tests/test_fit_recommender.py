@@ -15,7 +15,15 @@ from typing import Any
 import pytest
 
 from vramguard.estimate import techniques
-from vramguard.estimate.fit import PAIR_POOL, by_cost, cheaper_changes, remembered, search, single_changes
+from vramguard.estimate.fit import (
+    PAIR_POOL,
+    by_cost,
+    checkpointing_and_rank,
+    cheaper_changes,
+    remembered,
+    search,
+    single_changes,
+)
 from vramguard.estimate.gpus import gpu_named
 from vramguard.step.technique import Place
 from vramguard.workload.models import QLoRAConfig
@@ -110,16 +118,16 @@ def test_where_no_single_change_fits_pairs_of_the_most_promising_are_tried_withi
         return _saving(config)
 
     config = QLoRAConfig(batch=4)
-    singles = single_changes(config, 0, _on("h100"), "")
+    tried = single_changes(config, 0, _on("h100"), "") + checkpointing_and_rank(config)
     rows = cheaper_changes(config, 49, estimate, place=_on("h100"))
-    assert len(calls) <= len(singles) + PAIR_POOL
+    assert len(calls) <= len(tried) + PAIR_POOL
     fitting = [r for r in rows if r["fits"]]
     assert [r["change"] for r in fitting] == ["--gradient-checkpointing --bf16"], rows  # 100 - 30 - 25 = 45
     assert all(not r["fits"] for r in rows if r["change"].count("--") == 1)
     # with one that fits alone, no pair is tried
     calls.clear()
     rows = cheaper_changes(config, 70, estimate, place=_on("h100"))
-    assert len(calls) == len(singles) and any(r["fits"] for r in rows)
+    assert len(calls) == len(tried) and any(r["fits"] for r in rows)
 
 
 def test_a_config_measured_once_is_not_run_again() -> None:

@@ -191,10 +191,11 @@ def micro_batches(config: QLoRAConfig, largest_batch: int) -> Change | None:
 
 
 def single_changes(config: QLoRAConfig, largest_batch: int, place: Place, peak_phase: str) -> list[Change]:
-    """Every change ``--fit`` tries for ``config`` alone (see :func:`cheaper_changes`), in a fixed order:
-    micro-batches, checkpointing, half the LoRA rank, PEFT's default targets instead of all-linear, the optimizers, then each registered technique's alternative
-    (:attr:`~vramguard.step.technique.Technique.cheaper`: bf16 autocast, FlashAttention-2, padding-free, Liger,
-    offloading, where the place has them and its trainer prices them), then checkpointing with half the rank."""
+    """Every single change ``--fit`` tries for ``config`` (see :func:`cheaper_changes`), in a fixed order:
+    micro-batches, checkpointing, half the LoRA rank, PEFT's default targets instead of all-linear, the
+    optimizers, then each registered technique's alternative (:attr:`~vramguard.step.technique.Technique.cheaper`:
+    offloading, Liger, bf16 autocast, FlashAttention-2, padding-free, where the place has them and its trainer
+    prices them)."""
     half = max(1, config.lora_rank // 2)
     options: list[Change] = []
     micro = micro_batches(config, largest_batch)
@@ -211,14 +212,16 @@ def single_changes(config: QLoRAConfig, largest_batch: int, place: Place, peak_p
     if config.optimizer in ("adamw", "adamw-fused"):
         options.append(("--optimizer adamw-8bit", dataclasses.replace(config, optimizer="adamw-8bit")))
     options += [o for o in (t.cheaper(config, place) for t in registered()) if o is not None]
-    if not config.gradient_checkpointing and config.lora_rank > 1:
-        options.append(
-            (
-                f"--gradient-checkpointing --lora-rank {half}",
-                dataclasses.replace(config, gradient_checkpointing=True, lora_rank=half),
-            )
-        )
     return options
+
+
+def checkpointing_and_rank(config: QLoRAConfig) -> list[Change]:
+    """Checkpointing with half the LoRA rank, tried with the single changes (where both apply)."""
+    if config.gradient_checkpointing or config.lora_rank <= 1:
+        return []
+    half = max(1, config.lora_rank // 2)
+    changed = dataclasses.replace(config, gradient_checkpointing=True, lora_rank=half)
+    return [(f"--gradient-checkpointing --lora-rank {half}", changed)]
 
 
 def _differences(config: QLoRAConfig, changed: QLoRAConfig) -> dict[str, Any]:
@@ -230,19 +233,21 @@ def _differences(config: QLoRAConfig, changed: QLoRAConfig) -> dict[str, Any]:
     }
 
 
-def pairs(config: QLoRAConfig, rows: list[dict[str, Any]], options: list[Change]) -> list[Change]:
-    """Each pair of the :data:`PAIR_POOL` single changes with the smallest totals (``rows``, measured), both applied:
-    a pair whose changes set one field to two values, or whose config a change already tried has, is left out."""
+def pairs(
+    config: QLoRAConfig, rows: list[dict[str, Any]], options: list[Change], tried: list[Change]
+) -> list[Change]:
+    """Each pair of the :data:`PAIR_POOL` single changes (``options``) with the smallest totals (``rows``,
+    measured), both applied: a pair whose changes set one field to two values, or whose config a change already
+    ``tried`` has, is left out."""
     measured = {row["change"]: row["total_bytes"] for row in rows}
-    singles = sorted((o for o in options if o[0].count("--") == 1 or "--batch" in o[0]), key=lambda o: measured[o[0]])
-    pool = singles[:PAIR_POOL]
-    tried = [_differences(config, changed) for _, changed in options]
+    pool = sorted(options, key=lambda o: measured[o[0]])[:PAIR_POOL]
+    seen = [_differences(config, changed) for _, changed in tried]
     found: list[Change] = []
     for i, (flag_a, a) in enumerate(pool):
         for flag_b, b in pool[i + 1:]:
             da, db = _differences(config, a), _differences(config, b)
             both = {**da, **db}
-            if any(da[k] != db[k] for k in da.keys() & db.keys()) or both in tried:
+            if any(da[k] != db[k] for k in da.keys() & db.keys()) or both in seen:
                 continue
             found.append((f"{flag_a} {flag_b}", dataclasses.replace(config, **both)))
     return found
@@ -260,7 +265,8 @@ def cheaper_changes(
     where none fits, of pairs of the most promising (:func:`pairs`); what fits first, then the fewest flags
     changed, then the smallest total (:func:`by_cost` orders them by their cost in step time for reading).
 
-    At most one meta run per single change (no more than 12: each option and technique offered once) plus
+    At most one meta run per change tried (no more than 13: each option and technique offered once, and
+    checkpointing with half the rank) plus
     :data:`PAIR_POOL` pairs (3): ``estimate`` (:data:`Estimator`) is called once per change, and a caller that
     measured a config already (the search's) can answer it from a cache (:func:`remembered`).
     ``largest_batch``: the largest batch that fits (a ``--fit`` search's answer; 0: none or not searched): the
@@ -272,10 +278,11 @@ def cheaper_changes(
     ``peak_phase``: the requested shape's; where it is the optimizer step, on CUDA, the fused AdamW is offered
     (torch's default there, ``foreach``, holds a temporary as large as the trainable parameters in that step
     only)."""
-    options = single_changes(config, largest_batch, place, peak_phase)
-    rows = [_row(flag, estimate(changed), size) for flag, changed in options]
-    if options and not any(r["fits"] for r in rows):
-        rows += [_row(flag, estimate(changed), size) for flag, changed in pairs(config, rows, options)]
+    singles = single_changes(config, largest_batch, place, peak_phase)
+    tried = singles + checkpointing_and_rank(config)
+    rows = [_row(flag, estimate(changed), size) for flag, changed in tried]
+    if singles and not any(r["fits"] for r in rows):
+        rows += [_row(flag, estimate(changed), size) for flag, changed in pairs(config, rows, singles, tried)]
     # cheapest: what fits, then the fewest flags changed (a single change before a combination)
     rows.sort(key=lambda r: (not r["fits"], r["change"].count("--"), r["total_bytes"]))
     return rows

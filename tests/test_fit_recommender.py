@@ -226,3 +226,21 @@ def test_the_8b_4k_trl_sft_config_on_an_rtx4090(
         assert code == 1 and first.startswith("does not fit in 18.00 GiB (GeForce RTX 4090): ")
         best = by_cost(fit["changes"])[0]
         assert best["fits"] and f"; try {best['change']} (" in first and ", costs " in first, first
+
+
+def test_the_padding_free_changes_are_flags_estimate_takes() -> None:
+    """What ``--fit`` suggests can be given back to ``estimate`` (and to ``trl sft``, whose parser takes the same
+    spellings)."""
+    import argparse
+
+    from vramguard.cli import estimate
+    from vramguard.cli.options import qlora_config
+
+    parser = argparse.ArgumentParser()
+    estimate.register(parser.add_subparsers())
+    args = parser.parse_args(["estimate", "--model", "tiny-llama", "--packing", "--padding-free"])
+    config, _ = qlora_config(args, device="cpu")
+    assert config.packing and config.padding_free
+    args = parser.parse_args(["estimate", "--model", "tiny-llama", "--trainer", "loop", "--padding-free"])
+    config, _ = qlora_config(args, device="cpu")
+    assert config.padding_free and not config.packing

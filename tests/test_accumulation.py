@@ -178,7 +178,8 @@ def test_fit_offers_the_same_rows_a_step_in_micro_batches_that_fit(tmp_path) -> 
         (8, 1, 5, "--batch 4 --gradient-accumulation-steps 2"),
         (7, 1, 4, "--batch 1 --gradient-accumulation-steps 7"),  # 7 rows a step: only micro-batches of 1 divide
         (8, 3, 5, "--batch 4 --gradient-accumulation-steps 6"),  # 24 rows a step, already accumulated
-        (8, 1, 0, None),  # not even batch 1 fits: nothing to split into
+        (8, 1, 0, "--batch 1 --gradient-accumulation-steps 8"),  # none found to fit (or none searched): rows of 1
+        (1, 4, 0, None),  # a batch of 1: nothing to split
     ],
 )
 def test_the_fit_option_keeps_the_rows_a_step(batch: int, steps: int, largest: int, offered: str | None) -> None:
@@ -194,8 +195,8 @@ def test_the_fit_option_keeps_the_rows_a_step(batch: int, steps: int, largest: i
 
     config = QLoRAConfig(batch=batch, gradient_accumulation_steps=steps)
     changes = [c["change"] for c in cheaper_changes(config, 0, estimate, largest_batch=largest)]
-    mine = [c for c in changes if "--gradient-accumulation-steps" in c]
+    mine = [c for c in changes if "--gradient-accumulation-steps" in c and c.count("--") == 2]  # not in a pair
     assert mine == ([offered] if offered else [])
     for c in seen:
         if c.gradient_accumulation_steps != steps:
-            assert c.batch * c.gradient_accumulation_steps == batch * steps and c.batch <= largest
+            assert c.batch * c.gradient_accumulation_steps == batch * steps and c.batch <= max(largest, 1)

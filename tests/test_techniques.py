@@ -19,16 +19,20 @@ from vramguard.estimate.fit import cheaper_changes
 from vramguard.estimate.run import run_estimate
 from vramguard.step.patching import patched
 from vramguard.step.report import Finding
-from vramguard.step.technique import Technique
+from vramguard.step.technique import Place, Technique
 from vramguard.workload.models import QLoRAConfig
 
 
 def test_the_built_in_techniques_in_their_declared_order() -> None:
-    assert [t.name for t in techniques.BUILT_IN] == ["offload_activations", "use_liger_kernel", "routing", "use_dora"]
-    assert [t.stage for t in techniques.BUILT_IN] == ["under", "around", "around", "around"]
+    assert [t.name for t in techniques.BUILT_IN] == [
+        "offload_activations", "use_liger_kernel", "routing", "use_dora", "bf16", "flash_attention_2", "padding_free"
+    ]
+    assert [t.stage for t in techniques.BUILT_IN] == ["under", "around", "around", "around", "around", "under", "under"]
     assert techniques.used_by(QLoRAConfig()) == []
     used = techniques.used_by(QLoRAConfig(offload_activations=True, use_liger_kernel=True))
     assert [t.name for t in used] == ["offload_activations", "use_liger_kernel"]
+    used = techniques.used_by(QLoRAConfig(mixed_precision="bf16", attn_implementation="flash_attention_2", padding_free=True))
+    assert [t.name for t in used] == ["bf16", "flash_attention_2", "padding_free"]
 
 
 def test_routing_applies_to_a_mixture_of_experts_and_dora_to_its_adapters() -> None:
@@ -68,7 +72,7 @@ def _probe(holds: _Holds, stage: str) -> Technique:
         findings=lambda model, request, seen: [
             Finding("probe", f"probe held {seen['held']:,} B", seen["held"])
         ],
-        cheaper=lambda config, target: ("--probe", dataclasses.replace(config, lora_rank=1)),
+        cheaper=lambda config, place: ("--probe", dataclasses.replace(config, lora_rank=1)),
     )
 
 
@@ -112,7 +116,7 @@ def test_a_technique_added_by_an_entry_point_reaches_the_step_the_report_and_fit
         assert estimate is not None
         return estimate.total_bytes
 
-    rows = cheaper_changes(config, 1, figure, target="cpu")
+    rows = cheaper_changes(config, 1, figure, place=Place("cpu"))
     assert "--probe" in [r["change"] for r in rows]
 
 

@@ -95,6 +95,20 @@ def register(subparsers: Any) -> None:
         '--device cuda; needs the liger extra: pip install "vramguard[liger]")',
     )
     p.add_argument(
+        "--padding-free",
+        action="store_const",
+        const=True,
+        help="TRL's padding_free: each micro-batch's rows flattened into one row, position ids restarting per "
+        "sequence (TRL's collator), no pad tokens",
+    )
+    p.add_argument(
+        "--packing",
+        action="store_const",
+        const=True,
+        help="TRL's packing (bfd, with --padding-free: SFTTrainer refuses padding-free without packing at a "
+        "max_length): several sequences a row",
+    )
+    p.add_argument(
         "--fit",
         metavar="SIZE",
         nargs="?",
@@ -192,10 +206,10 @@ def main(args: argparse.Namespace) -> int:
         if args.world_size is not None or args.sharding is not None:
             raise UsageError("--fit-dim image searches one device's step: leave out --world-size and --sharding")
         space = image_space(config)
-    loop_only = (("--fit", size is not None), ("--snapshot / --html", events is not None))
+    loop_only = (("--snapshot / --html", events is not None),)
     trainer, recipe = resolve_trainer(args, config, loop_only)
     if trainer != "loop":
-        refuse_with_trainer(args, trainer, size, events, sharding)
+        refuse_with_trainer(args, trainer, events, sharding)
     if sharding is not None:
         if events is not None:
             raise UsageError("--snapshot and --html record one process's allocations: leave out --world-size")
@@ -216,6 +230,7 @@ def main(args: argparse.Namespace) -> int:
                 if args.trainer is not None:  # asked for by name: refused, with the workaround
                     raise
                 recipe = recipe_text("loop", loop_why(trainer, exc.what), args)
+                trainer = "loop"
         if report is None:
             report = run_estimate(config, steps=args.steps, top=args.top, target=args.target, events=events, gpu=gpu)
         report.config["recipe"] = recipe
@@ -227,12 +242,8 @@ def main(args: argparse.Namespace) -> int:
         judged = FIT_AT[args.fit_at]
         fit = None
         if size is not None:
-
-            def ran(c: QLoRAConfig, runs: int) -> None:
-                what = f"batch {c.batch} x seq {c.seq_len}" + (f", image {c.image_size}" if space else "")
-                progress.update(task, description=f"fit: meta run {runs + 1} ({what})")
-
-            fit = _fit(config, size, args, report, gpu, ran, space)
+            runner = _runner(args, trainer, gpu, lambda what: progress.update(task, description=what))
+            fit = _fit(config, size, args, report, runner, _place(args, trainer, gpu), space)
             assert report.estimate is not None
             report.estimate.fit = fit
             fits = judged(report) <= size
@@ -255,10 +266,9 @@ def main(args: argparse.Namespace) -> int:
     return 0 if report.verdict.ok and fits else 1
 
 
-def refuse_with_trainer(args: argparse.Namespace, trainer: str, size: Any, events: Any, sharding: Any) -> None:
+def refuse_with_trainer(args: argparse.Namespace, trainer: str, events: Any, sharding: Any) -> None:
     """What ``--trainer sft|trainer`` on meta does not run yet, refused in one line with the workaround."""
     asked = {
-        "--fit": size is not None,
         "--snapshot / --html": events is not None,
         "--world-size": sharding is not None,
     }
@@ -305,58 +315,110 @@ def fit_size(args: argparse.Namespace, gpu: Gpu | None) -> int | None:
     return size
 
 
-def _fit(
-    config: QLoRAConfig,
-    size: int,
-    args: argparse.Namespace,
-    report: AuditReport,
-    gpu: Gpu | None = None,
-    starting: Any = None,
-    space: Any = None,
-) -> dict[str, Any]:
-    """``--fit``'s search and, for a shape that does not fit, the changes; ``starting(config, runs so far)`` is
-    told before each meta run (the progress line). ``space``: ``--fit-dim image``'s sizes
-    (:func:`vramguard.estimate.fit_image.image_space`), its answer under ``image``."""
-    from vramguard.estimate.fit import FIT_LIMIT, cheaper_changes, search
-    from vramguard.estimate.run import max_positions, run_estimate
+TRAINER_FIT_TOKENS = 1 << 21
+"""The most tokens (every micro-batch's rows of every step) a ``--fit`` probe of a trainer's step may ask for: the
+trainer's rows are real host lists through its own dataset preparation and collator (vramguard's loop makes its
+rows on meta, shapes only, and searches up to :data:`~vramguard.estimate.fit.FIT_LIMIT`)."""
+
+
+def _runner(args: argparse.Namespace, trainer: str, gpu: Gpu | None, told: Any) -> Any:
+    """The estimate of a changed config as ``--fit`` runs it: ``trainer``'s own step (``sft``, ``trainer``) or
+    vramguard's loop, each run first told (``told``: the progress line) with its count and shape."""
+    from vramguard.estimate.run import run_estimate
 
     runs = 0
 
     def estimate(c: QLoRAConfig) -> AuditReport:
         nonlocal runs
-        if starting is not None:
-            starting(c, runs)
         runs += 1
-        return run_estimate(c, steps=args.steps, top=1, target=args.target, gpu=gpu)
+        image = f", image {c.image_size}" if c.image_size else ""
+        told(f"fit: meta run {runs} (batch {c.batch} x seq {c.seq_len}{image}, {trainer})")
+        if trainer == "loop":
+            return run_estimate(c, steps=args.steps, top=1, target=args.target, gpu=gpu)
+        from vramguard.estimate.trainer import run_trainer_estimate
 
-    judged = FIT_AT[args.fit_at]
+        return run_trainer_estimate(c, trainer, steps=args.steps, target=args.target, gpu=gpu)
+
+    return estimate
+
+
+def _place(args: argparse.Namespace, trainer: str, gpu: Gpu | None) -> Any:
+    """Where ``--fit``'s changes would run: the target, ``--gpu``'s compute capability (without one the H100's,
+    whose figures the estimate takes) and the trainer whose step prices them."""
+    from vramguard.step.technique import Place
+
+    if gpu is None:
+        return Place(args.target, trainer=trainer)
+    return Place(args.target, gpu.compute_capability, trainer)
+
+
+def _limit(config: QLoRAConfig, args: argparse.Namespace, trainer: str) -> int:
+    """The largest value ``--fit`` searches: :data:`~vramguard.estimate.fit.FIT_LIMIT`, the model's positions for
+    ``--fit-dim seq``, and for a trainer's step what :data:`TRAINER_FIT_TOKENS` allows (never below the requested)."""
+    from vramguard.estimate.fit import FIT_LIMIT
+    from vramguard.estimate.run import max_positions
 
     limit = FIT_LIMIT
+    requested = config.batch if args.fit_dim == "batch" else config.seq_len
     if args.fit_dim == "seq":
         positions = max_positions(config.spec)
         limit = min(limit, positions) if positions is not None else limit
+    if trainer != "loop":
+        other = config.seq_len if args.fit_dim == "batch" else config.batch
+        tokens_a_value = other * config.gradient_accumulation_steps * args.steps
+        limit = min(limit, max(requested, TRAINER_FIT_TOKENS // tokens_a_value))
+    return limit
+
+
+def _fit(
+    config: QLoRAConfig,
+    size: int,
+    args: argparse.Namespace,
+    report: AuditReport,
+    runner: Any,
+    place: Any,
+    space: Any = None,
+) -> dict[str, Any]:
+    """``--fit``'s search and, for a shape that does not fit, the changes, each a meta run of ``runner`` (the
+    trainer's step where it runs, :func:`_runner`) at ``place`` (:func:`_place`); a config run once is not run
+    again (:func:`~vramguard.estimate.fit.remembered`). ``space``: ``--fit-dim image``'s sizes
+    (:func:`vramguard.estimate.fit_image.image_space`), its answer under ``image``."""
+    from vramguard.estimate.fit import cheaper_changes, remembered, search
+
+    judged = FIT_AT[args.fit_at]
     assert report.estimate is not None
     requested = config.batch if args.fit_dim == "batch" else config.seq_len
+    figure = remembered(lambda c: judged(runner(c)))
+    limit = _limit(config, args, place.trainer)
     known = {requested: judged(report)}
     dim: Any = args.fit_dim
     if space is not None:
         dim, limit, known = space.dim, space.limit, space.known(config.image_size, judged(report))
-    def figure(c: QLoRAConfig) -> int:
-        return judged(estimate(c))
-
     result = search(config, size, figure, dim=dim, limit=limit, known=known)
     if judged(report) > size:
         largest = result.largest if args.fit_dim == "batch" else 0
         phase = report.estimate.peak_phase
-        result.changes = cheaper_changes(
-            config, size, figure, largest_batch=largest, target=args.target, peak_phase=phase
-        )
+        result.changes = cheaper_changes(config, size, figure, largest_batch=largest, place=place, peak_phase=phase)
     fit = result.to_dict()
     if space is not None:
         fit["image"] = space.answer(result.largest)
     if args.fit_at != "expected":  # (the default's document is as it was)
         fit["judged_at"] = args.fit_at
+    if place.trainer != "loop":  # (the loop's document is as it was)
+        fit["trainer"] = place.trainer
+        fit["limit"] = limit
+        fit["not_priced"] = _not_priced(config, place)
     return fit
+
+
+def _not_priced(config: QLoRAConfig, place: Any) -> list[str]:
+    """The technique changes vramguard's loop would offer ``config`` that the trainer's step on meta does not price
+    yet (offloading, Liger), as the loop would name them."""
+    from vramguard.estimate.techniques import registered
+
+    loop = dataclasses.replace(place, trainer="loop")
+    offered = [(t.cheaper(config, loop), t.cheaper(config, place)) for t in registered()]
+    return [there[0] for there, here in offered if there is not None and here is None]
 
 
 def _distributed(

@@ -62,6 +62,8 @@ STEP_FLAGS: tuple[str, ...] = (
     "train_projector",
     "min_pixels",
     "max_pixels",
+    "padding_free",
+    "packing",
 )
 """The :class:`QLoRAConfig` fields a flag may set (each flag's destination is the field's name). A flag
 not given is ``None`` in the parsed arguments, so a ``--config`` file decides it; without a file, the

@@ -25,6 +25,7 @@ from typing import Any
 from vramguard.estimate.run import TooLarge
 from vramguard.estimate.techniques import registered
 from vramguard.step.report import AuditReport
+from vramguard.step.technique import Place
 from vramguard.workload.models import QLoRAConfig
 
 DIMS = ("batch", "seq")
@@ -179,66 +180,143 @@ def _predict(measured: dict[int, int | None], lo: int, hi: int, size: int) -> in
     return a
 
 
+Change = tuple[str, QLoRAConfig]
+"""One change ``--fit`` may offer: its flags as the user would give them, and the changed config."""
+
+PAIR_POOL = 3
+"""Where no single change fits, the combinations tried: every pair of the ``PAIR_POOL`` single changes with the
+smallest totals (at most 3 more meta runs)."""
+
+
+def micro_batches(config: QLoRAConfig, largest_batch: int) -> Change | None:
+    """The same rows a step in micro-batches of the largest batch that divides them and is no larger than
+    ``largest_batch`` (the search's answer, below the requested batch; 0, where no batch was found to fit or none
+    was searched: micro-batches of 1), by gradient accumulation; None for a batch of 1 or where the largest batch
+    is not below the requested one."""
+    if config.batch <= 1 or largest_batch >= config.batch:
+        return None
+    rows_a_step = config.batch * config.gradient_accumulation_steps
+    micro = max(d for d in range(1, max(largest_batch, 1) + 1) if rows_a_step % d == 0)
+    return (
+        f"--batch {micro} --gradient-accumulation-steps {rows_a_step // micro}",
+        dataclasses.replace(config, batch=micro, gradient_accumulation_steps=rows_a_step // micro),
+    )
+
+
+def single_changes(config: QLoRAConfig, largest_batch: int, place: Place, peak_phase: str) -> list[Change]:
+    """Every single change ``--fit`` tries for ``config`` (see :func:`cheaper_changes`), in a fixed order:
+    micro-batches, checkpointing, half the LoRA rank, PEFT's default targets instead of all-linear, the
+    optimizers, then each registered technique's alternative (:attr:`~vramguard.step.technique.Technique.cheaper`:
+    offloading, Liger, bf16 autocast, FlashAttention-2, padding-free, where the place has them and its trainer
+    prices them)."""
+    half = max(1, config.lora_rank // 2)
+    options: list[Change] = []
+    micro = micro_batches(config, largest_batch)
+    if micro is not None:
+        options.append(micro)
+    if not config.gradient_checkpointing:
+        options.append(("--gradient-checkpointing", dataclasses.replace(config, gradient_checkpointing=True)))
+    if config.lora_rank > 1:
+        options.append((f"--lora-rank {half}", dataclasses.replace(config, lora_rank=half)))
+    if config.method != "full" and config.target_modules == "all-linear" and not config.target_parameters:
+        options.append(("--target-modules peft-default", dataclasses.replace(config, target_modules="peft-default")))
+    if config.optimizer == "adamw" and place.target == "cuda" and peak_phase == "optimizer":
+        options.append(("--optimizer adamw-fused", dataclasses.replace(config, optimizer="adamw-fused")))
+    if config.optimizer in ("adamw", "adamw-fused"):
+        options.append(("--optimizer adamw-8bit", dataclasses.replace(config, optimizer="adamw-8bit")))
+    options += [o for o in (t.cheaper(config, place) for t in registered()) if o is not None]
+    return options
+
+
+def checkpointing_and_rank(config: QLoRAConfig) -> list[Change]:
+    """Checkpointing with half the LoRA rank, tried with the single changes (where both apply)."""
+    if config.gradient_checkpointing or config.lora_rank <= 1:
+        return []
+    half = max(1, config.lora_rank // 2)
+    changed = dataclasses.replace(config, gradient_checkpointing=True, lora_rank=half)
+    return [(f"--gradient-checkpointing --lora-rank {half}", changed)]
+
+
+def _differences(config: QLoRAConfig, changed: QLoRAConfig) -> dict[str, Any]:
+    """The fields ``changed`` sets to other values than ``config``."""
+    return {
+        f.name: getattr(changed, f.name)
+        for f in dataclasses.fields(config)
+        if getattr(changed, f.name) != getattr(config, f.name)
+    }
+
+
+def pairs(
+    config: QLoRAConfig, rows: list[dict[str, Any]], options: list[Change], tried: list[Change]
+) -> list[Change]:
+    """Each pair of the :data:`PAIR_POOL` single changes (``options``) with the smallest totals (``rows``,
+    measured), both applied: a pair whose changes set one field to two values, or whose config a change already
+    ``tried`` has, is left out."""
+    measured = {row["change"]: row["total_bytes"] for row in rows}
+    pool = sorted(options, key=lambda o: measured[o[0]])[:PAIR_POOL]
+    seen = [_differences(config, changed) for _, changed in tried]
+    found: list[Change] = []
+    for i, (flag_a, a) in enumerate(pool):
+        for flag_b, b in pool[i + 1:]:
+            da, db = _differences(config, a), _differences(config, b)
+            both = {**da, **db}
+            if any(da[k] != db[k] for k in da.keys() & db.keys()) or both in seen:
+                continue
+            found.append((f"{flag_a} {flag_b}", dataclasses.replace(config, **both)))
+    return found
+
+
 def cheaper_changes(
     config: QLoRAConfig,
     size: int,
     estimate: Estimator,
     largest_batch: int = 0,
-    target: str = "cuda",
+    place: Place = Place(),
     peak_phase: str = "",
 ) -> list[dict[str, Any]]:
-    """For a shape that does not fit: the estimate of each change vramguard can run, cheapest first
-    (what fits, then the fewest flags changed, then the smallest total).
+    """For a shape that does not fit: the estimate of each change vramguard can run (:func:`single_changes`), and
+    where none fits, of pairs of the most promising (:func:`pairs`); what fits first, then the fewest flags
+    changed, then the smallest total (:func:`by_cost` orders them by their cost in step time for reading).
 
-    ``estimate`` receives the changed config (its ``optimizer`` or ``offload_activations`` changed too) and
-    gives its figure (:data:`Estimator`).
-    ``largest_batch``: the largest batch that fits (a ``--fit`` search's answer), below the requested one: then
-    the same rows a step in micro-batches of the largest batch that divides them and is no larger, by gradient
-    accumulation; its own meta run prices the gradients that holds, so it may still not fit. ``target``: the
-    estimate's; each registered technique offers its own alternative
-    (:func:`vramguard.estimate.techniques.registered`): on ``cpu`` offloading activations to the host saves
-    nothing, so it is not offered. ``peak_phase``:
-    the requested shape's; where it is the optimizer step, on CUDA, the fused AdamW is offered (torch's default
-    there, ``foreach``, holds a temporary as large as the trainable parameters in that step only)."""
-    half = max(1, config.lora_rank // 2)
-    options: list[tuple[str, QLoRAConfig]] = []
-    rows_a_step = config.batch * config.gradient_accumulation_steps
-    if 1 <= largest_batch < config.batch:
-        micro = max(d for d in range(1, largest_batch + 1) if rows_a_step % d == 0)
-        options.append(
-            (
-                f"--batch {micro} --gradient-accumulation-steps {rows_a_step // micro}",
-                dataclasses.replace(config, batch=micro, gradient_accumulation_steps=rows_a_step // micro),
-            )
-        )
-    if not config.gradient_checkpointing:
-        options.append(("--gradient-checkpointing", dataclasses.replace(config, gradient_checkpointing=True)))
-    if config.lora_rank > 1:
-        options.append((f"--lora-rank {half}", dataclasses.replace(config, lora_rank=half)))
-    if config.optimizer == "adamw" and target == "cuda" and peak_phase == "optimizer":
-        options.append(("--optimizer adamw-fused", dataclasses.replace(config, optimizer="adamw-fused")))
-    if config.optimizer in ("adamw", "adamw-fused"):
-        options.append(
-            (
-                "--optimizer adamw-8bit",
-                dataclasses.replace(config, optimizer="adamw-8bit"),
-            )
-        )
-    options += [o for o in (t.cheaper(config, target) for t in registered()) if o is not None]
-    if not config.gradient_checkpointing and config.lora_rank > 1:
-        options.append(
-            (
-                f"--gradient-checkpointing --lora-rank {half}",
-                dataclasses.replace(config, gradient_checkpointing=True, lora_rank=half),
-            )
-        )
-    rows = []
-    for flag, changed in options:
-        got = estimate(changed)
-        rows.append({"change": flag, "total_bytes": got, "fits": got <= size})
+    At most one meta run per change tried (no more than 13: each option and technique offered once, and
+    checkpointing with half the rank) plus
+    :data:`PAIR_POOL` pairs (3): ``estimate`` (:data:`Estimator`) is called once per change, and a caller that
+    measured a config already (the search's) can answer it from a cache (:func:`remembered`).
+    ``largest_batch``: the largest batch that fits (a ``--fit`` search's answer; 0: none or not searched): the
+    same rows a step in micro-batches no larger, by gradient accumulation (:func:`micro_batches`); its own meta run
+    prices the gradients that holds, so it may still not fit. ``place``: the target, the card and the trainer
+    (:class:`~vramguard.step.technique.Place`): each registered technique offers its own alternative where they
+    have it (bf16 and FlashAttention-2 on a card of compute capability 8.0 or newer; offloading on CUDA only, where
+    it saves device memory; offloading and Liger on vramguard's loop, the only step that prices them yet).
+    ``peak_phase``: the requested shape's; where it is the optimizer step, on CUDA, the fused AdamW is offered
+    (torch's default there, ``foreach``, holds a temporary as large as the trainable parameters in that step
+    only)."""
+    singles = single_changes(config, largest_batch, place, peak_phase)
+    tried = singles + checkpointing_and_rank(config)
+    rows = [_row(flag, estimate(changed), size) for flag, changed in tried]
+    if singles and not any(r["fits"] for r in rows):
+        rows += [_row(flag, estimate(changed), size) for flag, changed in pairs(config, rows, singles, tried)]
     # cheapest: what fits, then the fewest flags changed (a single change before a combination)
     rows.sort(key=lambda r: (not r["fits"], r["change"].count("--"), r["total_bytes"]))
     return rows
+
+
+def _row(change: str, total: int, size: int) -> dict[str, Any]:
+    return {"change": change, "total_bytes": total, "fits": total <= size}
+
+
+def remembered(estimate: Estimator) -> Estimator:
+    """``estimate`` that runs each config once: a config measured before (the search's probe at a batch a change
+    asks for again) is answered from what it gave (a :class:`TooLarge` is not kept)."""
+    seen: dict[tuple[Any, ...], int] = {}
+
+    def once(config: QLoRAConfig) -> int:
+        key = tuple(getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model")
+        if key not in seen:
+            seen[key] = estimate(config)
+        return seen[key]
+
+    return once
 
 
 def high_end(report: AuditReport) -> int:
@@ -273,7 +351,21 @@ def register_cost(flag: str, cost: Cost) -> None:
 
 
 register_cost("--lora-rank", Cost(0, "no time", "a smaller adapter, with less capacity"))
+register_cost(
+    "--bf16", Cost(0, "none (faster)", "bf16 matmuls on the tensor cores; activations kept in half the bytes")
+)
+register_cost(
+    "--attn-implementation",
+    Cost(0, "none (faster)", "FlashAttention-2's fused kernel: no s x s scores kept, less memory traffic"),
+)
+register_cost("--padding-free", Cost(0, "none", "no pad tokens: the rows flattened into one, fewer tokens computed"))
+register_cost("--packing", Cost(0, "none", "TRL's bfd packing, padding-free: no pad tokens, fewer rows a step"))
+register_cost("--use-liger-kernel", Cost(0, "none", "Liger's fused Triton kernels and chunked cross-entropy"))
 register_cost("--optimizer", Cost(0, "no time", "the optimizer's state kept in another form"))
+register_cost(
+    "--target-modules",
+    Cost(0, "no time", "adapters on PEFT's default modules for the architecture only, with less capacity"),
+)
 register_cost(
     "--gradient-accumulation-steps",
     Cost(1, "smaller matmuls", "the same rows in smaller micro-batches: the GPU less busy per kernel"),

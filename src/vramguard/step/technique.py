@@ -40,7 +40,27 @@ def _no_findings(model: Any, request: StepRequest, seen: Any) -> list[Finding]:
     return []
 
 
-def _no_alternative(config: QLoRAConfig, target: str) -> tuple[str, QLoRAConfig] | None:
+AMPERE = (8, 0)
+"""The compute capability bf16 autocast and FlashAttention-2 need (Ampere)."""
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where the step ``--fit`` prices a change of runs: ``target`` (``cuda`` or ``cpu``), the card's compute
+    ``capability`` (``--gpu``'s; without one the H100 whose figures the estimate takes, 9.0) and ``trainer``, whose
+    step prices the change (``loop``, ``trainer`` or ``sft``)."""
+
+    target: str = "cuda"
+    capability: tuple[int, int] = (9, 0)
+    trainer: str = "loop"
+
+    @property
+    def ampere(self) -> bool:
+        """Whether the card runs bf16 and FlashAttention-2: CUDA at compute capability 8.0 or newer."""
+        return self.target == "cuda" and self.capability >= AMPERE
+
+
+def _no_alternative(config: QLoRAConfig, place: Place) -> tuple[str, QLoRAConfig] | None:
     """No cheaper alternative to offer ``--fit``."""
     return None
 
@@ -51,8 +71,8 @@ class Technique:
     (:data:`STAGES`), ``applies(config)`` (whether the step uses it), ``refuse(request)`` (a one-line
     UsageError where it cannot be priced, before the build), ``context(model, request)`` (a context manager on
     the step; what it yields is what the technique saw), ``findings(model, request, seen)`` (its lines in the
-    report, in the registry's order) and ``cheaper(config, target)`` (the flag and the changed config ``--fit``
-    offers when a step does not fit, or None)."""
+    report, in the registry's order) and ``cheaper(config, place)`` (the flag and the changed config ``--fit``
+    offers when a step does not fit, or None: where the :class:`Place` has it and its trainer prices it)."""
 
     name: str
     description: str
@@ -67,7 +87,7 @@ class Technique:
     # does (vramguard.step.expectation.expectation_of)
     unmodelled: str = ""
     findings: Callable[[Any, StepRequest, Any], list[Finding]] = _no_findings
-    cheaper: Callable[[QLoRAConfig, str], tuple[str, QLoRAConfig] | None] = _no_alternative
+    cheaper: Callable[[QLoRAConfig, Place], tuple[str, QLoRAConfig] | None] = _no_alternative
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:

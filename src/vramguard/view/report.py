@@ -653,6 +653,10 @@ def render(report: AuditReport, console: Any, layout: str | tuple[Section, ...] 
         section(report, console)
 
 
+TRAINER_NAMES = {"sft": "trl sft", "trainer": "transformers Trainer"}
+"""``--fit``'s ``trainer`` (whose step priced it) as a person names it."""
+
+
 def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console: Any) -> None:
     """``vramguard estimate --fit``: the largest batch (or sequence length) that fits, and each change in the order
     given, with its ``cost`` and ``cost_detail`` in step time where its row has them."""
@@ -664,8 +668,10 @@ def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console:
         line = f"fit: the largest {what} that fits in {fb(fit['size_bytes'])} {fixed} is {fit['largest']}"
     else:
         line = f"fit: not even {what} 1 fits in {fb(fit['size_bytes'])} {fixed}"
+    trainer = TRAINER_NAMES.get(fit.get("trainer", ""), fit.get("trainer", ""))
+    whose = f"; {trainer}'s own step, searched up to {fit['limit']:,}" if "trainer" in fit else ""
     console.print(
-        f"{line} ({fit['run_count']} meta runs besides the requested shape's; at most {fit['bound']})",
+        f"{line} ({fit['run_count']} meta runs besides the requested shape's; at most {fit['bound']}{whose})",
         highlight=False,
         soft_wrap=True,
     )
@@ -674,6 +680,13 @@ def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console:
         cost = f"; costs {row['cost']}: {row['cost_detail']}" if "cost" in row else ""
         console.print(
             f"  {row['change']}: {fb(row['total_bytes'])} ({verdict}{cost})",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if fit.get("not_priced") and fit["changes"]:
+        console.print(
+            f"  not tried: {', '.join(fit['not_priced'])} ({trainer}'s step on meta does not run them yet; "
+            "--trainer loop prices them on vramguard's loop)",
             highlight=False,
             soft_wrap=True,
         )

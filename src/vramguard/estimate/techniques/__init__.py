@@ -12,13 +12,21 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 
-from vramguard.estimate.techniques import dora, liger, offloading, routing
+from vramguard.estimate.techniques import autocast, dora, flash, liger, offloading, padding_free, routing
 from vramguard.step.technique import Technique
 from vramguard.workload.models import QLoRAConfig
 
 ENTRY_POINT_GROUP = "vramguard.techniques"
 
-BUILT_IN: tuple[Technique, ...] = (offloading.TECHNIQUE, liger.TECHNIQUE, routing.TECHNIQUE, dora.TECHNIQUE)
+BUILT_IN: tuple[Technique, ...] = (
+    offloading.TECHNIQUE,
+    liger.TECHNIQUE,
+    routing.TECHNIQUE,
+    dora.TECHNIQUE,
+    autocast.TECHNIQUE,
+    flash.TECHNIQUE,
+    padding_free.TECHNIQUE,
+)
 """The built-in techniques, in their declared order."""
 
 

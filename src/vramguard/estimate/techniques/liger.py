@@ -4,12 +4,13 @@ applies them, priced on meta from liger-kernel's own code (:mod:`vramguard.estim
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 from vramguard.step import verdict as checks
 from vramguard.step.report import Finding
 from vramguard.step.request import StepRequest
-from vramguard.step.technique import Technique
+from vramguard.step.technique import Place, Technique
 from vramguard.workload.models import QLoRAConfig
 
 
@@ -42,6 +43,16 @@ def findings(model: Any, request: StepRequest, seen: dict[str, Any]) -> list[Fin
     return [Finding(checks.LIGER, liger_line(seen))]
 
 
+def cheaper(config: QLoRAConfig, place: Place) -> tuple[str, QLoRAConfig] | None:
+    """``--use-liger-kernel`` for a step without it, on CUDA with the liger extra installed, where vramguard's loop
+    prices it (the trainers' steps on meta do not run it yet)."""
+    from vramguard.estimate.liger import missing
+
+    if config.use_liger_kernel or place.target != "cuda" or place.trainer != "loop" or missing() is not None:
+        return None
+    return "--use-liger-kernel", dataclasses.replace(config, use_liger_kernel=True)
+
+
 TECHNIQUE = Technique(
     name="use_liger_kernel",
     description="Liger's Triton kernels and fused linear cross-entropy, applied as Trainer applies them",
@@ -50,4 +61,5 @@ TECHNIQUE = Technique(
     context=context,
     refuse=refuse,
     findings=findings,
+    cheaper=cheaper,
 )

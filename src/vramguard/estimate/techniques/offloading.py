@@ -11,7 +11,7 @@ from vramguard.estimate.offload import OffloadActivations
 from vramguard.step import verdict as checks
 from vramguard.step.report import Finding
 from vramguard.step.request import StepRequest
-from vramguard.step.technique import Technique
+from vramguard.step.technique import Place, Technique
 from vramguard.units import format_bytes
 from vramguard.workload.models import QLoRAConfig
 
@@ -43,10 +43,10 @@ def findings(model: Any, request: StepRequest, seen: OffloadActivations) -> list
     ]
 
 
-def cheaper(config: QLoRAConfig, target: str) -> tuple[str, QLoRAConfig] | None:
+def cheaper(config: QLoRAConfig, place: Place) -> tuple[str, QLoRAConfig] | None:
     """``--offload-activations`` for a step that does not offload, on CUDA (on the host target offloading to the
-    host saves nothing)."""
-    if config.offload_activations or target != "cuda":
+    host saves nothing), where vramguard's loop prices it (the trainers' steps on meta do not run it yet)."""
+    if config.offload_activations or place.target != "cuda" or place.trainer != "loop":
         return None
     return "--offload-activations", dataclasses.replace(config, offload_activations=True)
 

@@ -1,0 +1,53 @@
+"""FlashAttention-2 (``--attn-implementation flash_attention_2``): transformers' flash path on meta, flash-attn
+2's kernels priced from its own rules (:mod:`vramguard.estimate.flash`).
+
+Its context (the kernel) stays in :func:`vramguard.estimate.run.meta_step_contexts`, entered after the tracker
+and by the trainers' steps and a sharded step's ranks as well; this module is the technique's value: whether a
+step uses it and the alternative ``--fit`` offers."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+from vramguard.estimate.flash import FLASH_ATTENTION_2
+from vramguard.step.request import StepRequest
+from vramguard.step.technique import Place, Technique
+from vramguard.workload.models import QLoRAConfig
+
+
+def applies(config: QLoRAConfig) -> bool:
+    """Whether the step's attention is FlashAttention-2."""
+    return config.attn_implementation == FLASH_ATTENTION_2
+
+
+def context(model: Any, request: StepRequest) -> contextlib.AbstractContextManager[None]:
+    """Nothing here: the kernel is entered with the step's forced decisions (see the module)."""
+    return contextlib.nullcontext()
+
+
+def cheaper(config: QLoRAConfig, place: Place) -> tuple[str, QLoRAConfig] | None:
+    """``--attn-implementation flash_attention_2`` for a step on sdpa or eager attention, on a card that has it
+    (CUDA at compute capability 8.0 or newer), where the attention runs in half precision (flash-attn takes
+    fp16/bf16 only: under autocast; without it ``--bf16`` comes first). On a trainer's step only with a half
+    compute dtype: there transformers' cast of fp32 q, k, v to the autocast dtype asks the target's autocast, and
+    the trainer's (accelerate's, on the host) is not it, so the meta run refuses fp32 attention inputs (the loop
+    prices it)."""
+    if config.attn_implementation not in ("sdpa", "eager") or not place.ampere or config.mixed_precision == "no":
+        return None
+    if place.trainer != "loop" and config.compute_dtype not in ("bf16", "fp16"):
+        return None
+    return f"--attn-implementation {FLASH_ATTENTION_2}", dataclasses.replace(
+        config, attn_implementation=FLASH_ATTENTION_2
+    )
+
+
+TECHNIQUE = Technique(
+    name=FLASH_ATTENTION_2,
+    description="FlashAttention-2: transformers' flash path, flash-attn 2's kernels priced from its rules",
+    stage="under",
+    applies=applies,
+    context=context,
+    cheaper=cheaper,
+)

@@ -10,7 +10,10 @@ log-prob loss), ``create_optimizer``, scheduler and gradient clipping, over the 
 * the run's device is ``meta``: ``TrainingArguments.device`` (where ``Trainer`` puts its loss accumulator and
   inputs), the 4-bit model's device map (as ``from_pretrained(device_map=...)`` records it: nobody moves it) and
   the device accelerate's data loader sends batches to; the collator's batches are put there as it returns
-  them (on the CPU the loader's copy is no copy: each batch lives once, and its prefetched next one as well);
+  them (on the CPU the loader's copy is no copy: each batch lives once, and its prefetched next one as well),
+  and the device of the autocast accelerate wraps the forward in with mixed precision (so it is the target's:
+  CUDA's state and policy for ``--target cuda``, where accelerate on a host without a GPU would enter the CPU's,
+  which casts no meta tensor);
 * ``.item()`` and ``bool()`` of a meta scalar (the metrics SFTTrainer logs, Trainer's loss logging) are answered
   with 1 (no value exists on meta; what they decide is logging, outside the step's tensors);
 * a bitsandbytes 8-bit optimizer's quantization maps are moved to meta before the step for the ``cpu`` target
@@ -176,6 +179,31 @@ def _autocast_asked_as(target: str) -> Iterator[None]:
         torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, dtype
 
 
+@contextlib.contextmanager
+def _accelerate_autocast_on_meta() -> Iterator[None]:
+    """accelerate's mixed-precision autocast (``Accelerator.prepare`` wraps the model's forward in it) on the
+    run's device, meta, as it is on the user's accelerator's device: accelerate asks its state's device (the
+    host's here, the GPU in the user's run), and an autocast on the host's device type casts no meta tensor.
+    Its own dtype, ``enabled`` and ``cache_enabled`` are kept; on meta it is the target's autocast
+    (:func:`vramguard.estimate.meta.forced_decisions`)."""
+    from accelerate import accelerator
+
+    original = accelerator.get_mixed_precision_context_manager
+
+    def get_mixed_precision_context_manager(*args: Any, **kwargs: Any) -> Any:
+        made = original(*args, **kwargs)
+        if not isinstance(made, torch.amp.autocast_mode.autocast):
+            return made  # no native amp: a null context
+        kept = {"dtype": made.fast_dtype, "enabled": made._enabled, "cache_enabled": made._cache_enabled}
+        return torch.autocast(META, **kept)
+
+    accelerator.get_mixed_precision_context_manager = get_mixed_precision_context_manager
+    try:
+        yield
+    finally:
+        accelerator.get_mixed_precision_context_manager = original
+
+
 def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str) -> tuple[Any, QLoRAModel, float]:
     """``steps`` steps of ``trainer`` on meta for ``target``: (the callback's report, the model, seconds)."""
     from vramguard.estimate.run import max_positions, meta_step_contexts
@@ -193,8 +221,9 @@ def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str)
         runner, callback = trainer_on_meta(q, trainer, target, steps, tmp)
         q = dataclasses.replace(q, model=runner.model)
         decisions, flash = meta_step_contexts(q, q.config, target)
-        with decisions, flash, _autocast_asked_as(target), _AnswerItems(), fails_as_the_users_run(q, trainer):
-            runner.train()
+        with decisions, flash, _autocast_asked_as(target), _accelerate_autocast_on_meta(), _AnswerItems():
+            with fails_as_the_users_run(q, trainer):
+                runner.train()
     assert callback.report is not None
     return callback.report, q, time.perf_counter() - t0
 

@@ -46,10 +46,10 @@ def test_trl_sfts_bf16_step_runs_cudas_autocast_on_meta(tmp_path: Path) -> None:
 
 
 def test_trl_sft_prices_flash_attention_2_with_the_bf16_q_k_v_transformers_casts_to(tmp_path: Path) -> None:
-    """``--attn-implementation flash_attention_2`` with flags alone (refused before: fp32 attention). q and k
-    reach transformers' flash path in fp32 (bf16 projections times the fp32 rotary cos/sin); it casts them to
-    CUDA's autocast dtype (``get_target_dtype``), and flash-attn 2 saves bf16 q, k, v and output, the fp32
-    logsumexp and its rng state."""
+    """``--attn-implementation flash_attention_2`` with flags alone (refused before: fp32 attention). q, k and
+    v reach transformers' flash path in fp32 (bitsandbytes' 4-bit layer returns its fp32 input's dtype); it
+    casts them to CUDA's autocast dtype (``get_target_dtype``), and flash-attn 2 saves bf16 q, k, v and output,
+    the fp32 logsumexp and its rng state."""
     records = _sft_records(tmp_path, "--attn-implementation", "flash_attention_2")
     saved = _attention(records, "FlashAttnFuncBackward")
     assert saved == {

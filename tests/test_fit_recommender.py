@@ -57,8 +57,8 @@ def test_flash_attention_2_is_offered_on_ampere_cuda_for_half_precision_attentio
     assert FA2 not in _offered(BF16, Place("cpu"))  # flash-attn is CUDA-only
     assert FA2 not in _offered(QLoRAConfig(), _on("rtx4090"))  # fp32 attention: flash takes fp16/bf16 (--bf16 first)
     assert FA2 not in _offered(dataclasses.replace(BF16, attn_implementation="flash_attention_2"), _on("h100"))
-    # a trainer's step prices it with a half compute dtype only (see techniques/flash.py), and says so otherwise
-    assert FA2 not in _offered(dataclasses.replace(BF16, compute_dtype="fp32"), _on("rtx4090", "sft"))  # trl's
+    # a trainer's step prices it on TRL's fp32 compute dtype too (its autocast on meta is the target's)
+    assert FA2 in _offered(dataclasses.replace(BF16, compute_dtype="fp32"), _on("rtx4090", "sft"))  # trl's
     assert FA2 in _offered(BF16, _on("rtx4090", "sft"))  # the loop's default compute dtype: bf16
 
 

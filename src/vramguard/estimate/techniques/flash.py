@@ -30,13 +30,10 @@ def context(model: Any, request: StepRequest) -> contextlib.AbstractContextManag
 def cheaper(config: QLoRAConfig, place: Place) -> tuple[str, QLoRAConfig] | None:
     """``--attn-implementation flash_attention_2`` for a step on sdpa or eager attention, on a card that has it
     (CUDA at compute capability 8.0 or newer), where the attention runs in half precision (flash-attn takes
-    fp16/bf16 only: under autocast; without it ``--bf16`` comes first). On a trainer's step only with a half
-    compute dtype: there transformers' cast of fp32 q, k, v to the autocast dtype asks the target's autocast, and
-    the trainer's (accelerate's, on the host) is not it, so the meta run refuses fp32 attention inputs (the loop
-    prices it)."""
+    fp16/bf16 only: under autocast; without it ``--bf16`` comes first). On a trainer's step too, whatever the
+    compute dtype: transformers casts fp32 q, k, v to the target's autocast dtype, which the trainer's autocast
+    on meta is (:func:`vramguard.estimate.trainer._accelerate_autocast_on_meta`)."""
     if config.attn_implementation not in ("sdpa", "eager") or not place.ampere or config.mixed_precision == "no":
-        return None
-    if place.trainer != "loop" and config.compute_dtype not in ("bf16", "fp16"):
         return None
     return f"--attn-implementation {FLASH_ATTENTION_2}", dataclasses.replace(
         config, attn_implementation=FLASH_ATTENTION_2

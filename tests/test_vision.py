@@ -174,6 +174,19 @@ def test_smolvlm_without_num2words_is_a_one_line_refusal() -> None:
         family_processor(family_of("smolvlm"), config, 512)
 
 
+def test_smolvlm_rows_are_its_processors() -> None:
+    """SmolVLM's processor (num2words installed, as the test extra has it) takes a video_processor argument
+    with no default, which transformers' video processors cannot give without torchvision: it is given None,
+    as the image-only processor of the other families drops its video slot. The row is SmolVLMProcessor's
+    (Idefics3's splitting: a 56x56 image is 4 tiles and the global image, 68 image tokens at this tiny shape);
+    the slow tests below measure its step (ledger = independent count, meta = audit) at two sizes."""
+    config, rows = _rows("smolvlm", (56, 56))
+    assert type(family_processor(family_of("smolvlm"), config, 512)).__name__ == "SmolVLMProcessor"
+    assert rows.image_tokens == 68
+    assert int((rows.inputs["input_ids"] == config.image_token_id).sum()) == 68
+    assert rows.inputs["pixel_attention_mask"].shape[:2] == rows.inputs["pixel_values"].shape[:2]
+
+
 # -- a real QLoRA step, its ledger and an independent count --------------------------------------
 
 

@@ -529,14 +529,23 @@ def row_tokenizer(family: VisionFamily, ids: dict[str, int]) -> Any:
 def _without_video(cls: type) -> type:
     """``cls`` (a processor class) without its video sub-processor: transformers' video processors need
     torchvision, and no image row reads them. Everything else (the image processor, the placeholder
-    expansion, the token type ids) is ``cls``'s own code."""
+    expansion, the token type ids) is ``cls``'s own code. A video slot ``cls.__init__`` requires (SmolVLM's
+    ``video_processor`` has no default) is given None: ``ProcessorMixin`` pairs its arguments with the
+    attributes left, so the None is dropped."""
+    import inspect
+
     from transformers.processing_utils import ProcessorMixin
 
     attributes = [a for a in cls.get_attributes() if a not in VIDEO_ATTRIBUTES]
     if attributes == cls.get_attributes():
         return cls
+    params = inspect.signature(cls.__init__).parameters
+    required = {a: None for a in VIDEO_ATTRIBUTES if a in params and params[a].default is inspect.Parameter.empty}
 
     class ImageOnly(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **required, **kwargs)
+
         @classmethod
         def get_attributes(klass) -> list[str]:
             return attributes

@@ -560,3 +560,50 @@ def test_trl_default_targets_on_a_vlm_name_the_flag(capsys: pytest.CaptureFixtur
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "PEFT has no default target modules for qwen3_vl" in err and "--target-modules all-linear" in err
+
+
+# -- the Trainer callback ------------------------------------------------------------------------
+
+
+def test_trainer_callback_on_a_vlm_splits_its_ledger_by_stack(tmp_path: Path) -> None:
+    """``VramGuardCallback`` on a plain transformers ``Trainer`` of tiny Qwen2.5-VL QLoRA (vramguard's VLM build,
+    two rows of the processor's 56x56 image inputs, a collator that concatenates them): two steps, no growth, the
+    ledger's saved bytes equal the independent count of the same first forward, and the report splits them by
+    stack as ``vramguard audit`` does (the note was missing: the callback's model has no ``vision`` setup)."""
+    from transformers import Trainer, TrainingArguments
+
+    from vramguard.integrations.transformers import VramGuardCallback
+    from vramguard.workload.training import make_optimizer
+
+    built = build_vision_qlora(_config("qwen2.5-vl", seq=128), (56, 56))
+    config, _ = load_vision_config(FIXTURES["qwen2.5-vl"])
+    rows = [image_rows(built.family, config, 512, (56, 56), 128, seed=i).inputs for i in range(2)]
+    independent = independent_saved_bytes(built.q.model, rows[0])
+    args = TrainingArguments(
+        str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        train_sampling_strategy="sequential",  # step 1 trains on rows[0]
+        remove_unused_columns=False,  # pixel_values, image_grid_thw, mm_token_type_ids reach the model
+        disable_tqdm=True,
+    )
+    cb = VramGuardCallback(table=False)
+    trainer = Trainer(
+        model=built.q.model,
+        args=args,
+        train_dataset=rows,  # type: ignore[arg-type]  # a list of dicts is a map-style dataset
+        data_collator=lambda items: {k: torch.cat([it[k] for it in items]) for k in items[0]},
+        callbacks=[cb],
+        optimizers=(make_optimizer(built.q), None),
+    )
+    trainer.train()
+    report = cb.report
+    assert report is not None and report.verdict.ok, report.verdict.line
+    assert len(report.steps) == 2 and cb.ledger is not None
+    assert report.totals.saved_bytes == cb.ledger.saved_bytes == independent
+    assert [r.name.rsplit(".", 2)[-2:] for r in report.layers] == [["layers", "0"], ["layers", "1"]]
+    notes = [n for n in report.verdict.notes if n.startswith("saved for backward by stack")]
+    assert len(notes) == 1 and "vision tower" in notes[0] and "projector" in notes[0], report.verdict.notes

@@ -147,6 +147,44 @@ def test_fixed_size_families_ignore_the_image_size() -> None:
     assert _rows("llava-next", (56, 56))[1].image_tokens < _rows("llava-next", (112, 112))[1].image_tokens
 
 
+@pytest.mark.parametrize(("size", "crops"), [((56, 56), 0), ((300, 600), 2), ((300, 900), 3), ((1200, 300), 4)])
+def test_gemma3_pan_and_scan_adds_the_processors_crops(size: tuple[int, int], crops: int) -> None:
+    """Gemma 3's processor call with ``do_pan_and_scan=True`` (its call defaults win over its image processor's
+    settings, so it goes to every call): an image of aspect ratio >= 1.2 is also cut into 2-4 crops, each taking
+    mm_tokens_per_image (16) tokens and a pixel_values entry; a square one is left whole."""
+    config, _ = load_vision_config(FIXTURES["gemma3"])
+    rows = image_rows(family_of("gemma3"), config, 512, size, 256, pixels={"do_pan_and_scan": True})
+    assert rows.image_tokens == 16 * (1 + crops)
+    assert rows.inputs["pixel_values"].shape[0] == 1 + crops
+    assert int((rows.inputs["input_ids"] == config.image_token_id).sum()) == rows.image_tokens
+
+
+def test_pan_and_scan_audit_equals_estimate_and_is_gemma3s_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--pan-and-scan``: the audit and the estimate (``--target cpu``) of tiny Gemma 3 with a 300x600 image
+    take the processor's 48 image tokens (the image and 2 crops) and agree to the byte; the JSON records it. Any
+    other family, or a text model, is refused in one line (exit 2)."""
+    from vramguard.cli.app import main
+
+    base = ["--model", str(FIXTURES["gemma3"]), "--image-size", "300x600", "--seq-len", "96", "--batch", "1"]
+    base += ["--pan-and-scan"]
+    audit, estimate = tmp_path / "audit.json", tmp_path / "estimate.json"
+    assert main(["audit", *base, "--steps", "1", "--device", "cpu", "--quiet", "--json", str(audit)]) == 0
+    assert main(["estimate", *base, *LOOP, "--steps", "1", "--quiet", "--json", str(estimate)]) == 0
+    a, e = json.loads(audit.read_text()), json.loads(estimate.read_text())
+    assert a["config"]["pan_and_scan"] is e["config"]["pan_and_scan"] is True
+    assert a["totals"] == e["totals"]
+    assert any("48 image tokens" in n and "pixel_values 3x3x64x64" in n for n in a["verdict"]["notes"])
+    capsys.readouterr()
+    for model in (str(FIXTURES["qwen2.5-vl"]), "tiny-llama"):
+        args = ["estimate", "--model", model, "--seq-len", "96", "--pan-and-scan", *LOOP]
+        assert main([*args, "--image-size", "56x56"] if "vl" in model else args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "pan-and-scan" in err, err
+    assert "pan_and_scan" not in QLoRAConfig().to_dict()
+
+
 def test_images_per_row_and_an_overflowing_row() -> None:
     one = _rows("qwen2-vl", (112, 112))[1].image_tokens
     assert _rows("qwen2-vl", (112, 112), images=3)[1].image_tokens == 3 * one

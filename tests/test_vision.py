@@ -147,11 +147,13 @@ def test_fixed_size_families_ignore_the_image_size() -> None:
     assert _rows("llava-next", (56, 56))[1].image_tokens < _rows("llava-next", (112, 112))[1].image_tokens
 
 
-@pytest.mark.parametrize(("size", "crops"), [((56, 56), 0), ((300, 600), 2), ((300, 900), 3), ((1200, 300), 4)])
+@pytest.mark.parametrize(
+    ("size", "crops"), [((56, 56), 0), ((300, 600), 2), ((300, 900), 3), ((1200, 300), 4)]
+)
 def test_gemma3_pan_and_scan_adds_the_processors_crops(size: tuple[int, int], crops: int) -> None:
-    """Gemma 3's processor call with ``do_pan_and_scan=True`` (its call defaults win over its image processor's
-    settings, so it goes to every call): an image of aspect ratio >= 1.2 is also cut into 2-4 crops, each taking
-    mm_tokens_per_image (16) tokens and a pixel_values entry; a square one is left whole."""
+    """Gemma 3's processor call with ``do_pan_and_scan=True`` (its call defaults win over its image
+    processor's settings, so it goes to every call): an image of aspect ratio >= 1.2 is also cut into 2-4
+    crops, each taking mm_tokens_per_image (16) tokens and a pixel_values entry; a square one stays whole."""
     config, _ = load_vision_config(FIXTURES["gemma3"])
     rows = image_rows(family_of("gemma3"), config, 512, size, 256, pixels={"do_pan_and_scan": True})
     assert rows.image_tokens == 16 * (1 + crops)
@@ -162,9 +164,9 @@ def test_gemma3_pan_and_scan_adds_the_processors_crops(size: tuple[int, int], cr
 def test_pan_and_scan_audit_equals_estimate_and_is_gemma3s_only(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``--pan-and-scan``: the audit and the estimate (``--target cpu``) of tiny Gemma 3 with a 300x600 image
-    take the processor's 48 image tokens (the image and 2 crops) and agree to the byte; the JSON records it. Any
-    other family, or a text model, is refused in one line (exit 2)."""
+    """``--pan-and-scan``: the audit and the estimate (``--target cpu``) of tiny Gemma 3 with a 300x600
+    image take the processor's 48 image tokens (the image and 2 crops) and agree to the byte; the JSON
+    records it. Any other family, or a text model, is refused in one line (exit 2)."""
     from vramguard.cli.app import main
 
     base = ["--model", str(FIXTURES["gemma3"]), "--image-size", "300x600", "--seq-len", "96", "--batch", "1"]
@@ -604,10 +606,11 @@ def test_trl_default_targets_on_a_vlm_name_the_flag(capsys: pytest.CaptureFixtur
 
 
 def test_trainer_callback_on_a_vlm_splits_its_ledger_by_stack(tmp_path: Path) -> None:
-    """``VramGuardCallback`` on a plain transformers ``Trainer`` of tiny Qwen2.5-VL QLoRA (vramguard's VLM build,
-    two rows of the processor's 56x56 image inputs, a collator that concatenates them): two steps, no growth, the
-    ledger's saved bytes equal the independent count of the same first forward, and the report splits them by
-    stack as ``vramguard audit`` does (the note was missing: the callback's model has no ``vision`` setup)."""
+    """``VramGuardCallback`` on a plain transformers ``Trainer`` of tiny Qwen2.5-VL QLoRA (vramguard's VLM
+    build, two rows of the processor's 56x56 image inputs, a collator that concatenates them): two steps, no
+    growth, the ledger's saved bytes equal the independent count of the same first forward, and the report
+    splits them by stack as ``vramguard audit`` does (the note was missing: the callback's model has no
+    ``vision`` setup)."""
     from transformers import Trainer, TrainingArguments
 
     from vramguard.integrations.transformers import VramGuardCallback

@@ -219,8 +219,8 @@ def add_tower_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pan-and-scan",
         action=argparse.BooleanOptionalAction,
-        help="Gemma 3's processor(..., do_pan_and_scan=True): an image of aspect ratio >= 1.2 is also cut into "
-        "crops (2 to 4, each at least 256 px), each taking mm_tokens_per_image tokens; default: off",
+        help="Gemma 3's processor(..., do_pan_and_scan=True): an image of aspect ratio >= 1.2 is also cut "
+        "into crops (2 to 4, each at least 256 px), each taking mm_tokens_per_image tokens; default: off",
     )
 
 

@@ -202,8 +202,8 @@ def vision(model: Any, ledger: LedgerReport) -> Finding | None:
 
 
 def vision_stacks(family: Any, ledger: LedgerReport) -> Finding | None:
-    """The saved bytes of ``ledger`` per stack of ``family`` (a :class:`vramguard.workload.vision.VisionFamily`;
-    None: a text model, no finding)."""
+    """The saved bytes of ``ledger`` per stack of ``family`` (a
+    :class:`vramguard.workload.vision.VisionFamily`; None: a text model, no finding)."""
     if family is None:
         return None
     from vramguard.workload.vision import saved_by_stack

@@ -86,8 +86,9 @@ class VisionFamily:
     """The processor takes a batch's images as one list per row (Mllama, Idefics3, SmolVLM)."""
     image_steps: Callable[[Any], ImageSteps] | None = None
     call_options: tuple[str, ...] = ()
-    """Options of the processor's call that a flag may set (Gemma 3's ``do_pan_and_scan``, ``--pan-and-scan``):
-    the processor's own call defaults win over its image processor's settings, so they go to every call."""
+    """Options of the processor's call that a flag may set (Gemma 3's ``do_pan_and_scan``,
+    ``--pan-and-scan``): the processor's own call defaults win over its image processor's settings, so they go
+    to every call."""
     """How the processor rounds an image's sides (None: it does not keep the size: Gemma 3's fixed size, tiles):
     what ``--fit-dim image`` searches in."""
 
@@ -544,7 +545,8 @@ def _without_video(cls: type) -> type:
     if attributes == cls.get_attributes():
         return cls
     params = inspect.signature(cls.__init__).parameters
-    required = {a: None for a in VIDEO_ATTRIBUTES if a in params and params[a].default is inspect.Parameter.empty}
+    empty = inspect.Parameter.empty
+    required = {a: None for a in VIDEO_ATTRIBUTES if a in params and params[a].default is empty}
 
     class ImageOnly(cls):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -566,8 +568,8 @@ def family_processor(
     settings its Hub checkpoints' processor files hold (:class:`VisionFamily`), and :func:`row_tokenizer`.
     ``pixels``: ``min_pixels`` / ``max_pixels`` given to the image processor as users pass them to
     ``AutoProcessor.from_pretrained`` (Qwen's families; they replace its ``size`` bounds); the family's
-    :attr:`VisionFamily.call_options` among them (``do_pan_and_scan``) are kept for every call of the processor
-    (:func:`_process`), as users pass them to ``processor(...)``."""
+    :attr:`VisionFamily.call_options` among them (``do_pan_and_scan``) are kept for every call of the
+    processor (:func:`_process`), as users pass them to ``processor(...)``."""
     import importlib.util
 
     import transformers

@@ -290,10 +290,10 @@ def forced_decisions(
     from transformers import masking_utils
 
     functional = torch.nn.functional
-    taken = {"find_packed_sequence_indices": 0, "scaled_dot_product_attention": 0}
     meta_autocast = _meta_autocast(target if autocast else "cpu")
     grouped = _GroupedMmAnyDtype()
     routing = _routing(target) if autocast else None
+    taken = Decisions(grouped, routing)
     meta_autocast.routing = routing  # type: ignore[attr-defined]
     packed = _packed_answer(masking_utils.find_packed_sequence_indices, one_sequence_per_row, taken)
     patches = [
@@ -319,6 +319,36 @@ def forced_decisions(
         if routing is not None:
             taken["autocast_routed"] = routing.routed
             taken["autocast_unprobed"] = len(routing.unprobed)
+
+
+class Decisions(dict):  # type: ignore[type-arg]
+    """:func:`forced_decisions`' counter of the decisions taken (``find_packed_sequence_indices``,
+    ``scaled_dot_product_attention``), with the counts its modes keep (``grouped_mm``, ``autocast_routed``)
+    written in when the block ends. :meth:`counts` reads them all now and :meth:`add` adds to each: a step
+    that prices repeated micro-batches from one (:class:`vramguard.workload.training.Repeats`) counts
+    theirs."""
+
+    def __init__(self, grouped: Any, routing: Any) -> None:
+        super().__init__(find_packed_sequence_indices=0, scaled_dot_product_attention=0)
+        self._grouped = grouped
+        self._routing = routing
+
+    def counts(self) -> dict[str, int]:
+        """Every count as it stands now."""
+        live = {**self, "grouped_mm": self._grouped.answered}
+        if self._routing is not None:
+            live["autocast_routed"] = self._routing.routed
+        return live
+
+    def add(self, more: dict[str, int]) -> None:
+        """Add ``more`` (counts by :meth:`counts`' names) to each count."""
+        for name, n in more.items():
+            if name == "grouped_mm":
+                self._grouped.answered += n
+            elif name == "autocast_routed":
+                self._routing.routed += n
+            else:
+                self[name] += n
 
 
 def _packed_answer(original: Any, one_sequence_per_row: bool, taken: dict[str, int]) -> Any:

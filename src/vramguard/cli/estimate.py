@@ -311,7 +311,8 @@ def _fit(
         if starting is not None:
             starting(c, runs)
         runs += 1
-        return run_estimate(c, steps=args.steps, top=1, target=args.target, gpu=gpu)
+        # only the figure is read: no data bounds (packed rows' second run)
+        return run_estimate(c, steps=args.steps, top=1, target=args.target, gpu=gpu, bounds=False)
 
     judged = FIT_AT[args.fit_at]
 

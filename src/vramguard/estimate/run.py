@@ -294,9 +294,10 @@ def data_bounds(q: QLoRAModel, request: StepRequest, estimate: DeviceEstimate) -
     in a row decide lower figures. With packing and sdpa or eager attention the rows' boundaries decide whether
     transformers builds the packed-sequence mask: priced as real packed rows hold several sequences (the high,
     and the expected for TRL's bfd packing of shorter documents), and run again with every row one sequence (a
-    document as long as the row: the low). None for the low run itself."""
+    document as long as the row: the low). None for the low run itself, and for a request without ``bounds``
+    (its figure alone is read)."""
     config = request.config
-    if request.one_sequence_per_row is not None:
+    if request.one_sequence_per_row is not None or not request.bounds:
         return None
     fb = format_bytes
     tokens = f"{config.batch:,} x {config.seq_len:,} tokens"

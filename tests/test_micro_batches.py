@@ -77,3 +77,51 @@ def test_two_micro_batches_price_all_of_them(monkeypatch: pytest.MonkeyPatch, ca
     # 2 steps of n micro-batches against 2 of 2, in each meta run (packed rows' data bounds run a second)
     assert full_forwards % (2 * n) == 0 and priced_forwards == full_forwards // (2 * n) * 4
     assert priced == full
+
+
+TRAINER_CASES: dict[str, dict[str, Any]] = {
+    "sft-ga4": {**SMALL, "gradient_accumulation_steps": 4},
+    "sft-checkpointing-packing-ga3": {
+        "seq_len": 48,
+        "batch": 2,
+        "gradient_accumulation_steps": 3,
+        "gradient_checkpointing": True,
+        "padding_free": True,
+        "packing": True,
+        "lora_dropout": 0.05,
+    },
+    "sft-bf16-8bit-ga3": {
+        **SMALL,
+        "gradient_accumulation_steps": 3,
+        "mixed_precision": "bf16",
+        "optimizer": "adamw-8bit",
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(TRAINER_CASES))
+def test_the_trainers_micro_batches_are_priced_from_two(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """TRL's SFTTrainer on meta (``--trainer sft``, the default): its training_step runs for the first and the
+    last micro-batch of each step, and the report is the full run's, byte for byte."""
+    from trl import SFTTrainer
+
+    from vramguard.estimate.trainer import run_trainer_estimate
+
+    config = QLoRAConfig(**TRAINER_CASES[case])
+    n = config.gradient_accumulation_steps
+    docs, calls = [], []
+    for full in (True, False):
+        counted: list[int] = []
+        original = SFTTrainer.compute_loss
+
+        def compute_loss(self: Any, *args: Any, _counted: list[int] = counted, **kwargs: Any) -> Any:
+            _counted.append(1)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(SFTTrainer, "compute_loss", compute_loss)
+        monkeypatch.setenv(ALL_MICRO_BATCHES, "1" if full else "")
+        docs.append(_document(run_trainer_estimate(config, "sft", steps=2, target="cuda")))
+        calls.append(len(counted))
+        monkeypatch.setattr(SFTTrainer, "compute_loss", original)
+    assert calls == [2 * n, 2 * 2]
+    assert docs[1] == docs[0]

@@ -317,3 +317,52 @@ def test_an_estimate_with_lora_dropout_is_the_same_with_the_cache(monkeypatch: p
     monkeypatch.setattr(meta.PointwiseShapeCache, "_kind", lambda self, func: 0)  # every op to its kernel
     kernels = run_estimate(config, steps=2, target="cuda")
     assert _document(cached) == _document(kernels)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: torch.linalg.vector_norm(x, 2.0),
+        lambda x: torch.linalg.vector_norm(x, float("inf"), dim=1),
+        lambda x: torch.linalg.vector_norm(x, 2.0, dim=(0,), keepdim=True),
+        lambda x: torch.linalg.vector_norm(x, 2.0, dtype=torch.float32),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vector_norm_is_answered_as_its_kernel(call: Any, dtype: torch.dtype) -> None:
+    """``linalg_vector_norm`` (``clip_grad_norm_``'s per-gradient norm) repeats from the first call's metadata:
+    its result as the kernel makes it, for each ``dim``, ``keepdim``, ``dtype`` and order."""
+    x = torch.empty(6, 4, dtype=dtype, device="meta")
+    kernel = call(x)
+    with PointwiseShapeCache() as cache:
+        first, again = call(x), call(x)
+    assert cache.hits == 1 and cache.misses == 1
+    for ours in (first, again):
+        assert (ours.shape, ours.stride(), ours.dtype) == (kernel.shape, kernel.stride(), kernel.dtype)
+
+
+def test_a_trainer_estimate_is_the_same_with_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL's step on meta (gradient clipping: a ``linalg_vector_norm`` per LoRA gradient; LoRA dropout) answers
+    those from the cache and is byte for byte the estimate of the kernels alone."""
+    from vramguard.estimate import meta
+    from vramguard.estimate.trainer import run_trainer_estimate
+
+    config = QLoRAConfig(seq_len=32, batch=1, lora_dropout=0.05)
+    answered: list[Any] = []
+    original = meta.PointwiseShapeCache.__torch_dispatch__
+
+    def dispatch(self: PointwiseShapeCache, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        hits = self.hits
+        out = original(self, func, types, args, kwargs)
+        if self.hits > hits:
+            answered.append(func)
+        return out
+
+    monkeypatch.setattr(meta.PointwiseShapeCache, "__torch_dispatch__", dispatch)
+    monkeypatch.setattr(meta, "PROCESS_ANSWERS", {})
+    cached = run_trainer_estimate(config, "sft", steps=2, target="cuda")
+    assert torch.ops.aten.linalg_vector_norm.default in answered
+    assert torch.ops.aten.native_dropout.default in answered
+    monkeypatch.setattr(meta.PointwiseShapeCache, "_kind", lambda self, func: 0)  # every op to its kernel
+    kernels = run_trainer_estimate(config, "sft", steps=2, target="cuda")
+    assert _document(cached) == _document(kernels)

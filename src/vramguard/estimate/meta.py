@@ -95,7 +95,7 @@ class PointwiseShapeCache(TorchDispatchMode):
 
     Entered below every other mode of the meta step (first), so the tracker and the other modes see each
     result as the kernel's. ``native_dropout`` (:data:`SEVERAL_FRESH`) is answered the same way, a tuple of new
-    results. Anything else passes through: ops not tagged pointwise or with several results (but those) or an
+    results, and ``linalg_vector_norm`` (:data:`ONE_FRESH`) as a pointwise op. Anything else passes through: ops not tagged pointwise or with several results (but those) or an
     ``out=``, tensor subclasses (FSDP2's DTensors), real tensors other than 0-d ones, an in-place op on a
     real tensor (Adam's step counter on the host counts), an in-place op that resized what it wrote, and a
     first result that is no fresh meta tensor."""
@@ -113,7 +113,7 @@ class PointwiseShapeCache(TorchDispatchMode):
         new results)."""
         kind = _KINDS.get(func)
         if kind is None:
-            kind = 5 if func in SEVERAL_FRESH else 0
+            kind = 5 if func in SEVERAL_FRESH else 1 if func in ONE_FRESH else 0
             schema = func._schema
             written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
             out = any(a.name == "out" for a in schema.arguments)
@@ -199,6 +199,13 @@ SEVERAL_FRESH = frozenset({torch.ops.aten.native_dropout.default})
 kernel is torch's Python decomposition (``rand_like``, a compare, two multiplies: about 4 ms a call, the
 largest single cost of an 8B step with LoRA dropout, 3,584 calls). Its ``p`` is a float: its type is in the
 key, its value decides no shape."""
+
+
+ONE_FRESH = frozenset({torch.ops.aten.linalg_vector_norm.default})
+"""Ops of one new result, not tagged pointwise, whose meta kernel reads only metadata and the arguments the key
+holds by value: ``linalg_vector_norm`` (``clip_grad_norm_``'s norm of each gradient, Trainer's ``max_grad_norm``:
+a Python reference as its meta kernel, ~1.6 ms a call, one per trainable tensor a step); its ``dim``, ``keepdim``
+and ``dtype`` are keyed by value, its float ``ord`` by type (no order changes the result's shape or dtype)."""
 
 
 def _apart(out: tuple[torch.Tensor, ...]) -> bool:

@@ -32,9 +32,7 @@ class StepRequest:
     cpu for the tests' real-tensor reference), ``routing`` (a mixture of experts' routing forced, or None) and
     ``one_sequence_per_row`` (packed rows forced to one sequence each, or None: as the data decides) and ``gpu``
     (the card, :class:`vramguard.estimate.gpus.Gpu`, whose CUDA context allowance the total takes; None: the
-    H100's). ``bounds``: whether the data's bounds are priced (:func:`vramguard.estimate.run.data_bounds`: for
-    packed rows a second meta run, the rows one sequence each); False for a run whose figure alone is read
-    (``--fit``'s probes). Validated at construction (one-line :class:`UsageError`), its config resolved there."""
+    H100's). Validated at construction (one-line :class:`UsageError`), its config resolved there."""
 
     config: QLoRAConfig
     target: str = "cuda"
@@ -44,6 +42,8 @@ class StepRequest:
     one_sequence_per_row: bool | None = None
     gpu: Any = None
     bounds: bool = True
+    """Whether the data's bounds are priced (:func:`vramguard.estimate.run.data_bounds`: for packed rows a second
+    meta run, the rows one sequence each); False for a run whose figure alone is read (``--fit``'s probes)."""
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:

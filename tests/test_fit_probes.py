@@ -50,5 +50,6 @@ def test_fit_runs_its_probes_without_bounds(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(estimate_run, "run_estimate", fake)
     args = argparse.Namespace(steps=1, target="cuda", fit_at="expected", fit_dim="batch")
-    cli._fit(config, 1 << 40, args, report)
+    runner = cli._runner(args, "loop", None, lambda what: None)
+    cli._fit(config, 1 << 40, args, report, runner, cli._place(args, "loop", None))
     assert asked and not any(asked)

@@ -273,3 +273,96 @@ def _document(report: Any) -> str:
     doc = report.to_dict()
     doc.pop("elapsed_s", None)
     return json.dumps(doc, sort_keys=True, default=str)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_native_dropout_is_answered_as_its_kernel(dtype: torch.dtype, transposed: bool) -> None:
+    """CUDA's dropout on meta (``native_dropout``: the output and its bool mask) repeats from the first
+    call's metadata, its results as its Python meta kernel makes them (strides of a transposed input, the
+    mask's bool dtype), each a storage of its own; ``p``'s value decides no shape."""
+    x = torch.empty(8, 4, dtype=dtype, device="meta")
+    x = x.t() if transposed else x
+    kernel = torch.native_dropout(x, 0.1, True)
+    with PointwiseShapeCache() as cache:
+        first = torch.native_dropout(x, 0.1, True)
+        again = torch.native_dropout(x, 0.3, True)
+    assert cache.hits == 1 and cache.misses == 1
+    for made in (first, again):
+        assert type(made) is tuple and len(made) == 2
+        for ours, theirs in zip(made, kernel):
+            assert (ours.shape, ours.stride(), ours.dtype) == (theirs.shape, theirs.stride(), theirs.dtype)
+        assert made[0].untyped_storage()._cdata != made[1].untyped_storage()._cdata
+
+
+def test_an_estimate_with_lora_dropout_is_the_same_with_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA estimate with LoRA dropout (``native_dropout`` in every adapter's forward) answers its dropouts
+    from the cache and is byte for byte the estimate of the kernels alone."""
+    from vramguard.estimate import meta
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=32, batch=2, lora_dropout=0.05)
+    dropouts = []
+    original = meta.PointwiseShapeCache._remember
+
+    def remember(self: PointwiseShapeCache, kind: int, key: Any, args: Any, out: Any) -> None:
+        dropouts.append(key[0] is torch.ops.aten.native_dropout.default and key in self._shapes)
+        original(self, kind, key, args, out)
+        dropouts[-1] = key[0] is torch.ops.aten.native_dropout.default and key in self._shapes
+
+    monkeypatch.setattr(meta.PointwiseShapeCache, "_remember", remember)
+    monkeypatch.setattr(meta, "PROCESS_ANSWERS", {})
+    cached = run_estimate(config, steps=2, target="cuda")
+    assert any(dropouts)  # native_dropout's answers were kept
+    monkeypatch.setattr(meta.PointwiseShapeCache, "_kind", lambda self, func: 0)  # every op to its kernel
+    kernels = run_estimate(config, steps=2, target="cuda")
+    assert _document(cached) == _document(kernels)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: torch.linalg.vector_norm(x, 2.0),
+        lambda x: torch.linalg.vector_norm(x, float("inf"), dim=1),
+        lambda x: torch.linalg.vector_norm(x, 2.0, dim=(0,), keepdim=True),
+        lambda x: torch.linalg.vector_norm(x, 2.0, dtype=torch.float32),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vector_norm_is_answered_as_its_kernel(call: Any, dtype: torch.dtype) -> None:
+    """``linalg_vector_norm`` (``clip_grad_norm_``'s per-gradient norm) repeats from the first call's metadata:
+    its result as the kernel makes it, for each ``dim``, ``keepdim``, ``dtype`` and order."""
+    x = torch.empty(6, 4, dtype=dtype, device="meta")
+    kernel = call(x)
+    with PointwiseShapeCache() as cache:
+        first, again = call(x), call(x)
+    assert cache.hits == 1 and cache.misses == 1
+    for ours in (first, again):
+        assert (ours.shape, ours.stride(), ours.dtype) == (kernel.shape, kernel.stride(), kernel.dtype)
+
+
+def test_a_trainer_estimate_is_the_same_with_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL's step on meta (gradient clipping: a ``linalg_vector_norm`` per LoRA gradient; LoRA dropout) answers
+    those from the cache and is byte for byte the estimate of the kernels alone."""
+    from vramguard.estimate import meta
+    from vramguard.estimate.trainer import run_trainer_estimate
+
+    config = QLoRAConfig(seq_len=32, batch=1, lora_dropout=0.05)
+    answered: list[Any] = []
+    original = meta.PointwiseShapeCache.__torch_dispatch__
+
+    def dispatch(self: PointwiseShapeCache, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        hits = self.hits
+        out = original(self, func, types, args, kwargs)
+        if self.hits > hits:
+            answered.append(func)
+        return out
+
+    monkeypatch.setattr(meta.PointwiseShapeCache, "__torch_dispatch__", dispatch)
+    monkeypatch.setattr(meta, "PROCESS_ANSWERS", {})
+    cached = run_trainer_estimate(config, "sft", steps=2, target="cuda")
+    assert torch.ops.aten.linalg_vector_norm.default in answered
+    assert torch.ops.aten.native_dropout.default in answered
+    monkeypatch.setattr(meta.PointwiseShapeCache, "_kind", lambda self, func: 0)  # every op to its kernel
+    kernels = run_trainer_estimate(config, "sft", steps=2, target="cuda")
+    assert _document(cached) == _document(kernels)

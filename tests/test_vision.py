@@ -147,6 +147,46 @@ def test_fixed_size_families_ignore_the_image_size() -> None:
     assert _rows("llava-next", (56, 56))[1].image_tokens < _rows("llava-next", (112, 112))[1].image_tokens
 
 
+@pytest.mark.parametrize(
+    ("size", "crops"), [((56, 56), 0), ((300, 600), 2), ((300, 900), 3), ((1200, 300), 4)]
+)
+def test_gemma3_pan_and_scan_adds_the_processors_crops(size: tuple[int, int], crops: int) -> None:
+    """Gemma 3's processor call with ``do_pan_and_scan=True`` (its call defaults win over its image
+    processor's settings, so it goes to every call): an image of aspect ratio >= 1.2 is also cut into 2-4
+    crops, each taking mm_tokens_per_image (16) tokens and a pixel_values entry; a square one stays whole."""
+    config, _ = load_vision_config(FIXTURES["gemma3"])
+    rows = image_rows(family_of("gemma3"), config, 512, size, 256, pixels={"do_pan_and_scan": True})
+    assert rows.image_tokens == 16 * (1 + crops)
+    assert rows.inputs["pixel_values"].shape[0] == 1 + crops
+    assert int((rows.inputs["input_ids"] == config.image_token_id).sum()) == rows.image_tokens
+
+
+def test_pan_and_scan_audit_equals_estimate_and_is_gemma3s_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--pan-and-scan``: the audit and the estimate (``--target cpu``) of tiny Gemma 3 with a 300x600
+    image take the processor's 48 image tokens (the image and 2 crops) and agree to the byte; the JSON
+    records it. Any other family, or a text model, is refused in one line (exit 2)."""
+    from vramguard.cli.app import main
+
+    base = ["--model", str(FIXTURES["gemma3"]), "--image-size", "300x600", "--seq-len", "96", "--batch", "1"]
+    base += ["--pan-and-scan"]
+    audit, estimate = tmp_path / "audit.json", tmp_path / "estimate.json"
+    assert main(["audit", *base, "--steps", "1", "--device", "cpu", "--quiet", "--json", str(audit)]) == 0
+    assert main(["estimate", *base, *LOOP, "--steps", "1", "--quiet", "--json", str(estimate)]) == 0
+    a, e = json.loads(audit.read_text()), json.loads(estimate.read_text())
+    assert a["config"]["pan_and_scan"] is e["config"]["pan_and_scan"] is True
+    assert a["totals"] == e["totals"]
+    assert any("48 image tokens" in n and "pixel_values 3x3x64x64" in n for n in a["verdict"]["notes"])
+    capsys.readouterr()
+    for model in (str(FIXTURES["qwen2.5-vl"]), "tiny-llama"):
+        args = ["estimate", "--model", model, "--seq-len", "96", "--pan-and-scan", *LOOP]
+        assert main([*args, "--image-size", "56x56"] if "vl" in model else args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "pan-and-scan" in err, err
+    assert "pan_and_scan" not in QLoRAConfig().to_dict()
+
+
 def test_images_per_row_and_an_overflowing_row() -> None:
     one = _rows("qwen2-vl", (112, 112))[1].image_tokens
     assert _rows("qwen2-vl", (112, 112), images=3)[1].image_tokens == 3 * one
@@ -172,6 +212,19 @@ def test_smolvlm_without_num2words_is_a_one_line_refusal() -> None:
     config, _ = load_vision_config(FIXTURES["smolvlm"])
     with pytest.raises(UsageError, match="needs the num2words package"):
         family_processor(family_of("smolvlm"), config, 512)
+
+
+def test_smolvlm_rows_are_its_processors() -> None:
+    """SmolVLM's processor (num2words installed, as the test extra has it) takes a video_processor argument
+    with no default, which transformers' video processors cannot give without torchvision: it is given None,
+    as the image-only processor of the other families drops its video slot. The row is SmolVLMProcessor's
+    (Idefics3's splitting: a 56x56 image is 4 tiles and the global image, 68 image tokens at this tiny shape);
+    the slow tests below measure its step (ledger = independent count, meta = audit) at two sizes."""
+    config, rows = _rows("smolvlm", (56, 56))
+    assert type(family_processor(family_of("smolvlm"), config, 512)).__name__ == "SmolVLMProcessor"
+    assert rows.image_tokens == 68
+    assert int((rows.inputs["input_ids"] == config.image_token_id).sum()) == 68
+    assert rows.inputs["pixel_attention_mask"].shape[:2] == rows.inputs["pixel_values"].shape[:2]
 
 
 # -- a real QLoRA step, its ledger and an independent count --------------------------------------
@@ -547,3 +600,51 @@ def test_trl_default_targets_on_a_vlm_name_the_flag(capsys: pytest.CaptureFixtur
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "PEFT has no default target modules for qwen3_vl" in err and "--target-modules all-linear" in err
+
+
+# -- the Trainer callback ------------------------------------------------------------------------
+
+
+def test_trainer_callback_on_a_vlm_splits_its_ledger_by_stack(tmp_path: Path) -> None:
+    """``VramGuardCallback`` on a plain transformers ``Trainer`` of tiny Qwen2.5-VL QLoRA (vramguard's VLM
+    build, two rows of the processor's 56x56 image inputs, a collator that concatenates them): two steps, no
+    growth, the ledger's saved bytes equal the independent count of the same first forward, and the report
+    splits them by stack as ``vramguard audit`` does (the note was missing: the callback's model has no
+    ``vision`` setup)."""
+    from transformers import Trainer, TrainingArguments
+
+    from vramguard.integrations.transformers import VramGuardCallback
+    from vramguard.workload.training import make_optimizer
+
+    built = build_vision_qlora(_config("qwen2.5-vl", seq=128), (56, 56))
+    config, _ = load_vision_config(FIXTURES["qwen2.5-vl"])
+    rows = [image_rows(built.family, config, 512, (56, 56), 128, seed=i).inputs for i in range(2)]
+    independent = independent_saved_bytes(built.q.model, rows[0])
+    args = TrainingArguments(
+        str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        train_sampling_strategy="sequential",  # step 1 trains on rows[0]
+        remove_unused_columns=False,  # pixel_values, image_grid_thw, mm_token_type_ids reach the model
+        disable_tqdm=True,
+    )
+    cb = VramGuardCallback(table=False)
+    trainer = Trainer(
+        model=built.q.model,
+        args=args,
+        train_dataset=rows,  # type: ignore[arg-type]  # a list of dicts is a map-style dataset
+        data_collator=lambda items: {k: torch.cat([it[k] for it in items]) for k in items[0]},
+        callbacks=[cb],
+        optimizers=(make_optimizer(built.q), None),
+    )
+    trainer.train()
+    report = cb.report
+    assert report is not None and report.verdict.ok, report.verdict.line
+    assert len(report.steps) == 2 and cb.ledger is not None
+    assert report.totals.saved_bytes == cb.ledger.saved_bytes == independent
+    assert [r.name.rsplit(".", 2)[-2:] for r in report.layers] == [["layers", "0"], ["layers", "1"]]
+    notes = [n for n in report.verdict.notes if n.startswith("saved for backward by stack")]
+    assert len(notes) == 1 and "vision tower" in notes[0] and "projector" in notes[0], report.verdict.notes

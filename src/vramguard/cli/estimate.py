@@ -333,8 +333,8 @@ def _runner(args: argparse.Namespace, trainer: str, gpu: Gpu | None, told: Any) 
         runs += 1
         image = f", image {c.image_size}" if c.image_size else ""
         told(f"fit: meta run {runs} (batch {c.batch} x seq {c.seq_len}{image}, {trainer})")
-        if trainer == "loop":
-            return run_estimate(c, steps=args.steps, top=1, target=args.target, gpu=gpu)
+        if trainer == "loop":  # only the figure is read: no data bounds (packed rows' second run)
+            return run_estimate(c, steps=args.steps, top=1, target=args.target, gpu=gpu, bounds=False)
         from vramguard.estimate.trainer import run_trainer_estimate
 
         return run_trainer_estimate(c, trainer, steps=args.steps, target=args.target, gpu=gpu)

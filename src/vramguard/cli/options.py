@@ -64,6 +64,7 @@ STEP_FLAGS: tuple[str, ...] = (
     "max_pixels",
     "padding_free",
     "packing",
+    "pan_and_scan",
 )
 """The :class:`QLoRAConfig` fields a flag may set (each flag's destination is the field's name). A flag
 not given is ``None`` in the parsed arguments, so a ``--config`` file decides it; without a file, the
@@ -217,6 +218,12 @@ def add_tower_options(p: argparse.ArgumentParser) -> None:
             help=f"Qwen's image processor {bound}_pixels (AutoProcessor.from_pretrained(..., {bound}_pixels=N)): "
             "images are resized into [min, max] pixels at patch x merge multiples; default: the processor's",
         )
+    p.add_argument(
+        "--pan-and-scan",
+        action=argparse.BooleanOptionalAction,
+        help="Gemma 3's processor(..., do_pan_and_scan=True): an image of aspect ratio >= 1.2 is also cut "
+        "into crops (2 to 4, each at least 256 px), each taking mm_tokens_per_image tokens; default: off",
+    )
 
 
 def qlora_config(args: argparse.Namespace, **fixed: object) -> tuple[QLoRAConfig, list[str]]:

@@ -94,8 +94,9 @@ class PointwiseShapeCache(TorchDispatchMode):
     what the first one computed; None: a cache of its own.
 
     Entered below every other mode of the meta step (first), so the tracker and the other modes see each
-    result as the kernel's. Anything else passes through: ops not tagged pointwise or with several results or
-    an ``out=``, tensor subclasses (FSDP2's DTensors), real tensors other than 0-d ones, an in-place op on a
+    result as the kernel's. ``native_dropout`` (:data:`SEVERAL_FRESH`) is answered the same way, a tuple of new
+    results, and ``linalg_vector_norm`` (:data:`ONE_FRESH`) as a pointwise op. Anything else passes through: ops not tagged pointwise or with several results (but those) or an
+    ``out=``, tensor subclasses (FSDP2's DTensors), real tensors other than 0-d ones, an in-place op on a
     real tensor (Adam's step counter on the host counts), an in-place op that resized what it wrote, and a
     first result that is no fresh meta tensor."""
 
@@ -108,10 +109,11 @@ class PointwiseShapeCache(TorchDispatchMode):
     def _kind(self, func: Any) -> int:
         """0: not cached; 1: a pointwise op with a new result; 2: one that writes its first argument; 3: a
         foreach op of a pointwise op (``_foreach_sqrt``) with a new list of results; 4: one that writes its
-        first list (``_foreach_lerp_``, which returns nothing)."""
+        first list (``_foreach_lerp_``, which returns nothing); 5: one of :data:`SEVERAL_FRESH` (a tuple of
+        new results)."""
         kind = _KINDS.get(func)
         if kind is None:
-            kind = 0
+            kind = 5 if func in SEVERAL_FRESH else 1 if func in ONE_FRESH else 0
             schema = func._schema
             written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
             out = any(a.name == "out" for a in schema.arguments)
@@ -171,9 +173,9 @@ class PointwiseShapeCache(TorchDispatchMode):
             return args[0]
         if kind == 4:
             return None
-        if kind == 3:
-            return [torch.empty_strided(shape, stride, dtype=dtype, device=META)
-                    for shape, stride, dtype in known]
+        if kind == 3 or kind == 5:
+            made = [torch.empty_strided(shape, stride, dtype=dtype, device=META) for shape, stride, dtype in known]
+            return made if kind == 3 else tuple(made)
         shape, stride, dtype = known
         return torch.empty_strided(shape, stride, dtype=dtype, device=META)
 
@@ -187,6 +189,28 @@ class PointwiseShapeCache(TorchDispatchMode):
             self._shapes[key] = tuple((t.shape, t.stride(), t.dtype) for t in out)
         elif kind == 4 and out is None:
             self._shapes[key] = ()
+        elif kind == 5 and type(out) is tuple and all(_fresh(t) for t in out) and _apart(out):
+            self._shapes[key] = tuple((t.shape, t.stride(), t.dtype) for t in out)
+
+
+SEVERAL_FRESH = frozenset({torch.ops.aten.native_dropout.default})
+"""Ops of several results whose meta kernel reads only metadata, each result a new tensor of its own:
+``native_dropout`` (CUDA's dropout on meta, :func:`_dropout_as_on`: the output and its bool mask), whose meta
+kernel is torch's Python decomposition (``rand_like``, a compare, two multiplies: about 4 ms a call, the
+largest single cost of an 8B step with LoRA dropout, 3,584 calls). Its ``p`` is a float: its type is in the
+key, its value decides no shape."""
+
+
+ONE_FRESH = frozenset({torch.ops.aten.linalg_vector_norm.default})
+"""Ops of one new result, not tagged pointwise, whose meta kernel reads only metadata and the arguments the key
+holds by value: ``linalg_vector_norm`` (``clip_grad_norm_``'s norm of each gradient, Trainer's ``max_grad_norm``:
+a Python reference as its meta kernel, ~1.6 ms a call, one per trainable tensor a step); its ``dim``, ``keepdim``
+and ``dtype`` are keyed by value, its float ``ord`` by type (no order changes the result's shape or dtype)."""
+
+
+def _apart(out: tuple[torch.Tensor, ...]) -> bool:
+    """Whether each result has a storage of its own (none a view of another's)."""
+    return len({t.untyped_storage()._cdata for t in out}) == len(out)
 
 
 PROCESS_ANSWERS: dict[tuple[Any, ...], Any] = {}
@@ -273,10 +297,10 @@ def forced_decisions(
     from transformers import masking_utils
 
     functional = torch.nn.functional
-    taken = {"find_packed_sequence_indices": 0, "scaled_dot_product_attention": 0}
     meta_autocast = _meta_autocast(target if autocast else "cpu")
     grouped = _GroupedMmAnyDtype()
     routing = _routing(target) if autocast else None
+    taken = Decisions(grouped, routing)
     meta_autocast.routing = routing  # type: ignore[attr-defined]
     packed = _packed_answer(masking_utils.find_packed_sequence_indices, one_sequence_per_row, taken)
     patches = [
@@ -302,6 +326,36 @@ def forced_decisions(
         if routing is not None:
             taken["autocast_routed"] = routing.routed
             taken["autocast_unprobed"] = len(routing.unprobed)
+
+
+class Decisions(dict):  # type: ignore[type-arg]
+    """:func:`forced_decisions`' counter of the decisions taken (``find_packed_sequence_indices``,
+    ``scaled_dot_product_attention``), with the counts its modes keep (``grouped_mm``, ``autocast_routed``)
+    written in when the block ends. :meth:`counts` reads them all now and :meth:`add` adds to each: a step
+    that prices repeated micro-batches from one (:class:`vramguard.workload.training.Repeats`) counts
+    theirs."""
+
+    def __init__(self, grouped: Any, routing: Any) -> None:
+        super().__init__(find_packed_sequence_indices=0, scaled_dot_product_attention=0)
+        self._grouped = grouped
+        self._routing = routing
+
+    def counts(self) -> dict[str, int]:
+        """Every count as it stands now."""
+        live = {**self, "grouped_mm": self._grouped.answered}
+        if self._routing is not None:
+            live["autocast_routed"] = self._routing.routed
+        return live
+
+    def add(self, more: dict[str, int]) -> None:
+        """Add ``more`` (counts by :meth:`counts`' names) to each count."""
+        for name, n in more.items():
+            if name == "grouped_mm":
+                self._grouped.answered += n
+            elif name == "autocast_routed":
+                self._routing.routed += n
+            else:
+                self[name] += n
 
 
 def _packed_answer(original: Any, one_sequence_per_row: bool, taken: dict[str, int]) -> Any:

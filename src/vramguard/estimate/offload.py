@@ -44,6 +44,17 @@ class OffloadActivations:
         self._handles: list[Any] = []
         self._contexts: list[Any] = []
 
+    def counts(self) -> dict[str, int]:
+        """The sums so far (packs, unpacks, bytes packed): what a step that prices repeated micro-batches
+        from one adds to (:meth:`add`; :class:`vramguard.workload.training.Repeats`)."""
+        return {"packs": self.packs, "unpacks": self.unpacks, "host_bytes": self.host_bytes}
+
+    def add(self, more: dict[str, int]) -> None:
+        """Add ``more`` (by :meth:`counts`' names) to the sums."""
+        self.packs += more.get("packs", 0)
+        self.unpacks += more.get("unpacks", 0)
+        self.host_bytes += more.get("host_bytes", 0)
+
     def __enter__(self) -> OffloadActivations:
         self._handles.append(self.model.register_forward_pre_hook(self._push))
         self._handles.append(self.model.register_forward_hook(self._pop, always_call=True))

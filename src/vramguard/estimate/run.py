@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -34,7 +35,7 @@ from vramguard.units import format_bytes
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, packed_lengths
 from vramguard.workload.routing import META_RUNS, ROUTINGS, bounds_line, eager_top_k
 from vramguard.workload.routing import figures as routing_figures_of
-from vramguard.workload.training import PHASES, StepResult, make_optimizer, run_steps
+from vramguard.workload.training import PHASES, Repeats, StepResult, make_optimizer, run_steps
 
 MiB = 1 << 20
 
@@ -281,9 +282,10 @@ def data_bounds(q: QLoRAModel, request: StepRequest, estimate: DeviceEstimate) -
     in a row decide lower figures. With packing and sdpa or eager attention the rows' boundaries decide whether
     transformers builds the packed-sequence mask: priced as real packed rows hold several sequences (the high,
     and the expected for TRL's bfd packing of shorter documents), and run again with every row one sequence (a
-    document as long as the row: the low). None for the low run itself."""
+    document as long as the row: the low). None for the low run itself, and for a request without ``bounds``
+    (its figure alone is read)."""
     config = request.config
-    if request.one_sequence_per_row is not None:
+    if request.one_sequence_per_row is not None or not request.bounds:
         return None
     fb = format_bytes
     tokens = f"{config.batch:,} x {config.seq_len:,} tokens"
@@ -452,7 +454,10 @@ def meta_step(
             tracker = stack.enter_context(MemoryTracker(device, model=q.model, source=source, events=events))
             seen |= enter_stage(stack, "under", techniques, contexts)
             stack.enter_context(flash)
-            results, ledger = run_steps(q, request.steps, tracker, optimizer=opt, ledger_step=0)
+            repeats = step_repeats(q, request, tracker, [taken, *seen.values()], events)
+            results, ledger = run_steps(
+                q, request.steps, tracker, optimizer=opt, ledger_step=0, repeats=repeats
+            )
     except RuntimeError as exc:
         if "overflow" not in str(exc):
             raise
@@ -464,6 +469,37 @@ def meta_step(
     if request.routing is not None:  # the experts calls given the forced routing, the loop's steps answered from it
         taken = {**taken, "routing_forced": forced["forced"], "routing_answered": forced.get("answered", 0)}
     return MetaStep(expected, opt, tracker, results, ledger, taken, forced, seen)
+
+
+ALL_MICRO_BATCHES = "VRAMGUARD_ALL_MICRO_BATCHES"
+"""Set (to anything but empty or 0), every micro-batch of a meta step runs, none priced from another (the
+reference tests/test_micro_batches.py holds the shortcut to)."""
+
+
+def step_repeats(
+    q: QLoRAModel,
+    request: StepRequest,
+    tracker: MemoryTracker,
+    counters: list[Any],
+    events: AllocationLog | None,
+) -> Repeats | None:
+    """The step's middle micro-batches priced from its last (:class:`~vramguard.workload.training.Repeats`),
+    where that is the same as running them: more than two, one device (no ``no_sync`` that could hold
+    gradients back), no allocation log (it lists each one), no routing or image values carried per call, and
+    every counter (``taken``, what each technique saw) one that counts (``counts``/``add``; Liger's does not)
+    or one that saw nothing (None, an empty dict: a technique's context with nothing to do); None otherwise, or
+    with :data:`ALL_MICRO_BATCHES` set."""
+    if q.config.gradient_accumulation_steps <= 2 or events is not None or request.routing is not None:
+        return None
+    if os.environ.get(ALL_MICRO_BATCHES, "") not in ("", "0") or getattr(q, "image_values", None) is not None:
+        return None
+    model = q.model
+    if hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync") or request.device != META:
+        return None
+    counters = [c for c in counters if c is not None and not (isinstance(c, dict) and not c)]  # saw nothing
+    if not all(hasattr(c, "counts") and hasattr(c, "add") for c in counters):
+        return None
+    return Repeats(tracker, counters)
 
 
 def meta_source(device: str, target: str) -> StorageTracker:

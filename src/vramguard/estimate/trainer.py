@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -51,6 +52,7 @@ from vramguard.measure.tracker import StorageTracker
 from vramguard.step.report import AuditReport
 from vramguard.workload.models import QLoRAConfig, QLoRAModel
 from vramguard.workload.routing import eager_top_k
+from vramguard.workload.training import Repeats
 
 
 class NeedsLoop(UsageError):
@@ -204,6 +206,71 @@ def _accelerate_autocast_on_meta() -> Iterator[None]:
         accelerator.get_mixed_precision_context_manager = original
 
 
+class _PhaseCalls:
+    """The callback's per-step phase aggregates (``_calls``) as a counter (``counts``/``add``: calls and deltas)
+    for :class:`~vramguard.workload.training.Repeats`."""
+
+    def __init__(self, callback: VramGuardCallback) -> None:
+        self.callback = callback
+
+    def counts(self) -> dict[str, int]:
+        calls = self.callback._calls
+        return {
+            **{f"{n} calls": s.calls for n, s in calls.items()},
+            **{f"{n} delta": s.delta_bytes for n, s in calls.items()},
+        }
+
+    def add(self, more: dict[str, int]) -> None:
+        for key, n in more.items():
+            name, what = key.rsplit(" ", 1)
+            stats = self.callback._calls[name]
+            if what == "calls":
+                stats.calls += n
+            else:
+                stats.delta_bytes += n
+
+
+class _PricedMicroBatches:
+    """The trainer's ``training_step`` (one micro-batch's forward and backward) with a step's micro-batches 2..N-1
+    priced from its last, as the loop's (:class:`~vramguard.workload.training.Repeats`): the trainer's loop still
+    fetches every batch and runs its own bookkeeping for each (outside the callback's phases); the skipped calls
+    return the loss the last run one returned. The repeats' sums: the callback's tracker, its per-step phases and
+    the forced decisions (``taken``)."""
+
+    def __init__(self, runner: Any, callback: VramGuardCallback, taken: Any, micro_batches: int) -> None:
+        self.original = runner.training_step
+        self.callback, self.taken, self.n = callback, taken, micro_batches
+        self.calls = 0
+        self.loss: Any = None
+        self.repeats: Repeats | None = None
+
+    def __call__(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        micro = self.calls % self.n
+        self.calls += 1
+        if 0 < micro < self.n - 1:
+            return self.loss  # priced from the last (below)
+        if micro == self.n - 1:
+            assert self.callback._tracker is not None
+            self.repeats = Repeats(self.callback._tracker, [self.taken, _PhaseCalls(self.callback)])
+            self.repeats.begin()
+        self.loss = None
+        self.loss = self.original(model, inputs, num_items_in_batch)
+        if self.repeats is not None:
+            self.repeats.repeat(self.n - 2)
+            self.repeats = None
+        return self.loss
+
+
+def priced_micro_batches(runner: Any, callback: VramGuardCallback, taken: Any) -> None:
+    """Install :class:`_PricedMicroBatches` on ``runner`` where a step has more than two micro-batches (unless
+    :data:`vramguard.estimate.run.ALL_MICRO_BATCHES` is set)."""
+    from vramguard.estimate.run import ALL_MICRO_BATCHES
+
+    n = runner.args.gradient_accumulation_steps
+    if n > 2 and os.environ.get(ALL_MICRO_BATCHES, "") in ("", "0"):
+        runner.training_step = _PricedMicroBatches(runner, callback, taken, n)
+
+
 def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str) -> tuple[Any, QLoRAModel, float]:
     """``steps`` steps of ``trainer`` on meta for ``target``: (the callback's report, the model, seconds)."""
     from vramguard.estimate.run import max_positions, meta_step_contexts
@@ -221,9 +288,10 @@ def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str)
         runner, callback = trainer_on_meta(q, trainer, target, steps, tmp)
         q = dataclasses.replace(q, model=runner.model)
         decisions, flash = meta_step_contexts(q, q.config, target)
-        with decisions, flash, _autocast_asked_as(target), _accelerate_autocast_on_meta(), _AnswerItems():
-            with fails_as_the_users_run(q, trainer):
-                runner.train()
+        asked_as, answers, as_users = _autocast_asked_as(target), _AnswerItems(), fails_as_the_users_run(q, trainer)
+        with decisions as taken, flash, asked_as, _accelerate_autocast_on_meta(), answers, as_users:
+            priced_micro_batches(runner, callback, taken)
+            runner.train()
     assert callback.report is not None
     return callback.report, q, time.perf_counter() - t0
 

@@ -747,6 +747,8 @@ class VramGuardCallback(TrainerCallback):
                     max(host),
                 )
             )
+        if self.ledger is not None:
+            found.append(checks.vision_stacks(_vision_family(self._model), self.ledger))
         where = self.backward_peak()
         if where is not None:
             name, stats = where
@@ -759,6 +761,17 @@ class VramGuardCallback(TrainerCallback):
                 )
             )
         return found
+
+
+def _vision_family(model: Any) -> Any:
+    """The :class:`vramguard.workload.vision.VisionFamily` of a vision-language model (its config has a
+    ``vision_config`` and a ``model_type`` vramguard knows), else None: its ledger is then split by stack."""
+    from vramguard.workload.vision import VISION_FAMILIES
+
+    config = getattr(model, "config", None)
+    if getattr(config, "vision_config", None) is None:
+        return None
+    return VISION_FAMILIES.get(getattr(config, "model_type", None))
 
 
 class _AroundBackward:

@@ -542,6 +542,26 @@ class MemoryTracker:
                 self.events.end(name)
             self.close_frame(frame)
 
+    def counts(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(calls, delta bytes), the two sums of every phase's and module's aggregate, by (``phases`` or
+        ``modules``, name): what :meth:`add_counts` adds to."""
+        result = self.result
+        return {
+            (kind, name): (stats.calls, stats.delta_bytes)
+            for kind, stats_of in (("phases", result.phases), ("modules", result.modules))
+            for name, stats in stats_of.items()
+        }
+
+    def add_counts(self, before: dict[tuple[str, str], tuple[int, int]], times: int) -> None:
+        """Add to every aggregate's sums ``times`` what they gained since ``before`` (:meth:`counts`): the
+        aggregates as if that span had run ``times`` more times. Its peaks and its last call's end are those
+        of every repeat, so they stay."""
+        for (kind, name), (calls, delta) in self.counts().items():
+            stats = getattr(self.result, kind)[name]
+            calls0, delta0 = before.get((kind, name), (0, 0))
+            stats.calls += times * (calls - calls0)
+            stats.delta_bytes += times * (delta - delta0)
+
     # frames -------------------------------------------------------------------------------
     def _fold(self) -> None:
         peak = self.source.peak()

@@ -45,6 +45,9 @@ class StepRequest:
     routing: Routing | None = None
     one_sequence_per_row: bool | None = None
     gpu: Any = None
+    bounds: bool = True
+    """Whether the data's bounds are priced (:func:`vramguard.estimate.run.data_bounds`: for packed rows a second
+    meta run, the rows one sequence each); False for a run whose figure alone is read (``--fit``'s probes)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:

@@ -198,11 +198,17 @@ def vision(model: Any, ledger: LedgerReport) -> Finding | None:
     the first forward per stack (vision tower, projector, language model), each record under the stack of the
     module that saved it; None for a text model."""
     setup = getattr(model, "vision", None)
-    if setup is None:
+    return None if setup is None else vision_stacks(setup.family, ledger)
+
+
+def vision_stacks(family: Any, ledger: LedgerReport) -> Finding | None:
+    """The saved bytes of ``ledger`` per stack of ``family`` (a
+    :class:`vramguard.workload.vision.VisionFamily`; None: a text model, no finding)."""
+    if family is None:
         return None
     from vramguard.workload.vision import saved_by_stack
 
-    stacks = saved_by_stack(ledger.records, setup.family)
+    stacks = saved_by_stack(ledger.records, family)
     total = sum(stacks.values()) or 1
     parts = ", ".join(f"{name} {format_bytes(b)} ({100 * b / total:.1f} %)" for name, b in stacks.items())
     return Finding(VISION, f"saved for backward by stack: {parts}", stacks["vision tower"])

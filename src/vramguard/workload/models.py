@@ -362,8 +362,9 @@ class QLoRAConfig:
     choices (:data:`vramguard.workload.vision.TOWER_FIELDS`, recorded only where not their defaults):
     ``vision_tower`` (``4bit`` or ``unquantized``), ``llm_int8_skip_modules`` (``BitsAndBytesConfig``'s, as the
     user writes it), ``lora_scope`` (``all``, ``language-model``, ``language-model+projector``),
-    ``tower_checkpointing`` and Qwen's processor bounds ``min_pixels`` / ``max_pixels`` (0: the processor's
-    default); resolved once into :class:`~vramguard.workload.vision.TowerChoices`."""
+    ``tower_checkpointing``, Qwen's processor bounds ``min_pixels`` / ``max_pixels`` (0: the processor's
+    default) and Gemma 3's ``pan_and_scan`` (its processor's ``do_pan_and_scan``); resolved once into
+    :class:`~vramguard.workload.vision.TowerChoices`."""
 
     model: str | ModelSpec = "tiny-llama"
     seq_len: int = 128
@@ -400,6 +401,7 @@ class QLoRAConfig:
     train_projector: bool = False
     min_pixels: int = 0
     max_pixels: int = 0
+    pan_and_scan: bool = False
 
     @property
     def spec(self) -> ModelSpec:

@@ -37,6 +37,37 @@ class StepResult:
         return asdict(self)
 
 
+@dataclass
+class Repeats:
+    """A step's micro-batches 2..N-1 priced from its last one, where they are the same (one device, no
+    DeepSpeed engine, no allocation log: the caller decides): the first micro-batch differs (autograd
+    allocates the gradients there), every later one starts where the one before it started (the gradients
+    are added in place, its activations and loss freed) and sees the same shapes, so it makes the same
+    allocations and frees.
+    :func:`train_step` then runs the first and the last and adds the N-2 between to every sum the step keeps:
+    the phases' and modules' calls and deltas (``tracker``) and the ``counters`` (objects with ``counts()``, a
+    dict of counts, and ``add(dict)``: the forced decisions, a technique's). Peaks, retained bytes and the
+    ledger (the first micro-batch's) are those of the full run; tests/test_micro_batches.py holds the reports
+    equal byte for byte."""
+
+    tracker: MemoryTracker
+    counters: list[Any]
+    _before: tuple[Any, list[dict[str, int]]] | None = None
+
+    def begin(self) -> None:
+        """Before the micro-batch whose repeats are priced."""
+        self._before = (self.tracker.counts(), [c.counts() for c in self.counters])
+
+    def repeat(self, times: int) -> None:
+        """After it: its sums added ``times`` more times."""
+        assert self._before is not None
+        tracked, counted = self._before
+        self.tracker.add_counts(tracked, times)
+        for counter, before in zip(self.counters, counted, strict=True):
+            counter.add({name: times * (n - before.get(name, 0)) for name, n in counter.counts().items()})
+        self._before = None
+
+
 def optimizer_on(name: str, device: str) -> str:
     """The optimizer ``name`` runs as on ``device``: the paged one's state needs CUDA's unified memory, so
     elsewhere (meta, the CPU) it runs as ``adamw-8bit``, the same state with none of it paged."""
@@ -122,6 +153,7 @@ def train_step(
     ledger: SavedTensorLedger | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     engine: Any = None,
+    repeats: Repeats | None = None,
 ) -> StepResult:
     """Run one step inside ``tracker``; with ``ledger``, the forward pass (the first micro-batch's) is also
     itemised. When the tracker records events (:attr:`MemoryTracker.events`), every forward runs under a ledger
@@ -139,6 +171,10 @@ def train_step(
     optimizer. Its micro-batches run as accelerate's DeepSpeed wrapper runs Trainer's: each backward told
     whether it is the accumulation boundary (``set_gradient_accumulation_boundary``), ``engine.step()`` once,
     after the last (the engine's configuration names the micro-batches: :func:`vramguard.workload.zero3.ds_config`).
+
+    ``repeats`` (:class:`Repeats`): with more than two micro-batches, only the first and the last run; the
+    ones between are priced from the last. Their batches are still made (Trainer holds them all through the
+    step).
     """
     forward = engine if engine is not None else q.model
     micro_batches = q.config.gradient_accumulation_steps
@@ -150,7 +186,12 @@ def train_step(
     events = tracker.events
     after_forward = 0  # the highest reading after a micro-batch's forward
     values: list[float] = []
+    between = micro_batches - 2 if repeats is not None and micro_batches > 2 else 0
     for micro, batch in enumerate(batches):
+        if between and 0 < micro < micro_batches - 1:
+            continue  # priced from the last (below)
+        if between and micro == micro_batches - 1:
+            repeats.begin()  # type: ignore[union-attr]
         calls: dict[str, FrameStats] = {}
         saved = ledger if micro == 0 else None
         if saved is None and events is not None:  # what this forward keeps for backward, for the events' labels
@@ -184,7 +225,10 @@ def train_step(
         if events is not None:
             events.label_tensors((p.grad for p in q.trainable_parameters() if p.grad is not None), GRADIENTS)
         for name, call in calls.items():
-            step_stats[name].merge(call)
+            for _ in range(1 + (between if micro == micro_batches - 1 else 0)):
+                step_stats[name].merge(call)
+        if between and micro == micro_batches - 1:
+            repeats.repeat(between)  # type: ignore[union-attr]
         if not last:  # the last micro-batch's loss is read after the optimizer step
             if not loss.is_meta:
                 values.append(float(loss.detach().float().item()))
@@ -221,15 +265,17 @@ def run_steps(
     ledger_step: int | None = 0,
     on_step: Callable[[StepResult], None] | None = None,
     engine: Any = None,
+    repeats: Repeats | None = None,
 ) -> tuple[list[StepResult], LedgerReport | None]:
     """``steps`` training steps; the ledger itemises the forward of step ``ledger_step``; ``engine``: a
-    DeepSpeed engine to run them through (:func:`train_step`)."""
+    DeepSpeed engine to run them through; ``repeats``: each step's middle micro-batches priced from its last
+    (:func:`train_step`)."""
     optimizer = optimizer or make_optimizer(q)
     results: list[StepResult] = []
     report: LedgerReport | None = None
     for step in range(steps):
         ledger = SavedTensorLedger(q.model) if step == ledger_step else None
-        results.append(train_step(q, optimizer, tracker, step, ledger=ledger, engine=engine))
+        results.append(train_step(q, optimizer, tracker, step, ledger=ledger, engine=engine, repeats=repeats))
         if ledger is not None:
             report = ledger.report
         if on_step is not None:

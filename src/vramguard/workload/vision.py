@@ -85,6 +85,10 @@ class VisionFamily:
     nested_images: bool = False
     """The processor takes a batch's images as one list per row (Mllama, Idefics3, SmolVLM)."""
     image_steps: Callable[[Any], ImageSteps] | None = None
+    call_options: tuple[str, ...] = ()
+    """Options of the processor's call that a flag may set (Gemma 3's ``do_pan_and_scan``,
+    ``--pan-and-scan``): the processor's own call defaults win over its image processor's settings, so they go
+    to every call."""
     """How the processor rounds an image's sides (None: it does not keep the size: Gemma 3's fixed size, tiles):
     what ``--fit-dim image`` searches in."""
 
@@ -235,6 +239,7 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         placeholder="<start_of_image>",
         image_processor_kwargs=lambda c: {"size": _square(c)},
         processor_kwargs=lambda c: {"image_seq_length": int(c.mm_tokens_per_image)},
+        call_options=("do_pan_and_scan",),
     ),
     "paligemma": VisionFamily(
         name="PaliGemma",
@@ -529,14 +534,24 @@ def row_tokenizer(family: VisionFamily, ids: dict[str, int]) -> Any:
 def _without_video(cls: type) -> type:
     """``cls`` (a processor class) without its video sub-processor: transformers' video processors need
     torchvision, and no image row reads them. Everything else (the image processor, the placeholder
-    expansion, the token type ids) is ``cls``'s own code."""
+    expansion, the token type ids) is ``cls``'s own code. A video slot ``cls.__init__`` requires (SmolVLM's
+    ``video_processor`` has no default) is given None: ``ProcessorMixin`` pairs its arguments with the
+    attributes left, so the None is dropped."""
+    import inspect
+
     from transformers.processing_utils import ProcessorMixin
 
     attributes = [a for a in cls.get_attributes() if a not in VIDEO_ATTRIBUTES]
     if attributes == cls.get_attributes():
         return cls
+    params = inspect.signature(cls.__init__).parameters
+    empty = inspect.Parameter.empty
+    required = {a: None for a in VIDEO_ATTRIBUTES if a in params and params[a].default is empty}
 
     class ImageOnly(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **required, **kwargs)
+
         @classmethod
         def get_attributes(klass) -> list[str]:
             return attributes
@@ -552,7 +567,9 @@ def family_processor(
     """The family's processor for ``hf_config``: its own processor and image processor classes, with the
     settings its Hub checkpoints' processor files hold (:class:`VisionFamily`), and :func:`row_tokenizer`.
     ``pixels``: ``min_pixels`` / ``max_pixels`` given to the image processor as users pass them to
-    ``AutoProcessor.from_pretrained`` (Qwen's families; they replace its ``size`` bounds)."""
+    ``AutoProcessor.from_pretrained`` (Qwen's families; they replace its ``size`` bounds); the family's
+    :attr:`VisionFamily.call_options` among them (``do_pan_and_scan``) are kept for every call of the
+    processor (:func:`_process`), as users pass them to ``processor(...)``."""
     import importlib.util
 
     import transformers
@@ -567,15 +584,19 @@ def family_processor(
     processor_cls = _without_video(getattr(transformers, family.processor))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        image_processor = image_cls(**family.image_processor_kwargs(hf_config), **(pixels or {}))
+        calls = {k: v for k, v in (pixels or {}).items() if k in family.call_options}
+        bounds = {k: v for k, v in (pixels or {}).items() if k not in calls}
+        image_processor = image_cls(**family.image_processor_kwargs(hf_config), **bounds)
         if family.processor == "PaliGemmaProcessor":  # its processor reads the count off the image processor
             v = hf_config.vision_config
             image_processor.image_seq_length = (_side(v.image_size) // _side(v.patch_size)) ** 2
-        return processor_cls(
+        processor = processor_cls(
             image_processor=image_processor,
             tokenizer=row_tokenizer(family, ids),
             **family.processor_kwargs(hf_config),
         )
+    processor.vramguard_call_options = calls  # read by _process
+    return processor
 
 
 def synthetic_image(height: int, width: int, seed: int) -> Any:
@@ -616,7 +637,8 @@ def _process(processor: Any, images: list[Any] | None, texts: list[str]) -> dict
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return dict(processor(images=images, text=texts, return_tensors="pt"))
+            options = getattr(processor, "vramguard_call_options", {})
+            return dict(processor(images=images, text=texts, return_tensors="pt", **options))
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             what = "these images" if images else "text-only rows"
             raise UsageError(f"{type(processor).__name__} refuses {what}: {first_line(exc)}") from None
@@ -818,7 +840,7 @@ def validate_tower_options(config: Any) -> None:
         raise UsageError(f"vision-tower must be one of {', '.join(TOWER_DTYPES)}, got {config.vision_tower!r}")
     if config.lora_scope not in LORA_SCOPES:
         raise UsageError(f"lora-scope must be one of {', '.join(LORA_SCOPES)}, got {config.lora_scope!r}")
-    for name in ("tower_checkpointing", "train_projector"):
+    for name in ("tower_checkpointing", "train_projector", "pan_and_scan"):
         if not isinstance(getattr(config, name), bool):
             raise UsageError(f"{name.replace('_', '-')} must be true or false, got {getattr(config, name)!r}")
     skip = config.llm_int8_skip_modules
@@ -845,6 +867,7 @@ TOWER_FIELDS = (
     "train_projector",
     "min_pixels",
     "max_pixels",
+    "pan_and_scan",
 )
 """The :class:`~vramguard.workload.models.QLoRAConfig` fields of a vision-language model's tower and processor:
 recorded in the JSON document only where they differ from their defaults; a text model given one is refused."""
@@ -1023,6 +1046,10 @@ def vision_setup(
     pixels = {k: getattr(config, k) for k in ("min_pixels", "max_pixels") if getattr(config, k)}
     if pixels and not family.pixels:
         raise UsageError(f"min-pixels / max-pixels bound Qwen's processors; {family.name}'s takes no such bound")
+    if config.pan_and_scan:
+        if "do_pan_and_scan" not in family.call_options:
+            raise UsageError(f"pan-and-scan is Gemma 3's processor's; {family.name}'s has none")
+        pixels["do_pan_and_scan"] = True
     choices = tower_choices(config, family)
     rows = image_rows(
         family,

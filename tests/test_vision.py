@@ -161,6 +161,19 @@ def test_gemma3_pan_and_scan_adds_the_processors_crops(size: tuple[int, int], cr
     assert int((rows.inputs["input_ids"] == config.image_token_id).sum()) == rows.image_tokens
 
 
+@pytest.mark.parametrize("pan_and_scan", [False, True])
+def test_gemma3_rows_of_a_batch_each_take_their_own_image(pan_and_scan: bool) -> None:
+    """A batch of Gemma 3 rows, as TRL's vision collator hands them to the processor (one list of images per row):
+    each row holds its image's tokens; batch 2 was refused by Gemma3Processor ("[1, 1] <start_of_image> tokens and
+    [2] images per sample") where the images went flat."""
+    config, _ = load_vision_config(FIXTURES["gemma3"])
+    options = {"do_pan_and_scan": True} if pan_and_scan else None
+    rows = image_rows(family_of("gemma3"), config, 512, (300, 600), 256, batch=2, pixels=options)
+    per_row = (rows.inputs["input_ids"] == config.image_token_id).sum(dim=1).tolist()
+    assert per_row == [16 * (3 if pan_and_scan else 1)] * 2
+    assert rows.inputs["pixel_values"].shape[0] == 2 * (3 if pan_and_scan else 1)
+
+
 def test_pan_and_scan_audit_equals_estimate_and_is_gemma3s_only(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -240,6 +240,7 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         image_processor_kwargs=lambda c: {"size": _square(c)},
         processor_kwargs=lambda c: {"image_seq_length": int(c.mm_tokens_per_image)},
         call_options=("do_pan_and_scan",),
+        nested_images=True,
     ),
     "paligemma": VisionFamily(
         name="PaliGemma",

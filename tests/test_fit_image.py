@@ -110,3 +110,28 @@ def test_the_users_max_pixels_bounds_the_image() -> None:
     assert (space.limited_by, space.dim.text(space.limit)) == ("max_pixels", "280x280")
     assert space.pixels == {"max_pixels": 280 * 300}
     assert space.tokens(space.limit)[1] == (280 // 28) ** 2
+
+
+def test_a_batch_fit_of_images_is_bounded_by_the_host_pixels_its_rows_take() -> None:
+    """``--fit`` over the batch of a vision-language model: every probe's rows are real images through the
+    processor on the host, so the search stops at :data:`IMAGE_FIT_PIXELS` of them (it searched up to 2^20 rows,
+    until the host ran out of memory), never below the requested batch."""
+    import argparse
+
+    from vramguard.cli.estimate import IMAGE_FIT_PIXELS, _limit
+
+    args = argparse.Namespace(fit_dim="batch", steps=2)
+    assert _limit(_config(256, image_size="224x224"), args, "loop") == IMAGE_FIT_PIXELS // (224 * 224)
+    two = _config(256, image_size="224x224", images_per_row=2)
+    assert _limit(two, args, "loop") == IMAGE_FIT_PIXELS // (2 * 224 * 224)
+    huge = dataclasses.replace(_config(256, image_size="4096x4096"), batch=3)
+    assert _limit(huge, args, "loop") == 3
+    assert _limit(_config(256), args, "loop") > IMAGE_FIT_PIXELS // (224 * 224)  # text rows: not bounded so
+
+
+def test_fit_dim_without_fit_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--fit-dim`` says what ``--fit`` searches: given alone it was ignored (exit 0, no search)."""
+    from vramguard.cli.app import main
+
+    assert main(["estimate", "--model", str(QWEN25), *BASE, "--image-size", "56x56", "--fit-dim", "image"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--fit-dim image says what --fit searches: give --fit")

@@ -245,3 +245,48 @@ def test_the_padding_free_changes_are_flags_estimate_takes() -> None:
     args = parser.parse_args(["estimate", "--model", "tiny-llama", "--trainer", "loop", "--padding-free"])
     config, _ = qlora_config(args, device="cpu")
     assert config.padding_free and not config.packing
+
+
+VLM_QWEN25 = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "vlm" / "tiny-qwen2.5-vl.json"
+
+
+def test_fewer_targets_are_offered_only_where_the_run_takes_them() -> None:
+    """PEFT has no default targets for a vision-language model's type (the run would be refused): there the
+    fewer targets offered are the language model's alone (``--lora-scope language-model``); a text model type PEFT
+    has no defaults for is offered none."""
+    vlm = QLoRAConfig(model=str(VLM_QWEN25), target_modules="all-linear", image_size="56x56")
+    offered = dict(single_changes(vlm, 0, _on("rtx4090"), ""))
+    assert "--target-modules peft-default" not in offered
+    assert offered["--lora-scope language-model"].lora_scope == "language-model"
+    olmo = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "tiny-olmo2.json"
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    text = QLoRAConfig(model=str(olmo))
+    has_defaults = text.resolved().spec.transformers_config().model_type in PEFT_DEFAULTS
+    assert ("--target-modules peft-default" in _offered(text, _on("t4"))) is has_defaults
+
+
+def test_a_change_the_run_refuses_is_named_not_the_whole_answer() -> None:
+    """A change whose step is refused (one line) is a row that says why, after every priced one; the other
+    changes are still priced and ranked, and no pair is built from it."""
+    from vramguard.errors import UsageError
+
+    def estimate(c: QLoRAConfig) -> int:
+        if c.gradient_checkpointing:
+            raise UsageError("checkpointing refused here")
+        return 100 if c.lora_rank < 8 else 200
+
+    rows = cheaper_changes(QLoRAConfig(lora_rank=8), 50, estimate, place=_on("t4"))
+    refused = [r for r in rows if "refused" in r]
+    assert refused and all(r["change"].startswith("--gradient-checkpointing") for r in refused)
+    assert refused[0]["refused"] == "checkpointing refused here" and refused[0]["total_bytes"] is None
+    assert rows[-len(refused):] == refused and by_cost(rows)[-len(refused):] == refused
+    assert not any("--gradient-checkpointing" in r["change"] and "refused" not in r for r in rows)
+
+
+def test_a_change_of_two_options_at_one_cost_names_both() -> None:
+    from vramguard.estimate.fit import cost_of
+
+    both = cost_of("--lora-rank 8 --optimizer adamw-8bit")
+    assert both.word == "no time"
+    assert "smaller adapter" in both.detail and "optimizer's state" in both.detail

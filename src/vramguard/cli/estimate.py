@@ -304,6 +304,8 @@ def fit_size(args: argparse.Namespace, gpu: Gpu | None) -> int | None:
     if args.fit is None:
         if args.fit_at != "expected":
             raise UsageError("--fit-at judges --fit's search: give --fit")
+        if getattr(args, "fit_dim", "batch") != "batch":
+            raise UsageError(f"--fit-dim {args.fit_dim} says what --fit searches: give --fit")
         return None
     if args.fit == "":
         if gpu is None:
@@ -367,7 +369,18 @@ def _limit(config: QLoRAConfig, args: argparse.Namespace, trainer: str) -> int:
         other = config.seq_len if args.fit_dim == "batch" else config.batch
         tokens_a_value = other * config.gradient_accumulation_steps * args.steps
         limit = min(limit, max(requested, TRAINER_FIT_TOKENS // tokens_a_value))
+    if config.image_size and args.fit_dim == "batch":  # every row's images are made by the processor on the host
+        from vramguard.workload.vision import parse_image_size
+
+        height, width = parse_image_size(config.image_size)
+        limit = min(limit, max(requested, IMAGE_FIT_PIXELS // (height * width * config.images_per_row)))
     return limit
+
+
+IMAGE_FIT_PIXELS = 1 << 24
+"""The most image pixels (every row's images) a ``--fit`` probe of a vision-language model's batch may ask for: its
+rows are real images through the family's processor on the host (2^20 rows of images would take the host's memory
+and hours); 16.8 M pixels is 83 rows of one 448x448 image."""
 
 
 def _fit(
@@ -404,7 +417,7 @@ def _fit(
         fit["image"] = space.answer(result.largest)
     if args.fit_at != "expected":  # (the default's document is as it was)
         fit["judged_at"] = args.fit_at
-    if place.trainer != "loop":  # (the loop's document is as it was)
+    if place.trainer != "loop" or (config.image_size and space is None):  # (the text loop's document is as it was)
         fit["trainer"] = place.trainer
         fit["limit"] = limit
         fit["not_priced"] = _not_priced(config, place)

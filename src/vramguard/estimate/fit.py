@@ -218,14 +218,32 @@ def single_changes(config: QLoRAConfig, largest_batch: int, place: Place, peak_p
         options.append(("--gradient-checkpointing", dataclasses.replace(config, gradient_checkpointing=True)))
     if config.lora_rank > 1:
         options.append((f"--lora-rank {half}", dataclasses.replace(config, lora_rank=half)))
-    if config.method != "full" and config.target_modules == "all-linear" and not config.target_parameters:
-        options.append(("--target-modules peft-default", dataclasses.replace(config, target_modules="peft-default")))
+    options += fewer_targets(config)
     if config.optimizer == "adamw" and place.target == "cuda" and peak_phase == "optimizer":
         options.append(("--optimizer adamw-fused", dataclasses.replace(config, optimizer="adamw-fused")))
     if config.optimizer in ("adamw", "adamw-fused"):
         options.append(("--optimizer adamw-8bit", dataclasses.replace(config, optimizer="adamw-8bit")))
     options += [o for o in (t.cheaper(config, place) for t in registered()) if o is not None]
     return options
+
+
+def fewer_targets(config: QLoRAConfig) -> list[Change]:
+    """LoRA on fewer modules than all-linear: a vision-language model's language model only (``--lora-scope
+    language-model``: no LoRA in the tower and projector), another model's PEFT default targets where PEFT has them
+    for its model type (``--target-modules peft-default``; where it has none, the run would be refused)."""
+    if config.method == "full" or config.target_modules != "all-linear" or config.target_parameters:
+        return []
+    from vramguard.workload.vision import is_vision_spec
+
+    if is_vision_spec(config.spec):
+        if config.lora_scope != "all":
+            return []
+        return [("--lora-scope language-model", dataclasses.replace(config, lora_scope="language-model"))]
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    if config.spec.transformers_config().model_type not in PEFT_DEFAULTS:
+        return []
+    return [("--target-modules peft-default", dataclasses.replace(config, target_modules="peft-default"))]
 
 
 def checkpointing_and_rank(config: QLoRAConfig) -> list[Change]:
@@ -252,7 +270,7 @@ def pairs(
     """Each pair of the :data:`PAIR_POOL` single changes (``options``) with the smallest totals (``rows``,
     measured), both applied: a pair whose changes set one field to two values, or whose config a change already
     ``tried`` has, is left out."""
-    measured = {row["change"]: row["total_bytes"] for row in rows}
+    measured = {row["change"]: row["total_bytes"] for row in rows if "refused" not in row}
     pool = sorted(options, key=lambda o: measured[o[0]])[:PAIR_POOL]
     seen = [_differences(config, changed) for _, changed in tried]
     found: list[Change] = []
@@ -293,15 +311,24 @@ def cheaper_changes(
     only)."""
     singles = single_changes(config, largest_batch, place, peak_phase)
     tried = singles + checkpointing_and_rank(config)
-    rows = [_row(flag, estimate(changed), size) for flag, changed in tried]
-    if singles and not any(r["fits"] for r in rows):
-        rows += [_row(flag, estimate(changed), size) for flag, changed in pairs(config, rows, singles, tried)]
-    # cheapest: what fits, then the fewest flags changed (a single change before a combination)
-    rows.sort(key=lambda r: (not r["fits"], r["change"].count("--"), r["total_bytes"]))
+    rows = [_row(flag, changed, estimate, size) for flag, changed in tried]
+    priced = [o for o, r in zip(singles, rows) if "refused" not in r]
+    if priced and not any(r["fits"] for r in rows):
+        rows += [_row(flag, changed, estimate, size) for flag, changed in pairs(config, rows, priced, tried)]
+    # cheapest: what fits, then the fewest flags changed (a single change before a combination); refused last
+    rows.sort(key=lambda r: (not r["fits"], "refused" in r, r["change"].count("--"), r["total_bytes"] or 0))
     return rows
 
 
-def _row(change: str, total: int, size: int) -> dict[str, Any]:
+def _row(change: str, changed: QLoRAConfig, estimate: Estimator, size: int) -> dict[str, Any]:
+    """A change's row: its total and whether it fits, or (``refused``: the one line) why its step cannot be priced
+    (a change the user's run would refuse, or beyond what torch can describe): named, never the whole answer."""
+    from vramguard.errors import UsageError
+
+    try:
+        total = estimate(changed)
+    except UsageError as exc:
+        return {"change": change, "total_bytes": None, "fits": False, "refused": str(exc)}
     return {"change": change, "total_bytes": total, "fits": total <= size}
 
 
@@ -367,6 +394,10 @@ register_cost(
     Cost(0, "no time", "adapters on PEFT's default modules for the architecture only, with less capacity"),
 )
 register_cost(
+    "--lora-scope",
+    Cost(0, "no time", "adapters on the language model only, none in the vision tower and projector: less capacity there"),
+)
+register_cost(
     "--gradient-accumulation-steps",
     Cost(1, "smaller matmuls", "the same rows in smaller micro-batches: the GPU less busy per kernel"),
 )
@@ -385,14 +416,17 @@ def cost_of(change: str) -> Cost:
     with no registered cost counts as unknown, after every known one."""
     flags = [word for word in change.split() if word.startswith("--")]
     costs = [COSTS.get(f, Cost(99, "unknown cost", "not said")) for f in flags if f != "--batch"]
-    return max(costs, key=lambda c: c.rank, default=Cost(99, "unknown cost", "not said"))
+    top = max(costs, key=lambda c: c.rank, default=Cost(99, "unknown cost", "not said"))
+    details = list(dict.fromkeys(c.detail for c in costs if c.rank == top.rank))  # every option at that cost
+    return Cost(top.rank, top.word, "; ".join(details)) if len(details) > 1 else top
 
 
 def by_cost(changes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``--fit``'s changes (its document's rows) as a person should read them: what fits first, the cheapest in
     step time, then the fewest options changed, then the fewest bytes."""
     def key(row: dict[str, Any]) -> tuple[bool, int, int, int]:
-        return (not row["fits"], cost_of(row["change"]).rank, row["change"].count("--"), row["total_bytes"])
+        changed = row["change"].count("--")
+        return (not row["fits"], "refused" in row, cost_of(row["change"]).rank, changed, row["total_bytes"] or 0)
 
     return sorted(changes, key=key)
 

@@ -670,12 +670,17 @@ def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console:
         line = f"fit: not even {what} 1 fits in {fb(fit['size_bytes'])} {fixed}"
     trainer = TRAINER_NAMES.get(fit.get("trainer", ""), fit.get("trainer", ""))
     whose = f"; {trainer}'s own step, searched up to {fit['limit']:,}" if "trainer" in fit else ""
+    if fit.get("trainer") == "loop":  # a vision-language batch: its rows' images are real, made on the host
+        whose = f"; searched up to {fit['limit']:,}: each row's images are made by the processor on the host"
     console.print(
         f"{line} ({fit['run_count']} meta runs besides the requested shape's; at most {fit['bound']}{whose})",
         highlight=False,
         soft_wrap=True,
     )
     for row in fit["changes"]:
+        if "refused" in row:
+            console.print(f"  {row['change']}: not priced: {row['refused']}", highlight=False, soft_wrap=True)
+            continue
         verdict = "fits" if row["fits"] else "does not fit"
         cost = f"; costs {row['cost']}: {row['cost_detail']}" if "cost" in row else ""
         console.print(

@@ -244,6 +244,7 @@ def test_quiet_still_names_what_is_not_priced(tmp_path: Path, capsys: pytest.Cap
         ({"lora_target_modules": 3}, "lora_target_modules must be a list of names"),
         ({"dtype": "int3"}, "dtype must be"),
         ({"model_name_or_path": "not a model"}, "nor a Hugging Face Hub id (org/name): pass --model"),
+        ({"model_name_or_path": "tiny-lama"}, "nor a Hugging Face Hub id (org/name): did you mean tiny-llama?"),
         # found by fuzzing, internal errors before: transformers opened 5 as a file descriptor, and raised
         # FileNotFoundError for a missing accelerator config
         ({"accelerator_config": 5}, "accelerator_config must be a file's path or a mapping, got 5"),

@@ -25,6 +25,7 @@ GPU ("Your setup doesn't support bf16/gpu"). The file is read with ``use_cpu: tr
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import warnings
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from typing import Any, Literal
 
 from vramguard.errors import UsageError, first_line
 from vramguard.workload.framework_configs import detect, translate
-from vramguard.workload.models import MAX_CONFIG_BYTES, QLoRAConfig, origin_of, read_at_most
+from vramguard.workload.models import MAX_CONFIG_BYTES, QLoRAConfig, origin_of, presets, read_at_most
 
 Reading = Literal["priced", "no-byte", "not-priced"]
 
@@ -430,9 +431,11 @@ def _run_config(path: Path, data: dict[str, Any]) -> RunConfig:
         elif origin in ("preset", "hub"):
             priced("model_name_or_path", "model", str(ref))
         else:
+            near = difflib.get_close_matches(str(ref).lower(), list(presets()), n=1)
             model_problem = (
                 f"--config {path}: model_name_or_path {ref!r} is not a preset, a local directory with a "
-                "config.json, a config.json nor a Hugging Face Hub id (org/name): pass --model"
+                "config.json, a config.json nor a Hugging Face Hub id (org/name)"
+                + (f": did you mean {near[0]}?" if near else ": pass --model")
             )
 
     def integer(key: str, obj: Any, minimum: int = 1) -> int | None:

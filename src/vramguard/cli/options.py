@@ -16,6 +16,7 @@ from vramguard.step.report import AuditReport
 from vramguard.units import MAX_COUNT
 from vramguard.workload.models import ATTN_IMPLEMENTATIONS, QLoRAConfig
 from vramguard.workload.sharding import SHARDINGS, ShardingConfig
+from vramguard.workload.vision import TOWER_FIELDS
 
 
 def positive_int(text: str) -> int:
@@ -55,16 +56,9 @@ STEP_FLAGS: tuple[str, ...] = (
     "gradient_accumulation_steps",
     "image_size",
     "images_per_row",
-    "vision_tower",
-    "llm_int8_skip_modules",
-    "lora_scope",
-    "tower_checkpointing",
-    "train_projector",
-    "min_pixels",
-    "max_pixels",
+    *TOWER_FIELDS,
     "padding_free",
     "packing",
-    "pan_and_scan",
 )
 """The :class:`QLoRAConfig` fields a flag may set (each flag's destination is the field's name). A flag
 not given is ``None`` in the parsed arguments, so a ``--config`` file decides it; without a file, the

@@ -17,6 +17,7 @@ built here (:func:`build_vision_qlora`).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tempfile
 import warnings
@@ -199,6 +200,21 @@ def _clip_image(c: Any) -> dict[str, Any]:
     return {"size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side}}
 
 
+_IDEFICS3 = VisionFamily(
+    name="Idefics3",
+    processor="Idefics3Processor",
+    image_processor="Idefics3ImageProcessorPil",
+    tokens=_IDEFICS_TOKENS,
+    placeholder="<image>",
+    image_processor_kwargs=_idefics_image,
+    processor_kwargs=_idefics_seq,
+    projector=("connector",),
+    nested_images=True,
+    tower_path="model.vision_model",
+    projector_paths=("model.connector",),
+)
+
+
 VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_vl": _qwen("Qwen2-VL", "Qwen2VLProcessor", _QWEN2),
     "qwen2_5_vl": _qwen("Qwen2.5-VL", "Qwen2_5_VLProcessor", _QWEN2),
@@ -308,32 +324,14 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         nested_images=True,
         tower_path="model.vision_model",
     ),
-    "idefics3": VisionFamily(
-        name="Idefics3",
-        processor="Idefics3Processor",
-        image_processor="Idefics3ImageProcessorPil",
-        tokens=_IDEFICS_TOKENS,
-        placeholder="<image>",
-        image_processor_kwargs=_idefics_image,
-        processor_kwargs=_idefics_seq,
-        projector=("connector",),
-        nested_images=True,
-        tower_path="model.vision_model",
-        projector_paths=("model.connector",),
-    ),
-    "smolvlm": VisionFamily(
+    "idefics3": _IDEFICS3,
+    # SmolVLM is Idefics3's architecture and processor under its own classes (its processor imports num2words)
+    "smolvlm": dataclasses.replace(
+        _IDEFICS3,
         name="SmolVLM",
         processor="SmolVLMProcessor",
         image_processor="SmolVLMImageProcessorPil",
-        tokens=_IDEFICS_TOKENS,
-        placeholder="<image>",
-        image_processor_kwargs=_idefics_image,
-        processor_kwargs=_idefics_seq,
-        projector=("connector",),
-        nested_images=True,
         needs=("num2words",),
-        tower_path="model.vision_model",
-        projector_paths=("model.connector",),
     ),
     "internvl": VisionFamily(
         name="InternVL",

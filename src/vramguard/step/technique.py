@@ -26,6 +26,11 @@ before it: the libraries it patches are in place when the tracker starts, e.g. L
 saved-tensor hooks). Within a stage, the registry's order."""
 
 
+def _no_context(model: Any, request: StepRequest) -> contextlib.AbstractContextManager[None]:
+    """Nothing on the step: what the technique changes is built with the model or made by the step's data."""
+    return contextlib.nullcontext()
+
+
 def _refuses_nothing(request: StepRequest) -> None:
     """No refusal: the technique prices every request that uses it."""
 
@@ -78,7 +83,7 @@ class Technique:
     description: str
     stage: str
     applies: Callable[[QLoRAConfig], bool]
-    context: Callable[[Any, StepRequest], contextlib.AbstractContextManager[Any]]
+    context: Callable[[Any, StepRequest], contextlib.AbstractContextManager[Any]] = _no_context
     refuse: Callable[[StepRequest], None] = _refuses_nothing
     # revise(report, model, request, seen): the assembled report with what the technique changes in it (a build
     # note it replaces in place, e.g. the routing: line of a forced routing), applied in the registry's order

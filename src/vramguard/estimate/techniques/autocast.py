@@ -8,11 +8,8 @@ step uses it and the alternative ``--fit`` offers."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any
 
-from vramguard.step.request import StepRequest
 from vramguard.step.technique import Place, Technique
 from vramguard.workload.models import QLoRAConfig
 
@@ -20,11 +17,6 @@ from vramguard.workload.models import QLoRAConfig
 def applies(config: QLoRAConfig) -> bool:
     """Whether the step runs under bf16 autocast."""
     return config.mixed_precision == "bf16"
-
-
-def context(model: Any, request: StepRequest) -> contextlib.AbstractContextManager[None]:
-    """Nothing here: the autocast is entered with the target's forced decisions (see the module)."""
-    return contextlib.nullcontext()
 
 
 def cheaper(config: QLoRAConfig, place: Place) -> tuple[str, QLoRAConfig] | None:
@@ -40,6 +32,5 @@ TECHNIQUE = Technique(
     description="bf16 autocast: the forward and the loss under torch.autocast(bf16), as accelerate runs them",
     stage="around",
     applies=applies,
-    context=context,
     cheaper=cheaper,
 )

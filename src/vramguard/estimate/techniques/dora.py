@@ -6,10 +6,6 @@ and the weight copies their modules saved) is read from the model and the ledger
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
-
-from vramguard.step.request import StepRequest
 from vramguard.step.technique import Technique
 from vramguard.workload.models import QLoRAConfig
 
@@ -19,16 +15,10 @@ def applies(config: QLoRAConfig) -> bool:
     return bool(config.use_dora)
 
 
-def context(model: Any, request: StepRequest) -> contextlib.AbstractContextManager[None]:
-    """Nothing on the step: DoRA is PEFT's own layers, built with the model."""
-    return contextlib.nullcontext()
-
-
 TECHNIQUE = Technique(
     name="use_dora",
     description="PEFT's DoRA: a trained magnitude vector per adapted layer, its forward dequantizing the base weight",
     stage="around",
     applies=applies,
-    context=context,
     unmodelled="no analytic model for DoRA (use_dora): measured only",
 )

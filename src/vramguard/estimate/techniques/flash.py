@@ -7,12 +7,9 @@ step uses it and the alternative ``--fit`` offers."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any
 
 from vramguard.estimate.flash import FLASH_ATTENTION_2
-from vramguard.step.request import StepRequest
 from vramguard.step.technique import Place, Technique
 from vramguard.workload.models import QLoRAConfig
 
@@ -20,11 +17,6 @@ from vramguard.workload.models import QLoRAConfig
 def applies(config: QLoRAConfig) -> bool:
     """Whether the step's attention is FlashAttention-2."""
     return config.attn_implementation == FLASH_ATTENTION_2
-
-
-def context(model: Any, request: StepRequest) -> contextlib.AbstractContextManager[None]:
-    """Nothing here: the kernel is entered with the step's forced decisions (see the module)."""
-    return contextlib.nullcontext()
 
 
 def cheaper(config: QLoRAConfig, place: Place) -> tuple[str, QLoRAConfig] | None:
@@ -45,6 +37,5 @@ TECHNIQUE = Technique(
     description="FlashAttention-2: transformers' flash path, flash-attn 2's kernels priced from its rules",
     stage="under",
     applies=applies,
-    context=context,
     cheaper=cheaper,
 )

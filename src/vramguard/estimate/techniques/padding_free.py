@@ -8,11 +8,8 @@ offers."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any
 
-from vramguard.step.request import StepRequest
 from vramguard.step.technique import Place, Technique
 from vramguard.workload.models import QLoRAConfig
 
@@ -20,11 +17,6 @@ from vramguard.workload.models import QLoRAConfig
 def applies(config: QLoRAConfig) -> bool:
     """Whether the step's batches are padding-free."""
     return bool(config.padding_free)
-
-
-def context(model: Any, request: StepRequest) -> contextlib.AbstractContextManager[None]:
-    """Nothing: the batch is the data's (see the module)."""
-    return contextlib.nullcontext()
 
 
 def cheaper(config: QLoRAConfig, place: Place) -> tuple[str, QLoRAConfig] | None:
@@ -43,6 +35,5 @@ TECHNIQUE = Technique(
     description="padding-free batches: the rows flattened into one, position ids restarting per sequence",
     stage="under",
     applies=applies,
-    context=context,
     cheaper=cheaper,
 )

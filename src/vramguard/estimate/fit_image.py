@@ -113,6 +113,7 @@ def image_space(config: QLoRAConfig) -> ImageSpace:
         family_of,
         is_vision_spec,
         parse_image_size,
+        pixel_bounds,
         vision_shape,
     )
 
@@ -128,7 +129,7 @@ def image_space(config: QLoRAConfig) -> ImageSpace:
             f"searches the families whose processor rounds it in patch steps ({', '.join(keeps)})"
         )
     steps = family.image_steps(hf_config)
-    pixels = {k: getattr(config, k) for k in ("min_pixels", "max_pixels") if getattr(config, k)}
+    pixels = pixel_bounds(config)
     if config.max_pixels:  # the user's bound replaces the processor's
         steps = dataclasses.replace(steps, max_pixels=config.max_pixels)
     h, w = parse_image_size(config.image_size) if config.image_size else (1, 1)

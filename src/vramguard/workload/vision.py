@@ -872,6 +872,12 @@ TOWER_FIELDS = (
 recorded in the JSON document only where they differ from their defaults; a text model given one is refused."""
 
 
+def pixel_bounds(config: Any) -> dict[str, int]:
+    """The image processor's ``min_pixels`` / ``max_pixels`` the config sets (``--min-pixels``, ``--max-pixels``;
+    none: the processor's own), as users pass them to ``AutoProcessor.from_pretrained``."""
+    return {k: getattr(config, k) for k in ("min_pixels", "max_pixels") if getattr(config, k)}
+
+
 def refuse_tower_options(config: Any) -> None:
     """A text model given a vision-tower option: one line naming it."""
     from dataclasses import fields
@@ -1042,7 +1048,7 @@ def vision_setup(
     family = family_of(hf_config.model_type)
     shape = vision_shape(spec.name, hf_config)
     model_class = image_text_class(hf_config)
-    pixels = {k: getattr(config, k) for k in ("min_pixels", "max_pixels") if getattr(config, k)}
+    pixels: dict[str, Any] = pixel_bounds(config)
     if pixels and not family.pixels:
         raise UsageError(f"min-pixels / max-pixels bound Qwen's processors; {family.name}'s takes no such bound")
     if config.pan_and_scan:

@@ -289,3 +289,32 @@ def test_flash_attention_2_refuses_a_padding_free_batch_whose_boundaries_went_mi
         pytest.raises(UsageError, match="cu_seq_lens"),
     ):
         fa_utils._is_packed_sequence(ids, 1)
+
+
+def test_a_probes_answer_is_kept_for_the_calls_that_ask_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The target's autocast is asked once per distinct call (op, structure, each tensor's dtype, shape and
+    stride, the other arguments): two steps of the same layers ask it the same, so at most half the routed calls
+    run a probe; and the bytes are those of a step that probes every call."""
+    from vramguard.estimate import autocast
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(seq_len=64, batch=2, mixed_precision="bf16", gradient_checkpointing=True)
+    probes = []
+    probe = autocast.TargetAutocast.probe
+
+    def counted(self: Any, *args: Any) -> Any:
+        probes.append(1)
+        return probe(self, *args)
+
+    monkeypatch.setattr(autocast.TargetAutocast, "probe", counted)
+    kept = run_estimate(config, steps=2, target="cuda")
+    assert kept.estimate is not None
+    routed = kept.estimate.forced_decisions["autocast_routed"]
+    assert 0 < 2 * len(probes) <= routed
+    monkeypatch.setattr(autocast, "_probe_key", lambda *args: None)  # every call probed
+    every = run_estimate(config, steps=2, target="cuda")
+    assert len(probes) > routed
+    got, want = kept.to_dict(), every.to_dict()
+    for report in (got, want):
+        report.pop("elapsed_s")
+    assert got == want

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 META = "meta"
 
@@ -90,27 +90,60 @@ class TargetAutocast(TorchFunctionMode):
         self.kept: dict[int, torch.Tensor] = {}  # autocast's cast cache: id(parameter) -> its cast
         self.routed = 0
         self.unprobed: set[str] = set()  # functions the fake device could not run up to their first kernel
+        # what a probe saw, by what it was asked (:func:`_probe_key`): the casts, as (input's index, dtype)
+        self.probed: dict[Any, tuple[tuple[int, torch.dtype], ...] | None] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if (
             not torch.is_autocast_enabled(self.target)
             or getattr(func, "__name__", "") in _NOT_ROUTED
-            or not _floating_meta((args, kwargs))
             or _inplace(func)
         ):
             return func(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        if not _floating_meta(leaves):
+            return func(*args, **kwargs)
         self.routed += 1
-        args, kwargs = self.autocast_inputs(func, args, kwargs)
+        args, kwargs = self.autocast_inputs(func, args, kwargs, (leaves, spec))
         with autocast_off(self.target):
             return func(*args, **kwargs)
 
-    def autocast_inputs(self, func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    def autocast_inputs(
+        self, func: Any, args: Any, kwargs: dict[str, Any], flat: tuple[list[Any], Any] | None = None
+    ) -> tuple[Any, Any]:
         """``(args, kwargs)`` with every meta tensor cast as ``target``'s autocast kernel of ``func`` casts it
-        before the op's own kernel runs (see the module docstring)."""
-        metas = [
-            t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == META
-        ]
+        before the op's own kernel runs (see the module docstring). The probe's answer is kept by what it was
+        asked (:func:`_probe_key`): a call asked the same is answered without a probe (a model's identical
+        layers ask the same of each op). ``flat``: ``(args, kwargs)`` flattened, where the caller has it."""
+        leaves, spec = flat if flat is not None else tree_flatten((args, kwargs))
+        metas = [t for t in leaves if isinstance(t, torch.Tensor) and t.device.type == META]
+        key = _probe_key(func, spec, leaves, self.target)
+        plan = self.probed.get(key) if key is not None else None
+        if plan is None:
+            plan = self.probe(func, args, kwargs, metas)
+            if key is not None:
+                self.probed[key] = plan
+        elif plan and plan[0][0] < 0:  # the fake device could not run it (see probe)
+            self.unprobed.add(getattr(func, "__name__", str(func)))
+        casts: dict[int, list[torch.Tensor]] = {}
+        if not plan or plan[0][0] < 0:
+            return args, kwargs
+        with autocast_off(self.target):
+            for index, dtype in plan:
+                src = metas[index]
+                casts.setdefault(id(src), []).append(self._cast(src, dtype))
+        return tree_map(
+            lambda t: casts[id(t)].pop(0) if isinstance(t, torch.Tensor) and casts.get(id(t)) else t,
+            (args, kwargs),
+        )
+
+    def probe(
+        self, func: Any, args: Any, kwargs: dict[str, Any], metas: list[torch.Tensor]
+    ) -> tuple[tuple[int, torch.dtype], ...]:
+        """The casts ``target``'s autocast kernel of ``func`` makes of ``metas`` (the call's meta tensors), as
+        (index in ``metas``, dtype) in the order it makes them, asked on fake aliases up to the first kernel
+        that is not a cast; ``((-1, ...),)`` where the fake device cannot run ``func`` up to it."""
         probe = _FirstKernel()
         with _disable_current_modes(), torch.no_grad():
             mode = self.fake_mode
@@ -129,16 +162,11 @@ class TargetAutocast(TorchFunctionMode):
                 # the fake device cannot run this function before its first kernel (indexing asks CUDA for
                 # a device guard a CPU-only torch lacks): no autocast cast was seen before it
                 self.unprobed.add(getattr(func, "__name__", str(func)))
-        if not probe.casts:
-            return args, kwargs
-        casts: dict[int, list[torch.Tensor]] = {}
-        with autocast_off(self.target):
-            for src, dtype in probe.casts:
-                casts.setdefault(id(src), []).append(self._cast(src, dtype))
-        return tree_map(
-            lambda t: casts[id(t)].pop(0) if isinstance(t, torch.Tensor) and casts.get(id(t)) else t,
-            (args, kwargs),
-        )
+                return ((-1, torch.float32),)
+        index = {}
+        for i, t in enumerate(metas):
+            index.setdefault(id(t), i)
+        return tuple((index[id(src)], dtype) for src, dtype in probe.casts)
 
     def _cast(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``src.to(dtype)`` as autocast's ``cached_cast`` makes it: from its cache for a leaf fp32 tensor
@@ -198,13 +226,33 @@ def autocast_off(device: str) -> Iterator[None]:
         torch.set_autocast_enabled(device, enabled)
 
 
-def _floating_meta(tree: Any) -> bool:
+def _floating_meta(leaves: list[Any]) -> bool:
     return any(
-        isinstance(t, torch.Tensor) and t.device.type == META and t.is_floating_point()
-        for t in tree_leaves(tree)
+        isinstance(t, torch.Tensor) and t.device.type == META and t.is_floating_point() for t in leaves
     )
 
 
 def _inplace(func: Any) -> bool:
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+def _probe_key(func: Any, spec: Any, leaves: list[Any], target: str) -> Any:
+    """What a probe of ``func`` is asked, as a key, or None where it cannot be keyed: the call's structure
+    (``spec``), each tensor's device type, dtype, shape and stride (not its offset: a view's place in its
+    storage, which differs between the chunks of a chunked loss), every other argument itself (by
+    value; an unhashable one gives None), and the target's autocast dtype and cache flag. Autocast's casts
+    are a function of these: its kernels read the op and its inputs' dtypes, and a composite function's way
+    to its first kernel reads no more than its arguments."""
+    parts: list[Any] = [func, spec, torch.get_autocast_dtype(target), torch.is_autocast_cache_enabled()]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append((leaf.device.type, leaf.dtype, tuple(leaf.shape), leaf.stride()))
+        else:
+            parts.append((type(leaf), leaf))
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key

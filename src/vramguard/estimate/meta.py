@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from vramguard.errors import UsageError, first_line
 from vramguard.estimate.autocast import autocast_off
+from vramguard.estimate.no_init import values_not_drawn
 from vramguard.model.layers import sdpa_kernel
 from vramguard.step.patching import patch_all
 from vramguard.step.request import META, TARGETS
@@ -786,6 +787,7 @@ def _deepcopy_on_meta() -> Iterator[None]:
         cls.__deepcopy__ = original  # type: ignore[method-assign]
 
 
+@values_not_drawn()  # a meta parameter has no values to draw (vramguard.estimate.no_init)
 def build_meta(
     config: QLoRAConfig,
     spec: ModelSpec | None = None,

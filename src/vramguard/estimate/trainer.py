@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vramguard.errors import UsageError
 from vramguard.estimate.kernels import cuda_kernel_temporaries
 from vramguard.estimate.meta import META, _deepcopy_on_meta, build_meta
+from vramguard.estimate.no_init import values_not_drawn
 from vramguard.integrations.trainer_step import (
     fails_as_the_users_run,
     loop_rows,
@@ -151,7 +152,7 @@ def trainer_on_meta(q: QLoRAModel, trainer: str, target: str, steps: int, output
     callback = _MetaCallback(target)
     base = q.model.get_base_model() if hasattr(q.model, "get_base_model") else q.model
     base.hf_device_map = {"": META}  # what from_pretrained(device_map={"": device}) records: no move to a device
-    with _device_is_meta(args), _deepcopy_on_meta():
+    with _device_is_meta(args), _deepcopy_on_meta(), values_not_drawn():  # PEFT's LoRA, made by the trainer
         runner = make_trainer(q, trainer, args, loop_rows(q, micro_batches), [callback])
     runner.data_collator = _on_meta(runner.data_collator)
     _loader_on_meta(runner)

@@ -39,10 +39,10 @@ INITIALISERS: tuple[str, ...] = (
 """``torch.nn.init``'s in-place initialisers (each takes the tensor first and returns it)."""
 
 
-def _skipping_meta(init: Callable[..., Any]) -> Callable[..., Any]:
+def _skipping(init: Callable[..., Any], meta_only: bool) -> Callable[..., Any]:
     @functools.wraps(init)
     def initialise(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(tensor, torch.Tensor) and tensor.device.type == META:
+        if isinstance(tensor, torch.Tensor) and (tensor.device.type == META or not meta_only):
             return tensor
         return init(tensor, *args, **kwargs)
 
@@ -50,13 +50,15 @@ def _skipping_meta(init: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def values_not_drawn() -> Iterator[None]:
-    """``torch.nn.init``'s initialisers leave meta tensors as they are within the block."""
+def values_not_drawn(meta_only: bool = True) -> Iterator[None]:
+    """``torch.nn.init``'s initialisers leave meta tensors as they are within the block; with ``meta_only``
+    False, every tensor (a block whose tensors all end on meta: PEFT makes a LoRA matrix on the host and moves
+    it to its base layer's device, meta, dropping what was drawn)."""
     with contextlib.ExitStack() as stack:
         patch_all(
             stack,
             [
-                (torch.nn.init, name, _skipping_meta(getattr(torch.nn.init, name)))
+                (torch.nn.init, name, _skipping(getattr(torch.nn.init, name), meta_only))
                 for name in INITIALISERS
                 if hasattr(torch.nn.init, name)
             ],

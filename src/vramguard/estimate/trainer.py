@@ -152,7 +152,8 @@ def trainer_on_meta(q: QLoRAModel, trainer: str, target: str, steps: int, output
     callback = _MetaCallback(target)
     base = q.model.get_base_model() if hasattr(q.model, "get_base_model") else q.model
     base.hf_device_map = {"": META}  # what from_pretrained(device_map={"": device}) records: no move to a device
-    with _device_is_meta(args), _deepcopy_on_meta(), values_not_drawn():  # PEFT's LoRA, made by the trainer
+    # PEFT's LoRA, made by the trainer on the host and moved to meta: no values to keep
+    with _device_is_meta(args), _deepcopy_on_meta(), values_not_drawn(meta_only=False):
         runner = make_trainer(q, trainer, args, loop_rows(q, micro_batches), [callback])
     runner.data_collator = _on_meta(runner.data_collator)
     _loader_on_meta(runner)

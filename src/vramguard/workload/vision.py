@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from vramguard.errors import UsageError, first_line
+from vramguard.measure.decoder import decoder_layer
 
 MAX_IMAGE_SIDE = 16384
 """The largest image side ``--image-size`` takes (a 16k x 16k image is 805 MB of RGB pixels already)."""
@@ -102,6 +103,27 @@ class VisionFamily:
         if any(p in self.tower for p in parts):
             return "vision tower"
         return "language model"
+
+    def layer_of(self, module: str) -> str | None:
+        """The layer of its stack that the module of qualified name ``module`` is in (the per-layer table's row):
+        a vision tower's block (the outermost ``layers.N``, ``blocks.N`` or ``layer.N`` under the tower: SigLIP's
+        and CLIP's ``encoder.layers.N``, Qwen's and GLM-4V's ``blocks.N``, InternVL's ``encoder.layer.N``), the
+        projector (the module :attr:`projector` names, with its index where it is a list: Qwen3-VL's
+        ``deepstack_merger_list.N``) or a language model's decoder layer (the one rule of
+        :func:`vramguard.measure.decoder.decoder_layer`); None for what is in none of them (embeddings, the
+        tower's patch embedding, ``lm_head``, the loss)."""
+        stack = self.stack_of(module)
+        if stack == "language model":
+            return decoder_layer(module)
+        if stack == "vision tower":
+            m = _TOWER_LAYER.match(module)
+            return m.group(1) if m else None
+        parts = module.split(".")
+        at = next(i for i, p in enumerate(parts) if p in self.projector) + 1
+        return ".".join(parts[: at + 1 if at < len(parts) and parts[at].isdigit() else at])
+
+
+_TOWER_LAYER = re.compile(r"^((?:.*?\.)?(?:layers|blocks|layer)\.\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True)

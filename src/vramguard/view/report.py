@@ -732,22 +732,37 @@ def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console:
 
 
 def _image_fit_line(fit: dict[str, Any], batch: int, seq_len: int) -> str:
-    """``--fit-dim image``'s answer: the largest image, its tokens, and the bound it was searched under."""
+    """``--fit-dim image``'s answer: the largest image, its tokens, and the bound it was searched under (a tiling
+    processor's: the run of sizes it gives those tokens)."""
     image = fit["image"]
     fixed = f"at batch {batch} x seq {seq_len}"
-    bound = (
-        f"seq-len {seq_len} holds no larger image: it is the whole row, image tokens included, as TRL's max_length "
-        "counts it"
-        if image["limited_by"] == "seq-len"
-        else "the processor's max_pixels: a larger image is resized down to it"
-    )
     if image["largest"] is None:
-        return f"fit: not even a {image['step']}-pixel-step image fits in {fb(fit['size_bytes'])} {fixed}"
+        return f"fit: not even the smallest image its processor makes fits in {fb(fit['size_bytes'])} {fixed}"
+    bound = {
+        "seq-len": f"seq-len {seq_len} holds no larger image: it is the whole row, image tokens included, as TRL's "
+        "max_length counts it",
+        "max_pixels": "max_pixels holds it: the processor makes no larger image at this aspect ratio (it resizes a "
+        "larger one down to at most max_pixels)",
+        "tokens": "the processor gives no larger image at this aspect ratio more tokens (probed up to "
+        f"{image.get('probed_up_to')} pixels on the longest side)",
+    }[image["limited_by"]]
+    tokens = f"{image['image_tokens']} image tokens, {image['row_tokens']} tokens of the row with their markers"
+    if image.get("follows") == "tokens":
+        at_limit = image["same_from"] == image["limit"]
+        same = (
+            f"any size from {image['same_from']} up"
+            if image["largest"] == image["same_from"] and at_limit and image["limited_by"] == "tokens"
+            else f"{image['largest']} (the processor gives every image from {image['same_from']} to it those tokens)"
+        )
+        return (
+            f"fit: the largest image that fits in {fb(fit['size_bytes'])} {fixed} is {same} ({tokens}; searched "
+            f"the processor's token counts at this aspect ratio up to {image['limit']}'s"
+            + (f", where {bound})" if at_limit else ")")
+        )
     at_limit = image["largest"] == image["limit"]
     return (
-        f"fit: the largest image that fits in {fb(fit['size_bytes'])} {fixed} is {image['largest']} "
-        f"({image['image_tokens']} image tokens, {image['row_tokens']} tokens of the row with their markers; "
-        f"searched in {image['step']}-pixel steps up to {image['limit']}"
+        f"fit: the largest image that fits in {fb(fit['size_bytes'])} {fixed} is {image['largest']} ({tokens}; "
+        f"searched the sizes the processor makes, sides in {image['step']}-pixel steps, up to {image['limit']}"
         + (f", where {bound})" if at_limit else ")")
     )
 

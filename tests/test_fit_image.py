@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from vramguard.errors import UsageError
 from vramguard.estimate.fit_image import image_space
@@ -133,6 +134,14 @@ def test_a_tiling_processor_is_searched_by_its_own_token_count() -> None:
     at = {side: row_tokens(family_of("llava_next"), config, 512, (side, side))[1] for side in (16, 56, 57, 900)}
     assert [space.tokens(k)[1] for k in (1, 2)] == [at[56], at[57]] == [at[16], at[900]] == [36, 88]
     assert space.known("448x448", 7) == {2: 7} and space.known("40x40", 7) == {1: 7}
+    from vramguard.view.report import render_fit
+
+    console = Console(record=True, width=400)
+    render_fit({"size_bytes": 1 << 30, "run_count": 1, "bound": 3, "changes": [], "image": space.answer(1, [1])},
+               "image", 1, 4096, console)
+    line = console.export_text()
+    assert "is 56x56 (36 image tokens, 36 tokens of the row with their markers, as of every image from 16x16 to" in line
+    assert "up to that of 57x57)" in line  # the bound is shown only where the answer is at it
 
 
 def test_gemma3_pan_and_scan_crops_are_searched_and_bounded_by_seq_len() -> None:

@@ -749,14 +749,13 @@ def _image_fit_line(fit: dict[str, Any], batch: int, seq_len: int) -> str:
     tokens = f"{image['image_tokens']} image tokens, {image['row_tokens']} tokens of the row with their markers"
     if image.get("follows") == "tokens":
         at_limit = image["same_from"] == image["limit"]
-        same = (
-            f"any size from {image['same_from']} up"
-            if image["largest"] == image["same_from"] and at_limit and image["limited_by"] == "tokens"
-            else f"{image['largest']} (the processor gives every image from {image['same_from']} to it those tokens)"
-        )
+        if image["largest"] == image["same_from"] and at_limit and image["limited_by"] == "tokens":
+            same, run = f"any size from {image['same_from']} up", ""
+        else:
+            same, run = image["largest"], f", as of every image from {image['same_from']} to {image['largest']}"
         return (
-            f"fit: the largest image that fits in {fb(fit['size_bytes'])} {fixed} is {same} ({tokens}; searched "
-            f"the processor's token counts at this aspect ratio up to {image['limit']}'s"
+            f"fit: the largest image that fits in {fb(fit['size_bytes'])} {fixed} is {same} ({tokens}{run}; "
+            f"searched the processor's token counts at this aspect ratio up to that of {image['limit']}"
             + (f", where {bound})" if at_limit else ")")
         )
     at_limit = image["largest"] == image["limit"]

@@ -266,7 +266,7 @@ def image_space(config: QLoRAConfig) -> ImageSpace:
         steps = dataclasses.replace(family.image_steps(hf_config), **pixel_bounds(config))  # the user's bounds win
         sizes = processor_sizes(steps, aspect)
         if not sizes:
-            raise UsageError(f"{family.name}'s processor makes no image of a {h}:{w} aspect ratio")
+            raise UsageError(f"{family.name}'s processor makes no image of a {aspect[0]}:{aspect[1]} aspect ratio")
         space = ImageSpace(ImageDim("image", steps.step, aspect, sizes), len(sizes), "max_pixels", family,
                            hf_config, vocab, config.images_per_row, steps, options or None)
     if space.tokens(space.limit)[0] <= config.seq_len:  # one processor call where seq-len holds the largest image

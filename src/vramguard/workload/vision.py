@@ -313,8 +313,8 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         image_fit_hint=lambda config: (
             ""
             if config.pan_and_scan
-            else "; with --pan-and-scan its processor adds crops to an image of aspect ratio 1.2 or more, more the "
-            "larger the image: search with it at such an --image-size"
+            else "; with --pan-and-scan its processor adds crops to an image of aspect ratio 1.2 or more once it is "
+            "large enough, more crops the larger and longer it is: search with it at such an --image-size"
         ),
     ),
     "paligemma": VisionFamily(

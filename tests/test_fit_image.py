@@ -1,5 +1,5 @@
-"""``vramguard estimate --fit SIZE --fit-dim image``: the largest image of a vision-language model that fits, in its
-processor's patch steps, bounded by max_pixels and by --seq-len (the whole row, image tokens included)."""
+"""``vramguard estimate --fit SIZE --fit-dim image``: the largest image of a vision-language model that fits, among
+the sizes its processor makes, bounded by max_pixels and by --seq-len (the whole row, image tokens included)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from vramguard.errors import UsageError
-from vramguard.estimate.fit_image import ImageDim, image_space
+from vramguard.estimate.fit_image import image_space
 from vramguard.workload.models import QLoRAConfig
-from vramguard.workload.vision import VISION_FAMILIES, ImageSteps, image_rows, vision_setup
+from vramguard.workload.vision import VISION_FAMILIES, ImageSteps, image_rows, processor_resize, vision_setup
 
 VLM = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "vlm"
 QWEN25 = VLM / "tiny-qwen2.5-vl.json"
@@ -23,11 +24,32 @@ def _config(seq: int, **kw: object) -> QLoRAConfig:
     return QLoRAConfig(model=str(QWEN25), seq_len=seq, batch=1, target_modules="all-linear", **kw)  # type: ignore[arg-type]
 
 
-def test_image_values_are_whole_steps_at_the_requested_aspect() -> None:
-    square, wide = ImageDim("image", 28), ImageDim("image", 32, (2, 3))
-    assert [square.size(k) for k in (1, 2, 16)] == [(28, 28), (56, 56), (448, 448)]
-    assert [wide.size(k) for k in (1, 2, 4)] == [(32, 64), (64, 96), (128, 192)]  # width: the nearest step
-    assert square.apply(_config(64), 16).image_size == "448x448"
+def test_image_values_are_the_sizes_the_processor_makes_at_the_aspect() -> None:
+    """The values are what the processor's own resize (transformers' smart_resize) makes of images at the
+    requested aspect ratio, fewest pixels first: each side a whole step, each a size it keeps as it is, none
+    below min_pixels (Qwen2.5-VL's 56x56); value ``k`` is applied as that size."""
+    space = image_space(_config(4096, image_size="300x400", max_pixels=100_000))
+    sizes = [space.dim.size(k) for k in range(1, space.limit + 1)]
+    assert sizes[0] == (56, 56) and sizes[:4] == [(56, 56), (56, 84), (84, 84), (84, 112)]
+    assert all(h % 28 == 0 and w % 28 == 0 and 3136 <= h * w <= 100_000 for h, w in sizes)
+    assert [h * w for h, w in sizes] == sorted({h * w for h, w in sizes})
+    assert all(space.steps.resized(h, w) == (h, w) for h, w in sizes)
+    assert space.dim.apply(_config(64), 3).image_size == "84x84"
+
+
+def test_the_largest_image_is_what_the_processor_makes_of_a_larger_one() -> None:
+    """Reviewer finding: with --max-pixels and a non-square --image-size the search's sizes were whole steps at
+    the ratio (280x364 is over 100,000 pixels, so the largest was 252x336), while the processor resizes any
+    larger 3:4 image to 252x364 (117 image tokens, not 108): the search's largest is what the processor itself
+    makes of a larger image."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    space = image_space(_config(4096, image_size="300x400", max_pixels=100_000))
+    assert space.limited_by == "max_pixels"
+    larger = {smart_resize(h, w, factor=28, min_pixels=3136, max_pixels=100_000) for h, w in ((300, 400), (3000, 4000))}
+    assert larger == {space.dim.size(space.limit)} == {(252, 364)}
+    assert space.tokens(space.limit)[1] == 117
+    assert space.known("3000x4000", 1) == {space.limit: 1}  # the requested image is the processor's size
 
 
 def _overflows(seq: int, side: int) -> bool:
@@ -54,7 +76,8 @@ def test_seq_len_bounds_the_image() -> None:
 def test_max_pixels_bounds_the_image(monkeypatch: pytest.MonkeyPatch) -> None:
     """A family registered with a smaller max_pixels: the limit is the last step within it, at any seq-len."""
     family = VISION_FAMILIES["qwen2_5_vl"]
-    small = dataclasses.replace(family, image_steps=lambda c: ImageSteps(step=28, max_pixels=280 * 300))
+    resize = processor_resize(family.image_processor)
+    small = dataclasses.replace(family, image_steps=lambda c: ImageSteps(28, 280 * 300, 3136, resize))
     monkeypatch.setitem(VISION_FAMILIES, "qwen2_5_vl", small)
     space = image_space(_config(4096))
     assert (space.limited_by, space.dim.text(space.limit)) == ("max_pixels", "280x280")
@@ -83,12 +106,80 @@ def test_the_answer_is_the_largest_image_whose_estimate_fits(tmp_path: Path) -> 
     assert fit["run_count"] <= fit["bound"]
 
 
+def test_the_answer_at_max_pixels_is_the_processors_size_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command of the reviewer's finding: --max-pixels 100000, a 300x400 image, a SIZE every image fits. The
+    answer is 252x364, the size the processor makes of the requested image and of every larger 3:4 one (the
+    requested shape's own run, no search run), not the 252x336 a step below; the line says where the bound is."""
+    argv = ["--image-size", "300x400", "--max-pixels", "100000", "--seq-len", "512", "--fit", "100GiB"]
+    est = _total([*argv, "--fit-dim", "image"], tmp_path)
+    image = est["fit"]["image"]
+    assert (image["largest"], image["limit"], image["limited_by"]) == ("252x364", "252x364", "max_pixels")
+    assert (image["image_tokens"], est["fit"]["run_count"], image["ran"]) == (117, 0, [])
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("fit: "))
+    assert "is 252x364 (117 image tokens" in line and "the processor makes no larger image at this aspect ratio" in line
+
+
+def test_a_tiling_processor_is_searched_by_its_own_token_count() -> None:
+    """LLaVA-NeXT's processor (no patch steps: it picks a tile grid of its image_grid_pinpoints) was refused. The
+    search's values are the runs of square sizes it gives the same tokens, found by the processor itself to the
+    pixel: the tiny config's 36 tokens up to 56x56, 88 from 57x57 up (its grid of tiles), each run by its
+    smallest image; the requested image's run is the search's known value."""
+    from vramguard.workload.vision import family_of, row_tokens
+
+    space = image_space(QLoRAConfig(model=str(VLM / "tiny-llava-next.json"), seq_len=4096, batch=1))
+    assert (space.limited_by, space.dim.sizes, space.up_to) == ("tokens", ((16, 16), (57, 57)), ((56, 56), None))
+    config = space.hf_config
+    at = {side: row_tokens(family_of("llava_next"), config, 512, (side, side))[1] for side in (16, 56, 57, 900)}
+    assert [space.tokens(k)[1] for k in (1, 2)] == [at[56], at[57]] == [at[16], at[900]] == [36, 88]
+    assert space.known("448x448", 7) == {2: 7} and space.known("40x40", 7) == {1: 7}
+    from vramguard.view.report import render_fit
+
+    console = Console(record=True, width=400)
+    render_fit({"size_bytes": 1 << 30, "run_count": 1, "bound": 3, "changes": [], "image": space.answer(1, [1])},
+               "image", 1, 4096, console)
+    line = console.export_text()
+    assert "is 56x56 (36 image tokens, 36 tokens of the row with their markers, as of every image from 16x16 to" in line
+    assert "up to that of 57x57)" in line  # the bound is shown only where the answer is at it
+
+
+def test_gemma3_pan_and_scan_crops_are_searched_and_bounded_by_seq_len() -> None:
+    """Gemma 3 with --pan-and-scan: a 1:2 image gets 2 crops from 256x511 up (16 tokens each and the whole image's),
+    which the search follows; at seq-len 64 the crops' row does not fit, so the smallest run is the limit."""
+    gemma = VLM / "tiny-gemma3.json"
+    wide = {"image_size": "300x600", "pan_and_scan": True, "batch": 1}
+    space = image_space(QLoRAConfig(model=str(gemma), seq_len=4096, **wide))  # type: ignore[arg-type]
+    assert [space.tokens(k) for k in (1, 2)] == [(18, 16), (69, 48)] and space.dim.size(2) == (256, 511)
+    short = image_space(QLoRAConfig(model=str(gemma), seq_len=64, **wide))  # type: ignore[arg-type]
+    assert (short.limit, short.limited_by) == (1, "seq-len")
+
+
+def test_a_tiling_answer_names_the_run_of_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command on tiny LLaVA-NeXT: SIZE every image fits, the requested 448x448 in the last run (no search
+    run): the answer is any size from 57x57 up, 88 image tokens, and the line says why it stops there."""
+    from vramguard.cli.app import main
+
+    out = tmp_path / "e.json"
+    argv = ["estimate", "--model", str(VLM / "tiny-llava-next.json"), "--image-size", "448x448", "--seq-len", "512"]
+    assert main([*argv, *BASE[:-1], "--fit", "100GiB", "--fit-dim", "image", "--json", str(out)]) == 0
+    fit = json.loads(out.read_text())["estimate"]["fit"]
+    image = fit["image"]
+    assert (image["largest"], image["same_from"], image["image_tokens"], fit["run_count"]) == ("57x57", "57x57", 88, 0)
+    assert (image["follows"], image["step"], image["limited_by"]) == ("tokens", None, "tokens")
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("fit: "))
+    assert "is any size from 57x57 up (88 image tokens" in line and "gives no larger image at this aspect" in line
+
+
 @pytest.mark.parametrize(
     ("model", "flags", "message"),
     [
-        (VLM / "tiny-gemma3.json", [], "does not keep an image's size"),
+        (VLM / "tiny-gemma3.json", [], "same 16 image token(s): there is no image size to search"),
+        (VLM / "tiny-gemma3.json", [], "with --pan-and-scan its processor adds crops"),
+        (VLM / "tiny-idefics3.json", ["--image-size", "300x600"], "every 1:2 image from 16 to 4096 pixels"),
+        (VLM / "tiny-mllama.json", [], "search --fit-dim batch or seq at this --image-size"),
         ("tiny-qwen3", [], "has no images"),
-        (QWEN25, ["--seq-len", "4"], "not even a 28x28 image fits seq-len 4"),
+        (QWEN25, ["--seq-len", "4"], "not even a 56x56 image fits seq-len 4"),  # min_pixels: 56x56 the least
         (QWEN25, ["--world-size", "2", "--sharding", "fsdp2"], "searches one device's step"),
     ],
 )

@@ -593,6 +593,67 @@ def test_a_towers_encoder_layers_keep_their_stack_in_the_layer_table() -> None:
     assert short_layer_name("base_model.model.model.layers.3") == "layers.3"
 
 
+@pytest.mark.parametrize(
+    ("family", "module", "layer"),
+    [
+        ("qwen2_5_vl", "base_model.model.model.visual.blocks.1.attn.qkv.lora_A.default", "visual.blocks.1"),
+        ("qwen2_5_vl", "base_model.model.model.visual.merger.mlp.0", "visual.merger"),
+        ("qwen2_5_vl", "base_model.model.model.visual.patch_embed.proj", None),
+        ("qwen2_5_vl", "base_model.model.model.language_model.layers.0.mlp", "language_model.layers.0"),
+        ("qwen2_5_vl", "base_model.model.lm_head", None),
+        ("qwen3_vl", "model.visual.deepstack_merger_list.0.linear_fc1", "visual.deepstack_merger_list.0"),
+        ("internvl", "model.vision_tower.encoder.layer.1.mlp.fc1", "vision_tower.encoder.layer.1"),
+        ("mllama", "model.vision_model.global_transformer.layers.0.mlp", "vision_model.global_transformer.layers.0"),
+        ("mistral3", "model.multi_modal_projector.patch_merger.merging_layer", "multi_modal_projector"),
+        ("smolvlm", "model.text_model.layers.1.self_attn", "text_model.layers.1"),
+        ("smolvlm", "model.connector.modality_projection.proj", "connector"),
+    ],
+)
+def test_each_stacks_layers_are_rows(family: str, module: str, layer: str | None) -> None:
+    """The layer a record goes under, as the families' modules are named in transformers 5: the tower's blocks
+    (``blocks.N``, ``encoder.layers.N``, InternVL's ``encoder.layer.N``, Mllama's two lists), the projector
+    (one row, or one per element of a list) and the language model's decoder layers; the patch embedding and
+    ``lm_head`` are in none."""
+    got = VISION_FAMILIES[family].layer_of(module)
+    assert (got if got is None else got.removeprefix("base_model.model.").removeprefix("model.")) == layer
+
+
+def test_the_layer_table_lists_each_stacks_layers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 45 item 1: the per-layer table of a tiny Qwen2.5-VL estimate has rows of each stack, the vision
+    tower's blocks, the merger and the language model's decoder layers, under a stack column, identical layers
+    of one stack collapsed by default and every layer with --verbose; the JSON's ``layers`` carry them with their
+    stack (the tower's ``blocks.N`` and the merger were in "outside decoder layers": the table listed the
+    language model's layers only)."""
+    from rich.console import Console
+
+    from vramguard.cli.app import main
+    from vramguard.step.report import AuditReport
+    from vramguard.view.report import estimate_layout, render, short_layer_name
+
+    out = tmp_path / "e.json"
+    argv = ["estimate", "--model", str(FIXTURES["qwen2.5-vl"]), "--image-size", "56x56", "--seq-len", "64"]
+    assert main([*argv, "--batch", "1", "--target-modules", "all-linear", "--target", "cpu", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [(row["stack"], short_layer_name(row["name"])) for row in doc["layers"]] == [
+        ("vision tower", "visual.blocks.0"),
+        ("vision tower", "visual.blocks.1"),
+        ("projector", "visual.merger"),
+        ("language model", "layers.0"),
+        ("language model", "layers.1"),
+    ]
+    totals = doc["totals"]
+    assert sum(row["saved_bytes"] for row in doc["layers"]) + totals["outside_layers_bytes"] == totals["saved_bytes"]
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    rows = [[cell.strip() for cell in line.split("│")[1:3]] for line in table]
+    assert rows[0][0] == "vision tower" and rows[0][1].startswith("visual.blocks.0"), rows
+    assert rows[-2:] == [["projector", "visual.merger"], ["language model", "layers.0-1"]], rows
+    console = Console(record=True, width=200)
+    render(AuditReport.from_dict(doc), console, estimate_layout(verbose=True))
+    text = console.export_text()
+    assert "per layer of each stack" in text and "outside the stacks' layers" in text
+    assert all(f" {name} " in text for name in ("visual.blocks.0", "visual.blocks.1", "layers.0", "layers.1"))
+
+
 def test_estimates_default_recipe_runs_in_the_loop_for_a_vlm(capsys: pytest.CaptureFixture[str]) -> None:
     """``vramguard estimate`` prices trl sft's recipe by default; a vision-language model's step is priced in
     vramguard's loop with those defaults, and the recipe line says why."""
@@ -658,6 +719,12 @@ def test_trainer_callback_on_a_vlm_splits_its_ledger_by_stack(tmp_path: Path) ->
     assert report is not None and report.verdict.ok, report.verdict.line
     assert len(report.steps) == 2 and cb.ledger is not None
     assert report.totals.saved_bytes == cb.ledger.saved_bytes == independent
-    assert [r.name.rsplit(".", 2)[-2:] for r in report.layers] == [["layers", "0"], ["layers", "1"]]
+    assert [(r.stack, r.name.rsplit(".", 2)[-2:]) for r in report.layers] == [
+        ("vision tower", ["blocks", "0"]),
+        ("vision tower", ["blocks", "1"]),
+        ("projector", ["visual", "merger"]),
+        ("language model", ["layers", "0"]),
+        ("language model", ["layers", "1"]),
+    ]
     notes = [n for n in report.verdict.notes if n.startswith("saved for backward by stack")]
     assert len(notes) == 1 and "vision tower" in notes[0] and "projector" in notes[0], report.verdict.notes

@@ -221,13 +221,13 @@ def render_fit(runs: dict[str, dict[str, Any]]) -> str:
         lines.append(f"`vramguard {' '.join(commands()[name])}`:\n")
         lines.append(
             f"- answer: **{image['largest']}** ({image['image_tokens']} image tokens, {image['row_tokens']} tokens "
-            f"of the row with their markers) fits {_g(fit['size_bytes'])}; searched in {image['step']}-pixel steps "
-            f"up to {image['limit']} (the bound: {image['limited_by']}), {fit['run_count']} meta runs besides "
-            f"the requested 448x448 (at most {fit['bound']})"
+            f"of the row with their markers) fits {_g(fit['size_bytes'])}; searched the sizes its processor makes "
+            f"({image['step']}-pixel sides) up to {image['limit']} (the bound: {image['limited_by']}), "
+            f"{fit['run_count']} meta runs besides the requested 448x448 (at most {fit['bound']})"
         )
-        step = image["step"]
         ran = ", ".join(
-            f"{v * step}x{v * step}: {_g(t) if t is not None else 'beyond torch'}" for v, t in fit["runs"]
+            f"{size}: {_g(t) if t is not None else 'beyond torch'}"
+            for size, (_, t) in zip(image["ran"], fit["runs"], strict=True)
         )
         lines.append(f"- the sizes it ran, in order (total, expected): {ran}")
     return "\n".join(lines)

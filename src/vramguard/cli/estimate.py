@@ -122,8 +122,8 @@ def register(subparsers: Any) -> None:
         default="batch",
         choices=("batch", "seq", "image"),
         help="what --fit searches; image: the largest image of a vision-language model at --batch and --seq-len "
-        "(the whole row, image tokens included: the answer never has more), in its processor's patch steps up to "
-        "its max_pixels, square or --image-size's aspect ratio",
+        "(the whole row, image tokens included: the answer never has more), among the sizes its processor makes "
+        "(patch steps, up to its max_pixels), square or at --image-size's aspect ratio",
     )
     p.add_argument(
         "--fit-at",
@@ -414,7 +414,7 @@ def _fit(
         result.changes = cheaper_changes(config, size, figure, largest_batch=largest, place=place, peak_phase=phase)
     fit = result.to_dict()
     if space is not None:
-        fit["image"] = space.answer(result.largest)
+        fit["image"] = space.answer(result.largest, [value for value, _ in result.runs])
     if args.fit_at != "expected":  # (the default's document is as it was)
         fit["judged_at"] = args.fit_at
     if place.trainer != "loop" or (config.image_size and space is None):  # (the text loop's document is as it was)

@@ -1,13 +1,20 @@
 """``vramguard estimate --fit SIZE --fit-dim image``: the largest image a vision-language model's step fits in SIZE
 at the requested batch and sequence length.
 
-The search (:func:`vramguard.estimate.fit.search`) runs over the sizes the family's processor keeps
-(:attr:`vramguard.workload.vision.VisionFamily.image_steps`): value ``k`` is an image ``k`` steps high (Qwen's step:
-``patch_size * merge_size`` pixels, 28 for Qwen2-VL and Qwen2.5-VL, 32 for Qwen3-VL) and as wide as the requested
-``--image-size``'s aspect ratio makes it, rounded to a step (square without ``--image-size``). Two bounds cap it
-before any meta run: the processor's ``max_pixels`` (a larger image is resized down to it: memory stops growing
-there) and ``--seq-len``, the whole row as TRL's ``max_length`` counts it, image tokens included (a row whose image
-tokens alone exceed it is no row TRL trains on): the answer is never past either, and says which one held it.
+The search (:func:`vramguard.estimate.fit.search`) runs over the sizes the family's processor makes of an image at
+the requested ``--image-size``'s aspect ratio (square without one): its own resize
+(:attr:`vramguard.workload.vision.ImageSteps.resize`, Qwen's ``smart_resize``: each side in ``patch_size *
+merge_size`` steps, 28 pixels for Qwen2-VL and Qwen2.5-VL, 32 for Qwen3-VL, between ``min_pixels`` and
+``max_pixels``) applied to every image height at that ratio, value ``k`` the ``k``-th smallest size it makes
+(:func:`processor_sizes`). Two bounds cap it before any meta run: ``max_pixels`` (the largest size it makes: a
+larger image is resized to at most it, so memory stops growing there) and ``--seq-len``, the whole row as TRL's
+``max_length`` counts it, image tokens included (a row whose image tokens alone exceed it is no row TRL trains
+on): the answer is never past either, and says which one held it.
+
+A family whose processor does not keep the image's size (Gemma 3's fixed size and pan-and-scan crops, LLaVA-NeXT's
+tiles, Idefics3's splitting, InternVL's crops) is searched by the processor's own token count instead
+(:func:`tiled_space`): value ``k`` is the ``k``-th run of sizes at the ratio that it gives the same tokens
+(:func:`token_runs`); where every size gets the same tokens there is nothing to search, and that is one line.
 """
 
 from __future__ import annotations
@@ -24,15 +31,16 @@ from vramguard.workload.models import QLoRAConfig
 
 @dataclass(frozen=True)
 class ImageDim(Dim):
-    """Images ``value * step`` pixels high, as wide as ``aspect`` (height, width) makes them, rounded to a step."""
+    """Value ``k``: the ``k``-th smallest of ``sizes`` (height, width), the sizes the processor makes of an image
+    at ``aspect`` (height, width) in ``step``-pixel sides (:func:`processor_sizes`)."""
 
     step: int = 1
     aspect: tuple[int, int] = (1, 1)
+    sizes: tuple[tuple[int, int], ...] = ()
 
     def size(self, value: int) -> tuple[int, int]:
-        """(height, width) of value ``value``: its width the nearest step to the aspect ratio's, at least one."""
-        h, w = self.aspect
-        return value * self.step, max(1, (2 * value * w + h) // (2 * h)) * self.step
+        """(height, width) of value ``value``."""
+        return self.sizes[value - 1]
 
     def text(self, value: int) -> str:
         """``HxW`` of value ``value`` (what ``--image-size`` takes)."""
@@ -56,7 +64,11 @@ class ImageSpace:
     hf_config: Any
     vocab_size: int
     images_per_row: int
-    pixels: dict[str, int] | None = None  # the user's --min-pixels / --max-pixels (None: the processor's)
+    steps: Any  # the processor's ImageSteps, with the user's --min-pixels / --max-pixels (None: a tiling processor)
+    pixels: dict[str, Any] | None = None  # what the config tells the processor (None: nothing, its own settings)
+    up_to: tuple[tuple[int, int] | None, ...] = ()
+    """A tiling processor's (no ``steps``): per value, the largest image probed that gets its tokens (None: every
+    larger one probed does; :func:`token_runs`)."""
 
     def tokens(self, value: int) -> tuple[int, int]:
         """(tokens the row's images take with their markers, image tokens) at ``value``, as the processor counts."""
@@ -66,13 +78,29 @@ class ImageSpace:
         return row_tokens(*args, pixels=self.pixels)
 
     def known(self, image_size: str, total: int) -> dict[int, int]:
-        """The requested shape's total as the search's known value, where its image is one of the searched sizes."""
-        values = [k for k in range(1, self.limit + 1) if self.dim.text(k) == image_size.replace(" ", "")]
+        """The requested shape's total as the search's known value, where the size the processor makes of its
+        image is one of the searched sizes."""
+        from vramguard.workload.vision import parse_image_size
+
+        if not image_size:
+            return {}
+        size = parse_image_size(image_size)
+        if self.steps is not None:
+            made = self.steps.resized(*size)
+            values = [k for k in range(1, self.limit + 1) if self.dim.size(k) == made]
+        else:  # a tiling processor: the value whose run of probed sizes holds the image's long side
+            values = [k for k in range(1, self.limit + 1) if max(self.dim.size(k)) <= max(size) <= self._top(k)]
         return {values[0]: total} if values else {}
 
-    def answer(self, largest: int) -> dict[str, Any]:
+    def _top(self, value: int) -> int:
+        """The longest side of the images probed that get ``value``'s tokens."""
+        top = self.up_to[value - 1]
+        return PROBE_SIDE if top is None else max(top)
+
+    def answer(self, largest: int, ran: list[int]) -> dict[str, Any]:
         """``--json``'s ``estimate.fit.image``: the image at the answer (None: not even the smallest fits) with its
-        tokens, the step and aspect searched, and the bound."""
+        tokens, the step and aspect searched, the bound, and the image of each run (``ran``: the values run, in
+        order; the fit's ``runs`` give their totals)."""
         out: dict[str, Any] = {
             "step": self.dim.step,
             "aspect": list(self.dim.aspect),
@@ -81,10 +109,15 @@ class ImageSpace:
             "largest": None,
             "row_tokens": None,
             "image_tokens": None,
+            "ran": [self.dim.text(value) for value in ran],
         }
         if largest:
             out["largest"] = self.dim.text(largest)
             out["row_tokens"], out["image_tokens"] = self.tokens(largest)
+        if self.steps is None:  # a tiling processor: the tokens of a run of sizes, from its smallest
+            top = self.up_to[largest - 1] if largest else None
+            out.update(step=None, follows="tokens", probed_up_to=PROBE_SIDE, same_from=out["largest"])
+            out["largest"] = f"{top[0]}x{top[1]}" if top else out["largest"]
         return out
 
 
@@ -102,18 +135,118 @@ def _largest(ok: Any, hi: int) -> int:
     return lo
 
 
+def processor_sizes(steps: Any, aspect: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """The sizes (height, width) the processor makes of images at ``aspect`` (height, width), fewest pixels first,
+    one per pixel count: its own resize (:meth:`~vramguard.workload.vision.ImageSteps.resized`) of an image of
+    every height from 1 pixel, as wide as the ratio makes it, until the image is 4 x ``max_pixels`` or a side
+    reaches :data:`~vramguard.workload.vision.MAX_IMAGE_SIDE` (past ``max_pixels`` the resize shrinks every
+    image at the ratio to about the same size). A height whose image the processor refuses (an aspect ratio
+    beyond 200, Qwen's bound) is left out."""
+    from vramguard.workload.vision import MAX_IMAGE_SIDE
+
+    h, w = aspect
+    made: dict[int, tuple[int, int]] = {}
+    for height in range(1, MAX_IMAGE_SIDE + 1):
+        width = max(1, (2 * height * w + h) // (2 * h))
+        if width > MAX_IMAGE_SIDE or height * width > 4 * steps.max_pixels:
+            break
+        try:
+            size = steps.resized(height, width)
+        except ValueError:  # the processor's own refusal (an aspect ratio beyond its bound)
+            continue
+        if max(size) <= MAX_IMAGE_SIDE:
+            made.setdefault(size[0] * size[1], size)
+    return tuple(made[pixels] for pixels in sorted(made))
+
+
+PROBE_SIDE = 4096
+"""The longest side of the images ``--fit-dim image`` gives a tiling processor (no patch steps) to find where its
+token count changes: past it the count is taken not to grow (LLaVA-NeXT's largest tile grid on the Hub is 1344
+pixels, Gemma 3's pan-and-scan makes at most 4 crops of at least 256)."""
+
+PROBE_FROM = 16
+"""The longest side of the smallest image probed."""
+
+PROBE_CALLS = 96
+"""The most processor calls a tiling processor's probe may take (each a synthetic image through it)."""
+
+
+def _probed(aspect: tuple[int, int], side: int) -> tuple[int, int]:
+    """The image at ``aspect`` (height, width) whose longest side is ``side``."""
+    h, w = aspect
+    top = max(h, w)
+    return max(1, (2 * side * h + top) // (2 * top)), max(1, (2 * side * w + top) // (2 * top))
+
+
+def token_runs(tokens_at: Any, aspect: tuple[int, int]) -> list[tuple[int, int, Any]] | None:
+    """(first longest side, last longest side, tokens) of each run of images at ``aspect``, from
+    :data:`PROBE_FROM` to :data:`PROBE_SIDE` pixels on the longest side, that ``tokens_at`` (a size's tokens, as
+    the processor counts them) gives the same tokens: bisected between probes whose tokens differ, to the pixel,
+    in at most :data:`PROBE_CALLS` calls (more: None). The count is taken to grow with the image: a count that
+    comes and goes between two probes of one count is not seen."""
+    seen = {side: tokens_at(_probed(aspect, side)) for side in (PROBE_FROM, PROBE_SIDE)}
+    pending = [(PROBE_FROM, PROBE_SIDE)]
+    while pending:
+        a, b = pending.pop()
+        if seen[a] == seen[b] or b - a < 2:
+            continue
+        if len(seen) >= PROBE_CALLS:
+            return None
+        mid = (a + b) // 2
+        seen[mid] = tokens_at(_probed(aspect, mid))
+        pending += [(mid, b), (a, mid)]  # the smaller images first: they cost the processor less
+    runs: list[list[Any]] = []
+    for side in sorted(seen):
+        if runs and runs[-1][2] == seen[side]:
+            runs[-1][1] = side
+        else:
+            runs.append([side, side, seen[side]])
+    return [(first, last, tokens) for first, last, tokens in runs]
+
+
+def tiled_space(space: ImageSpace, config: QLoRAConfig) -> ImageSpace:
+    """``space`` (of a family whose processor does not keep the image's size: Gemma 3's fixed size, LLaVA-NeXT's
+    tiles, Idefics3's splitting, ...) with its values: one per run of image sizes at its aspect ratio that the
+    processor gives the same tokens (:func:`token_runs`), each run by its smallest image, fewest tokens first.
+    One run (every size the same tokens: nothing to search), or more runs than the probe resolves, is one line."""
+    from vramguard.workload.vision import row_tokens
+
+    family, aspect = space.family, space.dim.aspect
+
+    def tokens_at(size: tuple[int, int]) -> tuple[int, int]:
+        return row_tokens(space.family, space.hf_config, space.vocab_size, size, space.images_per_row, space.pixels)
+
+    runs = token_runs(tokens_at, aspect)
+    ratio = f"{aspect[0]}:{aspect[1]}"
+    if runs is None:
+        raise UsageError(
+            f"{family.name}'s processor changes an image's tokens at more sizes than --fit-dim image probes "
+            f"({PROBE_CALLS} processor calls at {ratio}): give --image-size a size to estimate instead"
+        )
+    if len(runs) == 1:
+        raise UsageError(
+            f"{family.name}'s processor ({family.image_processor}) gives every {ratio} image from {PROBE_FROM} to "
+            f"{PROBE_SIDE} pixels on its longest side the same {runs[0][2][1]} image token(s): there is no image size "
+            f"to search; search --fit-dim batch or seq at this --image-size{family.image_fit_hint(config)}"
+        )
+    sizes = tuple(_probed(aspect, first) for first, _, _ in runs)
+    up_to = tuple(_probed(aspect, last) for _, last, _ in runs[:-1]) + (None,)
+    dim = dataclasses.replace(space.dim, sizes=sizes)
+    return dataclasses.replace(space, dim=dim, limit=len(sizes), up_to=up_to)
+
+
 def image_space(config: QLoRAConfig) -> ImageSpace:
     """The :class:`ImageSpace` of ``config`` (a vision-language model's; its ``image_size`` the aspect ratio, none:
-    square): its processor's steps, capped by ``max_pixels`` and by the image tokens ``seq_len`` holds. A text model,
-    a family whose processor does not keep the image's size, or a seq-len too short for the smallest image is one
-    line."""
+    square): the sizes its processor makes (:func:`processor_sizes`, up to the largest within ``max_pixels``), or
+    for a processor without patch steps the runs of sizes it gives the same tokens (:func:`tiled_space`), capped
+    by the image tokens ``seq_len`` holds. A text model, a processor that gives every size the same tokens, or a
+    seq-len too short for the smallest image is one line."""
     from vramguard.workload.vision import (
-        MAX_IMAGE_SIDE,
-        VISION_FAMILIES,
         family_of,
         is_vision_spec,
         parse_image_size,
         pixel_bounds,
+        processor_options,
         vision_shape,
     )
 
@@ -122,41 +255,30 @@ def image_space(config: QLoRAConfig) -> ImageSpace:
         raise UsageError(f"--fit-dim image searches a vision-language model's image size: {spec.name} has no images")
     hf_config = spec.transformers_config()
     family = family_of(hf_config.model_type)
-    if family.image_steps is None:
-        keeps = sorted({f.name for f in VISION_FAMILIES.values() if f.image_steps is not None})
-        raise UsageError(
-            f"{family.name}'s processor does not keep an image's size ({family.image_processor}): --fit-dim image "
-            f"searches the families whose processor rounds it in patch steps ({', '.join(keeps)})"
-        )
-    steps = family.image_steps(hf_config)
-    pixels = pixel_bounds(config)
-    if config.max_pixels:  # the user's bound replaces the processor's
-        steps = dataclasses.replace(steps, max_pixels=config.max_pixels)
+    options = processor_options(config, family)
     h, w = parse_image_size(config.image_size) if config.image_size else (1, 1)
-    dim = ImageDim("image", steps.step, (h // math.gcd(h, w), w // math.gcd(h, w)))
-
-    def within(k: int) -> bool:  # the processor keeps it: at most max_pixels, sides --image-size takes
-        height, width = dim.size(k)
-        return height * width <= steps.max_pixels and max(height, width) <= MAX_IMAGE_SIDE
-
-    by_pixels = _largest(within, MAX_IMAGE_SIDE // steps.step)
-    if by_pixels < 1:
-        raise UsageError(f"no {h}:{w} image of {steps.step}-pixel steps is within {family.name}'s max_pixels")
-    space = ImageSpace(
-        dim, by_pixels, "max_pixels", family, hf_config, vision_shape(spec.name, hf_config).text["vocab_size"],
-        config.images_per_row,
-        pixels or None,
-    )
-    if space.tokens(by_pixels)[0] <= config.seq_len:  # one processor call where seq-len holds the largest image
+    aspect = (h // math.gcd(h, w), w // math.gcd(h, w))
+    vocab = vision_shape(spec.name, hf_config).text["vocab_size"]
+    if family.image_steps is None:
+        space = tiled_space(ImageSpace(ImageDim("image", 0, aspect), 0, "tokens", family, hf_config, vocab,
+                                       config.images_per_row, None, options or None), config)
+    else:
+        steps = dataclasses.replace(family.image_steps(hf_config), **pixel_bounds(config))  # the user's bounds win
+        sizes = processor_sizes(steps, aspect)
+        if not sizes:
+            raise UsageError(f"{family.name}'s processor makes no image of a {aspect[0]}:{aspect[1]} aspect ratio")
+        space = ImageSpace(ImageDim("image", steps.step, aspect, sizes), len(sizes), "max_pixels", family,
+                           hf_config, vocab, config.images_per_row, steps, options or None)
+    if space.tokens(space.limit)[0] <= config.seq_len:  # one processor call where seq-len holds the largest image
         return space
-    by_seq = _largest(lambda k: space.tokens(k)[0] <= config.seq_len, by_pixels - 1)
+    by_seq = _largest(lambda k: space.tokens(k)[0] <= config.seq_len, space.limit - 1)
     if by_seq < 1:
         used, _ = space.tokens(1)
         raise UsageError(
-            f"not even a {dim.text(1)} image fits seq-len {config.seq_len} ({used} tokens in {family.name}'s "
+            f"not even a {space.dim.text(1)} image fits seq-len {config.seq_len} ({used} tokens in {family.name}'s "
             "rows): raise --seq-len"
         )
     return dataclasses.replace(space, limit=by_seq, limited_by="seq-len")
 
 
-__all__ = ["ImageDim", "ImageSpace", "image_space"]
+__all__ = ["PROBE_SIDE", "ImageDim", "ImageSpace", "image_space", "processor_sizes", "tiled_space", "token_runs"]

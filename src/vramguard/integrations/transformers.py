@@ -627,7 +627,7 @@ class VramGuardCallback(TrainerCallback):
                     f"{format_bytes(self.max_peak)}"
                 )
         if self.max_saved_per_layer is not None and self.ledger is not None and s.step == self.ledger_step:
-            for row in layer_rows(self.ledger):
+            for row in layer_rows(self.ledger, family=_vision_family(self._model)):
                 if row.saved_bytes > self.max_saved_per_layer:
                     return (
                         f"{row.name} saved {format_bytes(row.saved_bytes)} for backward in step {s.step}, above "
@@ -678,6 +678,7 @@ class VramGuardCallback(TrainerCallback):
                 ok_detail=f" ({self._trainer_name})",
                 autocast=str(self._config.get("mixed_precision", "no")),
                 timeline=timeline(self._events) if self._events is not None else None,
+                family=_vision_family(model),
             )
         )
 

@@ -100,35 +100,51 @@ def compare_with_expectation(
     )
 
 
-def layer_rows(ledger: LedgerReport, expected: Expectation | None = None, top: int = 3) -> list[LayerRow]:
+def layer_rows(
+    ledger: LedgerReport, expected: Expectation | None = None, top: int = 3, family: Any = None
+) -> list[LayerRow]:
     """Per decoder layer: what the ledger saw kept, by kind, the ``top`` modules, and the analytic
-    expected's figure for the layer (``None`` without an expected or an analytic model)."""
-    groups = ledger.by_layer()
-    rows: list[LayerRow] = []
-    # by stack, then by index (a vision-language model's tower encoder has layers.N of its own)
-    for name in sorted(groups, key=lambda n: (n.rsplit(".", 1)[0], int(n.rsplit(".", 1)[1]))):
-        records = groups[name]
-        index = int(name.rsplit(".", 1)[1])
-        by_module: dict[str, int] = defaultdict(int)
-        for r in records:
-            by_module[r.module.removeprefix(name).lstrip(".") or "(layer)"] += r.bytes
-        rows.append(
-            LayerRow(
-                name=name,
-                saved_bytes=sum(r.bytes for r in records),
-                activation_bytes=sum(r.bytes for r in records if r.kind == "activation"),
-                weight_copy_bytes=sum(r.bytes for r in records if r.kind == "weight-copy"),
-                analytic_bytes=(
-                    None
-                    if expected is None or expected.no_analytic_model
-                    else expected.layer_bytes[index]
-                    if index < len(expected.layer_bytes)
-                    else 0
-                ),
-                top_modules=sorted(by_module.items(), key=lambda kv: -kv[1])[:top],
-            )
-        )
-    return rows
+    expected's figure for the layer (``None`` without an expected or an analytic model). With a vision-language
+    model's ``family`` (:class:`vramguard.workload.vision.VisionFamily`), per layer of each stack
+    (:meth:`~vramguard.workload.vision.VisionFamily.layer_of`: the tower's blocks, the projector, the language
+    model's decoder layers), in the stacks' order, each row with its stack."""
+    if family is None:
+        groups = ledger.by_layer()
+        order = sorted(groups, key=lambda n: (n.rsplit(".", 1)[0], int(n.rsplit(".", 1)[1])))
+        return [_layer_row(name, groups[name], expected, top) for name in order]
+    from vramguard.workload.vision import STACKS
+
+    groups = ledger.group(lambda r: family.layer_of(r.module))
+    stacks = {name: family.stack_of(name) for name in groups}
+
+    def key(name: str) -> tuple[int, str, int]:  # by stack, then by list and index (a projector: no index)
+        head, _, index = name.rpartition(".")
+        return (STACKS.index(stacks[name]), *((head, int(index)) if index.isdigit() else (name, -1)))
+
+    return [_layer_row(name, groups[name], expected, top, stacks[name]) for name in sorted(groups, key=key)]
+
+
+def _layer_row(
+    name: str, records: list[Any], expected: Expectation | None, top: int, stack: str | None = None
+) -> LayerRow:
+    """The row of one layer's ``records``; the analytic figure is a language model's decoder layer's only."""
+    tail = name.rpartition(".")[2]
+    index = int(tail) if tail.isdigit() else -1
+    by_module: dict[str, int] = defaultdict(int)
+    for r in records:
+        by_module[r.module.removeprefix(name).lstrip(".") or "(layer)"] += r.bytes
+    analytic: int | None = None
+    if stack in (None, "language model") and expected is not None and not expected.no_analytic_model:
+        analytic = expected.layer_bytes[index] if 0 <= index < len(expected.layer_bytes) else 0
+    return LayerRow(
+        name=name,
+        saved_bytes=sum(r.bytes for r in records),
+        activation_bytes=sum(r.bytes for r in records if r.kind == "activation"),
+        weight_copy_bytes=sum(r.bytes for r in records if r.kind == "weight-copy"),
+        analytic_bytes=analytic,
+        top_modules=sorted(by_module.items(), key=lambda kv: -kv[1])[:top],
+        stack=stack,
+    )
 
 
 def phase_peaks(tracker: MemoryTracker, phases: Iterable[str]) -> dict[str, PhasePeak]:
@@ -169,6 +185,7 @@ class Measured:
     offloaded: bool = False
     timeline: Timeline | None = None
     autocast: str = "no"  # Trainer's mixed precision (QLoRAConfig.mixed_precision)
+    family: Any = None  # a vision-language model's VisionFamily: the layer table per layer of each stack
 
 
 def autocast_cast_modules(model: torch.nn.Module) -> frozenset[str]:
@@ -185,7 +202,7 @@ def autocast_cast_modules(model: torch.nn.Module) -> frozenset[str]:
 
 def assemble(m: Measured) -> AuditReport:
     """The report and its verdict from one producer's measurement."""
-    layers = layer_rows(m.ledger, m.expected, m.top)
+    layers = layer_rows(m.ledger, m.expected, m.top, m.family)
     totals = totals_of(m.ledger, m.model, layers)
     comparison = compare_with_expectation(
         m.expected, totals, m.ledger, lora_training_bytes(m.trainable, m.optimizer)
@@ -282,5 +299,6 @@ def assemble_report(
             offloaded=config.offload_activations,  # on the host by design: no deviation note
             autocast=config.mixed_precision,
             timeline=timeline(tracker.events) if tracker.events is not None else None,
+            family=getattr(getattr(q, "vision", None), "family", None),
         )
     )

@@ -21,7 +21,8 @@ SCHEMA_VERSION = 1
 
 @dataclass
 class LayerRow:
-    """One decoder layer: what its forward left alive for backward."""
+    """One decoder layer (or a vision-language model's layer of any stack): what its forward left alive for
+    backward."""
 
     name: str
     saved_bytes: int
@@ -29,6 +30,9 @@ class LayerRow:
     weight_copy_bytes: int
     analytic_bytes: int | None  # None: no analytic model for this architecture
     top_modules: list[tuple[str, int]] = field(default_factory=list)
+    stack: str | None = None
+    """A vision-language model's layer: its stack (``vision tower``, ``projector``, ``language model``,
+    :data:`vramguard.workload.vision.STACKS`); None, and absent from the JSON, for a text model's."""
 
 
 @dataclass
@@ -297,6 +301,8 @@ class AuditReport:
         d["verdict"] = self.verdict.to_dict()
         for row in d["layers"]:
             row["top_modules"] = [list(t) for t in row["top_modules"]]
+            if row["stack"] is None:  # a text model's layer: the document it always was
+                del row["stack"]
         return d
 
     def step_lines(self) -> list[str]:

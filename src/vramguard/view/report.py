@@ -8,6 +8,7 @@ a user's own run). Every section reads the report only.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -24,18 +25,21 @@ LAYER_WRAPPERS = ("base_model.model.", "model.", "language_model.")
 
 def short_layer_name(name: str) -> str:
     """``base_model.model.model.layers.3`` -> ``layers.3``: a decoder layer's name from ``layers.`` on, the
-    wrappers' prefixes (:data:`LAYER_WRAPPERS`) dropped; a layer of another stack keeps its path
-    (``vision_tower.vision_model.encoder.layers.0``, a vision-language model's tower)."""
+    wrappers' prefixes (:data:`LAYER_WRAPPERS`) dropped; a layer of another stack keeps its path below them
+    (``vision_tower.vision_model.encoder.layers.0``, ``visual.blocks.0``, ``visual.merger``: a vision-language
+    model's tower and projector)."""
     at = name.find("layers.")
     if at < 0:
-        return name
+        at = len(name)
     prefix = name[:at]
     while prefix.startswith(LAYER_WRAPPERS):
         prefix = prefix[len(next(w for w in LAYER_WRAPPERS if prefix.startswith(w))) :]
     return prefix + name[at:]
 
 
-def _table(title: str, columns: list[str], left: tuple[str, ...] = ("layer", "top modules", "phase")) -> Any:
+def _table(
+    title: str, columns: list[str], left: tuple[str, ...] = ("stack", "layer", "top modules", "phase")
+) -> Any:
     from rich.table import Table
 
     t = Table(title=title, title_justify="left")
@@ -145,17 +149,36 @@ def trainer_header(report: AuditReport, console: Any) -> None:
 # -- the per-layer table ------------------------------------------------------------------------------------
 
 
+def _stacked(
+    report: AuditReport, title: str, columns: list[str]
+) -> tuple[str, list[str], Callable[[LayerRow], list[Any]]]:
+    """The layer table's title, columns and leading cells: a vision-language model's layers (rows with a stack)
+    are per layer of each stack, under a ``stack`` column; a text model's table is as it was."""
+    if not any(row.stack for row in report.layers):
+        return title, columns, lambda row: []
+    return re.sub(r"per (decoder )?layer", "per layer of each stack", title, count=1), ["stack", *columns], _stack
+
+
+def _stack(row: LayerRow) -> list[Any]:
+    return [row.stack]
+
+
+def _outside(report: AuditReport) -> str:
+    """What the saved bytes outside the layer table's rows are called."""
+    return "outside the stacks' layers" if any(row.stack for row in report.layers) else "outside decoder layers"
+
+
 def _layers(
     title: str, columns: list[str], cells: Callable[[LayerRow], list[str]], outside: bool = False
 ) -> Section:
     def section(report: AuditReport, console: Any) -> None:
-        t = _table(title.format(ledger_step=report.config.get("ledger_step")), columns)
+        heading, names, lead = _stacked(report, title, columns)
+        t = _table(heading.format(ledger_step=report.config.get("ledger_step")), names)
         for row in report.layers:
-            t.add_row(*cells(row))
+            t.add_row(*lead(row), *cells(row))
         if outside:
-            t.add_row(
-                "outside decoder layers", fb(report.totals.outside_layers_bytes), *[""] * (len(columns) - 2)
-            )
+            blank = [""] * (len(names) - len(columns))  # under the stack column
+            t.add_row(*blank, _outside(report), fb(report.totals.outside_layers_bytes), *[""] * (len(columns) - 2))
         console.print(t)
 
     section.__doc__ = f"The table {title!r}: {', '.join(columns)}."
@@ -202,11 +225,18 @@ def layer_runs(rows: list[LayerRow], cells: Callable[[LayerRow], list[Any]]) -> 
     runs: list[tuple[list[LayerRow], list[Any]]] = []
     for row in rows:
         key = cells(row)
-        if runs and [str(c) for c in runs[-1][1]] == [str(c) for c in key]:
+        if runs and _same_list(runs[-1][0][-1], row) and [str(c) for c in runs[-1][1]] == [str(c) for c in key]:
             runs[-1][0].append(row)
         else:
             runs.append(([row], key))
     return [(_span(group), key) for group, key in runs]
+
+
+def _same_list(a: LayerRow, b: LayerRow) -> bool:
+    """Whether two layers are elements of one list (of one stack): only those share a row (a vision-language
+    model's tower blocks never share one with its language model's layers)."""
+    same_stack = getattr(a, "stack", None) == getattr(b, "stack", None)
+    return same_stack and a.name.rpartition(".")[0] == b.name.rpartition(".")[0]
 
 
 def _span(group: list[LayerRow]) -> str:
@@ -222,15 +252,17 @@ def _span(group: list[LayerRow]) -> str:
 def collapsed_estimate_layers(report: AuditReport, console: Any) -> None:
     """The per-layer table of an estimate with identical consecutive layers in one row (``--verbose``: every
     layer)."""
-    t = _table(
+    title, columns, lead = _stacked(
+        report,
         "Saved for backward per layer (on meta; identical layers share a row)",
         ["layers", "saved", "weight copies", "analytic", "top modules"],
-        ("layers", "top modules"),
     )
+    t = _table(title, columns, ("stack", "layers", "top modules"))
+    n = len(columns) - 5  # the stack column's cell, where there is one, goes before the layers'
     for name, cells in layer_runs(
-        report.layers, lambda r: [fb(r.saved_bytes), _copies(r), _analytic(r), _tops(r)]
+        report.layers, lambda r: [*lead(r), fb(r.saved_bytes), _copies(r), _analytic(r), _tops(r)]
     ):
-        t.add_row(name, *cells)
+        t.add_row(*cells[:n], name, *cells[n:])
     console.print(t)
 
 
@@ -260,7 +292,7 @@ def audit_totals(report: AuditReport, console: Any) -> None:
             "-",
             f"{b.no_analytic_model}; {probes}",
         )
-        s.add_row("  outside decoder layers", fb(tot.outside_layers_bytes), "-", "")
+        s.add_row(f"  {_outside(report)}", fb(tot.outside_layers_bytes), "-", "")
     else:
         s.add_row(
             "saved activations (all)",
@@ -299,7 +331,9 @@ def estimate_components(report: AuditReport, console: Any) -> None:
     s.add_row(
         "saved activations (all)",
         fb(tot.saved_bytes),
-        f"{fb(tot.outside_layers_bytes)} outside decoder layers (logits, final norm, loss)",
+        f"{fb(tot.outside_layers_bytes)} {_outside(report)} ("
+        + ("embeddings, the tower's patch embedding, " if any(r.stack for r in report.layers) else "")
+        + "logits, final norm, loss)",
     )
     s.add_row(
         "frozen weights (4-bit + absmax, others)",
@@ -698,22 +732,36 @@ def render_fit(fit: dict[str, Any], dim: str, batch: int, seq_len: int, console:
 
 
 def _image_fit_line(fit: dict[str, Any], batch: int, seq_len: int) -> str:
-    """``--fit-dim image``'s answer: the largest image, its tokens, and the bound it was searched under."""
+    """``--fit-dim image``'s answer: the largest image, its tokens, and the bound it was searched under (a tiling
+    processor's: the run of sizes it gives those tokens)."""
     image = fit["image"]
     fixed = f"at batch {batch} x seq {seq_len}"
-    bound = (
-        f"seq-len {seq_len} holds no larger image: it is the whole row, image tokens included, as TRL's max_length "
-        "counts it"
-        if image["limited_by"] == "seq-len"
-        else "the processor's max_pixels: a larger image is resized down to it"
-    )
     if image["largest"] is None:
-        return f"fit: not even a {image['step']}-pixel-step image fits in {fb(fit['size_bytes'])} {fixed}"
+        return f"fit: not even the smallest image its processor makes fits in {fb(fit['size_bytes'])} {fixed}"
+    bound = {
+        "seq-len": f"seq-len {seq_len} holds no larger image: it is the whole row, image tokens included, as TRL's "
+        "max_length counts it",
+        "max_pixels": "max_pixels holds it: the processor makes no larger image at this aspect ratio (it resizes a "
+        "larger one down to at most max_pixels)",
+        "tokens": "the processor gives no larger image at this aspect ratio more tokens (probed up to "
+        f"{image.get('probed_up_to')} pixels on the longest side)",
+    }[image["limited_by"]]
+    tokens = f"{image['image_tokens']} image tokens, {image['row_tokens']} tokens of the row with their markers"
+    if image.get("follows") == "tokens":
+        at_limit = image["same_from"] == image["limit"]
+        if image["largest"] == image["same_from"] and at_limit and image["limited_by"] == "tokens":
+            same, run = f"any size from {image['same_from']} up", ""
+        else:
+            same, run = image["largest"], f", as of every image from {image['same_from']} to {image['largest']}"
+        return (
+            f"fit: the largest image that fits in {fb(fit['size_bytes'])} {fixed} is {same} ({tokens}{run}; "
+            f"searched the processor's token counts at this aspect ratio up to that of {image['limit']}"
+            + (f", where {bound})" if at_limit else ")")
+        )
     at_limit = image["largest"] == image["limit"]
     return (
-        f"fit: the largest image that fits in {fb(fit['size_bytes'])} {fixed} is {image['largest']} "
-        f"({image['image_tokens']} image tokens, {image['row_tokens']} tokens of the row with their markers; "
-        f"searched in {image['step']}-pixel steps up to {image['limit']}"
+        f"fit: the largest image that fits in {fb(fit['size_bytes'])} {fixed} is {image['largest']} ({tokens}; "
+        f"searched the sizes the processor makes, sides in {image['step']}-pixel steps, up to {image['limit']}"
         + (f", where {bound})" if at_limit else ")")
     )
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from vramguard.errors import UsageError, first_line
+from vramguard.measure.decoder import decoder_layer
 
 MAX_IMAGE_SIDE = 16384
 """The largest image side ``--image-size`` takes (a 16k x 16k image is 805 MB of RGB pixels already)."""
@@ -86,12 +87,16 @@ class VisionFamily:
     nested_images: bool = False
     """The processor takes a batch's images as one list per row (Mllama, Idefics3, SmolVLM)."""
     image_steps: Callable[[Any], ImageSteps] | None = None
+    """How the processor rounds an image's sides, what ``--fit-dim image`` searches in (None: the processor does
+    not keep the size, as Gemma 3's fixed size and LLaVA-NeXT's tiles: the search follows its token count,
+    :mod:`vramguard.estimate.fit_image`)."""
     call_options: tuple[str, ...] = ()
     """Options of the processor's call that a flag may set (Gemma 3's ``do_pan_and_scan``,
     ``--pan-and-scan``): the processor's own call defaults win over its image processor's settings, so they go
     to every call."""
-    """How the processor rounds an image's sides (None: it does not keep the size: Gemma 3's fixed size, tiles):
-    what ``--fit-dim image`` searches in."""
+    image_fit_hint: Callable[[Any], str] = lambda config: ""
+    """What ``--fit-dim image`` may search instead where the processor gives every size of an image the same
+    tokens, for a run's QLoRAConfig (Gemma 3 without ``--pan-and-scan``: its crops grow with the image)."""
 
     def stack_of(self, module: str) -> str:
         """Which stack the module of qualified name ``module`` belongs to: ``vision tower``, ``projector`` or
@@ -103,19 +108,67 @@ class VisionFamily:
             return "vision tower"
         return "language model"
 
+    def layer_of(self, module: str) -> str | None:
+        """The layer of its stack that the module of qualified name ``module`` is in (the per-layer table's row):
+        a vision tower's block (the outermost ``layers.N``, ``blocks.N`` or ``layer.N`` under the tower: SigLIP's
+        and CLIP's ``encoder.layers.N``, Qwen's and GLM-4V's ``blocks.N``, InternVL's ``encoder.layer.N``), the
+        projector (the module :attr:`projector` names, with its index where it is a list: Qwen3-VL's
+        ``deepstack_merger_list.N``) or a language model's decoder layer (the one rule of
+        :func:`vramguard.measure.decoder.decoder_layer`); None for what is in none of them (embeddings, the
+        tower's patch embedding, ``lm_head``, the loss)."""
+        stack = self.stack_of(module)
+        if stack == "language model":
+            return decoder_layer(module)
+        if stack == "vision tower":
+            m = _TOWER_LAYER.match(module)
+            return m.group(1) if m else None
+        parts = module.split(".")
+        at = next(i for i, p in enumerate(parts) if p in self.projector) + 1
+        return ".".join(parts[: at + 1 if at < len(parts) and parts[at].isdigit() else at])
+
+
+_TOWER_LAYER = re.compile(r"^((?:.*?\.)?(?:layers|blocks|layer)\.\d+)(?:\.|$)")
+
+
+def processor_resize(image_processor: str) -> Callable[..., tuple[int, int]]:
+    """The resize of the module that defines transformers' ``image_processor`` class, the function its
+    ``resize`` calls: ``smart_resize(height, width, factor, min_pixels, max_pixels)`` for Qwen's image processor."""
+    import importlib
+
+    import transformers
+
+    return importlib.import_module(getattr(transformers, image_processor).__module__).smart_resize  # type: ignore[no-any-return]
+
 
 @dataclass(frozen=True)
 class ImageSteps:
-    """The sizes a family's processor keeps: each side a multiple of ``step`` pixels (Qwen's smart_resize rounds
-    to ``patch_size * merge_size``), at most ``max_pixels`` pixels (larger images are resized down to it)."""
+    """The sizes a family's processor makes of an image: each side a multiple of ``step`` pixels (Qwen's
+    ``smart_resize`` rounds to ``patch_size * merge_size``), between ``min_pixels`` and ``max_pixels`` pixels (a
+    larger image is resized down, a smaller one up); ``resize`` is the processor's own function that does it
+    (:func:`processor_resize`)."""
 
     step: int
     max_pixels: int
+    min_pixels: int
+    resize: Callable[..., tuple[int, int]]
+
+    def resized(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) the processor makes of a ``height`` x ``width`` image."""
+        h, w = self.resize(height, width, factor=self.step, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        return int(h), int(w)
 
 
-def _qwen_steps(c: Any, max_pixels: int) -> ImageSteps:
+_QWEN_IMAGE = "Qwen2VLImageProcessorPil"
+
+
+def _qwen_steps(c: Any, pixels: dict[str, int]) -> ImageSteps:
     v = c.vision_config
-    return ImageSteps(step=int(v.patch_size) * int(v.spatial_merge_size), max_pixels=max_pixels)
+    return ImageSteps(
+        step=int(v.patch_size) * int(v.spatial_merge_size),
+        max_pixels=pixels["max_pixels"],
+        min_pixels=pixels["min_pixels"],
+        resize=processor_resize(_QWEN_IMAGE),
+    )
 
 
 def _qwen_image(c: Any, min_pixels: int, max_pixels: int) -> dict[str, Any]:
@@ -145,14 +198,14 @@ def _qwen(name: str, processor: str, pixels: dict[str, int]) -> VisionFamily:
     return VisionFamily(
         name=name,
         processor=processor,
-        image_processor="Qwen2VLImageProcessorPil",
+        image_processor=_QWEN_IMAGE,
         tokens=_QWEN_TOKENS,
         placeholder=_QWEN_PLACEHOLDER,
         image_processor_kwargs=lambda c: _qwen_image(c, **pixels),
         tower_path="model.visual",
         projector_paths=("model.visual.merger", "model.visual.deepstack_merger_list"),
         pixels=True,
-        image_steps=lambda c: _qwen_steps(c, pixels["max_pixels"]),
+        image_steps=lambda c: _qwen_steps(c, pixels),
     )
 
 
@@ -257,6 +310,12 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         processor_kwargs=lambda c: {"image_seq_length": int(c.mm_tokens_per_image)},
         call_options=("do_pan_and_scan",),
         nested_images=True,
+        image_fit_hint=lambda config: (
+            ""
+            if config.pan_and_scan
+            else "; with --pan-and-scan its processor adds crops to an image of aspect ratio 1.2 or more once it is "
+            "large enough, more crops the larger and longer it is: search with it at such an --image-size"
+        ),
     ),
     "paligemma": VisionFamily(
         name="PaliGemma",
@@ -878,6 +937,20 @@ def pixel_bounds(config: Any) -> dict[str, int]:
     return {k: getattr(config, k) for k in ("min_pixels", "max_pixels") if getattr(config, k)}
 
 
+def processor_options(config: Any, family: VisionFamily) -> dict[str, Any]:
+    """What the config tells the family's processor (:func:`family_processor`'s ``pixels``): its
+    ``min_pixels`` / ``max_pixels`` (:func:`pixel_bounds`) and ``do_pan_and_scan`` (``--pan-and-scan``); one the
+    family's processor does not take is a one-line UsageError."""
+    pixels: dict[str, Any] = pixel_bounds(config)
+    if pixels and not family.pixels:
+        raise UsageError(f"min-pixels / max-pixels bound Qwen's processors; {family.name}'s takes no such bound")
+    if config.pan_and_scan:
+        if "do_pan_and_scan" not in family.call_options:
+            raise UsageError(f"pan-and-scan is Gemma 3's processor's; {family.name}'s has none")
+        pixels["do_pan_and_scan"] = True
+    return pixels
+
+
 def refuse_tower_options(config: Any) -> None:
     """A text model given a vision-tower option: one line naming it."""
     from dataclasses import fields
@@ -1048,13 +1121,7 @@ def vision_setup(
     family = family_of(hf_config.model_type)
     shape = vision_shape(spec.name, hf_config)
     model_class = image_text_class(hf_config)
-    pixels: dict[str, Any] = pixel_bounds(config)
-    if pixels and not family.pixels:
-        raise UsageError(f"min-pixels / max-pixels bound Qwen's processors; {family.name}'s takes no such bound")
-    if config.pan_and_scan:
-        if "do_pan_and_scan" not in family.call_options:
-            raise UsageError(f"pan-and-scan is Gemma 3's processor's; {family.name}'s has none")
-        pixels["do_pan_and_scan"] = True
+    pixels = processor_options(config, family)
     choices = tower_choices(config, family)
     rows = image_rows(
         family,
@@ -1195,6 +1262,8 @@ __all__ = [
     "VISION_FAMILIES",
     "ImageRows",
     "ImageSteps",
+    "processor_options",
+    "processor_resize",
     "VisionFamily",
     "VisionQLoRAModel",
     "VisionSetup",

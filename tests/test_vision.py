@@ -618,7 +618,9 @@ def test_each_stacks_layers_are_rows(family: str, module: str, layer: str | None
     assert (got if got is None else got.removeprefix("base_model.model.").removeprefix("model.")) == layer
 
 
-def test_the_layer_table_lists_each_stacks_layers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_layer_table_lists_each_stacks_layers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 45 item 1: the per-layer table of a tiny Qwen2.5-VL estimate has rows of each stack, the vision
     tower's blocks, the merger and the language model's decoder layers, under a stack column, identical layers
     of one stack collapsed by default and every layer with --verbose; the JSON's ``layers`` carry them with their
@@ -630,6 +632,7 @@ def test_the_layer_table_lists_each_stacks_layers(tmp_path: Path, capsys: pytest
     from vramguard.step.report import AuditReport
     from vramguard.view.report import estimate_layout, render, short_layer_name
 
+    monkeypatch.setenv("COLUMNS", "200")  # rows read from the text: unwrapped (xdist's workers set COLUMNS=80)
     out = tmp_path / "e.json"
     argv = ["estimate", "--model", str(FIXTURES["qwen2.5-vl"]), "--image-size", "56x56", "--seq-len", "64"]
     assert main([*argv, "--batch", "1", "--target-modules", "all-linear", "--target", "cpu", "--json", str(out)]) == 0

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from vramguard.errors import UsageError, first_line
 from vramguard.estimate.autocast import autocast_off
 from vramguard.estimate.no_init import values_not_drawn
+from vramguard.measure.storage import tensor_leaves
 from vramguard.model.layers import sdpa_kernel
 from vramguard.step.patching import patch_all
 from vramguard.step.request import META, TARGETS
@@ -574,8 +575,7 @@ class _RoutedValues(TorchDispatchMode):
         from torch.utils._pytree import tree_flatten, tree_map
 
         kwargs = kwargs or {}
-        leaves, _ = tree_flatten((args, kwargs))
-        metas = [t for t in leaves if isinstance(t, torch.Tensor) and t.device.type == META]
+        metas = [t for t in tensor_leaves((args, kwargs)) if t.device.type == META]
         valued = [t for t in metas if t in self.values]
         if not valued:
             out = func(*args, **kwargs)

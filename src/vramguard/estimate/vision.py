@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import META, TARGETS, _quantize_on_meta, _RoutedValues, forced_decisions
+from vramguard.estimate.no_init import values_not_drawn
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.workload.training import StepResult, run_steps
@@ -188,7 +189,8 @@ def build_vision_meta(
         model.hf_quantizer = quantizer
         model = prepare_for_training(model, config)
         apply_tower_checkpointing(model, setup.family, setup.choices)
-        model = with_lora(model, config, setup.choices)
+        with values_not_drawn(meta_only=False):  # PEFT makes LoRA on the host and moves it to meta
+            model = with_lora(model, config, setup.choices)
     model.train()
     model.config.use_cache = False
     values = ImageValues()

@@ -114,6 +114,16 @@ def enter_stage(
     return {t.name: stack.enter_context(contexts[t.name]) for t in techniques if t.stage == stage}
 
 
+def enter_all(stack: contextlib.ExitStack, techniques: list[Technique], contexts: dict[str, Any]) -> dict[str, Any]:
+    """Enter every stage of ``techniques`` (:func:`enter_stage`, in :data:`STAGES`' order) on ``stack`` at once:
+    for a step whose tracker starts inside its own run (a trainer's step, a rank's), so every context is on the
+    step before it. What each yielded, by name."""
+    seen: dict[str, Any] = {}
+    for stage in STAGES:
+        seen |= enter_stage(stack, stage, techniques, contexts)
+    return seen
+
+
 def revised(report: Any, techniques: list[Technique], model: Any, request: StepRequest, seen: dict[str, Any]) -> Any:
     """``report`` revised by each of ``techniques`` in their order, each given what its context yielded."""
     for t in techniques:

@@ -1,6 +1,7 @@
 """Every technique's context is entered through the registry (:func:`vramguard.step.technique.contexts_of`,
 :func:`~vramguard.step.technique.enter_stage`): bf16 autocast, FlashAttention-2 and padding-free rows on the loop's
-meta step, a trainer's step and a sharded step's ranks alike."""
+meta step, a trainer's step and a sharded step's ranks alike; DoRA's note on the measured step is the dora
+technique's (``measured``), in every producer's report."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from vramguard.audit.run import run_audit
 from vramguard.estimate import techniques
 from vramguard.estimate.run import run_estimate
 from vramguard.workload.models import QLoRAConfig
@@ -81,3 +83,17 @@ def test_a_trainers_step_enters_autocast_flash_and_padding_free_through_the_regi
     config = dataclasses.replace(FLASH_BF16, padding_free=True, packing=True)
     run_trainer_estimate(config, "sft", steps=1, target="cuda")
     assert {name: c.entered for name, c in counted.items()} == {"bf16": 1, "flash_attention_2": 1, "padding_free": 1}
+
+
+def test_doras_note_is_the_dora_techniques_in_the_estimate_and_the_audit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The note comes from the dora technique's ``measured``: replaced in the registry, both reports lose it."""
+    config = dataclasses.replace(SMALL, use_dora=True, device="cpu")
+
+    def kinds() -> tuple[list[str], list[str]]:
+        estimate = run_estimate(config, steps=1, target="cpu")
+        audit = run_audit(config, steps=2)
+        return [f.kind for f in estimate.verdict.findings], [f.kind for f in audit.verdict.findings]
+
+    assert all("dora" in found for found in kinds())
+    _registry_with(monkeypatch, "use_dora", measured=lambda model, ledger: None)
+    assert not any("dora" in found for found in kinds())

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from vramguard.estimate.techniques import used_by
 from vramguard.measure.storage import frozen_resident_bytes
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.model.analytic import Expectation
@@ -101,8 +102,9 @@ def measure_zero3_rank(
     with MemoryTracker(device, model=q.model) as tracker:
         results, ledger = run_steps(q, steps, tracker, optimizer=zero_optimizer, ledger_step=0, engine=engine)
     assert ledger is not None
+    elapsed = time.perf_counter() - t0
     report = assemble_report(
-        q, config, expected, tracker, results, ledger, zero_optimizer, top, time.perf_counter() - t0
+        q, config, expected, tracker, results, ledger, zero_optimizer, top, elapsed, techniques=used_by(config)
     )
     terms = zero3_terms(q.model, zero_optimizer)
     terms["engine_init_bytes"] = init_bytes

@@ -263,10 +263,13 @@ def _one_rank(
     q = build_meta(config, sharded=True)
     expected = rank_expectation(q, config)
     source = meta_source(META, target)
-    on_step = meta_step_contexts(q, request, rank_techniques(config))  # outside the tracker, which measure_rank enters
+    techniques = rank_techniques(config)
+    on_step = meta_step_contexts(q, request, techniques)  # outside the tracker, which measure_rank enters
     with fake_process_group(rank, sharding.world_size), meta_fsdp(), on_step:
         mesh = init_device_mesh(META, (sharding.world_size,))
-        report, row = measure_rank(q, request, sharding, mesh, rank, top, expected, source=source, meta_run=True)
+        report, row = measure_rank(
+            q, request, sharding, mesh, rank, top, expected, source=source, meta_run=True, techniques=techniques
+        )
     extra = overheads(row.allocator_peak_bytes, checkpointing=config.gradient_checkpointing, target=target)
     row = dataclasses.replace(row, total_bytes=row.allocator_peak_bytes + sum(o.bytes for o in extra))
     return dataclasses.replace(report, device=META), row

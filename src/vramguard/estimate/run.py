@@ -395,6 +395,7 @@ def run_estimate(
         top,
         time.perf_counter() - t0,
         meta_run=True,
+        techniques=used_by(config),
     )
     return estimate_report(q, request, step, report, too_long)
 

@@ -251,7 +251,7 @@ def run_rank(spec_path: str, rank: int) -> int:
         if sharding.sharding == "zero3":
             from vramguard.audit.zero3 import build_zero3_rank
 
-            q, ds = build_zero3_rank(config, rank, world)
+            q, ds = build_zero3_rank(request, rank, world)
         else:
             q = build_qlora(config, sharded=True)
             check_adapters(q.model, sharding)

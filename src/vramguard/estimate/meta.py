@@ -872,11 +872,8 @@ def _deepcopy_on_meta() -> Iterator[None]:
         with torch.device(META):
             return original(self, memo)
 
-    cls.__deepcopy__ = __deepcopy__  # type: ignore[method-assign]
-    try:
+    with patched(cls, "__deepcopy__", __deepcopy__):
         yield
-    finally:
-        cls.__deepcopy__ = original  # type: ignore[method-assign]
 
 
 def build_meta(

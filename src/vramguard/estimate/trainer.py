@@ -49,6 +49,7 @@ from vramguard.integrations.trainer_step import (
 )
 from vramguard.integrations.transformers import VramGuardCallback
 from vramguard.measure.tracker import StorageTracker
+from vramguard.step.patching import patch_all, patched
 from vramguard.step.report import AuditReport
 from vramguard.step.request import StepRequest
 from vramguard.workload.models import QLoRAConfig, QLoRAModel
@@ -175,11 +176,12 @@ def _autocast_asked_as(target: str) -> Iterator[None]:
     def get_autocast_dtype(device_type: str) -> torch.dtype:
         return dtype(target if device_type == META else device_type)
 
-    torch.is_autocast_enabled, torch.get_autocast_dtype = is_autocast_enabled, get_autocast_dtype
-    try:
+    with contextlib.ExitStack() as stack:
+        patch_all(
+            stack,
+            [(torch, "is_autocast_enabled", is_autocast_enabled), (torch, "get_autocast_dtype", get_autocast_dtype)],
+        )
         yield
-    finally:
-        torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, dtype
 
 
 @contextlib.contextmanager
@@ -200,11 +202,8 @@ def _accelerate_autocast_on_meta() -> Iterator[None]:
         kept = {"dtype": made.fast_dtype, "enabled": made._enabled, "cache_enabled": made._cache_enabled}
         return torch.autocast(META, **kept)
 
-    accelerator.get_mixed_precision_context_manager = get_mixed_precision_context_manager
-    try:
+    with patched(accelerator, "get_mixed_precision_context_manager", get_mixed_precision_context_manager):
         yield
-    finally:
-        accelerator.get_mixed_precision_context_manager = original
 
 
 class _PhaseCalls:

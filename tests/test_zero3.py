@@ -146,12 +146,12 @@ from vramguard.step.rank import rank_expectation
 from vramguard.audit.zero3 import build_zero3_rank, measure_zero3_rank
 from vramguard.step.request import StepRequest
 from vramguard.workload.models import QLoRAConfig
-config = QLoRAConfig()
-q, ds = build_zero3_rank(config, 0, 2)
-expected = rank_expectation(q, config)
+request = StepRequest.on_device(QLoRAConfig(), steps=int(sys.argv[2]))
+q, ds = build_zero3_rank(request, 0, 2)
+expected = rank_expectation(q, request.config)
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 try:
-    _, row = measure_zero3_rank(q, StepRequest.on_device(config, steps=int(sys.argv[2])), ds, 0, 3, expected)
+    _, row = measure_zero3_rank(q, request, ds, 0, 3, expected)
 finally:
     dist.destroy_process_group()
 with open(sys.argv[1], "w") as fh:

@@ -32,6 +32,7 @@ import torch
 from vramguard.atomic import write_text_atomic
 from vramguard.audit.run import check_fits
 from vramguard.errors import RunKilled, UsageError
+from vramguard.estimate.techniques import used_by
 from vramguard.step.rank import measure_rank, merged, rank_expectation
 from vramguard.step.report import AuditReport, RankRow
 from vramguard.step.request import StepRequest, audit_request
@@ -250,7 +251,7 @@ def run_rank(spec_path: str, rank: int) -> int:
         if sharding.sharding == "zero3":
             from vramguard.audit.zero3 import build_zero3_rank
 
-            q, ds = build_zero3_rank(config, rank, world)
+            q, ds = build_zero3_rank(request, rank, world)
         else:
             q = build_qlora(config, sharded=True)
             check_adapters(q.model, sharding)
@@ -268,7 +269,7 @@ def run_rank(spec_path: str, rank: int) -> int:
             report, row = measure_zero3_rank(q, request, ds, rank, top, expected)
         else:
             mesh = cpu_mesh(world)
-            report, row = measure_rank(q, request, sharding, mesh, rank, top, expected)
+            report, row = measure_rank(q, request, sharding, mesh, rank, top, expected, techniques=used_by(config))
         write_text_atomic(folder / f"rank{rank}.json", json.dumps(report.to_dict()))
         write_text_atomic(folder / f"rank{rank}.row.json", json.dumps(dataclasses.asdict(row)))
         dist.barrier()  # gloo's teardown aborts now and then when a peer is already gone

@@ -185,7 +185,7 @@ def run_audit(
         results, ledger = run_steps(q, steps, tracker, optimizer=optimizer, ledger_step=0, on_step=on_step)
     assert ledger is not None
     report = assemble_report(
-        q, config, expected, tracker, results, ledger, optimizer, top, time.perf_counter() - t0
+        q, config, expected, tracker, results, ledger, optimizer, top, time.perf_counter() - t0, techniques=techniques
     )
     report = revised(report, routed, q, request, seen)  # a forced routing's routing: line
     top_k = eager_top_k(q.model)

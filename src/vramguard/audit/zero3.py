@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from vramguard.estimate.techniques import used_by
 from vramguard.measure.storage import frozen_resident_bytes
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
 from vramguard.model.analytic import Expectation
@@ -26,7 +27,7 @@ from vramguard.step.assemble import assemble_report
 from vramguard.step.rank import row_of
 from vramguard.step.report import AuditReport, RankRow
 from vramguard.step.request import StepRequest
-from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora, parse_dtype
+from vramguard.workload.models import QLoRAModel, build_qlora, parse_dtype
 from vramguard.workload.training import make_optimizer, run_steps
 from vramguard.workload.zero3 import (
     ds_config,
@@ -38,10 +39,12 @@ from vramguard.workload.zero3 import (
 )
 
 
-def build_zero3_rank(config: QLoRAConfig, rank: int, world_size: int) -> tuple[QLoRAModel, dict[str, Any]]:
+def build_zero3_rank(request: StepRequest, rank: int, world_size: int) -> tuple[QLoRAModel, dict[str, Any]]:
     """This rank's environment for DeepSpeed (:func:`~vramguard.workload.zero3.rank_environment`, set before
-    DeepSpeed is imported), and the recipe's model built while transformers sees the ZeRO-3 configuration;
-    the model and that configuration."""
+    DeepSpeed is imported), and the model of ``request`` (the step :func:`measure_zero3_rank` then runs, validated
+    once: :meth:`~vramguard.step.request.StepRequest.on_device`) built while transformers sees the ZeRO-3
+    configuration; the model and that configuration."""
+    config = request.config
     os.environ.update(rank_environment(rank, world_size))
 
     hidden = int(config.spec.fields["hidden_size"])
@@ -101,8 +104,9 @@ def measure_zero3_rank(
     with MemoryTracker(device, model=q.model) as tracker:
         results, ledger = run_steps(q, steps, tracker, optimizer=zero_optimizer, ledger_step=0, engine=engine)
     assert ledger is not None
+    elapsed = time.perf_counter() - t0
     report = assemble_report(
-        q, config, expected, tracker, results, ledger, zero_optimizer, top, time.perf_counter() - t0
+        q, config, expected, tracker, results, ledger, zero_optimizer, top, elapsed, techniques=used_by(config)
     )
     terms = zero3_terms(q.model, zero_optimizer)
     terms["engine_init_bytes"] = init_bytes

@@ -6,7 +6,7 @@ tensors whose device is that device: a meta tensor gets no autocast, whatever th
 with that device's dispatch keys: CUDA's (or the CPU's) real autocast kernels cast it, on a machine
 without a GPU. :class:`TargetAutocast` asks them: every torch function of the meta step that takes a
 floating-point meta tensor while the target's autocast is on (``torch.set_autocast_enabled(target)``,
-which :func:`vramguard.estimate.meta.forced_decisions` sets for ``torch.autocast``) first runs on fake
+which :func:`vramguard.estimate.meta.target_autocast` sets for ``torch.autocast``) first runs on fake
 aliases of its arguments, with no tracker and no autograd, until its first op that is not one of
 autocast's casts; the casts seen are then made on the meta tensors (``.to(dtype)``, each with its autograd
 node, as ``cached_cast`` makes them) and the function runs on meta with autocast off, as the autocast

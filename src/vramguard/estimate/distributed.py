@@ -42,11 +42,12 @@ import torch
 from vramguard.errors import UsageError
 from vramguard.estimate.meta import build_meta
 from vramguard.estimate.run import highest_routing, meta_source, meta_step_contexts, overheads, with_bounds
-from vramguard.estimate.techniques import routing as routing_technique
+from vramguard.estimate.techniques import liger, offloading, used_by
 from vramguard.measure.storage import local_tensor, storage_key
 from vramguard.step.rank import measure_rank, merged, rank_expectation
 from vramguard.step.report import AuditReport, RankRow
 from vramguard.step.request import META, StepRequest
+from vramguard.step.technique import Technique
 from vramguard.workload.models import QLoRAConfig, QLoRAModel
 from vramguard.workload.routing import ROUTINGS, eager_top_k
 from vramguard.workload.sharding import ShardingConfig, check_adapters
@@ -239,6 +240,17 @@ def run_distributed_estimate(
     return report
 
 
+NOT_ON_RANKS: tuple[str, ...] = (liger.TECHNIQUE.name, offloading.TECHNIQUE.name)
+"""Techniques a rank's step does not run: priced on one device (``vramguard estimate --world-size`` refuses
+them)."""
+
+
+def rank_techniques(config: QLoRAConfig) -> list[Technique]:
+    """The registry's techniques ``config`` uses that a rank's step runs (autocast, the attention kernel, the
+    rows' answer, the routing: as on one device), in the registry's order."""
+    return [t for t in used_by(config) if t.name not in NOT_ON_RANKS]
+
+
 def _one_rank(
     request: StepRequest, sharding: ShardingConfig, rank: int, top: int
 ) -> tuple[AuditReport, RankRow]:
@@ -251,11 +263,13 @@ def _one_rank(
     q = build_meta(config, sharded=True)
     expected = rank_expectation(q, config)
     source = meta_source(META, target)
-    decisions, flash = meta_step_contexts(q, config, target)  # autocast, attention kernels: as on one device
-    routed = routing_technique.context(q, request)  # outside the tracker, which measure_rank enters
-    with fake_process_group(rank, sharding.world_size), meta_fsdp(), decisions, flash, routed:
+    techniques = rank_techniques(config)
+    on_step = meta_step_contexts(q, request, techniques)  # outside the tracker, which measure_rank enters
+    with fake_process_group(rank, sharding.world_size), meta_fsdp(), on_step:
         mesh = init_device_mesh(META, (sharding.world_size,))
-        report, row = measure_rank(q, request, sharding, mesh, rank, top, expected, source=source, meta_run=True)
+        report, row = measure_rank(
+            q, request, sharding, mesh, rank, top, expected, source=source, meta_run=True, techniques=techniques
+        )
     extra = overheads(row.allocator_peak_bytes, checkpointing=config.gradient_checkpointing, target=target)
     row = dataclasses.replace(row, total_bytes=row.allocator_peak_bytes + sum(o.bytes for o in extra))
     return dataclasses.replace(report, device=META), row

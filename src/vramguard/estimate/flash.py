@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from vramguard.errors import UsageError
+from vramguard.step.patching import patch_all
 
 FLASH_ATTENTION_2 = "flash_attention_2"
 
@@ -210,12 +211,14 @@ def flash_attn_varlen_func(
 
 @contextlib.contextmanager
 def flash_attention_2(
-    model: torch.nn.Module, target: str, one_sequence_per_row: bool = True
+    model: torch.nn.Module, target: str, one_sequence_per_row: bool | None = None
 ) -> Iterator[None]:
     """Within the block ``model`` runs transformers' ``flash_attention_2`` path, with :func:`flash_attn_func`
     for the package's kernel and ``target``'s autocast for a meta query's device. ``one_sequence_per_row``:
     whether the real batch's rows hold one sequence each (False for a padding-free batch of several: its
-    boundaries must reach the varlen kernel, or the run is refused)."""
+    boundaries must reach the varlen kernel, or the run is refused); None: the meta run's answer when asked
+    (:data:`vramguard.estimate.meta.ROWS`, the padding-free technique's context). The library's globals and the
+    model's configs are patched through the one helper (:func:`vramguard.step.patching.patched`)."""
     from transformers import modeling_flash_attention_utils as fa_utils
     from transformers.integrations import flash_attention as fa
 
@@ -238,19 +241,15 @@ def flash_attention_2(
         return next(m for m in module.modules() if isinstance(m, torch.nn.Linear)).weight.dtype
 
     configs = [c for c in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()]
-    previous = [(c, c._attn_implementation) for c in configs if getattr(c, "_attn_implementation", None)]
-    for c, _ in previous:
-        c._attn_implementation = FLASH_ATTENTION_2
     original_packed = fa_utils._is_packed_sequence
 
     def _is_packed_sequence(position_ids: Any, batch_size: int) -> Any:
         if position_ids is None or position_ids.device.type != "meta":
             return original_packed(position_ids, batch_size)
-        from vramguard.estimate.meta import _AnswerScalars
+        from vramguard.estimate.meta import ROWS, _AnswerScalars
 
-        if (
-            not one_sequence_per_row
-        ):  # transformers would read the real position ids and go varlen without them
+        rows = ROWS.one_sequence if one_sequence_per_row is None else one_sequence_per_row
+        if not rows:  # transformers would read the real position ids and go varlen without them
             raise UsageError(
                 "flash_attention_2: the padding-free batch's boundaries (cu_seq_lens_q/_k) did not reach "
                 "transformers' flash path, which would read them from the position ids on the device: not priced"
@@ -262,14 +261,14 @@ def flash_attention_2(
         with _AnswerScalars(False):
             return bool(original_packed(position_ids, batch_size))
 
-    fa_utils._is_packed_sequence = _is_packed_sequence  # type: ignore[assignment]
-    fa_utils.lazy_import_flash_attention = lazy_import_flash_attention  # type: ignore[assignment]
-    fa.get_target_dtype = get_target_dtype  # type: ignore[assignment]
-    try:
+    patches: list[tuple[Any, str, Any]] = [
+        (c, "_attn_implementation", FLASH_ATTENTION_2) for c in configs if getattr(c, "_attn_implementation", None)
+    ]
+    patches += [
+        (fa_utils, "_is_packed_sequence", _is_packed_sequence),
+        (fa_utils, "lazy_import_flash_attention", lazy_import_flash_attention),
+        (fa, "get_target_dtype", get_target_dtype),
+    ]
+    with contextlib.ExitStack() as stack:
+        patch_all(stack, patches)
         yield
-    finally:
-        fa_utils.lazy_import_flash_attention = original_import  # type: ignore[assignment]
-        fa_utils._is_packed_sequence = original_packed  # type: ignore[assignment]
-        fa.get_target_dtype = original_target  # type: ignore[assignment]
-        for c, attn in previous:
-            c._attn_implementation = attn

@@ -44,6 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from vramguard.errors import UsageError
+from vramguard.step.patching import patched
 from vramguard.units import format_bytes
 
 EXTRA = "liger"
@@ -157,11 +158,8 @@ def triton_launches_skipped() -> Iterator[list[Launch]]:
 
         return run
 
-    KernelInterface.__getitem__ = __getitem__  # type: ignore[method-assign]
-    try:
+    with patched(KernelInterface, "__getitem__", __getitem__):
         yield skipped
-    finally:
-        KernelInterface.__getitem__ = original  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True)

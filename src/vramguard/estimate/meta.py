@@ -39,7 +39,7 @@ from vramguard.estimate.autocast import autocast_off
 from vramguard.estimate.no_init import values_not_drawn
 from vramguard.measure.storage import tensor_leaves
 from vramguard.model.layers import sdpa_kernel
-from vramguard.step.patching import patch_all
+from vramguard.step.patching import patch_all, patched
 from vramguard.step.request import META, TARGETS
 from vramguard.workload.models import (
     BUILD_ERRORS,
@@ -270,44 +270,85 @@ _KEYED_BY_VALUE = (bool, int, str, torch.dtype, torch.device, torch.layout, torc
 def forced_decisions(
     target: str = "cpu", one_sequence_per_row: bool = True, autocast: bool = False
 ) -> Iterator[dict[str, int]]:
-    """Within the block, ``find_packed_sequence_indices`` on meta position ids decides as it does for the
-    batch on a real device: "one sequence per row" (returns None) for the synthetic rows, or, with
-    ``one_sequence_per_row`` False (a padding-free batch whose real position ids hold several sequences in a
-    row: :attr:`MetaQLoRAModel.one_sequence_per_row`), "packed" (returns the sequence indices, their shape
-    and dtype as on the device, so the packed-sequence mask is built); attention and
-    dropout on meta take the kernels ``target`` would (:func:`_sdpa_as_on`; on CUDA dropout is
-    ``native_dropout``, which keeps a bool mask, where the CPU multiplies by a mask in the input's
+    """The step-level decisions of a meta run for ``target`` (:func:`target_decisions`) with the rows' answer
+    ``one_sequence_per_row`` (:func:`rows_answered`) and, with ``autocast`` (Trainer's mixed precision),
+    ``target``'s autocast (:func:`target_autocast`), in one block: what the bf16 and padding-free techniques'
+    contexts put on a step (:mod:`vramguard.estimate.techniques`), for a caller that runs its own step (the
+    vision step, the tests). Yields the decisions' counter; with ``autocast`` the autocast's counts
+    (``autocast_routed``, ``autocast_unprobed``) are written into it when the block ends."""
+    taken: dict[str, int] = {}
+    routed: dict[str, int] = {}
+    try:
+        with rows_answered(one_sequence_per_row), target_decisions(target) as taken:
+            if not autocast:
+                yield taken
+            else:
+                with target_autocast(target) as routed:
+                    yield taken
+    finally:
+        taken.update(routed)  # after the decisions' own counts (grouped_mm), as the meta step lists them
+
+
+class _Rows:
+    """What the meta run answers when transformers asks whether each row of the batch holds one sequence
+    (:attr:`one_sequence`; its real position ids hold the answer, meta has none): ``find_packed_sequence_indices``
+    (:func:`target_decisions`) and FlashAttention-2's ``_is_packed_sequence``
+    (:func:`vramguard.estimate.flash.flash_attention_2`) read it when asked."""
+
+    one_sequence = True
+    """The synthetic rows' answer (no position ids are passed: one sequence per row); a padding-free batch's
+    is what its boundaries say (:func:`rows_answered`, the padding-free technique's context)."""
+
+
+ROWS = _Rows()
+"""The meta run's answer on the rows of the batch (:class:`_Rows`)."""
+
+
+@contextlib.contextmanager
+def rows_answered(one_sequence_per_row: bool) -> Iterator[None]:
+    """Within the block, the meta run answers that each row holds one sequence (``one_sequence_per_row``) or
+    several (a padding-free batch whose real position ids restart within a row:
+    :attr:`MetaQLoRAModel.one_sequence_per_row`); :data:`ROWS` patched through the one helper. Yields nothing
+    (it counts nothing: the decisions count the questions)."""
+    with patched(ROWS, "one_sequence", one_sequence_per_row):
+        yield
+
+
+@contextlib.contextmanager
+def target_decisions(target: str = "cpu") -> Iterator[Decisions]:
+    """Within the block, the meta step's data-dependent and device-dependent decisions are taken as on
+    ``target``, whatever techniques the step uses: ``find_packed_sequence_indices`` on meta position ids decides
+    as it does for the batch on a real device (:data:`ROWS`' answer): "one sequence per row" (returns None) for
+    the synthetic rows, or, for a padding-free batch whose real position ids hold several sequences in a row,
+    "packed" (returns the sequence indices, their shape and dtype as on the device, so the packed-sequence mask
+    is built); attention and dropout on meta take the kernels ``target`` would (:func:`_sdpa_as_on`; on CUDA
+    dropout is ``native_dropout``, which keeps a bool mask, where the CPU multiplies by a mask in the input's
     dtype).
 
-    ``torch.autocast`` (and ``torch.amp.autocast``) on a meta device type is ``target``'s autocast; with
-    ``autocast`` (Trainer's mixed precision), the block runs under :class:`~vramguard.estimate.autocast.
-    TargetAutocast`, which applies ``target``'s real autocast policy to the meta step, and a checkpointed
-    block's device is ``target`` (so its recomputation restores ``target``'s autocast state, as a real
-    device's run does).
+    ``torch.autocast`` (and ``torch.amp.autocast``) takes a meta device type as the CPU's, enabling nothing
+    itself; Trainer's mixed precision is the bf16 technique's context (:func:`target_autocast`), entered inside
+    this block.
 
     torch's optimizers pick their implementation by the parameters' device (``foreach`` where the device has
     foreach kernels, ``fused=True`` checked against the devices with fused kernels); on meta they pick as on
     ``target``: CUDA's foreach AdamW (a temporary as large as the parameters in the step) where the CPU runs the
     single-tensor loop, and the fused kernel (meta has its shape rules) on either.
 
-    Yields a counter of the decisions taken, so a caller can check the branch was reached.
+    Yields a counter of the decisions taken (:class:`Decisions`), so a caller can check the branch was reached.
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     from torch.optim import optimizer as torch_optimizer
-    from torch.utils import checkpoint
     from transformers import masking_utils
 
     functional = torch.nn.functional
-    meta_autocast = _meta_autocast(target if autocast else "cpu")
+    meta_autocast = _meta_autocast("cpu")
     grouped = _GroupedMmAnyDtype()
-    routing = _routing(target) if autocast else None
-    taken = Decisions(grouped, routing)
-    meta_autocast.routing = routing  # type: ignore[attr-defined]
-    packed = _packed_answer(masking_utils.find_packed_sequence_indices, one_sequence_per_row, taken)
+    taken = Decisions(grouped)
+    packed = _packed_answer(masking_utils.find_packed_sequence_indices, taken)
     patches = [
         (masking_utils, "find_packed_sequence_indices", packed),
-        (functional, "scaled_dot_product_attention", _meta_sdpa(target, routing, taken)),
+        (functional, "scaled_dot_product_attention", _meta_sdpa(target, taken)),
         (functional, "dropout", _dropout_as_on(target, functional.dropout)),
         (torch, "autocast", meta_autocast),
         (torch.amp, "autocast", meta_autocast),
@@ -315,8 +356,6 @@ def forced_decisions(
         (torch_optimizer, "_get_foreach_kernels_supported_devices", _foreach_devices(target)),
         (torch_optimizer, "_get_fused_kernels_supported_devices", _fused_devices),
     ]
-    if autocast:  # a checkpointed block's device is the target's (its recomputation restores that autocast)
-        patches.append((checkpoint, "_infer_device_type", _infer_as(target, checkpoint._infer_device_type)))
     shapes = PointwiseShapeCache(PROCESS_ANSWERS)
     try:
         with contextlib.ExitStack() as stack:
@@ -325,51 +364,94 @@ def forced_decisions(
                 yield taken
     finally:
         taken["grouped_mm"] = grouped.answered
-        if routing is not None:
-            taken["autocast_routed"] = routing.routed
-            taken["autocast_unprobed"] = len(routing.unprobed)
+
+
+@contextlib.contextmanager
+def target_autocast(target: str) -> Iterator[Autocasted]:
+    """Within the block (inside :func:`target_decisions`), ``torch.autocast`` (and ``torch.amp.autocast``) on
+    a meta device type is ``target``'s autocast: its regions run under
+    :class:`~vramguard.estimate.autocast.TargetAutocast`, which applies ``target``'s real autocast policy to the
+    meta step, sdpa's inputs are cast as ``target``'s autocast casts them before its kernel is chosen, and a
+    checkpointed block's device is ``target`` (so its recomputation restores ``target``'s autocast state, as a
+    real device's run does). The bf16 technique's context (:mod:`vramguard.estimate.techniques.autocast`).
+
+    Yields its counter (:class:`Autocasted`): the functions routed through the target's autocast
+    (``autocast_routed``) and those it could not probe (``autocast_unprobed``), written when the block ends."""
+    from torch.utils import checkpoint
+
+    functional = torch.nn.functional
+    routing = _routing(target)
+    meta_autocast = _meta_autocast(target)
+    meta_autocast.routing = routing  # type: ignore[attr-defined]
+    routed = Autocasted(routing)
+    sdpa = _autocast_sdpa(target, routing, functional.scaled_dot_product_attention)  # the decisions' (outside)
+    patches = [
+        (torch, "autocast", meta_autocast),
+        (torch.amp, "autocast", meta_autocast),
+        (functional, "scaled_dot_product_attention", sdpa),
+        # a checkpointed block's device is the target's (its recomputation restores that autocast)
+        (checkpoint, "_infer_device_type", _infer_as(target, checkpoint._infer_device_type)),
+    ]
+    try:
+        with contextlib.ExitStack() as stack:
+            patch_all(stack, patches)
+            yield routed
+    finally:
+        routed["autocast_routed"] = routing.routed
+        routed["autocast_unprobed"] = len(routing.unprobed)
 
 
 class Decisions(dict):  # type: ignore[type-arg]
-    """:func:`forced_decisions`' counter of the decisions taken (``find_packed_sequence_indices``,
-    ``scaled_dot_product_attention``), with the counts its modes keep (``grouped_mm``, ``autocast_routed``)
-    written in when the block ends. :meth:`counts` reads them all now and :meth:`add` adds to each: a step
-    that prices repeated micro-batches from one (:class:`vramguard.workload.training.Repeats`) counts
-    theirs."""
+    """:func:`target_decisions`' counter of the decisions taken (``find_packed_sequence_indices``,
+    ``scaled_dot_product_attention``), with the count its mode keeps (``grouped_mm``) written in when the block
+    ends. :meth:`counts` reads them all now and :meth:`add` adds to each: a step that prices repeated
+    micro-batches from one (:class:`vramguard.workload.training.Repeats`) counts theirs."""
 
-    def __init__(self, grouped: Any, routing: Any) -> None:
+    def __init__(self, grouped: Any) -> None:
         super().__init__(find_packed_sequence_indices=0, scaled_dot_product_attention=0)
         self._grouped = grouped
-        self._routing = routing
 
     def counts(self) -> dict[str, int]:
         """Every count as it stands now."""
-        live = {**self, "grouped_mm": self._grouped.answered}
-        if self._routing is not None:
-            live["autocast_routed"] = self._routing.routed
-        return live
+        return {**self, "grouped_mm": self._grouped.answered}
 
     def add(self, more: dict[str, int]) -> None:
         """Add ``more`` (counts by :meth:`counts`' names) to each count."""
         for name, n in more.items():
             if name == "grouped_mm":
                 self._grouped.answered += n
-            elif name == "autocast_routed":
-                self._routing.routed += n
             else:
                 self[name] += n
 
 
-def _packed_answer(original: Any, one_sequence_per_row: bool, taken: dict[str, int]) -> Any:
+class Autocasted(dict):  # type: ignore[type-arg]
+    """:func:`target_autocast`'s counter: ``autocast_routed`` and ``autocast_unprobed`` (0 until the block ends,
+    when they are written in); :meth:`counts` and :meth:`add` as :class:`Decisions`' (a repeated micro-batch's
+    routed functions)."""
+
+    def __init__(self, routing: Any) -> None:
+        super().__init__(autocast_routed=0, autocast_unprobed=0)  # a counter from the start, not one that saw nothing
+        self._routing = routing
+
+    def counts(self) -> dict[str, int]:
+        """The functions routed so far."""
+        return {"autocast_routed": self._routing.routed}
+
+    def add(self, more: dict[str, int]) -> None:
+        """Add ``more`` (by :meth:`counts`' names) to the count."""
+        self._routing.routed += more.get("autocast_routed", 0)
+
+
+def _packed_answer(original: Any, taken: dict[str, int]) -> Any:
     """transformers' ``find_packed_sequence_indices`` on meta position ids, answered as the real ones answer
-    (counted in ``taken``); other devices' run unchanged."""
+    (:data:`ROWS`; counted in ``taken``); other devices' run unchanged."""
 
     def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
         if position_ids.device.type != META:
             return original(position_ids)
         # the real ops run (same temporaries); only the `(mask[:, -1] == 0).all()` test is answered, with
         # what the real position ids answer: every row one sequence (no packed-sequence mask), or not
-        with _AnswerScalars(one_sequence_per_row):
+        with _AnswerScalars(ROWS.one_sequence):
             result = original(position_ids)
         taken["find_packed_sequence_indices"] += 1
         return result
@@ -377,9 +459,9 @@ def _packed_answer(original: Any, one_sequence_per_row: bool, taken: dict[str, i
     return find_packed_sequence_indices
 
 
-def _meta_sdpa(target: str, routing: Any, taken: dict[str, int]) -> Any:
+def _meta_sdpa(target: str, taken: dict[str, int]) -> Any:
     """torch's ``scaled_dot_product_attention`` on meta tensors through ``target``'s kernel (:func:`_sdpa_as_on`;
-    counted in ``taken``), its inputs cast as ``target``'s autocast would under a ``routing`` mode."""
+    counted in ``taken``)."""
     original_sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def scaled_dot_product_attention(
@@ -388,15 +470,26 @@ def _meta_sdpa(target: str, routing: Any, taken: dict[str, int]) -> Any:
         if query.device.type != META:
             return original_sdpa(query, key, value, *args, **kwargs)
         taken["scaled_dot_product_attention"] += 1
-        if routing is not None and torch.is_autocast_enabled(target):
-            # autocast casts the inputs as the target's sdpa kernel would get them, then the kernel runs
-            # with autocast off (the autocast kernel's redispatch), so its choice sees the cast dtypes
-            (query, key, value, *args), kwargs = routing.autocast_inputs(
-                original_sdpa, (query, key, value, *args), kwargs
-            )
-            with autocast_off(target):
-                return _sdpa_as_on((target, original_sdpa), query, key, value, *args, **kwargs)
         return _sdpa_as_on((target, original_sdpa), query, key, value, *args, **kwargs)
+
+    return scaled_dot_product_attention
+
+
+def _autocast_sdpa(target: str, routing: Any, sdpa: Any) -> Any:
+    """``sdpa`` (:func:`_meta_sdpa`'s) with its meta inputs cast as ``target``'s autocast would under the
+    ``routing`` mode (:class:`~vramguard.estimate.autocast.TargetAutocast`) while it is enabled: autocast casts
+    the inputs as the target's sdpa kernel would get them, then the kernel runs with autocast off (the autocast
+    kernel's redispatch), so its choice sees the cast dtypes."""
+
+    def scaled_dot_product_attention(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        if query.device.type != META or not torch.is_autocast_enabled(target):
+            return sdpa(query, key, value, *args, **kwargs)
+        # probed on fake aliases (their device is the target's: ``sdpa`` hands them to torch's own)
+        (query, key, value, *args), kwargs = routing.autocast_inputs(sdpa, (query, key, value, *args), kwargs)
+        with autocast_off(target):
+            return sdpa(query, key, value, *args, **kwargs)
 
     return scaled_dot_product_attention
 
@@ -780,11 +873,8 @@ def _deepcopy_on_meta() -> Iterator[None]:
         with torch.device(META):
             return original(self, memo)
 
-    cls.__deepcopy__ = __deepcopy__  # type: ignore[method-assign]
-    try:
+    with patched(cls, "__deepcopy__", __deepcopy__):
         yield
-    finally:
-        cls.__deepcopy__ = original  # type: ignore[method-assign]
 
 
 @values_not_drawn()  # a meta parameter has no values to draw (vramguard.estimate.no_init)

@@ -12,14 +12,15 @@ import contextlib
 import dataclasses
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from vramguard.errors import UsageError, first_line
 from vramguard.estimate.kernels import cuda_kernel_temporaries
-from vramguard.estimate.meta import build_meta, forced_decisions
-from vramguard.estimate.techniques import offloading, routing, used_by
+from vramguard.estimate.meta import build_meta, target_decisions
+from vramguard.estimate.techniques import autocast, offloading, routing, used_by
 from vramguard.measure.events import AllocationLog
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
@@ -29,7 +30,7 @@ from vramguard.step.assemble import assemble_report
 from vramguard.step.expectation import expectation_of
 from vramguard.step.refusals import refuse_fp16_on_cpu
 from vramguard.step.request import META, StepRequest
-from vramguard.step.technique import contexts_of, enter_stage, revised
+from vramguard.step.technique import Technique, contexts_of, enter_all, enter_stage, revised
 from vramguard.step.report import AuditReport, DeviceEstimate, Finding, Overhead, with_routing_note
 from vramguard.units import format_bytes
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, packed_lengths
@@ -334,23 +335,20 @@ def _varlen_clause(q: QLoRAModel, config: QLoRAConfig) -> str:
     )
 
 
+@contextlib.contextmanager
 def meta_step_contexts(
-    q: QLoRAModel, config: QLoRAConfig, target: str, one_sequence_per_row: bool | None = None
-) -> tuple[contextlib.AbstractContextManager[dict[str, int]], contextlib.AbstractContextManager[None]]:
-    """What a meta step of ``q`` runs under, on one device or as one rank of a sharded step: the forced
-    decisions for ``target`` (its attention kernels, its autocast policy when ``config`` has mixed
-    precision) and, for ``flash_attention_2``, flash-attn 2's kernel priced from its rules. Refused in one
-    line where flash_attention_2 is not priced (off CUDA)."""
-    flash: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    rows = q.one_sequence_per_row if one_sequence_per_row is None else one_sequence_per_row
-    if q.attn_implementation == "flash_attention_2":
-        if target != "cuda":
-            raise UsageError("flash_attention_2 runs on CUDA only: estimate it with --device cuda")
-        from vramguard.estimate.flash import flash_attention_2
-
-        flash = flash_attention_2(q.model, target, rows)
-    decisions = forced_decisions(target, one_sequence_per_row=rows, autocast=config.mixed_precision != "no")
-    return decisions, flash
+    q: QLoRAModel, request: StepRequest, techniques: list[Technique]
+) -> Iterator[tuple[dict[str, int], dict[str, Any]]]:
+    """What a meta step of ``q`` runs under where its tracker starts inside its own run (a trainer's step, one
+    rank of a sharded step), entered at once: the step's decisions for the request's target
+    (:func:`~vramguard.estimate.meta.target_decisions`), then the contexts of ``techniques`` (their autocast,
+    attention kernel, rows' answer, routing: :func:`~vramguard.step.technique.contexts_of`), stage by stage
+    (:func:`~vramguard.step.technique.enter_all`). Yields the decisions' counter and what each technique saw, by
+    name. Refused in one line where a technique is not priced (flash_attention_2 off CUDA)."""
+    contexts = contexts_of(techniques, q, request)
+    with contextlib.ExitStack() as stack:
+        taken = stack.enter_context(target_decisions(request.target))
+        yield taken, enter_all(stack, techniques, contexts)
 
 
 def run_estimate(
@@ -397,6 +395,7 @@ def run_estimate(
         top,
         time.perf_counter() - t0,
         meta_run=True,
+        techniques=used_by(config),
     )
     return estimate_report(q, request, step, report, too_long)
 
@@ -434,10 +433,11 @@ class MetaStep:
 def meta_step(
     q: QLoRAModel, request: StepRequest, events: AllocationLog | None, too_long: _TooLong | None
 ) -> MetaStep:
-    """``request``'s steps of ``q`` under the tracker, in the contexts put on the step: the target's forced
-    decisions and the routing, then the techniques' (:func:`~vramguard.step.technique.enter_stage`, by their
-    stage around or under the tracker), then flash-attn 2's kernel; a tensor beyond what torch can describe is
-    :class:`TooLarge`."""
+    """``request``'s steps of ``q`` under the tracker, in the contexts put on the step: the target's decisions
+    (:func:`~vramguard.estimate.meta.target_decisions`: every technique's context inside them), a vision
+    model's values, then the techniques' (:func:`~vramguard.step.technique.enter_stage`, by their stage around
+    or under the tracker: autocast and the routing around it, offloading, flash-attn 2's kernel and the rows'
+    answer under it); a tensor beyond what torch can describe is :class:`TooLarge`."""
     config, target, device = request.config, request.target, request.device
     opt = make_estimate_optimizer(q, config.optimizer, target)
     # the meta run takes the target's kernel choices (see estimate.meta)
@@ -445,15 +445,13 @@ def meta_step(
     expected = expectation_of(q, config, target, analytic=config.method == "qlora", techniques=techniques)
     source = meta_source(device, target)
     contexts = contexts_of(techniques, q, request)
-    decisions, flash = meta_step_contexts(q, config, target, request.one_sequence_per_row)
     try:
         with contextlib.ExitStack() as stack:
-            taken = stack.enter_context(decisions)
+            taken = stack.enter_context(target_decisions(target))  # the step's own: every technique's inside
             stack.enter_context(image_values_step(q))
             seen = enter_stage(stack, "around", techniques, contexts)
             tracker = stack.enter_context(MemoryTracker(device, model=q.model, source=source, events=events))
             seen |= enter_stage(stack, "under", techniques, contexts)
-            stack.enter_context(flash)
             repeats = step_repeats(q, request, tracker, [taken, *seen.values()], events)
             results, ledger = run_steps(
                 q, request.steps, tracker, optimizer=opt, ledger_step=0, repeats=repeats
@@ -463,6 +461,7 @@ def meta_step(
             raise
         raise too_large(exc, request, too_long) from None
     assert ledger is not None
+    taken = {**taken, **(seen.get(autocast.TECHNIQUE.name) or {})}  # its counts after the decisions' own
     if taken["find_packed_sequence_indices"] == 0 and taken["scaled_dot_product_attention"] == 0:
         taken = {}  # neither branch exists in this transformers version / model: nothing was forced
     forced = seen.get(routing.TECHNIQUE.name) or {}

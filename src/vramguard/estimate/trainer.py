@@ -50,7 +50,9 @@ from vramguard.integrations.trainer_step import (
 )
 from vramguard.integrations.transformers import VramGuardCallback
 from vramguard.measure.tracker import StorageTracker
+from vramguard.step.patching import patch_all, patched
 from vramguard.step.report import AuditReport
+from vramguard.step.request import StepRequest
 from vramguard.workload.models import QLoRAConfig, QLoRAModel
 from vramguard.workload.routing import eager_top_k
 from vramguard.workload.training import Repeats
@@ -167,7 +169,7 @@ def trainer_on_meta(q: QLoRAModel, trainer: str, target: str, steps: int, output
 def _autocast_asked_as(target: str) -> Iterator[None]:
     """``torch.is_autocast_enabled("meta")`` and ``torch.get_autocast_dtype("meta")`` (TRL's chunked log-prob loss
     asks them of its input's device) answer for ``target``, whose autocast the meta step runs
-    (:func:`vramguard.estimate.meta.forced_decisions`); torch has no autocast for meta and raises."""
+    (:func:`vramguard.estimate.meta.target_autocast`); torch has no autocast for meta and raises."""
     enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
 
     def is_autocast_enabled(*args: Any) -> bool:
@@ -176,11 +178,12 @@ def _autocast_asked_as(target: str) -> Iterator[None]:
     def get_autocast_dtype(device_type: str) -> torch.dtype:
         return dtype(target if device_type == META else device_type)
 
-    torch.is_autocast_enabled, torch.get_autocast_dtype = is_autocast_enabled, get_autocast_dtype
-    try:
+    with contextlib.ExitStack() as stack:
+        patch_all(
+            stack,
+            [(torch, "is_autocast_enabled", is_autocast_enabled), (torch, "get_autocast_dtype", get_autocast_dtype)],
+        )
         yield
-    finally:
-        torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, dtype
 
 
 @contextlib.contextmanager
@@ -189,7 +192,7 @@ def _accelerate_autocast_on_meta() -> Iterator[None]:
     run's device, meta, as it is on the user's accelerator's device: accelerate asks its state's device (the
     host's here, the GPU in the user's run), and an autocast on the host's device type casts no meta tensor.
     Its own dtype, ``enabled`` and ``cache_enabled`` are kept; on meta it is the target's autocast
-    (:func:`vramguard.estimate.meta.forced_decisions`)."""
+    (:func:`vramguard.estimate.meta.target_autocast`)."""
     from accelerate import accelerator
 
     original = accelerator.get_mixed_precision_context_manager
@@ -201,11 +204,8 @@ def _accelerate_autocast_on_meta() -> Iterator[None]:
         kept = {"dtype": made.fast_dtype, "enabled": made._enabled, "cache_enabled": made._cache_enabled}
         return torch.autocast(META, **kept)
 
-    accelerator.get_mixed_precision_context_manager = get_mixed_precision_context_manager
-    try:
+    with patched(accelerator, "get_mixed_precision_context_manager", get_mixed_precision_context_manager):
         yield
-    finally:
-        accelerator.get_mixed_precision_context_manager = original
 
 
 class _PhaseCalls:
@@ -237,11 +237,11 @@ class _PricedMicroBatches:
     priced from its last, as the loop's (:class:`~vramguard.workload.training.Repeats`): the trainer's loop still
     fetches every batch and runs its own bookkeeping for each (outside the callback's phases); the skipped calls
     return the loss the last run one returned. The repeats' sums: the callback's tracker, its per-step phases and
-    the forced decisions (``taken``)."""
+    the counters of the step's contexts (the decisions ``taken``, autocast's)."""
 
-    def __init__(self, runner: Any, callback: VramGuardCallback, taken: Any, micro_batches: int) -> None:
+    def __init__(self, runner: Any, callback: VramGuardCallback, counters: list[Any], micro_batches: int) -> None:
         self.original = runner.training_step
-        self.callback, self.taken, self.n = callback, taken, micro_batches
+        self.callback, self.counters, self.n = callback, counters, micro_batches
         self.calls = 0
         self.loss: Any = None
         self.repeats: Repeats | None = None
@@ -253,7 +253,7 @@ class _PricedMicroBatches:
             return self.loss  # priced from the last (below)
         if micro == self.n - 1:
             assert self.callback._tracker is not None
-            self.repeats = Repeats(self.callback._tracker, [self.taken, _PhaseCalls(self.callback)])
+            self.repeats = Repeats(self.callback._tracker, [*self.counters, _PhaseCalls(self.callback)])
             self.repeats.begin()
         self.loss = None
         self.loss = self.original(model, inputs, num_items_in_batch)
@@ -263,19 +263,21 @@ class _PricedMicroBatches:
         return self.loss
 
 
-def priced_micro_batches(runner: Any, callback: VramGuardCallback, taken: Any) -> None:
+def priced_micro_batches(runner: Any, callback: VramGuardCallback, counters: list[Any]) -> None:
     """Install :class:`_PricedMicroBatches` on ``runner`` where a step has more than two micro-batches (unless
-    :data:`vramguard.estimate.run.ALL_MICRO_BATCHES` is set)."""
+    :data:`vramguard.estimate.run.ALL_MICRO_BATCHES` is set); ``counters``: what the step's contexts yielded that
+    counts (``counts``/``add``: the decisions, autocast's)."""
     from vramguard.estimate.run import ALL_MICRO_BATCHES
 
     n = runner.args.gradient_accumulation_steps
     if n > 2 and os.environ.get(ALL_MICRO_BATCHES, "") in ("", "0"):
-        runner.training_step = _PricedMicroBatches(runner, callback, taken, n)
+        runner.training_step = _PricedMicroBatches(runner, callback, counters, n)
 
 
 def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str) -> tuple[Any, QLoRAModel, float]:
     """``steps`` steps of ``trainer`` on meta for ``target``: (the callback's report, the model, seconds)."""
     from vramguard.estimate.run import max_positions, meta_step_contexts
+    from vramguard.estimate.techniques import used_by
 
     refuse_unpriced(config, trainer)
     spec = config.spec
@@ -289,10 +291,11 @@ def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str)
     with tempfile.TemporaryDirectory(prefix="vramguard-trainer-") as tmp:
         runner, callback = trainer_on_meta(q, trainer, target, steps, tmp)
         q = dataclasses.replace(q, model=runner.model)
-        decisions, flash = meta_step_contexts(q, q.config, target)
+        request = StepRequest(config, target=target, steps=steps)  # the techniques' contexts take it
+        on_step = meta_step_contexts(q, request, used_by(config))  # the decisions, autocast, flash-attn, the rows
         asked_as, answers, as_users = _autocast_asked_as(target), _AnswerItems(), fails_as_the_users_run(q, trainer)
-        with decisions as taken, flash, asked_as, _accelerate_autocast_on_meta(), answers, as_users:
-            priced_micro_batches(runner, callback, taken)
+        with on_step as (taken, seen), asked_as, _accelerate_autocast_on_meta(), answers, as_users:
+            priced_micro_batches(runner, callback, [c for c in (taken, *seen.values()) if hasattr(c, "counts")])
             runner.train()
     assert callback.report is not None
     return callback.report, q, time.perf_counter() - t0

@@ -37,6 +37,7 @@ from vramguard.estimate.meta import META, TARGETS, _quantize_on_meta, _RoutedVal
 from vramguard.estimate.no_init import values_not_drawn
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
+from vramguard.step.patching import patch_all
 from vramguard.workload.training import StepResult, run_steps
 from vramguard.workload.vision import (
     STACKS,
@@ -133,16 +134,15 @@ def values_on_meta(values: ImageValues) -> Iterator[ImageValues]:
             values.values[packed[1].tensor] = values.values[saved]
         return packed
 
-    torch.Tensor.tolist = valued_tolist  # type: ignore[method-assign]
-    torch.tensor = valued_tensor  # type: ignore[assignment]
-    OffloadActivations._pack = valued_pack  # type: ignore[method-assign]
-    try:
+    patches = [
+        (torch.Tensor, "tolist", valued_tolist),
+        (torch, "tensor", valued_tensor),
+        (OffloadActivations, "_pack", valued_pack),
+    ]
+    with contextlib.ExitStack() as stack:
+        patch_all(stack, patches)
         with values:
             yield values
-    finally:
-        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
-        torch.tensor = tensor
-        OffloadActivations._pack = pack  # type: ignore[method-assign]
 
 
 def build_vision_meta(

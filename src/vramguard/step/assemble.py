@@ -11,7 +11,7 @@ numbers and its own findings here, and gets the same document and the same verdi
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from vramguard.step.report import (
     StepRow,
     Totals,
 )
+from vramguard.step.technique import Technique, measured_notes
 from vramguard.workload.models import QLoRAConfig, QLoRAModel
 from vramguard.workload.training import PHASES, StepResult
 
@@ -252,12 +253,15 @@ def assemble_report(
     top: int,
     elapsed: float,
     meta_run: bool = False,
+    *,
+    techniques: Sequence[Technique],
 ) -> AuditReport:
     """The report of a run of vramguard's loop (the audit's, or with ``meta_run`` the estimate's) through
     :func:`~vramguard.step.assemble.assemble`: the build's notes, the fp32-activation check (``qlora``
-    only: the norms are upcast by ``prepare_model_for_kbit_training``) and, for the audit, the note that one
-    step checks no leak. The meta run records its step options (method, optimizer, offloading) in the
-    config."""
+    only: the norms are upcast by ``prepare_model_for_kbit_training``), the notes of the step's ``techniques``
+    on what was measured (:func:`~vramguard.step.technique.measured_notes`: DoRA's) and, for the audit, the
+    note that one step checks no leak. The meta run records its step options (method, optimizer, offloading)
+    in the config."""
     steps = [
         StepRow(
             step=r.step + 1,
@@ -292,7 +296,7 @@ def assemble_report(
             findings_first=checks.notes(checks.BUILD, q.notes),
             findings=[
                 checks.fp32_activations(q.model, config.compute_dtype) if config.method == "qlora" else None,
-                checks.dora(ledger, q.model),
+                *measured_notes(techniques, q.model, ledger),
                 checks.vision(q, ledger),
                 None if meta_run else checks.one_step(steps),
             ],

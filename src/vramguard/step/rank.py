@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from vramguard.step import verdict as checks
 from vramguard.step.assemble import assemble_report
 from vramguard.step.report import AuditReport, DistributedSection, Finding, RankRow
 from vramguard.step.request import StepRequest
+from vramguard.step.technique import Technique
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, parse_dtype
 from vramguard.workload.sharding import ShardingConfig, apply_sharding, rank_terms, transient_terms
 from vramguard.workload.training import PHASES, make_optimizer, run_steps
@@ -31,6 +33,7 @@ def measure_rank(
     source: MemorySource | None = None,
     meta_run: bool = False,
     engine: str = "",
+    techniques: Sequence[Technique] = (),
 ) -> tuple[AuditReport, RankRow]:
     """Shard ``q``'s model with the real engine over ``mesh`` and run the request's ``steps`` steps of vramguard's
     loop on its ``device`` (meta, or the config's: :meth:`StepRequest.on_device`) under the audit's tracker and
@@ -38,7 +41,9 @@ def measure_rank(
 
     The process group is the caller's (gloo between real processes, or torch's fake process group on meta).
     ``expected`` is the analytic expectation of the unsharded model (weights and activations of one rank's
-    batch)."""
+    batch). ``techniques``: those the step uses (:func:`vramguard.estimate.techniques.used_by`, given by the
+    caller: the step part imports no registry), whose notes on the measured step the report takes (DoRA's);
+    none by default."""
     config, steps, device = request.config, request.steps, request.device
     t0 = time.perf_counter()
     model = apply_sharding(q.model, sharding, mesh)
@@ -59,6 +64,7 @@ def measure_rank(
         top,
         time.perf_counter() - t0,
         meta_run=meta_run,
+        techniques=techniques,
     )
     row = rank_row(report, model, ledger, rank, transient)
     return report, row

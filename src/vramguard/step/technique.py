@@ -11,7 +11,7 @@ place (:func:`enter_stage`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,11 @@ def _revises_nothing(report: Any, model: Any, request: StepRequest, seen: Any) -
 def _no_findings(model: Any, request: StepRequest, seen: Any) -> list[Finding]:
     """No finding: the technique says nothing in the report."""
     return []
+
+
+def _no_note(model: Any, ledger: Any) -> Finding | None:
+    """No note on the measured step."""
+    return None
 
 
 AMPERE = (8, 0)
@@ -77,7 +82,8 @@ class Technique:
     UsageError where it cannot be priced, before the build), ``context(model, request)`` (a context manager on
     the step; what it yields is what the technique saw), ``findings(model, request, seen)`` (its lines in the
     report, in the registry's order) and ``cheaper(config, place)`` (the flag and the changed config ``--fit``
-    offers when a step does not fit, or None: where the :class:`Place` has it and its trainer prices it)."""
+    offers when a step does not fit, or None: where the :class:`Place` has it and its trainer prices it) and
+    ``measured(model, ledger)`` (its note on the measured step in every producer's report, or None)."""
 
     name: str
     description: str
@@ -93,6 +99,10 @@ class Technique:
     unmodelled: str = ""
     findings: Callable[[Any, StepRequest, Any], list[Finding]] = _no_findings
     cheaper: Callable[[QLoRAConfig, Place], tuple[str, QLoRAConfig] | None] = _no_alternative
+    # measured(model, ledger): its note read from the measured step (the model and the ledger), among the step's
+    # own findings in every producer's report (the audit's loop, the estimate's, each rank's: measured_notes),
+    # where ``findings`` are the estimate's lines from what its context saw; DoRA's
+    measured: Callable[[Any, Any], Finding | None] = _no_note
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -112,6 +122,22 @@ def enter_stage(
     """Enter, on ``stack``, the context (:func:`contexts_of`) of each of ``techniques`` at ``stage``, in their
     order; what each yielded (what it saw), by name."""
     return {t.name: stack.enter_context(contexts[t.name]) for t in techniques if t.stage == stage}
+
+
+def enter_all(stack: contextlib.ExitStack, techniques: list[Technique], contexts: dict[str, Any]) -> dict[str, Any]:
+    """Enter every stage of ``techniques`` (:func:`enter_stage`, in :data:`STAGES`' order) on ``stack`` at once:
+    for a step whose tracker starts inside its own run (a trainer's step, a rank's), so every context is on the
+    step before it. What each yielded, by name."""
+    seen: dict[str, Any] = {}
+    for stage in STAGES:
+        seen |= enter_stage(stack, stage, techniques, contexts)
+    return seen
+
+
+def measured_notes(techniques: Sequence[Technique], model: Any, ledger: Any) -> list[Finding | None]:
+    """Each of ``techniques``' note on the measured step (``measured``: read from the model and the ledger), in
+    their order; None where one has nothing to say."""
+    return [t.measured(model, ledger) for t in techniques]
 
 
 def revised(report: Any, techniques: list[Technique], model: Any, request: StepRequest, seen: dict[str, Any]) -> Any:

@@ -144,41 +144,6 @@ def fp32_activations(model: torch.nn.Module, compute_dtype: str) -> Finding | No
     )
 
 
-DORA_MODULE = "lora_magnitude_vector"
-"""The module PEFT's DoRA adds to each adapted layer (its magnitude vector, and the forward that dequantizes
-the base weight for the weight norm)."""
-
-
-def dora(ledger: LedgerReport, model: torch.nn.Module) -> Finding | None:
-    """The note on what PEFT's DoRA adds to the step, read from the model and the ledger: its magnitude vectors
-    (trainable parameters), the bytes its ``lora_magnitude_vector`` modules saved for backward and, of those,
-    the dequantized weight copies (with ``lora_dropout`` PEFT's ``DoraLinearLayer.forward`` computes the base
-    output again, ``F.linear(dropout(x), W)``, from the weight it dequantized, so autograd keeps ``W``);
-    ``None`` without DoRA."""
-    vectors = [p for n, p in model.named_parameters() if f".{DORA_MODULE}." in n]
-    if not vectors:
-        return None
-    mine = [r for r in ledger.records if f".{DORA_MODULE}." in f"{r.module}."]
-    saved = sum(r.bytes for r in mine)
-    copies = [r for r in mine if r.kind == "weight-copy"]
-    copy_bytes = sum(r.bytes for r in copies)
-    dtypes = "/".join(sorted({str(r.dtype).removeprefix("torch.") for r in copies}))
-    where = (
-        f", {format_bytes(copy_bytes)} of them {len(copies)} dequantized weight copies ({dtypes}: with "
-        "lora_dropout PEFT computes the base output again as F.linear(dropout(x), W) from the dequantized "
-        "weight, and autograd keeps W; lora_dropout 0 reuses the base layer's output)"
-        if copies
-        else ", no weight copy (without lora_dropout PEFT reuses the base layer's output; the weight is "
-        "dequantized each forward for the weight norm, a transient)"
-    )
-    return Finding(
-        DORA,
-        f"DoRA (PEFT use_dora): {len(vectors)} magnitude vectors ({sum(p.numel() for p in vectors):,} trainable "
-        f"params); its {DORA_MODULE} modules saved {format_bytes(saved)} for backward{where}",
-        saved,
-    )
-
-
 def activation_summary(comparison: AnalyticComparison) -> str:
     """The OK line's clause on the saved activations: their share of the analytic model, or measured only."""
     if comparison.activation_ratio is None:

@@ -1,15 +1,19 @@
 """FlashAttention-2 (``--attn-implementation flash_attention_2``): transformers' flash path on meta, flash-attn
 2's kernels priced from its own rules (:mod:`vramguard.estimate.flash`).
 
-Its context (the kernel) stays in :func:`vramguard.estimate.run.meta_step_contexts`, entered after the tracker
-and by the trainers' steps and a sharded step's ranks as well; this module is the technique's value: whether a
-step uses it and the alternative ``--fit`` offers."""
+Its context is the kernel (:func:`vramguard.estimate.flash.flash_attention_2`), entered under the tracker by the
+loop's meta step, and by the trainers' steps and a sharded step's ranks (whose trackers start inside their own
+runs); it is refused off CUDA when the context is made, before the step runs."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from typing import Any
 
+from vramguard.errors import UsageError
 from vramguard.estimate.flash import FLASH_ATTENTION_2
+from vramguard.step.request import StepRequest
 from vramguard.step.technique import Place, Technique
 from vramguard.workload.models import QLoRAConfig
 
@@ -17,6 +21,17 @@ from vramguard.workload.models import QLoRAConfig
 def applies(config: QLoRAConfig) -> bool:
     """Whether the step's attention is FlashAttention-2."""
     return config.attn_implementation == FLASH_ATTENTION_2
+
+
+def context(model: Any, request: StepRequest) -> contextlib.AbstractContextManager[None]:
+    """transformers' flash path on the model with flash-attn 2's kernels priced from its rules, under the
+    tracker; a padding-free batch's rows answered as the padding-free technique's context says. Refused in one
+    line off CUDA (flash-attn has no CPU build)."""
+    from vramguard.estimate.flash import flash_attention_2
+
+    if request.target != "cuda":
+        raise UsageError("flash_attention_2 runs on CUDA only: estimate it with --device cuda")
+    return flash_attention_2(model.model, request.target)
 
 
 def cheaper(config: QLoRAConfig, place: Place) -> tuple[str, QLoRAConfig] | None:
@@ -37,5 +52,6 @@ TECHNIQUE = Technique(
     description="FlashAttention-2: transformers' flash path, flash-attn 2's kernels priced from its rules",
     stage="under",
     applies=applies,
+    context=context,
     cheaper=cheaper,
 )

@@ -2,14 +2,19 @@
 rows flattened into one with position ids that restart per sequence (:func:`vramguard.workload.models.padding_free_batch`
 for the loop; TRL's own collator for ``trl sft``).
 
-The batch is made by the step's data (the loop's rows, the trainer's collator), not by a context on the step: its
-context is empty. This module is the technique's value: whether a step uses it and the alternative ``--fit``
-offers."""
+The batch itself is the step's data (the loop's rows, the trainer's collator). On meta the position ids have no
+values, so transformers' question "does each row hold one sequence?" (``find_packed_sequence_indices``, and
+FlashAttention-2's ``_is_packed_sequence``) is answered as the real batch's boundaries answer it: that answer is
+this technique's context (:func:`vramguard.estimate.meta.rows_answered`), entered under the tracker; the step's
+decisions (:func:`vramguard.estimate.meta.target_decisions`) and the flash kernel ask it when transformers asks."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from typing import Any
 
+from vramguard.step.request import StepRequest
 from vramguard.step.technique import Place, Technique
 from vramguard.workload.models import QLoRAConfig
 
@@ -17,6 +22,16 @@ from vramguard.workload.models import QLoRAConfig
 def applies(config: QLoRAConfig) -> bool:
     """Whether the step's batches are padding-free."""
     return bool(config.padding_free)
+
+
+def context(model: Any, request: StepRequest) -> contextlib.AbstractContextManager[Any]:
+    """The meta run's answer on the rows: the request's (``one_sequence_per_row``: the data's bound, packed rows
+    priced one sequence each), else what the padding-free batch's boundaries say
+    (:attr:`vramguard.estimate.meta.MetaQLoRAModel.one_sequence_per_row`)."""
+    from vramguard.estimate.meta import rows_answered
+
+    rows = request.one_sequence_per_row
+    return rows_answered(model.one_sequence_per_row if rows is None else rows)
 
 
 def cheaper(config: QLoRAConfig, place: Place) -> tuple[str, QLoRAConfig] | None:
@@ -35,5 +50,6 @@ TECHNIQUE = Technique(
     description="padding-free batches: the rows flattened into one, position ids restarting per sequence",
     stage="under",
     applies=applies,
+    context=context,
     cheaper=cheaper,
 )

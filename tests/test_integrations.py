@@ -827,7 +827,7 @@ def test_an_8bit_trainer_audit_leaves_no_model_behind(tmp_path) -> None:
     kept = GlobalOptimManager.get_instance().module_weight_config_triple
     before = len(kept)
     config = dataclasses.replace(CONFIG, seq_len=16, batch=1, optimizer="adamw-8bit")
-    report, q = trainer_audit._train(StepRequest.on_device(config, steps=1), "trainer", tmp_path)
+    report, q = trainer_audit._train(StepRequest.on_device(config, steps=1), "trainer", tmp_path, [])
     model = weakref.ref(q.model)
     del q, report
     gc.collect()

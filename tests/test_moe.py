@@ -25,6 +25,7 @@ import torch
 from vramguard.audit.run import run_audit
 from vramguard.cli import main
 from vramguard.errors import UsageError
+from vramguard.estimate.techniques import used_by
 from vramguard.workload.models import QLoRAConfig, build_qlora
 
 SHAPE = {"seq_len": 64, "batch": 2}
@@ -578,16 +579,17 @@ def test_a_trainer_audit_holds_the_drawn_routing_between_the_trainers_own_forced
     from vramguard.workload.routing import step_peak
 
     config = QLoRAConfig(model=eager("tiny-mixtral", tmp_path), seq_len=64, batch=2, device="cpu")
-    report = run_trainer_audit(config, "trainer", tmp_path / "out", steps=1)
+    report = run_trainer_audit(config, "trainer", tmp_path / "out", used_by(config), steps=1)
     [line] = [f.message for f in report.verdict.findings if f.message.startswith("routing:")]
     assert "each forced routing a run of this trainer on the CPU" in line, line
     forced = {
-        k: run_trainer_audit(config, "trainer", tmp_path / k, steps=1, routing=k) for k in ("same", "skewed")
+        k: run_trainer_audit(config, "trainer", tmp_path / k, used_by(config), steps=1, routing=k)
+        for k in ("same", "skewed")
     }
     low, high = (step_peak(forced[k]) for k in ("same", "skewed"))
     assert low < step_peak(report) < high
     # the drawn run came first: the same run after the forced ones peaks as high (no first-run cache counted)
-    again, _ = _train(StepRequest.on_device(config, steps=1), "trainer", tmp_path / "again")
+    again, _ = _train(StepRequest.on_device(config, steps=1), "trainer", tmp_path / "again", [])
     assert step_peak(again) == step_peak(report)
     assert f"between the low {format_bytes(low)}" in line and f"the high {format_bytes(high)}" in line, line
     for r in forced.values():

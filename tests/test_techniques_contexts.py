@@ -97,3 +97,56 @@ def test_doras_note_is_the_dora_techniques_in_the_estimate_and_the_audit(monkeyp
     assert all("dora" in found for found in kinds())
     _registry_with(monkeypatch, "use_dora", measured=lambda model, ledger: None)
     assert not any("dora" in found for found in kinds())
+
+
+def _eager_mixtral(tmp_path: Any) -> QLoRAConfig:
+    """tiny-mixtral asking for transformers' eager experts (a loop over the experts hit)."""
+    import json
+    from pathlib import Path
+
+    import vramguard.workload
+
+    data = json.loads((Path(vramguard.workload.__file__).parent / "presets" / "tiny-mixtral.json").read_text())
+    data.pop("description", None)
+    path = tmp_path / "tiny-mixtral-eager.json"
+    path.write_text(json.dumps({**data, "experts_implementation": "eager"}))
+    return QLoRAConfig(model=str(path), seq_len=32, batch=2)
+
+
+def test_the_routings_bounds_are_the_routing_techniques(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Eager experts whose routing is not forced are priced between their steps with each forced routing: the
+    requests are the routing technique's (``bounded_by``), for the estimate and the audit's loop alike; a
+    registry whose routing technique names none runs the step as it is (which meta cannot: the loop's ``nonzero``)
+    and the audit holds the drawn routing against no bounds."""
+    config = _eager_mixtral(tmp_path)
+
+    def routing_line(report: Any) -> str:
+        return next(n for n in report.verdict.notes if n.startswith("routing:"))
+
+    bounded = run_estimate(config, steps=1, target="cpu")
+    assert "three forced routings" in routing_line(bounded)
+    asked: list[str] = []
+
+    def none(request: Any, model: Any) -> dict[str, Any]:
+        asked.append(request.target)
+        return {}
+
+    _registry_with(monkeypatch, "routing", bounded_by=none)
+    with pytest.raises(NotImplementedError, match="nonzero"):  # the experts' loop run as it is: meta cannot draw it
+        run_estimate(config, steps=1, target="cpu")
+    audit = run_audit(config, steps=1, routing_figures=lambda bounds: pytest.fail("no bounds were asked for"))
+    assert len(asked) == 2 and "between the low" not in routing_line(audit)
+
+
+def test_a_trainers_audit_forces_the_routing_through_the_registry(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """``run_trainer_audit`` with a forced routing enters the routing technique's context (the hook the loop's
+    audit and the meta step enter) and its line is the technique's (``revise``)."""
+    from vramguard.integrations.trainer_audit import run_trainer_audit
+
+    counted = _counting(monkeypatch, ["routing"])
+    config = dataclasses.replace(_eager_mixtral(tmp_path), device="cpu")
+    report = run_trainer_audit(config, "trainer", tmp_path / "out", techniques.used_by(config), steps=1, routing="same")
+    assert counted["routing"].entered == 1
+    assert any(n.startswith("routing: forced to") for n in report.verdict.notes)

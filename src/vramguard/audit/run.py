@@ -30,14 +30,15 @@ from vramguard.step.expectation import expectation_of
 from vramguard.step.refusals import refuse_fp16_on_cpu
 from vramguard.step.report import AuditReport, with_routing_note
 from vramguard.step.request import StepRequest, audit_request
-from vramguard.step.technique import contexts_of, enter_stage, revised
+from vramguard.step.technique import bounding_requests, contexts_of, enter_stage, revised
 from vramguard.units import format_bytes
 from vramguard.workload.models import ModelSpec, QLoRAConfig, build_qlora
 from vramguard.workload.routing import bounds_line, eager_top_k, figures
 from vramguard.workload.training import StepResult, make_optimizer, run_steps
 
-RoutingFigures = Callable[[StepRequest], dict[str, tuple[int, int]]]
-"""``request -> {routing: (step peak, saved bytes)}`` for each forced routing of the request's step."""
+RoutingFigures = Callable[[dict[str, StepRequest]], dict[str, tuple[int, int]]]
+"""``bounds -> {routing: (step peak, saved bytes)}``: each forced routing's request (the routing technique's
+``bounded_by``) run, its figures."""
 
 Progress = Callable[[str, int, int], None]
 
@@ -152,10 +153,11 @@ def run_audit(
     a mixture of experts' routing forced to one of :data:`vramguard.workload.routing.ROUTINGS` (None: the
     routing the router draws). ``routing_figures``: for eager experts and the routing drawn, the (step peak,
     saved bytes) of the same request with each forced routing
-    (:func:`vramguard.estimate.run.forced_routing_figures`, given by the caller: the estimate builds on the
+    (the routing technique's ``bounded_by`` requests, run by :func:`vramguard.estimate.run.forced_routing_figures`,
+    given by the caller: the estimate builds on the
     audit, not the other way round); the ``routing:`` line then holds the drawn peak between them."""
     request = audit_request(request, options, steps=3)
-    config, steps, routing = request.config, request.steps, request.routing
+    config, steps = request.config, request.steps
     refuse_what_the_audit_cannot_run(config)
     if events is not None and torch.device(config.device).type not in ("cpu", "cuda"):
         raise UsageError(f"allocation events are recorded on cpu and cuda, not {config.device}")
@@ -188,15 +190,15 @@ def run_audit(
         q, config, expected, tracker, results, ledger, optimizer, top, time.perf_counter() - t0, techniques=techniques
     )
     report = revised(report, routed, q, request, seen)  # a forced routing's routing: line
-    top_k = eager_top_k(q.model)
-    if top_k is None or routing is not None:
+    bounds = bounding_requests(techniques, request, q)  # eager experts, the routing drawn: the forced routings'
+    if not bounds:
         return report
     if routing_figures is None or torch.device(config.device).type != "cpu":
         # the build's line: these figures are for the routing this run drew. On a GPU the audit's phase peaks are
         # absolute allocator readings (weights and cuBLAS in), the meta runs' are not: nothing comparable yet
         return report
     measured = figures(report)
-    line = bounds_line("eager", top_k, routing_figures(request), measured)
+    line = bounds_line("eager", eager_top_k(q.model), routing_figures(bounds), measured)
     return with_routing_note(report, checks.ROUTING, line, measured[0])
 
 

@@ -76,11 +76,12 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=handle)
 
 
-def _forced_routing_figures(request: StepRequest) -> dict[str, tuple[int, int]]:
-    """Eager experts' forced routings, estimated on meta (imported only for such a model)."""
+def _forced_routing_figures(bounds: dict[str, StepRequest]) -> dict[str, tuple[int, int]]:
+    """Eager experts' forced routings (the routing technique's requests), estimated on meta (imported only for
+    such a model)."""
     from vramguard.estimate.run import forced_routing_figures
 
-    return forced_routing_figures(request)
+    return forced_routing_figures(bounds)
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -157,10 +158,11 @@ def handle(args: argparse.Namespace) -> int:
                 routing_figures=_forced_routing_figures,
             )
         else:
+            from vramguard.estimate.techniques import used_by
             from vramguard.integrations.trainer_audit import run_trainer_audit
 
             with tempfile.TemporaryDirectory(prefix="vramguard-trainer-") as tmp:
-                report = run_trainer_audit(request, args.trainer, tmp)
+                report = run_trainer_audit(request, args.trainer, tmp, used_by(request.config))
     report.config["recipe"] = recipe
     report = with_config_notes(report, lines)
     return _show(report, args, console, "audit", lines, events)

@@ -46,10 +46,11 @@ from vramguard.estimate.techniques import liger, offloading, used_by
 from vramguard.measure.storage import local_tensor, storage_key
 from vramguard.step.rank import measure_rank, merged, rank_expectation
 from vramguard.step.report import AuditReport, RankRow
+from vramguard.step.patching import patch_all
 from vramguard.step.request import META, StepRequest
-from vramguard.step.technique import Technique
+from vramguard.step.technique import Technique, bounding_requests
 from vramguard.workload.models import QLoRAConfig, QLoRAModel
-from vramguard.workload.routing import ROUTINGS, eager_top_k
+from vramguard.workload.routing import eager_top_k
 from vramguard.workload.sharding import ShardingConfig, check_adapters
 
 
@@ -69,10 +70,8 @@ def meta_fsdp() -> Iterator[None]:
 
     original_handle = device_mesh._get_device_handle
     original_device = fully._get_device_from_mesh
-    original_validate = param_group.FSDPParamGroup._validate_no_meta_params
     handle_class = fsdp1_common._FSDPDeviceHandle
     original_from_device = handle_class.__dict__["from_device"]
-    original_materialize = fsdp1_init._need_to_materialize_module
     original_same_storage = fsdp1_flat._same_storage
     original_catch_all = fsdp1_runtime._catch_all_reshard
 
@@ -103,31 +102,22 @@ def meta_fsdp() -> Iterator[None]:
         return torch.device(META) if mesh.device_type == META else original_device(mesh)
 
     modules = (device_mesh, collectives, fsdp_init, param_group, fsdp_state)
-    saved = [(m, m._get_device_handle) for m in modules]
-    for m in modules:
-        m._get_device_handle = handle
-    fully._get_device_from_mesh = device_of
-    param_group.FSDPParamGroup._validate_no_meta_params = lambda self: None
-    handle_class.from_device = classmethod(fsdp1_handle)
-    fsdp1_init._need_to_materialize_module = lambda *args, **kwargs: (False, False)
-    fsdp1_flat._same_storage = same_storage
-    fsdp1_runtime._catch_all_reshard = catch_all_reshard
-    try:
-        with warnings.catch_warnings():
-            # FSDP1 warns that device_id meta has no index (a meta run's artefact: a user's rank names its GPU)
-            warnings.filterwarnings(
-                "ignore", message=r"FSDP got the argument `device_id` meta", category=UserWarning
-            )
-            yield
-    finally:
-        for m, value in saved:
-            m._get_device_handle = value
-        fully._get_device_from_mesh = original_device
-        param_group.FSDPParamGroup._validate_no_meta_params = original_validate
-        handle_class.from_device = original_from_device
-        fsdp1_init._need_to_materialize_module = original_materialize
-        fsdp1_flat._same_storage = original_same_storage
-        fsdp1_runtime._catch_all_reshard = original_catch_all
+    with contextlib.ExitStack() as stack, warnings.catch_warnings():
+        patch_all(
+            stack,
+            [
+                *((m, "_get_device_handle", handle) for m in modules),
+                (fully, "_get_device_from_mesh", device_of),
+                (param_group.FSDPParamGroup, "_validate_no_meta_params", lambda self: None),
+                (handle_class, "from_device", classmethod(fsdp1_handle)),
+                (fsdp1_init, "_need_to_materialize_module", lambda *args, **kwargs: (False, False)),
+                (fsdp1_flat, "_same_storage", same_storage),
+                (fsdp1_runtime, "_catch_all_reshard", catch_all_reshard),
+            ],
+        )
+        # FSDP1 warns that device_id meta has no index (a meta run's artefact: a user's rank names its GPU)
+        warnings.filterwarnings("ignore", message=r"FSDP got the argument `device_id` meta", category=UserWarning)
+        yield
 
 
 class _MetaDeviceModule:
@@ -210,6 +200,7 @@ def run_distributed_estimate(
         raise UsageError(f"ranks must be in 0..{world - 1}, got {ranks!r}")
     built = sharded_build(config, sharding)
     # eager experts: a loop over the experts hit, which meta cannot draw; each rank runs every forced routing
+    bounds = bounding_requests(used_by(config), request, built)
     top_k = eager_top_k(built.model)
     shapes = [p.shape for p in built.model.parameters()]
     done: dict[tuple[int, ...], tuple[int, AuditReport, RankRow]] = {}
@@ -223,12 +214,10 @@ def run_distributed_estimate(
             reports.append(report)
             rows.append(dataclasses.replace(row, rank=rank, same_as=first))
             continue
-        if top_k is None:
+        if not bounds:
             report, row = _one_rank(request, sharding, rank, top)
         else:  # the rank's report and row are the highest routing's, its routing: line names all
-            runs = {
-                kind: _one_rank(dataclasses.replace(request, routing=kind), sharding, rank, top) for kind in ROUTINGS
-            }
+            runs = {kind: _one_rank(forced, sharding, rank, top) for kind, forced in bounds.items()}
             high = highest_routing({kind: r for kind, (r, _) in runs.items()})
             forced_by = f"a meta run of rank {rank}'s step"  # the report shows rank 0's line
             report = with_bounds({kind: r for kind, (r, _) in runs.items()}, high, top_k, forced_by)

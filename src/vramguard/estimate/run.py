@@ -30,7 +30,7 @@ from vramguard.step.assemble import assemble_report
 from vramguard.step.expectation import expectation_of
 from vramguard.step.refusals import refuse_fp16_on_cpu
 from vramguard.step.request import META, StepRequest
-from vramguard.step.technique import Technique, contexts_of, enter_all, enter_stage, revised
+from vramguard.step.technique import Technique, bounding_requests, contexts_of, enter_all, enter_stage, revised
 from vramguard.step.report import AuditReport, DeviceEstimate, Finding, Overhead, with_routing_note
 from vramguard.units import format_bytes
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, packed_lengths
@@ -378,11 +378,11 @@ def run_estimate(
     config = request.config
     t0 = time.perf_counter()
     q = build_meta(config, config.spec, method=config.method, device=request.device)
-    top_k = eager_top_k(q.model)
-    if request.routing is None and top_k is not None:
-        # a loop over the experts hit: routing decides the peak, and meta has no routing to draw
+    bounds = bounding_requests(used_by(config), request, q)
+    if bounds:  # a loop over the experts hit: routing decides the peak, and meta has no routing to draw
+        top_k = eager_top_k(q.model)
         del q
-        return routing_bounds(request, top_k, top, events)
+        return routing_bounds(bounds, top_k, top, events)
     step = meta_step(q, request, events, too_long)
     report = assemble_report(
         q,
@@ -679,28 +679,27 @@ def headline(
     )
 
 
-def forced_routing_figures(request: StepRequest) -> dict[str, tuple[int, int]]:
-    """The (step peak, saved bytes) of ``request``'s steps with each forced routing
-    (:data:`~vramguard.workload.routing.ROUTINGS`), estimated on meta with the kernels of its target (the
-    audit's request: its device's; on the CPU they equal an audit with the routing forced, to the byte): what
-    ``run_audit(routing_figures=)`` holds the routing its router drew against."""
-    figures = {}
-    for kind in ROUTINGS:
-        forced = run_estimate(dataclasses.replace(request, routing=kind, device=META, gpu=None))
-        figures[kind] = routing_figures_of(forced)
-    return figures
+def forced_routing_figures(bounds: dict[str, StepRequest]) -> dict[str, tuple[int, int]]:
+    """The (step peak, saved bytes) of each of ``bounds``' requests (the routing technique's ``bounded_by``: the
+    step with each forced routing, :data:`~vramguard.workload.routing.ROUTINGS`), estimated on meta with the
+    kernels of its target (the audit's request: its device's; on the CPU they equal an audit with the routing
+    forced, to the byte): what ``run_audit(routing_figures=)`` holds the routing its router drew against."""
+    return {
+        kind: routing_figures_of(run_estimate(dataclasses.replace(forced, device=META, gpu=None)))
+        for kind, forced in bounds.items()
+    }
 
 
 def routing_bounds(
-    request: StepRequest, top_k: int, top: int = 3, events: AllocationLog | None = None
+    bounds: dict[str, StepRequest], top_k: int, top: int = 3, events: AllocationLog | None = None
 ) -> AuditReport:
-    """The estimate of a mixture of experts with ``eager`` experts: ``request``'s step run with each forced
-    routing (:data:`~vramguard.workload.routing.ROUTINGS`); the report is the highest one's, its ``routing:``
-    line names all (:func:`~vramguard.workload.routing.bounds_line`)."""
-    reports = {kind: run_estimate(dataclasses.replace(request, routing=kind), top) for kind in ROUTINGS}
+    """The estimate of a mixture of experts with ``eager`` experts: the step run with each forced routing
+    (``bounds``: the routing technique's ``bounded_by`` requests); the report is the highest one's, its
+    ``routing:`` line names all (:func:`~vramguard.workload.routing.bounds_line`)."""
+    reports = {kind: run_estimate(forced, top) for kind, forced in bounds.items()}
     high = highest_routing(reports)
     if events is not None:  # the timeline of the run reported
-        reports[high] = run_estimate(dataclasses.replace(request, routing=high), top, events)
+        reports[high] = run_estimate(bounds[high], top, events)
     return with_bounds(reports, high, top_k)
 
 
@@ -708,7 +707,7 @@ def highest_routing(reports: dict[str, Any]) -> str:
     """Of one step's reports under each forced routing (:data:`~vramguard.workload.routing.ROUTINGS`), the
     routing whose step peak is highest (the later one in :data:`ROUTINGS` on a tie): the one an estimate
     reports."""
-    return max(ROUTINGS, key=lambda kind: (routing_figures_of(reports[kind])[0], ROUTINGS.index(kind)))
+    return max(reports, key=lambda kind: (routing_figures_of(reports[kind])[0], ROUTINGS.index(kind)))
 
 
 def with_bounds(reports: dict[str, Any], high: str, top_k: int, forced_by: str = META_RUNS) -> Any:

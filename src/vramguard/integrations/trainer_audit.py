@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,17 @@ from vramguard.integrations.transformers import VramGuardCallback
 from vramguard.step import verdict as checks
 from vramguard.step.report import AuditReport, with_routing_note
 from vramguard.step.request import StepRequest, audit_request
+from vramguard.step.technique import Technique, bounding_requests, contexts_of, enter_stage, revised
 from vramguard.workload import routing as routes
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora
 
 
 def run_trainer_audit(
-    request: StepRequest | QLoRAConfig, trainer: str, output_dir: str | Path, **options: Any
+    request: StepRequest | QLoRAConfig,
+    trainer: str,
+    output_dir: str | Path,
+    techniques: Sequence[Technique] = (),
+    **options: Any,
 ) -> AuditReport:
     """The request's ``steps`` steps of ``trainer`` ("trainer" or "sft") on the audit's model and batches, on
     its config's device. A config with ``options`` (the request's fields: ``steps``, 3 unless given,
@@ -52,18 +58,27 @@ def run_trainer_audit(
     CPU and the routing drawn, the same trainer runs again with each forced routing (a fresh model, the same
     seed: the same weights and batches), and the ``routing:`` line holds the drawn peak between them, as
     ``vramguard audit``'s loop does with meta runs (the trainer's step is not the loop's, so its own runs bound
-    it)."""
+    it).
+
+    ``techniques``: the registry's techniques the request uses (``vramguard.estimate.techniques.used_by``, given by
+    the caller: the estimate's techniques import this package), of which a trainer's audit enters the routing's
+    (its trainer runs the others its own way): its forced routing and, for eager experts, the requests that bound
+    the drawn one (``bounded_by``). Without them no routing is forced or bounded."""
     request = audit_request(request, options, steps=3)
-    config, routing = request.config, request.routing
-    report, q = _train(request, trainer, output_dir)
+    config = request.config
+    routed = [t for t in techniques if t.name == ROUTING]
+    if request.routing is not None and not routed:
+        raise ValueError("a forced routing is the routing technique's: pass techniques=used_by(config)")
+    report, q = _train(request, trainer, output_dir, routed)
+    bounds = bounding_requests(routed, request, q)  # eager experts, the routing drawn: each forced routing's
     top_k = routes.eager_top_k(q.model)
     del q  # the forced runs build their own models: not two at once
-    # a GPU's phase peaks hold the weights (as in the loop: no bounds there yet); a forced run bounds nothing
-    if top_k is None or routing is not None or torch.device(config.device).type != "cpu":
+    # a GPU's phase peaks hold the weights (as in the loop: no bounds there yet)
+    if not bounds or torch.device(config.device).type != "cpu":
         return report
     figures = {}
-    for kind in routes.ROUTINGS:  # three more train() runs: the cost of the bounds, said in docs/audit.md
-        forced, _ = _train(dataclasses.replace(request, routing=kind), trainer, Path(output_dir) / kind)
+    for kind, forced_request in bounds.items():  # three more train() runs: the bounds' cost, said in docs/audit.md
+        forced, _ = _train(forced_request, trainer, Path(output_dir) / kind, routed)
         figures[kind] = routes.figures(forced)
     measured = routes.figures(report)
     line = routes.bounds_line(
@@ -91,8 +106,11 @@ def _no_module_overrides_kept() -> Any:
         del kept[before:]
 
 
-def _train(request: StepRequest, trainer: str, output_dir: str | Path) -> tuple[AuditReport, QLoRAModel]:
-    """One audited ``train()`` of ``request``: its report and the model it trained."""
+def _train(
+    request: StepRequest, trainer: str, output_dir: str | Path, routed: list[Technique]
+) -> tuple[AuditReport, QLoRAModel]:
+    """One audited ``train()`` of ``request``, under ``routed``'s context (the routing technique, or nothing):
+    its report and the model it trained."""
     config, steps, routing = request.config, request.steps, request.routing
     offload_activations = bool(config.offload_activations)
     if trainer not in ("trainer", "sft"):
@@ -114,11 +132,11 @@ def _train(request: StepRequest, trainer: str, output_dir: str | Path) -> tuple[
         if offload_activations and trainer == "trainer"
         else contextlib.nullcontext()
     )
-    forced: contextlib.AbstractContextManager[Any] = contextlib.nullcontext({})
-    if routing is not None:
-        forced = routes.forced_routing(q.model, routing, config.batch * config.seq_len)
-    with offload, forced as taken, _no_module_overrides_kept(), fails_as_the_users_run(q, trainer):
-        runner.train()
+    contexts = contexts_of(routed, q, request)  # a forced routing, entered as the loop's audit enters it
+    with offload, contextlib.ExitStack() as stack:
+        seen = enter_stage(stack, "around", routed, contexts)
+        with _no_module_overrides_kept(), fails_as_the_users_run(q, trainer):
+            runner.train()
     report = cb.report
     assert report is not None
     trainer_config = dict(report.config)
@@ -128,10 +146,12 @@ def _train(request: StepRequest, trainer: str, output_dir: str | Path) -> tuple[
     # vramguard audit's own loop reports them: the callback sees the model, not how it was built
     build = checks.notes(checks.BUILD, q.notes)
     report.verdict = dataclasses.replace(report.verdict, findings=[*build, *report.verdict.findings])
-    top_k = routes.eager_top_k(q.model)
-    if routing is not None and top_k is not None:
-        if not taken["forced"]:
-            raise UsageError(f"routing forced to {routing}, but train() called no experts module")
-        line = routes.forced_line(routing, top_k, taken["counts"])
-        report = with_routing_note(report, checks.ROUTING, line)
-    return report, q
+    taken = seen.get(ROUTING, {})
+    if routing is not None and routes.eager_top_k(q.model) is not None and not taken["forced"]:
+        raise UsageError(f"routing forced to {routing}, but train() called no experts module")
+    return revised(report, routed, q, request, seen), q  # a forced routing's routing: line
+
+
+ROUTING = "routing"
+"""The routing technique's name (:mod:`vramguard.estimate.techniques.routing`)."""
+

@@ -6,20 +6,46 @@ through it, so none writes its own save and restore."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
 
+_INHERITED = object()
+
+
 @contextlib.contextmanager
 def patched(owner: Any, name: str, value: Any) -> Iterator[Any]:
-    """``owner.name`` is ``value`` within the block and its original after it; yields the original (what the
-    replacement calls for the cases it leaves alone)."""
+    """``owner.name`` is ``value`` within the block and its original after it; yields the original as read
+    (``getattr``: what the replacement calls for the cases it leaves alone). What is restored is what ``owner``
+    itself held, as it held it (a class's ``classmethod`` object, not the bound method ``getattr`` gives), or
+    nothing where ``owner`` held none of its own (a class's method on an instance, a base class's attribute): the
+    attribute is then deleted, and lookup finds what it found before."""
     original = getattr(owner, name)
+    held = _held(owner, name, original)
     setattr(owner, name, value)
     try:
         yield original
     finally:
-        setattr(owner, name, original)
+        if held is _INHERITED:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, held)
+
+
+def _held(owner: Any, name: str, original: Any) -> Any:
+    """What restores ``owner.name``: its own value as stored, ``original`` where setting goes through a data
+    descriptor (a property's setter, a slot) or ``owner`` has no ``__dict__``, else :data:`_INHERITED`."""
+    try:
+        own = vars(owner)
+    except TypeError:
+        return original
+    if name in own:
+        return own[name]
+    kind = owner if isinstance(owner, type) else type(owner)
+    if hasattr(inspect.getattr_static(kind, name, None), "__set__"):
+        return original
+    return _INHERITED
 
 
 def patch_all(stack: contextlib.ExitStack, patches: list[tuple[Any, str, Any]]) -> None:

@@ -50,6 +50,11 @@ def _no_note(model: Any, ledger: Any) -> Finding | None:
     return None
 
 
+def _bounded_by_nothing(request: StepRequest, model: Any) -> dict[str, StepRequest]:
+    """No bounds: the step is priced as it runs."""
+    return {}
+
+
 AMPERE = (8, 0)
 """The compute capability bf16 autocast and FlashAttention-2 need (Ampere)."""
 
@@ -82,8 +87,9 @@ class Technique:
     UsageError where it cannot be priced, before the build), ``context(model, request)`` (a context manager on
     the step; what it yields is what the technique saw), ``findings(model, request, seen)`` (its lines in the
     report, in the registry's order) and ``cheaper(config, place)`` (the flag and the changed config ``--fit``
-    offers when a step does not fit, or None: where the :class:`Place` has it and its trainer prices it) and
-    ``measured(model, ledger)`` (its note on the measured step in every producer's report, or None)."""
+    offers when a step does not fit, or None: where the :class:`Place` has it and its trainer prices it),
+    ``measured(model, ledger)`` (its note on the measured step in every producer's report, or None) and
+    ``bounded_by(request, model)`` (the requests whose steps bound one that cannot be priced as it runs)."""
 
     name: str
     description: str
@@ -103,6 +109,11 @@ class Technique:
     # own findings in every producer's report (the audit's loop, the estimate's, each rank's: measured_notes),
     # where ``findings`` are the estimate's lines from what its context saw; DoRA's
     measured: Callable[[Any, Any], Finding | None] = _no_note
+    # bounded_by(request, model): where the request's step cannot be priced as it runs but lies between other
+    # requests' steps, those requests by name, each producer running them its own way (the estimate on meta, the
+    # audit's loop from meta runs, a trainer's audit by its trainer, each rank); {} where it is priced as it runs.
+    # The routing's: eager experts whose routing is not forced, one request per forced routing
+    bounded_by: Callable[[StepRequest, Any], dict[str, StepRequest]] = _bounded_by_nothing
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -145,3 +156,14 @@ def revised(report: Any, techniques: list[Technique], model: Any, request: StepR
     for t in techniques:
         report = t.revise(report, model, request, seen.get(t.name))
     return report
+
+
+
+def bounding_requests(techniques: Sequence[Technique], request: StepRequest, model: Any) -> dict[str, StepRequest]:
+    """The requests whose steps bound ``request``'s (the first of ``techniques`` whose ``bounded_by`` names any),
+    by name; {} where the step is priced as it runs."""
+    for t in techniques:
+        bounds = t.bounded_by(request, model)
+        if bounds:
+            return bounds
+    return {}

@@ -2,12 +2,13 @@
 :data:`vramguard.workload.routing.ROUTINGS` or tokens per expert): the router's choice replaced in every experts
 module, through one hook on a device (:func:`vramguard.workload.routing.forced_routing`: the audit's loop, a
 Trainer's run, a rank) and on meta with the assignment's values carried beside the meta tensors
-(:func:`vramguard.estimate.meta.routed_on_meta`). Eager experts whose routing is not forced are estimated once
-per forced routing (:func:`vramguard.estimate.run.routing_bounds`)."""
+(:func:`vramguard.estimate.meta.routed_on_meta`). Eager experts whose routing is not forced are priced between
+their steps with each forced routing (``bounded_by``: the requests, each producer running them its own way)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 from vramguard.step import verdict as checks
@@ -16,7 +17,7 @@ from vramguard.step.request import META, StepRequest
 from vramguard.step.technique import Technique
 from vramguard.workload.families import experts_of
 from vramguard.workload.models import QLoRAConfig
-from vramguard.workload.routing import experts_top_k, forced_line, forced_routing
+from vramguard.workload.routing import ROUTINGS, eager_top_k, experts_top_k, forced_line, forced_routing
 
 
 def applies(config: QLoRAConfig) -> bool:
@@ -47,6 +48,15 @@ def revise(report: Any, model: Any, request: StepRequest, seen: dict[str, Any] |
     return with_routing_note(report, checks.ROUTING, line)
 
 
+def bounded_by(request: StepRequest, model: Any) -> dict[str, StepRequest]:
+    """Eager experts whose routing is not forced: a loop over the experts hit, whose peak the routing decides and
+    meta cannot draw; the step lies between its runs with each forced routing (:data:`ROUTINGS`), one request
+    each, by routing. {} for a forced routing or experts run batched."""
+    if request.routing is not None or eager_top_k(model.model) is None:
+        return {}
+    return {kind: dataclasses.replace(request, routing=kind) for kind in ROUTINGS}
+
+
 TECHNIQUE = Technique(
     name="routing",
     description="a mixture of experts' routing forced to a chosen assignment, the router's choice replaced",
@@ -54,4 +64,5 @@ TECHNIQUE = Technique(
     applies=applies,
     context=context,
     revise=revise,
+    bounded_by=bounded_by,
 )

@@ -4,9 +4,11 @@ vramguard's ledger counts as an independent hook-and-ctx count (tests/saved_coun
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,22 @@ from vramguard.workload.vision import (
 VLM = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "vlm"
 FIXTURES = {p.stem.removeprefix("tiny-"): p for p in sorted(VLM.glob("tiny-*.json"))}
 """One tiny config per family: text hidden 64, 2 layers; vision hidden 64, 2 layers (vocab 512)."""
+ROOT = Path(__file__).resolve().parents[1]
+# .ci/run runs the mistral3 tests in a second environment with torchvision and sets
+# VRAMGUARD_REQUIRE_TORCHVISION=1: there a torchvision that is missing or does not import fails them, never
+# skips them or takes the refusal branch (a CI that refused Mistral 3 would still pass)
+REQUIRE_TORCHVISION = os.environ.get("VRAMGUARD_REQUIRE_TORCHVISION") == "1"
+
+
+def _missing(family: object) -> list[str]:
+    """The packages ``family``'s processor needs that this install lacks."""
+    needs = family.needs  # type: ignore[attr-defined]
+    if REQUIRE_TORCHVISION and "torchvision" in needs:
+        try:
+            importlib.import_module("torchvision")
+        except Exception as exc:  # PyPI's torchvision beside the CPU torch: "operator torchvision::nms ..."
+            pytest.fail(f"VRAMGUARD_REQUIRE_TORCHVISION=1 but torchvision does not import: {exc}")
+    return [p for p in needs if importlib.util.find_spec(p) is None]
 
 
 def _config(name: str, seq: int = 128, **kw: object) -> QLoRAConfig:
@@ -361,7 +379,7 @@ def test_every_family_steps_and_its_ledger_equals_the_independent_count(name: st
     """Each family's tiny config through the whole path at two image sizes; one that cannot run here is a
     one-line refusal naming why (a processor's missing package)."""
     family = family_of(json.loads(FIXTURES[name].read_text())["model_type"])
-    missing = [p for p in family.needs if importlib.util.find_spec(p) is None]
+    missing = _missing(family)
     if missing:
         with pytest.raises(UsageError, match=f"needs the {missing[0]} package"):
             build_vision_qlora(_config(name, seq=640), (56, 56))
@@ -418,7 +436,7 @@ def test_every_family_meta_step_equals_the_cpu_audit(name: str) -> None:
     from vramguard.estimate.vision import audit_vision_step, estimate_vision_step
 
     family = family_of(json.loads(FIXTURES[name].read_text())["model_type"])
-    if any(importlib.util.find_spec(p) is None for p in family.needs):
+    if _missing(family):
         pytest.skip(f"{family.name}'s processor needs {', '.join(family.needs)}")
     config = _config(name, seq=640)
     for size in TWO_SIZES.get(name, ((56, 56), (112, 112))):
@@ -518,6 +536,15 @@ def test_a_family_whose_processor_cannot_run_here_is_refused_in_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "needs the torchvision package" in err and "\n" not in err
+
+
+def test_ci_runs_mistral3_where_torchvision_imports() -> None:
+    """The refusal above is all the default run sees of Mistral 3 (torchvision does not import beside its CPU
+    torch): .ci/run runs the family's tests in a second environment with torch 2.14.1 and torchvision 0.29.1,
+    where a missing torchvision fails them."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "torch==2.14.1 torchvision==0.29.1" in ci and "VRAMGUARD_REQUIRE_TORCHVISION=1" in ci
+    assert "tests/test_vision.py -k mistral3" in ci
 
 
 def test_text_only_rows_without_an_image_size() -> None:

@@ -318,3 +318,27 @@ def test_a_probes_answer_is_kept_for_the_calls_that_ask_the_same(monkeypatch: py
     for report in (got, want):
         report.pop("elapsed_s")
     assert got == want
+
+
+def test_a_tensor_given_twice_is_not_answered_as_two_tensors() -> None:
+    """The kept answer names the inputs a cast is made of by place: ``mm(x, x)`` probed first must not answer
+    ``mm(x, y)`` (x cast twice, y left in fp32); each gets its own probe, and both inputs of ``mm(x, y)`` are
+    cast (review)."""
+    import torch
+
+    from vramguard.estimate.autocast import TargetAutocast
+    from vramguard.estimate.meta import forced_decisions
+
+    seen: list[tuple[torch.dtype, ...]] = []
+
+    class Kernels(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.ops.aten.mm.default:
+                seen.append(tuple(a.dtype for a in args))
+            return func(*args, **(kwargs or {}))
+
+    x, y = (torch.empty(8, 8, device="meta") for _ in range(2))
+    with forced_decisions("cuda", autocast=True), torch.autocast("meta", dtype=torch.float16), Kernels():
+        torch.mm(x, x)
+        torch.mm(x, y)
+    assert seen == [(torch.float16, torch.float16)] * 2

@@ -136,3 +136,44 @@ def test_patched_restores_the_original_after_an_error() -> None:
         assert (Lib.value, original) == ("patched", "original")
         raise RuntimeError("inside the block")
     assert Lib.value == "original"
+
+
+def test_patched_restores_what_the_owner_held() -> None:
+    """``patched`` sets back what the owner itself held (a class's classmethod object, not the bound method), deletes
+    what it held none of (a base class's attribute, a class's method on an instance), and sets back through an
+    owner that stores elsewhere (an ``nn.Module``'s parameter, a transformers config's alias) or a property."""
+    import torch
+    from transformers import GPT2Config
+
+    from vramguard.step.patching import patched
+
+    class Base:
+        @classmethod
+        def make(cls) -> str:
+            return cls.__name__
+
+        def method(self) -> str:
+            return "method"
+
+    class Child(Base):
+        pass
+
+    with patched(Base, "make", classmethod(lambda cls: "patched")):
+        assert Child.make() == "patched"
+    assert Child.make() == "Child" and isinstance(vars(Base)["make"], classmethod)
+    with patched(Child, "make", classmethod(lambda cls: "patched")):
+        assert Child.make() == "patched"
+    assert "make" not in vars(Child) and Child.make() == "Child"
+    obj = Base()
+    with patched(obj, "method", lambda: "patched"):
+        assert obj.method() == "patched"
+    assert "method" not in vars(obj) and obj.method() == "method"
+    linear = torch.nn.Linear(2, 2)
+    weight = linear.weight
+    with patched(linear, "weight", torch.nn.Parameter(torch.zeros(2, 2))):
+        pass
+    assert linear.weight is weight
+    config = GPT2Config()
+    with patched(config, "hidden_size", 128):
+        assert config.n_embd == 128
+    assert config.hidden_size == config.n_embd == GPT2Config().n_embd

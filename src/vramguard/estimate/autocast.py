@@ -91,7 +91,7 @@ class TargetAutocast(TorchFunctionMode):
         self.routed = 0
         self.unprobed: set[str] = set()  # functions the fake device could not run up to their first kernel
         # what a probe saw, by what it was asked (:func:`_probe_key`): the casts, as (input's index, dtype)
-        self.probed: dict[Any, tuple[tuple[int, torch.dtype], ...] | None] = {}
+        self.probed: dict[Any, tuple[tuple[int, torch.dtype], ...]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -239,15 +239,22 @@ def _inplace(func: Any) -> bool:
 
 def _probe_key(func: Any, spec: Any, leaves: list[Any], target: str) -> Any:
     """What a probe of ``func`` is asked, as a key, or None where it cannot be keyed: the call's structure
-    (``spec``), each tensor's device type, dtype, shape and stride (not its offset: a view's place in its
-    storage, which differs between the chunks of a chunked loss), every other argument itself (by
-    value; an unhashable one gives None), and the target's autocast dtype and cache flag. Autocast's casts
-    are a function of these: its kernels read the op and its inputs' dtypes, and a composite function's way
-    to its first kernel reads no more than its arguments."""
+    (``spec``); each tensor's type, device type, dtype, shape and stride, and the first place it is given (the
+    answer names its inputs by place: ``mm(x, x)`` is not ``mm(x, y)``), but not its offset (a view's place in its
+    storage, which differs between the chunks of a chunked loss); every other argument itself (by value; an
+    unhashable one gives None); and the target's autocast dtype and cache flag. Autocast's casts are a function
+    of these: its kernels read the op and its inputs' dtypes, and a composite function's way to its first kernel
+    reads no more than its arguments."""
     parts: list[Any] = [func, spec, torch.get_autocast_dtype(target), torch.is_autocast_cache_enabled()]
-    for leaf in leaves:
+    first: dict[int, int] = {}  # a tensor given twice (mm(x, x)) is keyed apart from two tensors (mm(x, y))
+    for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            parts.append((leaf.device.type, leaf.dtype, tuple(leaf.shape), leaf.stride()))
+            try:
+                stride = leaf.stride()
+            except (RuntimeError, NotImplementedError):  # sparse, nested: no strides
+                stride = None
+            place = first.setdefault(id(leaf), i)
+            parts.append((type(leaf), leaf.device.type, leaf.dtype, tuple(leaf.shape), stride, place))
         else:
             parts.append((type(leaf), leaf))
     key = tuple(parts)

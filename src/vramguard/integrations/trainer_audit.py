@@ -70,6 +70,8 @@ def run_trainer_audit(
     if request.routing is not None and not routed:
         raise ValueError("a forced routing is the routing technique's: pass techniques=used_by(config)")
     report, q = _train(request, trainer, output_dir, routed)
+    if not routed and routes.eager_top_k(q.model) is not None:
+        raise ValueError("eager experts are bounded by the routing technique's runs: pass techniques=used_by(config)")
     bounds = bounding_requests(routed, request, q)  # eager experts, the routing drawn: each forced routing's
     top_k = routes.eager_top_k(q.model)
     del q  # the forced runs build their own models: not two at once
@@ -154,4 +156,3 @@ def _train(
 
 ROUTING = "routing"
 """The routing technique's name (:mod:`vramguard.estimate.techniques.routing`)."""
-

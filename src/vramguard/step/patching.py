@@ -34,15 +34,19 @@ def patched(owner: Any, name: str, value: Any) -> Iterator[Any]:
 
 
 def _held(owner: Any, name: str, original: Any) -> Any:
-    """What restores ``owner.name``: its own value as stored, ``original`` where setting goes through a data
-    descriptor (a property's setter, a slot) or ``owner`` has no ``__dict__``, else :data:`_INHERITED`."""
+    """What restores ``owner.name``: its own value as stored; ``original`` where setting does not store it in
+    ``owner.__dict__`` (a data descriptor of its type: a property's setter, a slot; an instance whose type has its
+    own ``__setattr__``: an ``nn.Module``'s parameters, a transformers config's aliases) or ``owner`` has no
+    ``__dict__``; else :data:`_INHERITED` (deleted on exit, so lookup finds what it found before)."""
     try:
         own = vars(owner)
     except TypeError:
         return original
     if name in own:
         return own[name]
-    kind = owner if isinstance(owner, type) else type(owner)
+    kind = type(owner)  # a class's attribute is set through its metaclass
+    if not isinstance(owner, type) and kind.__setattr__ is not object.__setattr__:
+        return original
     if hasattr(inspect.getattr_static(kind, name, None), "__set__"):
         return original
     return _INHERITED

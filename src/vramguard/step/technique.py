@@ -158,7 +158,6 @@ def revised(report: Any, techniques: list[Technique], model: Any, request: StepR
     return report
 
 
-
 def bounding_requests(techniques: Sequence[Technique], request: StepRequest, model: Any) -> dict[str, StepRequest]:
     """The requests whose steps bound ``request``'s (the first of ``techniques`` whose ``bounded_by`` names any),
     by name; {} where the step is priced as it runs."""

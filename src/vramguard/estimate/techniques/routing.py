@@ -21,8 +21,11 @@ from vramguard.workload.routing import ROUTINGS, eager_top_k, experts_top_k, for
 
 
 def applies(config: QLoRAConfig) -> bool:
-    """Whether the step's model is a mixture of experts (whose routing a request can force)."""
-    return experts_of(config.spec.built) is not None
+    """Whether the step's model is a mixture of experts (whose routing a request can force): its language model's
+    config says so (a vision-language model keeps it under ``text_config``)."""
+    built = config.spec.built
+    text = built.get_text_config() if hasattr(built, "get_text_config") else built
+    return experts_of(text) is not None
 
 
 def context(model: Any, request: StepRequest) -> contextlib.AbstractContextManager[dict[str, Any]]:

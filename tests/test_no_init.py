@@ -47,3 +47,14 @@ def test_other_devices_are_initialised_as_ever(monkeypatch: pytest.MonkeyPatch) 
     assert meta.weight.device.type == "meta" and not host.weight.any()
     torch.nn.init.kaiming_uniform_(torch.empty(4, 4, device="meta"))  # outside the block: drawn
     assert "meta" in devices
+
+
+def test_a_parameter_left_on_the_host_by_the_trainers_setup_is_named() -> None:
+    """The trainer's setup on meta draws no values anywhere: a parameter it left on the host would hold garbage,
+    so it is an internal error naming it, not a silent figure (review)."""
+    from vramguard.estimate.trainer import _all_on_meta
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta"), torch.nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match=r"^1\.weight is on cpu"):
+        _all_on_meta(model)
+    _all_on_meta(torch.nn.Linear(2, 2, device="meta"))

@@ -157,12 +157,21 @@ def trainer_on_meta(q: QLoRAModel, trainer: str, target: str, steps: int, output
     # PEFT's LoRA, made by the trainer on the host and moved to meta: no values to keep
     with _device_is_meta(args), _deepcopy_on_meta(), values_not_drawn(meta_only=False):
         runner = make_trainer(q, trainer, args, loop_rows(q, micro_batches), [callback])
+    _all_on_meta(runner.model)  # what stayed on the host would hold values never drawn
     runner.data_collator = _on_meta(runner.data_collator)
     _loader_on_meta(runner)
     runner.create_optimizer()  # the trainer's own; train() keeps it
     if target == "cpu":
         _maps_on_meta(runner.optimizer)
     return runner, callback
+
+
+def _all_on_meta(model: torch.nn.Module) -> None:
+    """Every parameter and buffer of the trainer's model is on meta (the trainer's setup draws no values: one left
+    on the host would hold ``torch.empty``'s garbage), else an internal error naming it."""
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t.device.type != META:
+            raise RuntimeError(f"{name} is on {t.device.type} after the trainer's setup on meta, its values not drawn")
 
 
 @contextlib.contextmanager

@@ -138,3 +138,26 @@ def test_layer_norm_statistics_take_the_targets_dtype(target: str, weight: torch
     assert [t.dtype for t in out[1:]] == [stats, stats]
     if target == "cpu":
         assert [(t.dtype, t.shape) for t in native("cpu")[1:]] == [(t.dtype, t.shape) for t in out[1:]]
+
+
+def test_lora_estimate_saves_what_an_independent_count_of_the_cpu_model_saves() -> None:
+    """The meta run's saved bytes against a count written without vramguard's ledger (tests/saved_count.py: a
+    ``saved_tensors_hooks`` count of one forward and loss) of the CPU-built model's first step."""
+    from saved_count import independent_saved_bytes
+
+    from vramguard.estimate.meta import build_meta
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(
+        model=str(VLM / "tiny-qwen2-vl.json"),
+        seq_len=96,
+        batch=1,
+        image_size="56x84",
+        target_modules="all-linear",
+        lora_scope="language-model",
+        gradient_checkpointing=True,
+    ).resolved()
+    cpu = build_meta(config, method="lora", device="cpu")
+    independent = independent_saved_bytes(cpu.model, cpu.batch())
+    meta = run_estimate(config, steps=1, method="lora", target="cpu")
+    assert meta.totals.saved_bytes == independent > 0

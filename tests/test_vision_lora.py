@@ -161,3 +161,16 @@ def test_lora_estimate_saves_what_an_independent_count_of_the_cpu_model_saves() 
     independent = independent_saved_bytes(cpu.model, cpu.batch())
     meta = run_estimate(config, steps=1, method="lora", target="cpu")
     assert meta.totals.saved_bytes == independent > 0
+
+
+@pytest.mark.parametrize(
+    "method, said", [("lora", "LoRA on the base in its compute dtype"), ("full", "every parameter trained")]
+)
+def test_the_loops_recipe_line_names_what_the_method_did(method: str, said: str, tmp_path: Path) -> None:
+    """The loop runs ``prepare_model_for_kbit_training`` for qlora only: the recipe line of a lora or full run said
+    it did (of a text model's run too)."""
+    out = tmp_path / "run.json"
+    argv = ["estimate", "--model", "tiny-llama", "--seq-len", "32", "--batch", "1", "--trainer", "loop"]
+    assert main([*argv, "--method", method, "--json", str(out), "--quiet"]) == 0
+    recipe = json.loads(out.read_text())["config"]["recipe"]
+    assert f"vramguard's loop ({said}, full fp32 logits)" in recipe and "kbit" not in recipe

@@ -96,7 +96,8 @@ def test_lora_base_is_the_compute_dtype_without_4bit_layers() -> None:
 def test_what_lora_cannot_take_is_one_line(
     flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base = ["estimate", "--model", str(VLM / "tiny-qwen2-vl.json"), "--image-size", "56x56", "--seq-len", "64"]
+    model = str(VLM / "tiny-qwen2-vl.json")
+    base = ["estimate", "--model", model, "--image-size", "56x56", "--seq-len", "64"]
     assert main([*base, "--target-modules", "all-linear", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
@@ -124,7 +125,9 @@ def test_qwen2_vl_7b_preset_has_the_published_shape() -> None:
         ("cuda", torch.bfloat16, torch.float32),  # CUDA's (the meta kernel's) accumulation dtype
     ],
 )
-def test_layer_norm_statistics_take_the_targets_dtype(target: str, weight: torch.dtype, stats: torch.dtype) -> None:
+def test_layer_norm_statistics_take_the_targets_dtype(
+    target: str, weight: torch.dtype, stats: torch.dtype
+) -> None:
     """What autograd saves of a bf16 LayerNorm: its mean and rstd, whose dtype the device's kernel decides."""
     from vramguard.estimate.meta import target_decisions
 

@@ -998,9 +998,10 @@ def _vision_meta(
         refuse_tower_options(config)
         return None
     if method not in VISION_METHODS or not one_device:
+        methods = " or ".join(VISION_METHODS)
         raise UsageError(
-            f"vision-language models are estimated for --method {' or '.join(VISION_METHODS)} on one device in "
-            "vramguard's loop (--trainer loop) for now"
+            f"vision-language models are estimated for --method {methods} on one device in vramguard's loop "
+            "(--trainer loop) for now"
         )
     from vramguard.estimate.vision import build_vision_meta
 

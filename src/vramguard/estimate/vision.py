@@ -181,7 +181,7 @@ def build_vision_meta(
     inputs = dict(setup.rows.inputs)
     if device == META:
         inputs = {k: values.give(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    run_config = dataclasses.replace(config, device=device)  # (not validated: validate() allows cpu/cuda only)
+    run_config = dataclasses.replace(config, device=device)  # (not validated: validate() allows cpu or cuda)
     q = image_text_model(setup, model, run_config, inputs)
     built = VisionQLoRAModel(
         q=q,

@@ -90,6 +90,39 @@ FIT: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+SWIFT = (
+    *("--model", "qwen2-vl-7b", "--method", "lora", "--compute-dtype", "bf16", "--bf16"),
+    *("--lora-rank", "8", "--lora-alpha", "32", "--lora-dropout", "0.05"),
+    *("--target-modules", "all-linear", "--lora-scope", "language-model", "--gradient-checkpointing"),
+    *("--batch", "1", "--max-pixels", "1003520", "--optimizer", "adamw", "--trainer", "loop"),
+)
+"""ms-swift's examples/train/multimodal/grounding.sh at 7208336 ("# 20GiB"): Qwen2-VL-7B-Instruct, --train_type lora
+--torch_dtype bfloat16 (the base in bf16, Trainer's bf16 autocast), --lora_rank 8 --lora_alpha 32, swift's
+lora_dropout 0.05, --target_modules all-linear with --freeze_vit true (and swift's freeze_aligner default: LoRA on
+the language model only), swift's gradient_checkpointing default (True, the tower's too), batch 1, MAX_PIXELS."""
+
+PUBLISHED: list[tuple[str, str, tuple[str, ...]]] = [
+    # (run name, what the row is, flags): a COCO image (640 wide, 480 high: 391 image tokens) and the largest
+    # image MAX_PIXELS lets through (896x1120 = 1,003,520 pixels: 1280 image tokens), each in a row of
+    # max_length 2048 tokens (every row priced at max_length), and the COCO image in a row of 512
+    (
+        "swift-coco-2048",
+        "a COCO image (480x640), rows at max_length 2048",
+        ("--image-size", "480x640", "--seq-len", "2048"),
+    ),
+    (
+        "swift-maxpix-2048",
+        "the MAX_PIXELS bound (896x1120), rows at max_length 2048",
+        ("--image-size", "896x1120", "--seq-len", "2048"),
+    ),
+    (
+        "swift-coco-512",
+        "a COCO image (480x640), rows of 512 tokens",
+        ("--image-size", "480x640", "--seq-len", "512"),
+    ),
+]
+
+
 def commands() -> dict[str, list[str]]:
     """Every run's ``vramguard`` arguments (without ``--json``), by run name."""
     out = {
@@ -100,6 +133,8 @@ def commands() -> dict[str, list[str]]:
         out[name] = ["estimate", "--model", "qwen3-vl-8b", *flags, *COMMON, "--gpu", "rtx3090"]
     for name, flags in FIT:
         out[name] = ["estimate", "--model", "qwen3-vl-8b", *flags, *COMMON]
+    for name, _what, flags in PUBLISHED:
+        out[name] = ["estimate", *SWIFT, *flags]
     return out
 
 
@@ -233,6 +268,25 @@ def render_fit(runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def render_published(runs: dict[str, dict[str, Any]]) -> str:
+    """docs/vlm.md's ms-swift block: each PUBLISHED run's figures beside the script's "20GiB"."""
+    head = ["row", "image tokens", "seq-len", "weights", "trainable", "allocator peak"]
+    head += ["total (expected / high end)", 'against "20GiB"']
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    published = 20 * 2**30
+    for name, what, flags in PUBLISHED:
+        run = runs[name]
+        est = run["estimate"]
+        seq = flags[flags.index("--seq-len") + 1]
+        cells = [what, str(tokens(run)[0]), seq, _g(est["weights_bytes"]), _g(est["trainable_bytes"])]
+        cells += [_g(est["allocator_peak_bytes"]), f"{_g(est['total_bytes'])} / {_g(high(run))}"]
+        cells.append(f"{(est['total_bytes'] - published) / published * 100:+.1f} %")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"`vramguard {' '.join(commands()[PUBLISHED[0][0]])}`; each run's recipe line:", ""]
+    lines += [f"> {r}" for r in sorted({runs[name]["config"]["recipe"] for name, *_ in PUBLISHED})]
+    return "\n".join(lines)
+
+
 SEED_FIGURES = {
     "seed-vl-512": "—",
     "seed-vl-512-offload": "20.3 GB with TRL's offloading; 13.3 GB after its fix (TRL #5700)",
@@ -262,6 +316,7 @@ PAGES = {
     "vlm table": ("vlm.md", render_table),
     "vlm stacks": ("vlm.md", render_stacks),
     "vlm fit": ("vlm.md", render_fit),
+    "vlm published": ("vlm.md", render_published),
     "seed vlm table": ("case-studies.md", render_seed),
 }
 """Each generated block: its marker, its page under docs/, and the function that renders it from the runs."""

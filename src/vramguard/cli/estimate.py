@@ -229,7 +229,7 @@ def main(args: argparse.Namespace) -> int:
             except NeedsLoop as exc:
                 if args.trainer is not None:  # asked for by name: refused, with the workaround
                     raise
-                recipe = recipe_text("loop", loop_why(trainer, exc.what), args)
+                recipe = recipe_text("loop", loop_why(trainer, exc.what), args, config.method)
                 trainer = "loop"
         if report is None:
             report = run_estimate(config, steps=args.steps, top=args.top, target=args.target, events=events, gpu=gpu)

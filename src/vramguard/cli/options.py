@@ -556,7 +556,7 @@ def resolve_trainer(
             if unpriced:
                 why = loop_why(trainer, ", ".join(unpriced))
                 trainer = "loop"
-    return trainer, recipe_text(trainer, why, args)
+    return trainer, recipe_text(trainer, why, args, config.method)
 
 
 def loop_why(trainer: str, what: str) -> str:
@@ -564,9 +564,17 @@ def loop_why(trainer: str, what: str) -> str:
     return f" (ran instead of {trainer}'s own step, which does not run {what} yet)"
 
 
-def recipe_text(trainer: str, why: str, args: argparse.Namespace) -> str:
-    """The recipe line: whose step ran (``why``: why the loop ran instead of the trainer asked for) and whose
-    defaults filled what the user did not set."""
+LOOP_PREPARATION = {
+    "qlora": "prepare_model_for_kbit_training, LoRA",
+    "lora": "LoRA on the base in its compute dtype",
+    "full": "every parameter trained",
+}
+"""What vramguard's loop does to the model before its steps, by method (the recipe line names it)."""
+
+
+def recipe_text(trainer: str, why: str, args: argparse.Namespace, method: str = "qlora") -> str:
+    """The recipe line: whose step ran (``why``: why the loop ran instead of the trainer asked for), what the loop
+    did to the model for ``method``, and whose defaults filled what the user did not set."""
     from importlib.metadata import version
 
     path = getattr(args, "config", None)
@@ -581,5 +589,5 @@ def recipe_text(trainer: str, why: str, args: argparse.Namespace) -> str:
     elif trainer == "trainer":
         name = f"transformers {'.'.join(version('transformers').split('.')[:2])} Trainer's own step"
     else:
-        name = "vramguard's loop (prepare_model_for_kbit_training, LoRA, full fp32 logits)"
+        name = f"vramguard's loop ({LOOP_PREPARATION.get(method, method)}, full fp32 logits)"
     return f"recipe: {name}{why}; defaults: {defaults}"

@@ -357,10 +357,12 @@ def target_decisions(target: str = "cpu") -> Iterator[Decisions]:
         (torch_optimizer, "_get_fused_kernels_supported_devices", _fused_devices),
     ]
     shapes = PointwiseShapeCache(PROCESS_ANSWERS)
+    norms = _LayerNormStatsAsOnCpu() if target == "cpu" else contextlib.nullcontext()
     try:
         with contextlib.ExitStack() as stack:
             patch_all(stack, patches)
-            with shapes, grouped:  # the cache first: below every mode the step pushes (it answers as the kernels)
+            # the cache first: below every mode the step pushes (it answers as the kernels)
+            with shapes, grouped, norms:
                 yield taken
     finally:
         taken["grouped_mm"] = grouped.answered
@@ -399,6 +401,28 @@ def target_autocast(target: str) -> Iterator[Autocasted]:
     finally:
         routed["autocast_routed"] = routing.routed
         routed["autocast_unprobed"] = len(routing.unprobed)
+
+
+class _LayerNormStatsAsOnCpu(TorchDispatchMode):
+    """``native_layer_norm`` on meta as the CPU runs it: its mean and rstd (which autograd saves) in the input's
+    dtype where the input is bf16 or fp16 and its weight and bias are too (or absent), as torch's CPU kernel makes
+    them (``param_scalar_type``: fp32 only for a mixed-type call); the meta kernel, CUDA's rule, makes them fp32
+    always. A LayerNorm left in bf16 (a vision tower's with ``--method lora``: no k-bit preparation upcasts it)
+    saved twice the CPU's bytes for its statistics on meta. Entered for the ``cpu`` target only."""
+
+    LOW = (torch.bfloat16, torch.float16)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is not torch.ops.aten.native_layer_norm.default:
+            return out
+        x, params = args[0], args[2:4]
+        if x.device.type != META or x.dtype not in self.LOW:
+            return out
+        if any(p is not None and p.dtype != x.dtype for p in params):
+            return out  # mixed: fp32 statistics on the CPU too
+        stats = (torch.empty_strided(s.shape, s.stride(), dtype=x.dtype, device=META) for s in out[1:])
+        return (out[0], *stats)
 
 
 class Decisions(dict):  # type: ignore[type-arg]
@@ -902,8 +926,8 @@ def build_meta(
         raise ValueError("build the real-device QLoRA model with vramguard.workload.models.build_qlora")
     config.validate()
     spec = spec or config.spec
-    vision = _vision_meta(config, spec, method == "qlora" and device == META and not sharded and prepared)
-    if vision is not None:  # the family's processor's rows, their values carried (estimate.vision)
+    vision = _vision_meta(config, spec, method, device, not sharded and prepared)
+    if vision is not None:  # the family's processor's rows, their values carried on meta (estimate.vision)
         return vision
     from transformers.quantizers import AutoHfQuantizer
     from transformers.utils import logging as hf_logging
@@ -960,26 +984,36 @@ def build_meta(
     )
 
 
-def _vision_meta(config: QLoRAConfig, spec: ModelSpec, supported: bool) -> QLoRAModel | None:
-    """A vision-language model on meta (:func:`vramguard.estimate.vision.build_vision_meta`), its rows' values
-    kept on it for the step (``image_values``: run_estimate steps it under ``values_on_meta``); refused in one line
-    where not ``supported`` (off the loop's qlora step on one device). None for a text model (given a vision tower
-    option: refused in one line)."""
+def _vision_meta(
+    config: QLoRAConfig, spec: ModelSpec, method: str, device: str, one_device: bool
+) -> QLoRAModel | None:
+    """A vision-language model (:func:`vramguard.estimate.vision.build_vision_meta`) for ``method`` (``qlora`` or
+    ``lora``) on ``device``: on meta its rows' values kept on it for the step (``image_values``: run_estimate steps
+    it under ``values_on_meta``); ``lora`` on the CPU is the tests' reference, its rows real tensors. Refused in one
+    line off the loop's step on one device (``one_device``: not sharded, prepared) and for ``full``. None for a text
+    model (given a vision tower option: refused in one line)."""
     from vramguard.workload.vision import is_vision_spec, refuse_tower_options
 
     if not is_vision_spec(spec):
         refuse_tower_options(config)
         return None
-    if not supported:
+    if method not in VISION_METHODS or not one_device:
+        methods = " or ".join(VISION_METHODS)
         raise UsageError(
-            "vision-language models are estimated for --method qlora on one device in vramguard's loop "
+            f"vision-language models are estimated for --method {methods} on one device in vramguard's loop "
             "(--trainer loop) for now"
         )
     from vramguard.estimate.vision import build_vision_meta
 
-    built_vlm, values = build_vision_meta(config, spec=spec)
-    built_vlm.q.image_values = values  # run_estimate steps it under values_on_meta
+    built_vlm, values = build_vision_meta(config, spec=spec, method=method, device=device)
+    if device == META:
+        built_vlm.q.image_values = values  # run_estimate steps it under values_on_meta
     return built_vlm.q  # type: ignore[no-any-return]
+
+
+VISION_METHODS: tuple[str, ...] = ("qlora", "lora")
+"""The methods a vision-language model is built for (:func:`_vision_meta`): its 4-bit base or its base in the
+compute dtype, LoRA as PEFT puts it on either."""
 
 
 def _flash_note(config: QLoRAConfig) -> str:

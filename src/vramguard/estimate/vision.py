@@ -150,53 +150,39 @@ def build_vision_meta(
     image_size: tuple[int, int] | None = None,
     images_per_row: int | None = None,
     spec: Any = None,
+    method: str = "qlora",
+    device: str = META,
 ) -> tuple[VisionQLoRAModel, ImageValues]:
     """The model :func:`vramguard.workload.vision.build_vision_qlora` builds, on meta, as
     :func:`vramguard.estimate.meta.build_meta` builds a text model (``_from_config`` on meta at the compute dtype,
     transformers' own bitsandbytes quantizer, each weight quantized on meta, PEFT unchanged), and the values its
-    batch carries: every tensor of the processor's rows a meta tensor with its row as value."""
-    from transformers.quantizers import AutoHfQuantizer
+    batch carries: every tensor of the processor's rows a meta tensor with its row as value. ``method`` ``lora``:
+    the base left in the compute dtype (no quantizer, no k-bit preparation: transformers' own checkpointing when
+    asked), LoRA as PEFT puts it; ``device`` ``cpu`` builds that model with random weights and real rows on the
+    host, the reference the tests hold the meta run against (as ``build_meta(device="cpu")`` for a text model)."""
     from transformers.utils import logging as hf_logging
 
-    from vramguard.workload.models import (
-        BUILD_ERRORS,
-        bnb_4bit_config,
-        build_error,
-        parse_dtype,
-        prepare_for_training,
-        with_lora,
-    )
+    from vramguard.workload.models import with_lora
 
+    refuse_quantizer_options(config, method)
     setup = vision_setup(config, image_size, images_per_row, spec)
-    compute_dtype = parse_dtype(config.compute_dtype)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
-            with torch.device(META):
-                model = setup.model_class._from_config(
-                    setup.hf_config, dtype=compute_dtype, attn_implementation=setup.attn
-                )
-        except (*BUILD_ERRORS, RuntimeError) as exc:
-            raise UsageError(f"transformers cannot build {setup.name}: {build_error(exc)}") from None
-        quantizer = AutoHfQuantizer.from_config(
-            bnb_4bit_config(config, skip_modules=setup.choices.skip_modules), pre_quantized=False
-        )
-        quantizer.preprocess_model(model, device_map={"": META}, dtype=compute_dtype)
-        _quantize_on_meta(model, compute_dtype)
-        quantizer.postprocess_model(model)
-        model.hf_quantizer = quantizer
-        model = prepare_for_training(model, config)
+        model = _vision_base(setup, config, method, device)
         apply_tower_checkpointing(model, setup.family, setup.choices)
-        with values_not_drawn(meta_only=False):  # PEFT makes LoRA on the host and moves it to meta
+        # on meta PEFT makes LoRA on the host and moves it to meta: nothing to draw
+        with values_not_drawn(meta_only=False) if device == META else contextlib.nullcontext():
             model = with_lora(model, config, setup.choices)
     model.train()
     model.config.use_cache = False
     values = ImageValues()
-    inputs = {k: values.give(v) if isinstance(v, torch.Tensor) else v for k, v in setup.rows.inputs.items()}
-    meta_config = dataclasses.replace(config, device=META)  # (not validated: validate() allows cpu/cuda only)
-    q = image_text_model(setup, model, meta_config, inputs)
+    inputs = dict(setup.rows.inputs)
+    if device == META:
+        inputs = {k: values.give(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    run_config = dataclasses.replace(config, device=device)  # (not validated: validate() allows cpu or cuda)
+    q = image_text_model(setup, model, run_config, inputs)
     built = VisionQLoRAModel(
         q=q,
         family=setup.family,
@@ -205,6 +191,62 @@ def build_vision_meta(
         images_per_row=setup.images_per_row,
     )
     return built, values
+
+
+def refuse_quantizer_options(config: Any, method: str) -> None:
+    """The bitsandbytes options of the tower (``--vision-tower unquantized``, ``--llm-int8-skip-modules``) given
+    with a method that quantizes nothing: one line."""
+    if method == "qlora":
+        return
+    given = [
+        flag
+        for flag, asked in (
+            ("--vision-tower unquantized", config.vision_tower == "unquantized"),
+            ("--llm-int8-skip-modules", bool(config.llm_int8_skip_modules)),
+        )
+        if asked
+    ]
+    if given:
+        raise UsageError(
+            f"{' and '.join(given)}: what bitsandbytes quantizes, but --method {method} quantizes nothing"
+        )
+
+
+def _vision_base(setup: Any, config: Any, method: str, device: str) -> torch.nn.Module:
+    """The base model of ``setup`` on ``device`` before LoRA: ``_from_config`` at the compute dtype; for ``qlora``
+    swapped by transformers' own bitsandbytes quantizer, each weight quantized on meta, and PEFT's k-bit
+    preparation; for ``lora`` as it is, with transformers' gradient checkpointing when asked (what
+    :func:`vramguard.estimate.meta.build_meta` does for a text model's ``lora``)."""
+    from transformers.quantizers import AutoHfQuantizer
+
+    from vramguard.workload.models import (
+        BUILD_ERRORS,
+        bnb_4bit_config,
+        build_error,
+        parse_dtype,
+        prepare_for_training,
+    )
+
+    compute_dtype = parse_dtype(config.compute_dtype)
+    try:
+        with torch.device(device):
+            model = setup.model_class._from_config(
+                setup.hf_config, dtype=compute_dtype, attn_implementation=setup.attn
+            )
+    except (*BUILD_ERRORS, RuntimeError) as exc:
+        raise UsageError(f"transformers cannot build {setup.name}: {build_error(exc)}") from None
+    if method == "lora":
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+    quantizer = AutoHfQuantizer.from_config(
+        bnb_4bit_config(config, skip_modules=setup.choices.skip_modules), pre_quantized=False
+    )
+    quantizer.preprocess_model(model, device_map={"": META}, dtype=compute_dtype)
+    _quantize_on_meta(model, compute_dtype)
+    quantizer.postprocess_model(model)
+    model.hf_quantizer = quantizer
+    return prepare_for_training(model, config)
 
 
 @dataclass

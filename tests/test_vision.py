@@ -544,7 +544,7 @@ def test_ci_runs_mistral3_where_torchvision_imports() -> None:
     where a missing torchvision fails them."""
     ci = (ROOT / ".ci" / "run").read_text()
     assert "torch==2.14.1 torchvision==0.29.1" in ci and "VRAMGUARD_REQUIRE_TORCHVISION=1" in ci
-    assert "tests/test_vision.py -k mistral3" in ci
+    assert "tests/test_vision.py -k \"mistral3 or video\"" in ci
 
 
 def test_text_only_rows_without_an_image_size() -> None:
@@ -758,3 +758,149 @@ def test_trainer_callback_on_a_vlm_splits_its_ledger_by_stack(tmp_path: Path) ->
     ]
     notes = [n for n in report.verdict.notes if n.startswith("saved for backward by stack")]
     assert len(notes) == 1 and "vision tower" in notes[0] and "projector" in notes[0], report.verdict.notes
+
+
+# -- video frames (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; transformers' video processors need torchvision) --------------
+
+VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+"""The tiny fixtures of the families whose video rows vramguard makes."""
+
+
+def _video_missing() -> bool:
+    """Whether torchvision cannot run here (transformers' video processors need it); with
+    VRAMGUARD_REQUIRE_TORCHVISION=1 (.ci/run's torchvision stage) that fails the test instead."""
+    try:
+        importlib.import_module("torchvision")
+    except Exception as exc:  # missing, or PyPI's torchvision beside the CPU torch: "operator torchvision::nms ..."
+        if REQUIRE_TORCHVISION:
+            pytest.fail(f"VRAMGUARD_REQUIRE_TORCHVISION=1 but torchvision does not import: {exc}")
+        return True
+    return False
+
+
+def _video_rows(name: str, frames: int, size: tuple[int, int] = (56, 56), seq: int = 640) -> tuple[object, object]:
+    from vramguard.workload.vision import VideoAsk
+
+    config, _ = load_vision_config(FIXTURES[name])
+    family = family_of(config.model_type)
+    return family, image_rows(family, config, 512, None, seq, video=VideoAsk(frames, size))
+
+
+@pytest.mark.parametrize("name", VIDEO_FAMILIES)
+def test_video_rows_are_the_video_processors(name: str) -> None:
+    """The family's video processor makes pixel_values_videos and video_grid_thw: 2 frames a temporal patch (an
+    odd count padded with its last frame: 3 frames take the temporal patches of 4), each temporal patch
+    ``grid_h * grid_w / merge**2`` video tokens in the row, the row --seq-len long, its video tokens masked in the
+    labels; no image inputs."""
+    if _video_missing():
+        pytest.skip("transformers' video processors need torchvision")
+    config, _ = load_vision_config(FIXTURES[name])
+    merge = int(config.vision_config.spatial_merge_size)
+    for frames, temporal in ((3, 2), (4, 2), (8, 4)):
+        family, rows = _video_rows(name, frames)
+        (t, h, w), = rows.inputs["video_grid_thw"].tolist()  # type: ignore[attr-defined]
+        assert t == temporal, (name, frames)
+        assert rows.video_tokens == t * h * w // merge**2 > 0  # type: ignore[attr-defined]
+        ids = rows.inputs["input_ids"]  # type: ignore[attr-defined]
+        assert ids.shape == (1, 640) and int((ids == config.video_token_id).sum()) == rows.video_tokens  # type: ignore[attr-defined]
+        assert int((rows.inputs["labels"] == -100).sum()) == rows.video_tokens  # type: ignore[attr-defined]
+        assert rows.inputs["pixel_values_videos"].shape[0] == t * h * w  # type: ignore[attr-defined]
+        assert "pixel_values" not in rows.inputs and rows.image_tokens == 0  # type: ignore[attr-defined]
+    with pytest.raises(UsageError, match=r"a video of 8 frames of 56x56 take \d+ tokens .* video tokens\), more than"):
+        _video_rows(name, 8, seq=32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", VIDEO_FAMILIES)
+def test_video_ledger_equals_an_independent_count_at_two_frame_counts(name: str) -> None:
+    """A real QLoRA step of each family (from_pretrained with BitsAndBytesConfig, PEFT all-linear) on rows with a
+    video of 3 and of 8 frames: the ledger's saved bytes are the independent hook-and-ctx count's, the vision
+    tower's share grows with the frames (frames of 192x192: Qwen3-VL's video processor bounds the whole video's
+    pixels, so 3 frames of 56x56 are enlarged more than 8 and take more tokens)."""
+    if _video_missing():
+        pytest.skip("transformers' video processors need torchvision")
+    q = build_vision_qlora(_config(name, seq=640, video_frames=4, video_size="192x192"))
+    tower = []
+    for frames in (3, 8):
+        _family, rows = _video_rows(name, frames, (192, 192))
+        independent = independent_saved_bytes(q.q.model, rows.inputs)  # type: ignore[attr-defined]
+        report = _ledger(q.q.model, rows.inputs)  # type: ignore[attr-defined]
+        assert report.saved_bytes == independent, (name, frames)  # type: ignore[attr-defined]
+        tower.append(sum(r.bytes for r in report.records if q.family.stack_of(r.module) == "vision tower"))  # type: ignore[attr-defined]
+    assert 0 < tower[0] < tower[1], tower
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", VIDEO_FAMILIES)
+def test_video_audit_and_estimate_commands_agree_to_the_byte(name: str, tmp_path: Path) -> None:
+    """``vramguard audit --video-frames N --video-size HxW`` measures, and ``vramguard estimate ... --trainer loop
+    --target cpu`` (the meta run, video_grid_thw's values carried beside its meta tensor) gives its phase peaks,
+    totals and notes to the byte, at 3 and 8 frames."""
+    from vramguard.cli.app import main
+
+    if _video_missing():
+        pytest.skip("transformers' video processors need torchvision")
+    for frames in (3, 8):
+        base = ["--model", str(FIXTURES[name]), "--video-frames", str(frames), "--video-size", "56x84"]
+        base += ["--seq-len", "640", "--batch", "1", "--steps", "2", "--quiet"]
+        audit, estimate = tmp_path / f"audit{frames}.json", tmp_path / f"estimate{frames}.json"
+        assert main(["audit", *base, "--device", "cpu", "--json", str(audit)]) in (0, 1)
+        assert main(["estimate", *base, *LOOP, "--json", str(estimate)]) == 0
+        a, e = json.loads(audit.read_text()), json.loads(estimate.read_text())
+        assert a["config"]["video_frames"] == e["config"]["video_frames"] == frames
+        assert a["totals"] == e["totals"] and a["totals"]["saved_bytes"] > 0, (name, frames)
+        assert {k: v["peak_bytes"] for k, v in a["phases"].items()} == {
+            k: v["peak_bytes"] for k, v in e["phases"].items()
+        }
+        notes = [n for n in a["verdict"]["notes"] if "vision" in n]
+        assert notes == [n for n in e["verdict"]["notes"] if "vision" in n]
+        assert any(f"a video of {frames} frames of 56x84" in n and "video_grid_thw [[" in n for n in notes), notes
+
+
+def test_video_without_torchvision_is_a_one_line_refusal(capsys: pytest.CaptureFixture[str]) -> None:
+    """Where torchvision is not installed (the default environment: PyPI's does not import beside the CPU torch)
+    a video is refused in one line naming the way out."""
+    from vramguard.cli.app import main
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the video processors run")
+    argv = ["estimate", "--model", str(FIXTURES["qwen2.5-vl"]), "--video-frames", "4", "--video-size", "56x56"]
+    assert main([*argv, "--seq-len", "640", "--target-modules", "all-linear"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Qwen2VLVideoProcessor) needs the torchvision package: pip install torchvision" in err
+    assert "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("model", "flags", "message"),
+    [
+        ("llava", [], "LLaVA takes no video in transformers"),
+        ("gemma3", [], "Gemma 3 takes no video in transformers"),
+        ("glm4v", [], "takes video, but vramguard does not make its video rows yet"),
+        ("qwen3-vl-moe", [], "takes video, but vramguard does not make its video rows yet"),
+        ("qwen2-vl", ["--video-size", ""], "video-frames and video-size go together"),
+        ("qwen2-vl", ["--video-size", "56"], "video-size: image size must be HxW"),
+        ("qwen2-vl", ["--video-frames", "769"], "video-frames must be an integer from 1 to 768"),
+    ],
+    ids=["llava", "gemma3", "glm4v", "qwen3-vl-moe", "no-size", "bad-size", "too-many"],
+)
+def test_video_options_a_run_cannot_take_are_one_line_exit_2(
+    model: str, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vramguard.cli.app import main
+
+    argv = ["estimate", "--model", str(FIXTURES[model]), "--video-frames", "4", "--video-size", "56x56"]
+    assert main([*argv, "--seq-len", "640", "--target-modules", "all-linear", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_video_fields_are_recorded_only_when_set() -> None:
+    """A run without a video writes the document it wrote before the fields; a text model given one is refused."""
+    assert "video_frames" not in QLoRAConfig().to_dict() and "video_size" not in QLoRAConfig().to_dict()
+    d = QLoRAConfig(video_frames=4, video_size="56x56").to_dict()
+    assert (d["video_frames"], d["video_size"]) == (4, "56x56")
+    with pytest.raises(UsageError, match="video-frames, video-size: options of a vision-language model"):
+        from vramguard.workload.vision import refuse_tower_options
+
+        refuse_tower_options(QLoRAConfig(video_frames=4, video_size="56x56"))

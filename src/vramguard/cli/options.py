@@ -213,6 +213,19 @@ def add_tower_options(p: argparse.ArgumentParser) -> None:
             "images are resized into [min, max] pixels at patch x merge multiples; default: the processor's",
         )
     p.add_argument(
+        "--video-frames",
+        type=positive_int,
+        metavar="N",
+        help="with --video-size: a video of N frames in each row (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), made by the "
+        "family's video processor (needs torchvision): 2 frames a temporal patch, an odd N padded with its last frame",
+    )
+    p.add_argument(
+        "--video-size",
+        metavar="HxW",
+        help="with --video-frames: each frame's height x width in pixels, resized by the video processor (its own "
+        "min/max pixels, not the image processor's)",
+    )
+    p.add_argument(
         "--pan-and-scan",
         action=argparse.BooleanOptionalAction,
         help="Gemma 3's processor(..., do_pan_and_scan=True): an image of aspect ratio >= 1.2 is also cut "

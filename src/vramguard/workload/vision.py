@@ -97,6 +97,11 @@ class VisionFamily:
     image_fit_hint: Callable[[Any], str] = lambda config: ""
     """What ``--fit-dim image`` may search instead where the processor gives every size of an image the same
     tokens, for a run's QLoRAConfig (Gemma 3 without ``--pan-and-scan``: its crops grow with the image)."""
+    video_processor: str | None = None
+    """The transformers video processor class whose ``pixel_values_videos`` vramguard makes (``--video-frames``;
+    None: video is refused, :func:`video_refusal`)."""
+    video_placeholder: str = ""
+    """The text one video takes in a prompt before the processor expands it (as the chat template writes it)."""
 
     def stack_of(self, module: str) -> str:
         """Which stack the module of qualified name ``module`` belongs to: ``vision tower``, ``projector`` or
@@ -194,7 +199,7 @@ _QWEN2 = {"min_pixels": 3136, "max_pixels": 12845056}
 _QWEN3 = {"min_pixels": 65536, "max_pixels": 16777216}
 
 
-def _qwen(name: str, processor: str, pixels: dict[str, int]) -> VisionFamily:
+def _qwen(name: str, processor: str, pixels: dict[str, int], video: str | None = None) -> VisionFamily:
     return VisionFamily(
         name=name,
         processor=processor,
@@ -206,6 +211,8 @@ def _qwen(name: str, processor: str, pixels: dict[str, int]) -> VisionFamily:
         projector_paths=("model.visual.merger", "model.visual.deepstack_merger_list"),
         pixels=True,
         image_steps=lambda c: _qwen_steps(c, pixels),
+        video_processor=video,
+        video_placeholder="<|vision_start|><|video_pad|><|vision_end|>",
     )
 
 
@@ -269,9 +276,9 @@ _IDEFICS3 = VisionFamily(
 
 
 VISION_FAMILIES: dict[str, VisionFamily] = {
-    "qwen2_vl": _qwen("Qwen2-VL", "Qwen2VLProcessor", _QWEN2),
-    "qwen2_5_vl": _qwen("Qwen2.5-VL", "Qwen2_5_VLProcessor", _QWEN2),
-    "qwen3_vl": _qwen("Qwen3-VL", "Qwen3VLProcessor", _QWEN3),
+    "qwen2_vl": _qwen("Qwen2-VL", "Qwen2VLProcessor", _QWEN2, "Qwen2VLVideoProcessor"),
+    "qwen2_5_vl": _qwen("Qwen2.5-VL", "Qwen2_5_VLProcessor", _QWEN2, "Qwen2VLVideoProcessor"),
+    "qwen3_vl": _qwen("Qwen3-VL", "Qwen3VLProcessor", _QWEN3, "Qwen3VLVideoProcessor"),
     "qwen3_vl_moe": _qwen("Qwen3-VL-MoE", "Qwen3VLProcessor", _QWEN3),
     "qwen3_5": _qwen("Qwen3.5", "Qwen3VLProcessor", _QWEN3),
     "qwen3_5_moe": _qwen("Qwen3.5-MoE", "Qwen3VLProcessor", _QWEN3),
@@ -619,15 +626,67 @@ def _without_video(cls: type) -> type:
     return ImageOnly
 
 
+def video_refusal(family: VisionFamily) -> str | None:
+    """Why ``family``'s rows cannot take a video (one line), None when they can: its processor takes no video in
+    the installed transformers (no ``video_processor`` attribute), or takes one that vramguard does not make yet."""
+    import transformers
+
+    if family.video_processor is not None:
+        return None
+    try:
+        takes = "video_processor" in getattr(transformers, family.processor).get_attributes()
+    except ImportError:  # transformers' placeholder for a processor whose package is missing (Pixtral's torchvision)
+        return f"video frames: {family.name}'s processor ({family.processor}) needs {', '.join(family.needs)}"
+    if takes:
+        done = ", ".join(f.name for f in VISION_FAMILIES.values() if f.video_processor is not None)
+        return (
+            f"video frames: {family.name}'s processor ({family.processor}) takes video, but vramguard does not "
+            f"make its video rows yet (done: {done})"
+        )
+    return (
+        f"video frames: {family.name} takes no video in transformers {transformers.__version__} "
+        f"({family.processor} has no video processor)"
+    )
+
+
+def _video_processor(family: VisionFamily, hf_config: Any) -> Any:
+    """The family's video processor with the tower's patch, merge and temporal patch sizes (its class defaults
+    are the Hub's ``video_preprocessor_config.json``: per-frame min/max pixels, 2 frames a temporal patch);
+    torchvision missing is a one-line UsageError naming the way out."""
+    import importlib.util
+
+    import transformers
+
+    refusal = video_refusal(family)
+    if refusal is not None:
+        raise UsageError(refusal)
+    if importlib.util.find_spec("torchvision") is None:
+        raise UsageError(
+            f"{family.name}'s video processor ({family.video_processor}) needs the torchvision package: pip "
+            "install torchvision, a build matching this torch (e.g. torch 2.14.1 with torchvision 0.29.1)"
+        )
+    v = hf_config.vision_config
+    return getattr(transformers, family.video_processor)(
+        patch_size=int(v.patch_size),
+        merge_size=int(v.spatial_merge_size),
+        temporal_patch_size=int(v.temporal_patch_size),
+    )
+
+
 def family_processor(
-    family: VisionFamily, hf_config: Any, vocab_size: int, pixels: dict[str, int] | None = None
+    family: VisionFamily,
+    hf_config: Any,
+    vocab_size: int,
+    pixels: dict[str, int] | None = None,
+    video: bool = False,
 ) -> Any:
     """The family's processor for ``hf_config``: its own processor and image processor classes, with the
     settings its Hub checkpoints' processor files hold (:class:`VisionFamily`), and :func:`row_tokenizer`.
     ``pixels``: ``min_pixels`` / ``max_pixels`` given to the image processor as users pass them to
     ``AutoProcessor.from_pretrained`` (Qwen's families; they replace its ``size`` bounds); the family's
     :attr:`VisionFamily.call_options` among them (``do_pan_and_scan``) are kept for every call of the
-    processor (:func:`_process`), as users pass them to ``processor(...)``."""
+    processor (:func:`_process`), as users pass them to ``processor(...)``. ``video``: with the family's video
+    processor (:func:`_video_processor`; without it the processor class is built without its video slot)."""
     import importlib.util
 
     import transformers
@@ -639,7 +698,10 @@ def family_processor(
             )
     ids = token_ids(family, hf_config, vocab_size)
     image_cls = getattr(transformers, family.image_processor)
-    processor_cls = _without_video(getattr(transformers, family.processor))
+    processor_cls = getattr(transformers, family.processor)
+    videos = {"video_processor": _video_processor(family, hf_config)} if video else {}
+    if not video:
+        processor_cls = _without_video(processor_cls)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         calls = {k: v for k, v in (pixels or {}).items() if k in family.call_options}
@@ -651,6 +713,7 @@ def family_processor(
         processor = processor_cls(
             image_processor=image_processor,
             tokenizer=row_tokenizer(family, ids),
+            **videos,
             **family.processor_kwargs(hf_config),
         )
     processor.vramguard_call_options = calls  # read by _process
@@ -666,6 +729,45 @@ def synthetic_image(height: int, width: int, seed: int) -> Any:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
 
 
+MAX_VIDEO_FRAMES = 768
+"""The most frames ``--video-frames`` takes (Qwen's video processors' ``max_frames``)."""
+
+VIDEO_FPS = 2.0
+"""The rate the row's frames were sampled at, as the video metadata tells the processor (Qwen3-VL's video
+processor's ``fps``: it writes each temporal patch's timestamp, ``<1.0 seconds>``, into the prompt from it;
+Qwen2.5-VL's ``second_per_grid_ts`` is ``temporal_patch_size / fps``)."""
+
+
+@dataclass(frozen=True)
+class VideoAsk:
+    """A row's video: ``frames`` frames of ``size`` (height, width) pixels, already sampled (the processor is
+    called with ``do_sample_frames=False`` and metadata of :data:`VIDEO_FPS`, as users pass frames they sampled);
+    the family's video processor resizes them and groups them 2 a temporal patch (an odd count: the last frame
+    repeated)."""
+
+    frames: int
+    size: tuple[int, int]
+
+    def video(self, seed: int) -> Any:
+        """The frames, noise deterministic in ``seed``: a ``(frames, height, width, 3)`` uint8 array."""
+        import numpy as np
+
+        rng = np.random.default_rng(seed % (1 << 63))
+        return rng.integers(0, 256, (self.frames, *self.size, 3), dtype=np.uint8)
+
+    def text(self) -> str:
+        h, w = self.size
+        return f"a video of {self.frames} frames of {h}x{w}"
+
+
+def video_ask(config: Any) -> VideoAsk | None:
+    """The :class:`VideoAsk` of a :class:`~vramguard.workload.models.QLoRAConfig` (``video_frames``,
+    ``video_size``), None without one."""
+    if not config.video_frames:
+        return None
+    return VideoAsk(frames=config.video_frames, size=parse_image_size(config.video_size))
+
+
 @dataclass
 class ImageRows:
     """A batch of vision-language rows as the family's processor made them, with how many tokens each image took."""
@@ -674,6 +776,8 @@ class ImageRows:
     image_tokens: int
     """Placeholder tokens of the row's images (the image token's count in one row)."""
     text_tokens: int
+    video_tokens: int = 0
+    """Placeholder tokens of the row's video (the video token's count in one row)."""
 
     @property
     def layout(self) -> str:
@@ -691,21 +795,38 @@ class ImageRows:
 _ROW_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
 
 
-def _process(processor: Any, images: list[Any] | None, texts: list[str]) -> dict[str, Any]:
+def _video_options(videos: list[Any] | None) -> dict[str, Any]:
+    """The processor call's video options: the frames as given (no sampling), their metadata at
+    :data:`VIDEO_FPS`, and the per-frame pixel bound of transformers 5.23's default (``cap_pixels_per_frame``
+    False, said so to silence its warning)."""
+    if not videos:
+        return {}
+    metadata = [
+        {"fps": VIDEO_FPS, "total_num_frames": len(v), "frames_indices": list(range(len(v)))} for v in videos
+    ]
+    return {"videos": videos, "do_sample_frames": False, "video_metadata": metadata, "cap_pixels_per_frame": False}
+
+
+def _process(
+    processor: Any, images: list[Any] | None, texts: list[str], videos: list[Any] | None = None
+) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            options = getattr(processor, "vramguard_call_options", {})
+            options = {**getattr(processor, "vramguard_call_options", {}), **_video_options(videos)}
             return dict(processor(images=images, text=texts, return_tensors="pt", **options))
         except (ValueError, TypeError, KeyError, IndexError) as exc:
-            what = "these images" if images else "text-only rows"
+            what = "these videos" if videos else "these images" if images else "text-only rows"
             raise UsageError(f"{type(processor).__name__} refuses {what}: {first_line(exc)}") from None
 
 
-def _tokens_of(processor: Any, image_id: int, prompt: str, image: Any, images_per_row: int) -> tuple[int, int]:
-    """(tokens a row of ``prompt`` with its images takes, image tokens among them), as ``processor`` expands it."""
-    bare = _process(processor, [image] * images_per_row, [prompt])
-    return int(bare["input_ids"].shape[-1]), int((bare["input_ids"] == image_id).sum())
+def _tokens_of(
+    processor: Any, ids: tuple[int, ...], prompt: str, images: list[Any] | None, videos: list[Any] | None = None
+) -> tuple[int, ...]:
+    """(tokens a row of ``prompt`` with its images and videos takes, then the count of each of ``ids`` among
+    them), as ``processor`` expands it."""
+    bare = _process(processor, images, [prompt], videos)["input_ids"]
+    return (int(bare.shape[-1]), *(int((bare == i).sum()) for i in ids))
 
 
 def row_tokens(
@@ -722,7 +843,8 @@ def row_tokens(
     processor = family_processor(family, hf_config, vocab_size, pixels)
     image_id = image_token_id(family, hf_config, vocab_size)
     prompt = family.placeholder * images_per_row
-    return _tokens_of(processor, image_id, prompt, synthetic_image(*image_size, 0), images_per_row)
+    used, image_tokens = _tokens_of(processor, (image_id,), prompt, [synthetic_image(*image_size, 0)] * images_per_row)
+    return used, image_tokens
 
 
 def image_rows(
@@ -735,47 +857,78 @@ def image_rows(
     images_per_row: int = 1,
     seed: int = 0,
     pixels: dict[str, int] | None = None,
+    video: VideoAsk | None = None,
 ) -> ImageRows:
     """``batch`` rows of exactly ``seq_len`` tokens each (``--seq-len`` is the whole row, image tokens included,
     as TRL's ``max_length`` counts it): ``images_per_row`` images of ``image_size`` (height, width), each as the
-    family's processor expands it, then :data:`FILLER` text to the row's length. Made by the family's processor:
-    its ``input_ids`` and ``attention_mask``, every image input its forward reads, and ``labels`` (the
-    ``input_ids``, the image tokens masked with -100 as TRL's vision collator masks them). A row the images alone
-    overflow is a UsageError naming their token count. ``image_size`` None: text-only rows (no image inputs).
-    ``pixels``: the image processor's ``min_pixels`` / ``max_pixels`` (:func:`family_processor`)."""
-    processor = family_processor(family, hf_config, vocab_size, pixels)
+    family's processor expands it, and ``video`` (its frames, :class:`VideoAsk`) as its video processor makes
+    it, then :data:`FILLER` text to the row's length. Made by the family's processor: its ``input_ids`` and
+    ``attention_mask``, every image and video input its forward reads, and ``labels`` (the ``input_ids``, the
+    image and video tokens masked with -100 as TRL's vision collator masks them). A row the images alone
+    overflow is a UsageError naming their token count. ``image_size`` and ``video`` None: text-only rows (no
+    image inputs). ``pixels``: the image processor's ``min_pixels`` / ``max_pixels`` (:func:`family_processor`)."""
+    processor = family_processor(family, hf_config, vocab_size, pixels, video=video is not None)
     image_id = image_token_id(family, hf_config, vocab_size)
-    if image_size is None:  # what the processor adds to a text (PaliGemma's bos and newline) counts too
+    if image_size is None and video is None:  # what the processor adds to a text (PaliGemma's bos and newline) counts too
         extra = int(_process(processor, None, [FILLER])["input_ids"].shape[-1]) - 1
         if seq_len <= extra:
             raise UsageError(f"{family.name}'s processor adds {extra} tokens to a row: seq-len must be more")
         inputs = _process(processor, None, [" ".join([FILLER] * (seq_len - extra))] * batch)
         inputs["labels"] = inputs["input_ids"].clone()
         return ImageRows(inputs=inputs, image_tokens=0, text_tokens=int(inputs["input_ids"].shape[-1]))
-    if not 0 < images_per_row <= MAX_IMAGES_PER_ROW:
+    if image_size is None:
+        images_per_row = 0
+    elif not 0 < images_per_row <= MAX_IMAGES_PER_ROW:
         raise UsageError(f"images per row must be between 1 and {MAX_IMAGES_PER_ROW}, got {images_per_row}")
-    h, w = image_size
-    prompt = family.placeholder * images_per_row
-    used, image_tokens = _tokens_of(processor, image_id, prompt, synthetic_image(h, w, seed), images_per_row)
+    ids = (image_id, token_ids(family, hf_config, vocab_size)["<|video_pad|>"]) if video else (image_id,)
+    prompt = family.placeholder * images_per_row + (family.video_placeholder if video else "")
+    used, image_tokens, *video_tokens = _tokens_of(processor, ids, prompt, *_media(image_size, images_per_row, video, seed))
     if used > seq_len:
         raise UsageError(
-            f"{images_per_row} image(s) of {h}x{w} take {used} tokens in {family.name}'s rows ({image_tokens} image "
-            f"tokens), more than seq-len {seq_len}: raise seq-len or lower the image size"
+            f"{_asked(image_size, images_per_row, video)} take {used} tokens in {family.name}'s rows "
+            f"({', '.join(_counted(image_tokens, video_tokens))}), more than seq-len "
+            f"{seq_len}: raise seq-len or lower the {'image size' if not video else 'frames or their size'}"
         )
     text = prompt + (" " + " ".join([FILLER] * (seq_len - used)) if seq_len > used else "")
-    images = [synthetic_image(h, w, seed + b) for b in range(batch) for _ in range(images_per_row)]
-    if family.nested_images:
+    media = [_media(image_size, images_per_row, video, seed + b) for b in range(batch)]
+    images = [i for m in media for i in (m[0] or [])] or None
+    if images and family.nested_images:
         images = [images[b * images_per_row : (b + 1) * images_per_row] for b in range(batch)]
-    inputs = _process(processor, images, [text] * batch)
+    inputs = _process(processor, images, [text] * batch, [v for m in media for v in (m[1] or [])] or None)
     got = int(inputs["input_ids"].shape[-1])
     if (
         got != seq_len
     ):  # the processor's own rows must come out as asked: a check of this code, not of the user's
         raise UsageError(f"{family.name}'s processor made rows of {got} tokens for seq-len {seq_len}")
+    inputs.pop("video_metadata", None)  # (the processor's record of the call, no model input)
     labels = inputs["input_ids"].clone()
-    labels[labels == image_id] = -100
+    for i in ids:
+        labels[labels == i] = -100
     inputs["labels"] = labels
-    return ImageRows(inputs=inputs, image_tokens=image_tokens, text_tokens=seq_len - image_tokens)
+    spent = image_tokens + sum(video_tokens)
+    return ImageRows(
+        inputs=inputs, image_tokens=image_tokens, text_tokens=seq_len - spent, video_tokens=sum(video_tokens)
+    )
+
+
+def _media(
+    image_size: tuple[int, int] | None, images_per_row: int, video: VideoAsk | None, seed: int
+) -> tuple[list[Any] | None, list[Any] | None]:
+    """(a row's images, its videos) of noise deterministic in ``seed``; None for none."""
+    images = [synthetic_image(*image_size, seed)] * images_per_row if image_size else None
+    return images, [video.video(seed)] if video else None
+
+
+def _counted(image_tokens: int, video_tokens: list[int]) -> list[str]:
+    """The placeholder tokens a row's images and video take, in words (those of what the row holds)."""
+    counts = [f"{image_tokens} image tokens"] if image_tokens or not video_tokens else []
+    return counts + [f"{n} video tokens" for n in video_tokens]
+
+
+def _asked(image_size: tuple[int, int] | None, images_per_row: int, video: VideoAsk | None) -> str:
+    """What a row holds, in words (the overflow message's subject)."""
+    parts = [f"{images_per_row} image(s) of {image_size[0]}x{image_size[1]}"] if image_size else []
+    return " and ".join(parts + ([video.text()] if video else []))
 
 
 @dataclass
@@ -912,6 +1065,16 @@ def validate_tower_options(config: Any) -> None:
             raise UsageError(f"{name.replace('_', '-')} must be an integer from 1 to {MAX_PIXELS:,}, got {value!r}")
     if config.min_pixels and config.max_pixels and config.min_pixels > config.max_pixels:
         raise UsageError(f"min-pixels {config.min_pixels:,} is more than max-pixels {config.max_pixels:,}")
+    frames, size = config.video_frames, config.video_size
+    if isinstance(frames, bool) or not isinstance(frames, int) or not 0 <= frames <= MAX_VIDEO_FRAMES:
+        raise UsageError(f"video-frames must be an integer from 1 to {MAX_VIDEO_FRAMES}, got {frames!r}")
+    if not isinstance(size, str) or bool(frames) != bool(size):
+        raise UsageError("video-frames and video-size go together: N frames of HxW pixels each")
+    if size:
+        try:
+            parse_image_size(size)
+        except UsageError as exc:
+            raise UsageError(f"video-size: {exc}") from None
 
 
 _SKIP_NAME = re.compile(r"[A-Za-z0-9_.\-*+?()|\[\]^$\\]+")
@@ -926,6 +1089,8 @@ TOWER_FIELDS = (
     "min_pixels",
     "max_pixels",
     "pan_and_scan",
+    "video_frames",
+    "video_size",
 )
 """The :class:`~vramguard.workload.models.QLoRAConfig` fields of a vision-language model's tower and processor:
 recorded in the JSON document only where they differ from their defaults; a text model given one is refused."""
@@ -1073,15 +1238,31 @@ class VisionSetup:
     image_size: tuple[int, int] | None
     images_per_row: int
     choices: TowerChoices
+    video: VideoAsk | None = None
 
     @property
     def name(self) -> str:
         """The model's name (the config file's stem, a preset's or a Hub id)."""
         return str(self.spec.name)
 
+    def _video_line(self) -> str:
+        r, f = self.rows, self.family
+        images = ""
+        if self.image_size is not None:
+            h, w = self.image_size
+            images = f"{self.images_per_row} image(s) of {h}x{w} ({r.image_tokens} image tokens) and "
+        return (
+            f"vision-language model ({f.name}): {images}{self.video.text()} a row (given as sampled at "  # type: ignore[union-attr]
+            f"{VIDEO_FPS:g} fps), {r.video_tokens} video tokens as its processor makes them ({f.processor}, "
+            f"{f.video_processor}: {r.layout}) + {r.text_tokens} text tokens = seq-len "
+            f"{r.image_tokens + r.video_tokens + r.text_tokens}"
+        )
+
     def line(self) -> str:
         """What a row is, in one line (the build's note)."""
         r = self.rows
+        if self.video is not None:
+            return self._video_line()
         if self.image_size is None:
             return (
                 f"vision-language model ({self.family.name}): text-only rows of {r.text_tokens} tokens (no "
@@ -1123,6 +1304,7 @@ def vision_setup(
     model_class = image_text_class(hf_config)
     pixels = processor_options(config, family)
     choices = tower_choices(config, family)
+    video = video_ask(config)
     rows = image_rows(
         family,
         hf_config,
@@ -1133,6 +1315,7 @@ def vision_setup(
         images_per_row if image_size is not None else 0,
         config.seed,
         pixels,
+        video,
     )
     attn = config.attn_implementation
     if attn == "flash_attention_2":
@@ -1161,6 +1344,7 @@ def vision_setup(
         image_size,
         images_per_row if image_size else 0,
         choices,
+        video,
     )
 
 
@@ -1268,6 +1452,7 @@ __all__ = [
     "VisionQLoRAModel",
     "VisionSetup",
     "VisionShape",
+    "VideoAsk",
     "build_vision_qlora",
     "family_of",
     "family_processor",
@@ -1285,4 +1470,6 @@ __all__ = [
     "token_ids",
     "vision_setup",
     "vision_shape",
+    "video_ask",
+    "video_refusal",
 ]

@@ -756,6 +756,7 @@ class VideoAsk:
         return rng.integers(0, 256, (self.frames, *self.size, 3), dtype=np.uint8)
 
     def text(self) -> str:
+        """The video in words (the rows' note, an overflow's message)."""
         h, w = self.size
         return f"a video of {self.frames} frames of {h}x{w}"
 

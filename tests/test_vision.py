@@ -10,6 +10,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -778,7 +779,8 @@ def _video_missing() -> bool:
     return False
 
 
-def _video_rows(name: str, frames: int, size: tuple[int, int] = (56, 56), seq: int = 640) -> tuple[object, object]:
+def _video_rows(name: str, frames: int, size: tuple[int, int] = (56, 56), seq: int = 640) -> tuple[Any, Any]:
+    """(the family, its processor's rows of one video of ``frames`` frames of ``size``, ``seq`` tokens long)."""
     from vramguard.workload.vision import VideoAsk
 
     config, _ = load_vision_config(FIXTURES[name])
@@ -798,14 +800,14 @@ def test_video_rows_are_the_video_processors(name: str) -> None:
     merge = int(config.vision_config.spatial_merge_size)
     for frames, temporal in ((3, 2), (4, 2), (8, 4)):
         family, rows = _video_rows(name, frames)
-        (t, h, w), = rows.inputs["video_grid_thw"].tolist()  # type: ignore[attr-defined]
+        (t, h, w), = rows.inputs["video_grid_thw"].tolist()
         assert t == temporal, (name, frames)
-        assert rows.video_tokens == t * h * w // merge**2 > 0  # type: ignore[attr-defined]
-        ids = rows.inputs["input_ids"]  # type: ignore[attr-defined]
-        assert ids.shape == (1, 640) and int((ids == config.video_token_id).sum()) == rows.video_tokens  # type: ignore[attr-defined]
-        assert int((rows.inputs["labels"] == -100).sum()) == rows.video_tokens  # type: ignore[attr-defined]
-        assert rows.inputs["pixel_values_videos"].shape[0] == t * h * w  # type: ignore[attr-defined]
-        assert "pixel_values" not in rows.inputs and rows.image_tokens == 0  # type: ignore[attr-defined]
+        assert rows.video_tokens == t * h * w // merge**2 > 0
+        ids = rows.inputs["input_ids"]
+        assert ids.shape == (1, 640) and int((ids == config.video_token_id).sum()) == rows.video_tokens
+        assert int((rows.inputs["labels"] == -100).sum()) == rows.video_tokens
+        assert rows.inputs["pixel_values_videos"].shape[0] == t * h * w
+        assert "pixel_values" not in rows.inputs and rows.image_tokens == 0
     with pytest.raises(UsageError, match=r"a video of 8 frames of 56x56 take \d+ tokens .* video tokens\), more than"):
         _video_rows(name, 8, seq=32)
 
@@ -823,10 +825,10 @@ def test_video_ledger_equals_an_independent_count_at_two_frame_counts(name: str)
     tower = []
     for frames in (3, 8):
         _family, rows = _video_rows(name, frames, (192, 192))
-        independent = independent_saved_bytes(q.q.model, rows.inputs)  # type: ignore[attr-defined]
-        report = _ledger(q.q.model, rows.inputs)  # type: ignore[attr-defined]
-        assert report.saved_bytes == independent, (name, frames)  # type: ignore[attr-defined]
-        tower.append(sum(r.bytes for r in report.records if q.family.stack_of(r.module) == "vision tower"))  # type: ignore[attr-defined]
+        independent = independent_saved_bytes(q.q.model, rows.inputs)
+        report = _ledger(q.q.model, rows.inputs)
+        assert report.saved_bytes == independent, (name, frames)
+        tower.append(sum(r.bytes for r in report.records if q.family.stack_of(r.module) == "vision tower"))
     assert 0 < tower[0] < tower[1], tower
 
 
@@ -904,3 +906,24 @@ def test_video_fields_are_recorded_only_when_set() -> None:
         from vramguard.workload.vision import refuse_tower_options
 
         refuse_tower_options(QLoRAConfig(video_frames=4, video_size="56x56"))
+
+
+def test_video_with_fit_dim_image_is_refused_in_one_line() -> None:
+    """``--fit-dim image`` counts an image's tokens only: beside a video it would overflow the row it searched."""
+    from vramguard.estimate.fit_image import image_space
+
+    config = QLoRAConfig(model=str(FIXTURES["qwen2.5-vl"]), video_frames=4, video_size="56x56", seq_len=640)
+    with pytest.raises(UsageError, match="--fit-dim image does not search beside a video yet"):
+        image_space(config.resolved())
+
+
+def test_video_frames_bound_the_batch_fit_as_images_do() -> None:
+    """``--fit-dim batch`` makes every row's video on the host: its frames' pixels count against the probe's
+    pixel budget as images do (8 frames of 448x448: 10 rows, not the 2^20 of a text model)."""
+    import argparse
+
+    from vramguard.cli.estimate import IMAGE_FIT_PIXELS, _limit
+
+    config = QLoRAConfig(model=str(FIXTURES["qwen2.5-vl"]), video_frames=8, video_size="448x448", batch=1)
+    args = argparse.Namespace(fit_dim="batch", steps=1)
+    assert _limit(config, args, "loop") == IMAGE_FIT_PIXELS // (8 * 448 * 448) == 10

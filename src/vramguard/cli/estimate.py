@@ -369,16 +369,22 @@ def _limit(config: QLoRAConfig, args: argparse.Namespace, trainer: str) -> int:
         other = config.seq_len if args.fit_dim == "batch" else config.batch
         tokens_a_value = other * config.gradient_accumulation_steps * args.steps
         limit = min(limit, max(requested, TRAINER_FIT_TOKENS // tokens_a_value))
-    if config.image_size and args.fit_dim == "batch":  # every row's images are made by the processor on the host
+    if (config.image_size or config.video_frames) and args.fit_dim == "batch":  # rows made on the host
         from vramguard.workload.vision import parse_image_size
 
-        height, width = parse_image_size(config.image_size)
-        limit = min(limit, max(requested, IMAGE_FIT_PIXELS // (height * width * config.images_per_row)))
+        pixels = 0
+        if config.image_size:
+            height, width = parse_image_size(config.image_size)
+            pixels += height * width * config.images_per_row
+        if config.video_frames:
+            height, width = parse_image_size(config.video_size)
+            pixels += height * width * config.video_frames
+        limit = min(limit, max(requested, IMAGE_FIT_PIXELS // pixels))
     return limit
 
 
 IMAGE_FIT_PIXELS = 1 << 24
-"""The most image pixels (every row's images) a ``--fit`` probe of a vision-language model's batch may ask for: its
+"""The most image pixels (every row's images and video frames) a ``--fit`` probe of a vision-language model's batch may ask for: its
 rows are real images through the family's processor on the host (2^20 rows of images would take the host's memory
 and hours); 16.8 M pixels is 83 rows of one 448x448 image."""
 

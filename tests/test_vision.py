@@ -761,7 +761,7 @@ def test_trainer_callback_on_a_vlm_splits_its_ledger_by_stack(tmp_path: Path) ->
     assert len(notes) == 1 and "vision tower" in notes[0] and "projector" in notes[0], report.verdict.notes
 
 
-# -- video frames (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; transformers' video processors need torchvision) --------------
+# -- video frames (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; transformers' video processors need torchvision) -------
 
 VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 """The tiny fixtures of the families whose video rows vramguard makes."""
@@ -772,7 +772,7 @@ def _video_missing() -> bool:
     VRAMGUARD_REQUIRE_TORCHVISION=1 (.ci/run's torchvision stage) that fails the test instead."""
     try:
         importlib.import_module("torchvision")
-    except Exception as exc:  # missing, or PyPI's torchvision beside the CPU torch: "operator torchvision::nms ..."
+    except Exception as exc:  # noqa: BLE001  (missing, or PyPI's torchvision beside the CPU torch: ::nms ...)
         if REQUIRE_TORCHVISION:
             pytest.fail(f"VRAMGUARD_REQUIRE_TORCHVISION=1 but torchvision does not import: {exc}")
         return True
@@ -780,7 +780,8 @@ def _video_missing() -> bool:
 
 
 def _video_rows(name: str, frames: int, size: tuple[int, int] = (56, 56), seq: int = 640) -> tuple[Any, Any]:
-    """(the family, its processor's rows of one video of ``frames`` frames of ``size``, ``seq`` tokens long)."""
+    """(the family, its processor's rows of one video of ``frames`` frames of ``size``, ``seq`` tokens
+    long)."""
     from vramguard.workload.vision import VideoAsk
 
     config, _ = load_vision_config(FIXTURES[name])
@@ -790,17 +791,17 @@ def _video_rows(name: str, frames: int, size: tuple[int, int] = (56, 56), seq: i
 
 @pytest.mark.parametrize("name", VIDEO_FAMILIES)
 def test_video_rows_are_the_video_processors(name: str) -> None:
-    """The family's video processor makes pixel_values_videos and video_grid_thw: 2 frames a temporal patch (an
-    odd count padded with its last frame: 3 frames take the temporal patches of 4), each temporal patch
-    ``grid_h * grid_w / merge**2`` video tokens in the row, the row --seq-len long, its video tokens masked in the
-    labels; no image inputs."""
+    """The family's video processor makes pixel_values_videos and video_grid_thw: 2 frames a temporal patch
+    (an odd count padded with its last frame: 3 frames take the temporal patches of 4), each temporal patch
+    ``grid_h * grid_w / merge**2`` video tokens in the row, the row --seq-len long, its video tokens masked in
+    the labels; no image inputs."""
     if _video_missing():
         pytest.skip("transformers' video processors need torchvision")
     config, _ = load_vision_config(FIXTURES[name])
     merge = int(config.vision_config.spatial_merge_size)
     for frames, temporal in ((3, 2), (4, 2), (8, 4)):
-        family, rows = _video_rows(name, frames)
-        (t, h, w), = rows.inputs["video_grid_thw"].tolist()
+        _family, rows = _video_rows(name, frames)
+        ((t, h, w),) = rows.inputs["video_grid_thw"].tolist()
         assert t == temporal, (name, frames)
         assert rows.video_tokens == t * h * w // merge**2 > 0
         ids = rows.inputs["input_ids"]
@@ -808,17 +809,18 @@ def test_video_rows_are_the_video_processors(name: str) -> None:
         assert int((rows.inputs["labels"] == -100).sum()) == rows.video_tokens
         assert rows.inputs["pixel_values_videos"].shape[0] == t * h * w
         assert "pixel_values" not in rows.inputs and rows.image_tokens == 0
-    with pytest.raises(UsageError, match=r"a video of 8 frames of 56x56 take \d+ tokens .* video tokens\), more than"):
+    overflow = r"a video of 8 frames of 56x56 take \d+ tokens .* video tokens\), more than"
+    with pytest.raises(UsageError, match=overflow):
         _video_rows(name, 8, seq=32)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", VIDEO_FAMILIES)
 def test_video_ledger_equals_an_independent_count_at_two_frame_counts(name: str) -> None:
-    """A real QLoRA step of each family (from_pretrained with BitsAndBytesConfig, PEFT all-linear) on rows with a
-    video of 3 and of 8 frames: the ledger's saved bytes are the independent hook-and-ctx count's, the vision
-    tower's share grows with the frames (frames of 192x192: Qwen3-VL's video processor bounds the whole video's
-    pixels, so 3 frames of 56x56 are enlarged more than 8 and take more tokens)."""
+    """A real QLoRA step of each family (from_pretrained with BitsAndBytesConfig, PEFT all-linear) on rows
+    with a video of 3 and of 8 frames: the ledger's saved bytes are the independent hook-and-ctx count's, the
+    vision tower's share grows with the frames (frames of 192x192: Qwen3-VL's video processor bounds the whole
+    video's pixels, so 3 frames of 56x56 are enlarged more than 8 and take more tokens)."""
     if _video_missing():
         pytest.skip("transformers' video processors need torchvision")
     q = build_vision_qlora(_config(name, seq=640, video_frames=4, video_size="192x192"))
@@ -835,9 +837,9 @@ def test_video_ledger_equals_an_independent_count_at_two_frame_counts(name: str)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", VIDEO_FAMILIES)
 def test_video_audit_and_estimate_commands_agree_to_the_byte(name: str, tmp_path: Path) -> None:
-    """``vramguard audit --video-frames N --video-size HxW`` measures, and ``vramguard estimate ... --trainer loop
-    --target cpu`` (the meta run, video_grid_thw's values carried beside its meta tensor) gives its phase peaks,
-    totals and notes to the byte, at 3 and 8 frames."""
+    """``vramguard audit --video-frames N --video-size HxW`` measures, and ``vramguard estimate ... --trainer
+    loop --target cpu`` (the meta run, video_grid_thw's values carried beside its meta tensor) gives its phase
+    peaks, totals and notes to the byte, at 3 and 8 frames."""
     from vramguard.cli.app import main
 
     if _video_missing():
@@ -856,18 +858,19 @@ def test_video_audit_and_estimate_commands_agree_to_the_byte(name: str, tmp_path
         }
         notes = [n for n in a["verdict"]["notes"] if "vision" in n]
         assert notes == [n for n in e["verdict"]["notes"] if "vision" in n]
-        assert any(f"a video of {frames} frames of 56x84" in n and "video_grid_thw [[" in n for n in notes), notes
+        asked = f"a video of {frames} frames of 56x84"
+        assert any(asked in n and "video_grid_thw [[" in n for n in notes), notes
 
 
 def test_video_without_torchvision_is_a_one_line_refusal(capsys: pytest.CaptureFixture[str]) -> None:
-    """Where torchvision is not installed (the default environment: PyPI's does not import beside the CPU torch)
-    a video is refused in one line naming the way out."""
+    """Where torchvision is not installed (the default environment: PyPI's does not import beside the CPU
+    torch) a video is refused in one line naming the way out."""
     from vramguard.cli.app import main
 
     if importlib.util.find_spec("torchvision") is not None:
         pytest.skip("torchvision is installed: the video processors run")
-    argv = ["estimate", "--model", str(FIXTURES["qwen2.5-vl"]), "--video-frames", "4", "--video-size", "56x56"]
-    assert main([*argv, "--seq-len", "640", "--target-modules", "all-linear"]) == 2
+    argv = ["estimate", "--model", str(FIXTURES["qwen2.5-vl"]), "--video-frames", "4"]
+    assert main([*argv, "--video-size", "56x56", "--seq-len", "640", "--target-modules", "all-linear"]) == 2
     err = capsys.readouterr().err.strip()
     assert "Qwen2VLVideoProcessor) needs the torchvision package: pip install torchvision" in err
     assert "\n" not in err and "Traceback" not in err
@@ -898,7 +901,8 @@ def test_video_options_a_run_cannot_take_are_one_line_exit_2(
 
 
 def test_video_fields_are_recorded_only_when_set() -> None:
-    """A run without a video writes the document it wrote before the fields; a text model given one is refused."""
+    """A run without a video writes the document it wrote before the fields; a text model given one is
+    refused."""
     assert "video_frames" not in QLoRAConfig().to_dict() and "video_size" not in QLoRAConfig().to_dict()
     d = QLoRAConfig(video_frames=4, video_size="56x56").to_dict()
     assert (d["video_frames"], d["video_size"]) == (4, "56x56")
@@ -909,7 +913,8 @@ def test_video_fields_are_recorded_only_when_set() -> None:
 
 
 def test_video_with_fit_dim_image_is_refused_in_one_line() -> None:
-    """``--fit-dim image`` counts an image's tokens only: beside a video it would overflow the row it searched."""
+    """``--fit-dim image`` counts an image's tokens only: beside a video it would overflow the row it
+    searched."""
     from vramguard.estimate.fit_image import image_space
 
     config = QLoRAConfig(model=str(FIXTURES["qwen2.5-vl"]), video_frames=4, video_size="56x56", seq_len=640)

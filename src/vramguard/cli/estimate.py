@@ -384,9 +384,9 @@ def _limit(config: QLoRAConfig, args: argparse.Namespace, trainer: str) -> int:
 
 
 IMAGE_FIT_PIXELS = 1 << 24
-"""The most image pixels (every row's images and video frames) a ``--fit`` probe of a vision-language model's batch may ask for: its
-rows are real images through the family's processor on the host (2^20 rows of images would take the host's memory
-and hours); 16.8 M pixels is 83 rows of one 448x448 image."""
+"""The most image pixels (every row's images and video frames) a ``--fit`` probe of a vision-language model's
+batch may ask for: its rows are real images through the family's processor on the host (2^20 rows of images
+would take the host's memory and hours); 16.8 M pixels is 83 rows of one 448x448 image."""
 
 
 def _fit(

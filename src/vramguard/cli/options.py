@@ -216,14 +216,15 @@ def add_tower_options(p: argparse.ArgumentParser) -> None:
         "--video-frames",
         type=positive_int,
         metavar="N",
-        help="with --video-size: a video of N frames in each row (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), made by the "
-        "family's video processor (needs torchvision): 2 frames a temporal patch, an odd N padded with its last frame",
+        help="with --video-size: a video of N frames in each row (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), made by "
+        "the family's video processor (needs torchvision): 2 frames a temporal patch, an odd N padded with "
+        "its last frame",
     )
     p.add_argument(
         "--video-size",
         metavar="HxW",
-        help="with --video-frames: each frame's height x width in pixels, resized by the video processor (its own "
-        "min/max pixels, not the image processor's)",
+        help="with --video-frames: each frame's height x width in pixels, resized by the video processor "
+        "(its own min/max pixels, not the image processor's)",
     )
     p.add_argument(
         "--pan-and-scan",

@@ -255,8 +255,8 @@ def image_space(config: QLoRAConfig) -> ImageSpace:
         raise UsageError(f"--fit-dim image searches a vision-language model's image size: {spec.name} has no images")
     if config.video_frames:
         raise UsageError(
-            "--fit-dim image does not search beside a video yet (its row's video tokens are not counted in the "
-            "search): --fit-dim seq or batch with --video-frames, or a search without the video"
+            "--fit-dim image does not search beside a video yet (its row's video tokens are not counted in "
+            "the search): --fit-dim seq or batch with --video-frames, or a search without the video"
         )
     hf_config = spec.transformers_config()
     family = family_of(hf_config.model_type)

@@ -363,8 +363,8 @@ class QLoRAConfig:
     ``vision_tower`` (``4bit`` or ``unquantized``), ``llm_int8_skip_modules`` (``BitsAndBytesConfig``'s, as the
     user writes it), ``lora_scope`` (``all``, ``language-model``, ``language-model+projector``),
     ``tower_checkpointing``, Qwen's processor bounds ``min_pixels`` / ``max_pixels`` (0: the processor's
-    default), Gemma 3's ``pan_and_scan`` (its processor's ``do_pan_and_scan``) and a row's video (``video_frames``
-    frames of ``video_size``, ``HxW``; 0 and empty: none); resolved once into
+    default), Gemma 3's ``pan_and_scan`` (its processor's ``do_pan_and_scan``) and a row's video
+    (``video_frames`` frames of ``video_size``, ``HxW``; 0 and empty: none); resolved once into
     :class:`~vramguard.workload.vision.TowerChoices`."""
 
     model: str | ModelSpec = "tiny-llama"

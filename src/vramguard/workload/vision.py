@@ -98,10 +98,11 @@ class VisionFamily:
     """What ``--fit-dim image`` may search instead where the processor gives every size of an image the same
     tokens, for a run's QLoRAConfig (Gemma 3 without ``--pan-and-scan``: its crops grow with the image)."""
     video_processor: str | None = None
-    """The transformers video processor class whose ``pixel_values_videos`` vramguard makes (``--video-frames``;
-    None: video is refused, :func:`video_refusal`)."""
+    """The transformers video processor class whose ``pixel_values_videos`` vramguard makes
+    (``--video-frames``; None: video is refused, :func:`video_refusal`)."""
     video_placeholder: str = ""
-    """The text one video takes in a prompt before the processor expands it (as the chat template writes it)."""
+    """The text one video takes in a prompt before the processor expands it (as the chat template writes
+    it)."""
 
     def stack_of(self, module: str) -> str:
         """Which stack the module of qualified name ``module`` belongs to: ``vision tower``, ``projector`` or
@@ -627,21 +628,22 @@ def _without_video(cls: type) -> type:
 
 
 def video_refusal(family: VisionFamily) -> str | None:
-    """Why ``family``'s rows cannot take a video (one line), None when they can: its processor takes no video in
-    the installed transformers (no ``video_processor`` attribute), or takes one that vramguard does not make yet."""
+    """Why ``family``'s rows cannot take a video (one line), None when they can: its processor takes no video
+    in the installed transformers (no ``video_processor`` attribute), or takes one that vramguard does not
+    make yet."""
     import transformers
 
     if family.video_processor is not None:
         return None
     try:
         takes = "video_processor" in getattr(transformers, family.processor).get_attributes()
-    except ImportError:  # transformers' placeholder for a processor whose package is missing (Pixtral's torchvision)
+    except ImportError:  # transformers' placeholder of a processor whose package is missing (Pixtral's)
         return f"video frames: {family.name}'s processor ({family.processor}) needs {', '.join(family.needs)}"
     if takes:
         done = ", ".join(f.name for f in VISION_FAMILIES.values() if f.video_processor is not None)
         return (
-            f"video frames: {family.name}'s processor ({family.processor}) takes video, but vramguard does not "
-            f"make its video rows yet (done: {done})"
+            f"video frames: {family.name}'s processor ({family.processor}) takes video, but vramguard does "
+            f"not make its video rows yet (done: {done})"
         )
     return (
         f"video frames: {family.name} takes no video in transformers {transformers.__version__} "
@@ -741,9 +743,9 @@ Qwen2.5-VL's ``second_per_grid_ts`` is ``temporal_patch_size / fps``)."""
 @dataclass(frozen=True)
 class VideoAsk:
     """A row's video: ``frames`` frames of ``size`` (height, width) pixels, already sampled (the processor is
-    called with ``do_sample_frames=False`` and metadata of :data:`VIDEO_FPS`, as users pass frames they sampled);
-    the family's video processor resizes them and groups them 2 a temporal patch (an odd count: the last frame
-    repeated)."""
+    called with ``do_sample_frames=False`` and metadata of :data:`VIDEO_FPS`, as users pass frames they
+    sampled); the family's video processor resizes them and groups them 2 a temporal patch (an odd count: the
+    last frame repeated)."""
 
     frames: int
     size: tuple[int, int]
@@ -805,7 +807,12 @@ def _video_options(videos: list[Any] | None) -> dict[str, Any]:
     metadata = [
         {"fps": VIDEO_FPS, "total_num_frames": len(v), "frames_indices": list(range(len(v)))} for v in videos
     ]
-    return {"videos": videos, "do_sample_frames": False, "video_metadata": metadata, "cap_pixels_per_frame": False}
+    return {
+        "videos": videos,
+        "do_sample_frames": False,
+        "video_metadata": metadata,
+        "cap_pixels_per_frame": False,
+    }
 
 
 def _process(
@@ -822,7 +829,11 @@ def _process(
 
 
 def _tokens_of(
-    processor: Any, ids: tuple[int, ...], prompt: str, images: list[Any] | None, videos: list[Any] | None = None
+    processor: Any,
+    ids: tuple[int, ...],
+    prompt: str,
+    images: list[Any] | None,
+    videos: list[Any] | None = None,
 ) -> tuple[int, ...]:
     """(tokens a row of ``prompt`` with its images and videos takes, then the count of each of ``ids`` among
     them), as ``processor`` expands it."""
@@ -844,7 +855,8 @@ def row_tokens(
     processor = family_processor(family, hf_config, vocab_size, pixels)
     image_id = image_token_id(family, hf_config, vocab_size)
     prompt = family.placeholder * images_per_row
-    used, image_tokens = _tokens_of(processor, (image_id,), prompt, [synthetic_image(*image_size, 0)] * images_per_row)
+    images = [synthetic_image(*image_size, 0)] * images_per_row
+    used, image_tokens = _tokens_of(processor, (image_id,), prompt, images)
     return used, image_tokens
 
 
@@ -867,10 +879,11 @@ def image_rows(
     ``attention_mask``, every image and video input its forward reads, and ``labels`` (the ``input_ids``, the
     image and video tokens masked with -100 as TRL's vision collator masks them). A row the images alone
     overflow is a UsageError naming their token count. ``image_size`` and ``video`` None: text-only rows (no
-    image inputs). ``pixels``: the image processor's ``min_pixels`` / ``max_pixels`` (:func:`family_processor`)."""
+    image inputs). ``pixels``: the image processor's ``min_pixels`` / ``max_pixels``
+    (:func:`family_processor`)."""
     processor = family_processor(family, hf_config, vocab_size, pixels, video=video is not None)
     image_id = image_token_id(family, hf_config, vocab_size)
-    if image_size is None and video is None:  # what the processor adds to a text (PaliGemma's bos and newline) counts too
+    if image_size is None and video is None:  # what the processor adds to a text (PaliGemma's bos) counts too
         extra = int(_process(processor, None, [FILLER])["input_ids"].shape[-1]) - 1
         if seq_len <= extra:
             raise UsageError(f"{family.name}'s processor adds {extra} tokens to a row: seq-len must be more")
@@ -883,7 +896,8 @@ def image_rows(
         raise UsageError(f"images per row must be between 1 and {MAX_IMAGES_PER_ROW}, got {images_per_row}")
     ids = (image_id, token_ids(family, hf_config, vocab_size)["<|video_pad|>"]) if video else (image_id,)
     prompt = family.placeholder * images_per_row + (family.video_placeholder if video else "")
-    used, image_tokens, *video_tokens = _tokens_of(processor, ids, prompt, *_media(image_size, images_per_row, video, seed))
+    media = _media(image_size, images_per_row, video, seed)
+    used, image_tokens, *video_tokens = _tokens_of(processor, ids, prompt, *media)
     if used > seq_len:
         raise UsageError(
             f"{_asked(image_size, images_per_row, video)} take {used} tokens in {family.name}'s rows "
@@ -1247,13 +1261,14 @@ class VisionSetup:
         return str(self.spec.name)
 
     def _video_line(self) -> str:
-        r, f = self.rows, self.family
+        r, f, video = self.rows, self.family, self.video
+        assert video is not None
         images = ""
         if self.image_size is not None:
             h, w = self.image_size
             images = f"{self.images_per_row} image(s) of {h}x{w} ({r.image_tokens} image tokens) and "
         return (
-            f"vision-language model ({f.name}): {images}{self.video.text()} a row (given as sampled at "  # type: ignore[union-attr]
+            f"vision-language model ({f.name}): {images}{video.text()} a row (given as sampled at "
             f"{VIDEO_FPS:g} fps), {r.video_tokens} video tokens as its processor makes them ({f.processor}, "
             f"{f.video_processor}: {r.layout}) + {r.text_tokens} text tokens = seq-len "
             f"{r.image_tokens + r.video_tokens + r.text_tokens}"

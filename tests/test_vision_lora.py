@@ -62,19 +62,19 @@ def test_lora_meta_estimate_equals_the_cpu_reference(name: str, options: dict[st
     assert meta.config["extra"]["method"] == "lora"
 
 
+def _language_model_lora(**shape: object) -> QLoRAConfig:
+    """tiny Qwen2-VL, batch 1, LoRA on all linear layers of the language model, with ``shape``'s fields."""
+    return QLoRAConfig(  # type: ignore[arg-type]
+        model=str(VLM / "tiny-qwen2-vl.json"), batch=1, target_modules="all-linear", lora_scope="language-model", **shape
+    )
+
+
 def test_lora_base_is_the_compute_dtype_without_4bit_layers() -> None:
     """No bitsandbytes layer anywhere, every base weight in bf16 (no k-bit preparation upcasting norms), LoRA only on
     the language model with ``--lora-scope language-model``, the tower frozen."""
     from vramguard.estimate.meta import build_meta
 
-    config = QLoRAConfig(
-        model=str(VLM / "tiny-qwen2-vl.json"),
-        seq_len=64,
-        batch=1,
-        image_size="56x56",
-        target_modules="all-linear",
-        lora_scope="language-model",
-    )
+    config = _language_model_lora(seq_len=64, image_size="56x56")
     q = build_meta(config, method="lora")
     modules = dict(q.model.named_modules())
     assert not any(type(m).__name__ == "Linear4bit" for m in modules.values())
@@ -151,15 +151,7 @@ def test_lora_estimate_saves_what_an_independent_count_of_the_cpu_model_saves() 
     from vramguard.estimate.meta import build_meta
     from vramguard.estimate.run import run_estimate
 
-    config = QLoRAConfig(
-        model=str(VLM / "tiny-qwen2-vl.json"),
-        seq_len=96,
-        batch=1,
-        image_size="56x84",
-        target_modules="all-linear",
-        lora_scope="language-model",
-        gradient_checkpointing=True,
-    ).resolved()
+    config = _language_model_lora(seq_len=96, image_size="56x84", gradient_checkpointing=True).resolved()
     cpu = build_meta(config, method="lora", device="cpu")
     independent = independent_saved_bytes(cpu.model, cpu.batch())
     meta = run_estimate(config, steps=1, method="lora", target="cpu")

@@ -811,7 +811,30 @@ def test_video_rows_are_the_video_processors(name: str) -> None:
         assert "pixel_values" not in rows.inputs and rows.image_tokens == 0
     overflow = r"a video of 8 frames of 56x56 take \d+ tokens .* video tokens\), more than"
     with pytest.raises(UsageError, match=overflow):
-        _video_rows(name, 8, seq=32)
+        _video_rows(name, 8, seq=8)
+
+
+@pytest.mark.parametrize(
+    ("name", "bounds"),
+    [
+        # Qwen2-VL / Qwen2.5-VL ship no video_preprocessor_config.json: from_pretrained reads the image bounds
+        ("qwen2-vl", (3136, 12845056)),
+        ("qwen2.5-vl", (3136, 12845056)),
+        # Qwen3-VL's video_preprocessor_config.json: size {"shortest_edge": 4096, "longest_edge": 25165824}
+        ("qwen3-vl", (4096, 25165824)),
+    ],
+)
+def test_the_video_processor_has_the_pixel_bounds_users_load(name: str, bounds: tuple[int, int]) -> None:
+    """The video processor's bounds are those ``AutoProcessor.from_pretrained`` gives for the checkpoints, not the
+    classes' defaults (100,352-602,112 and 131,072-786,432): 8 frames of 448x448 on Qwen3-VL keep their size,
+    784 video tokens, where the class default shrank them to 288x288 (324; review)."""
+    if _video_missing():
+        pytest.skip("transformers' video processors need torchvision")
+    from vramguard.workload.vision import _video_processor
+
+    config, _ = load_vision_config(FIXTURES[name])
+    size = _video_processor(family_of(config.model_type), config).size
+    assert (size.shortest_edge, size.longest_edge) == bounds
 
 
 @pytest.mark.slow

@@ -100,6 +100,9 @@ class VisionFamily:
     video_processor: str | None = None
     """The transformers video processor class whose ``pixel_values_videos`` vramguard makes
     (``--video-frames``; None: video is refused, :func:`video_refusal`)."""
+    video_size: dict[str, int] | None = None
+    """The video processor's per-frame (Qwen2-VL) or whole-video (Qwen3-VL) pixel bounds as users load them from
+    the Hub (``{"shortest_edge": ..., "longest_edge": ...}``), where they differ from its class defaults."""
     video_placeholder: str = ""
     """The text one video takes in a prompt before the processor expands it (as the chat template writes
     it)."""
@@ -198,9 +201,22 @@ _QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 _QWEN2 = {"min_pixels": 3136, "max_pixels": 12845056}
 # Qwen3-VL / Qwen3.5's: size {"shortest_edge": 65536, "longest_edge": 16777216}
 _QWEN3 = {"min_pixels": 65536, "max_pixels": 16777216}
+# the video processors' pixel bounds as from_pretrained loads them: Qwen2-VL / Qwen2.5-VL ship no
+# video_preprocessor_config.json, so transformers 5.23 reads preprocessor_config.json's (the image bounds, per
+# frame; AutoProcessor.from_pretrained("Qwen/Qwen2.5-VL-7B-Instruct") prints size {3136, 12845056}); Qwen3-VL's
+# video_preprocessor_config.json holds size {"shortest_edge": 4096, "longest_edge": 25165824} (the whole video).
+# The classes' defaults (100,352-602,112 and 131,072-786,432) are neither.
+_QWEN2_VIDEO = {"shortest_edge": _QWEN2["min_pixels"], "longest_edge": _QWEN2["max_pixels"]}
+_QWEN3_VIDEO = {"shortest_edge": 4096, "longest_edge": 25165824}
 
 
-def _qwen(name: str, processor: str, pixels: dict[str, int], video: str | None = None) -> VisionFamily:
+def _qwen(
+    name: str,
+    processor: str,
+    pixels: dict[str, int],
+    video: str | None = None,
+    video_size: dict[str, int] | None = None,
+) -> VisionFamily:
     return VisionFamily(
         name=name,
         processor=processor,
@@ -213,6 +229,7 @@ def _qwen(name: str, processor: str, pixels: dict[str, int], video: str | None =
         pixels=True,
         image_steps=lambda c: _qwen_steps(c, pixels),
         video_processor=video,
+        video_size=video_size,
         video_placeholder="<|vision_start|><|video_pad|><|vision_end|>",
     )
 
@@ -277,9 +294,9 @@ _IDEFICS3 = VisionFamily(
 
 
 VISION_FAMILIES: dict[str, VisionFamily] = {
-    "qwen2_vl": _qwen("Qwen2-VL", "Qwen2VLProcessor", _QWEN2, "Qwen2VLVideoProcessor"),
-    "qwen2_5_vl": _qwen("Qwen2.5-VL", "Qwen2_5_VLProcessor", _QWEN2, "Qwen2VLVideoProcessor"),
-    "qwen3_vl": _qwen("Qwen3-VL", "Qwen3VLProcessor", _QWEN3, "Qwen3VLVideoProcessor"),
+    "qwen2_vl": _qwen("Qwen2-VL", "Qwen2VLProcessor", _QWEN2, "Qwen2VLVideoProcessor", _QWEN2_VIDEO),
+    "qwen2_5_vl": _qwen("Qwen2.5-VL", "Qwen2_5_VLProcessor", _QWEN2, "Qwen2VLVideoProcessor", _QWEN2_VIDEO),
+    "qwen3_vl": _qwen("Qwen3-VL", "Qwen3VLProcessor", _QWEN3, "Qwen3VLVideoProcessor", _QWEN3_VIDEO),
     "qwen3_vl_moe": _qwen("Qwen3-VL-MoE", "Qwen3VLProcessor", _QWEN3),
     "qwen3_5": _qwen("Qwen3.5", "Qwen3VLProcessor", _QWEN3),
     "qwen3_5_moe": _qwen("Qwen3.5-MoE", "Qwen3VLProcessor", _QWEN3),
@@ -652,9 +669,9 @@ def video_refusal(family: VisionFamily) -> str | None:
 
 
 def _video_processor(family: VisionFamily, hf_config: Any) -> Any:
-    """The family's video processor with the tower's patch, merge and temporal patch sizes (its class defaults
-    are the Hub's ``video_preprocessor_config.json``: per-frame min/max pixels, 2 frames a temporal patch);
-    torchvision missing is a one-line UsageError naming the way out."""
+    """The family's video processor with the tower's patch, merge and temporal patch sizes and the pixel bounds
+    users load from the Hub (:attr:`VisionFamily.video_size`; 2 frames a temporal patch); torchvision missing is a
+    one-line UsageError naming the way out."""
     import importlib.util
 
     import transformers
@@ -668,10 +685,12 @@ def _video_processor(family: VisionFamily, hf_config: Any) -> Any:
             "install torchvision, a build matching this torch (e.g. torch 2.14.1 with torchvision 0.29.1)"
         )
     v = hf_config.vision_config
+    size = {"size": dict(family.video_size)} if family.video_size is not None else {}
     return getattr(transformers, family.video_processor)(
         patch_size=int(v.patch_size),
         merge_size=int(v.spatial_merge_size),
         temporal_patch_size=int(v.temporal_patch_size),
+        **size,
     )
 
 

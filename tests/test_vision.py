@@ -909,8 +909,13 @@ def test_video_without_torchvision_is_a_one_line_refusal(capsys: pytest.CaptureF
         ("qwen2-vl", ["--video-size", ""], "video-frames and video-size go together"),
         ("qwen2-vl", ["--video-size", "56"], "video-size: image size must be HxW"),
         ("qwen2-vl", ["--video-frames", "769"], "video-frames must be an integer from 1 to 768"),
+        (
+            "qwen2-vl",
+            ["--video-frames", "768", "--video-size", "4096x4096"],
+            "is 12,884,901,888 pixels, more than the 268,435,456",
+        ),
     ],
-    ids=["llava", "gemma3", "glm4v", "qwen3-vl-moe", "no-size", "bad-size", "too-many"],
+    ids=["llava", "gemma3", "glm4v", "qwen3-vl-moe", "no-size", "bad-size", "too-many", "too-many-pixels"],
 )
 def test_video_options_a_run_cannot_take_are_one_line_exit_2(
     model: str, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]

@@ -217,6 +217,8 @@ def _vision_base(setup: Any, config: Any, method: str, device: str) -> torch.nn.
     swapped by transformers' own bitsandbytes quantizer, each weight quantized on meta, and PEFT's k-bit
     preparation; for ``lora`` as it is, with transformers' gradient checkpointing when asked (what
     :func:`vramguard.estimate.meta.build_meta` does for a text model's ``lora``)."""
+    if method == "qlora" and device != META:  # the real device's 4-bit model is workload.vision's build
+        raise ValueError("build a vision-language QLoRA model on a real device with vramguard.workload.vision")
     from transformers.quantizers import AutoHfQuantizer
 
     from vramguard.workload.models import (

@@ -753,6 +753,12 @@ def synthetic_image(height: int, width: int, seed: int) -> Any:
 MAX_VIDEO_FRAMES = 768
 """The most frames ``--video-frames`` takes (Qwen's video processors' ``max_frames``)."""
 
+MAX_VIDEO_PIXELS = 2**28
+"""The most pixels a row's video may hold (frames x height x width: 268,435,456, e.g. 64 frames of 2048x2048): its
+frames are made on the host and handed to the processor, which takes them as floats (4 bytes a channel), so a video
+beyond this is refused before anything is made rather than ending the host's memory (review: 768 frames of
+4096x4096 ended in a MemoryError)."""
+
 VIDEO_FPS = 2.0
 """The rate the row's frames were sampled at, as the video metadata tells the processor (Qwen3-VL's video
 processor's ``fps``: it writes each temporal patch's timestamp, ``<1.0 seconds>``, into the prompt from it;
@@ -779,7 +785,15 @@ class VideoAsk:
     def text(self) -> str:
         """The video in words (the rows' note, an overflow's message)."""
         h, w = self.size
-        return f"a video of {self.frames} frames of {h}x{w}"
+        return f"a video of {self.frames} frame{'' if self.frames == 1 else 's'} of {h}x{w}"
+
+
+def _what_to_lower(video: Any) -> str:
+    """What a row too long for ``--seq-len`` can lower: the image size, or a video's frame count (a frame below the
+    video processor's minimum pixels is enlarged: a smaller one takes as many tokens)."""
+    if not video:
+        return "image size"
+    return "frame count (frames below the video processor's minimum pixels are enlarged)"
 
 
 def video_ask(config: Any) -> VideoAsk | None:
@@ -921,7 +935,7 @@ def image_rows(
         raise UsageError(
             f"{_asked(image_size, images_per_row, video)} take {used} tokens in {family.name}'s rows "
             f"({', '.join(_counted(image_tokens, video_tokens))}), more than seq-len "
-            f"{seq_len}: raise seq-len or lower the {'image size' if not video else 'frames or their size'}"
+            f"{seq_len}: raise seq-len or lower the {_what_to_lower(video)}"
         )
     text = prompt + (" " + " ".join([FILLER] * (seq_len - used)) if seq_len > used else "")
     media = [_media(image_size, images_per_row, video, seed + b) for b in range(batch)]
@@ -1106,9 +1120,15 @@ def validate_tower_options(config: Any) -> None:
         raise UsageError("video-frames and video-size go together: N frames of HxW pixels each")
     if size:
         try:
-            parse_image_size(size)
+            height, width = parse_image_size(size)
         except UsageError as exc:
             raise UsageError(f"video-size: {exc}") from None
+        if frames * height * width > MAX_VIDEO_PIXELS:
+            raise UsageError(
+                f"a video of {frames} frames of {size} is {frames * height * width:,} pixels, more than the "
+                f"{MAX_VIDEO_PIXELS:,} vramguard makes on the host for the processor: lower the frames or their size "
+                "(Qwen's processors shrink large frames anyway)"
+            )
 
 
 _SKIP_NAME = re.compile(r"[A-Za-z0-9_.\-*+?()|\[\]^$\\]+")

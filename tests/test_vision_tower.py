@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from saved_count import independent_saved_bytes
+from test_vision import _ledger
 
 from vramguard.errors import UsageError
-from vramguard.measure.ledger import SavedTensorLedger
 from vramguard.workload.models import QLoRAConfig
 from vramguard.workload.vision import (
     build_vision_qlora,
@@ -44,13 +44,8 @@ def _per_stack(q: object) -> dict[str, dict[str, int]]:
 
 
 def _saved(model: torch.nn.Module, batch: dict) -> int:  # type: ignore[type-arg]
-    with SavedTensorLedger(model) as ledger:
-        out = model(**batch)
-        ledger.add_roots(out.loss)
-    out.loss.backward()
-    for p in model.parameters():
-        p.grad = None
-    return ledger.report.saved_bytes
+    """What the ledger saw kept by one forward, loss and backward of ``model`` (test_vision's step)."""
+    return _ledger(model, batch).saved_bytes  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(

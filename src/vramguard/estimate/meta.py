@@ -926,7 +926,7 @@ def build_meta(
         raise ValueError("build the real-device QLoRA model with vramguard.workload.models.build_qlora")
     config.validate()
     spec = spec or config.spec
-    vision = _vision_meta(config, spec, method, device, not sharded and prepared)
+    vision = _vision_meta(config, spec, method, device, not sharded, prepared)
     if vision is not None:  # the family's processor's rows, their values carried on meta (estimate.vision)
         return vision
     from transformers.quantizers import AutoHfQuantizer
@@ -985,13 +985,14 @@ def build_meta(
 
 
 def _vision_meta(
-    config: QLoRAConfig, spec: ModelSpec, method: str, device: str, one_device: bool
+    config: QLoRAConfig, spec: ModelSpec, method: str, device: str, one_device: bool, prepared: bool = True
 ) -> QLoRAModel | None:
     """A vision-language model (:func:`vramguard.estimate.vision.build_vision_meta`) for ``method`` (``qlora`` or
     ``lora``) on ``device``: on meta its rows' values kept on it for the step (``image_values``: run_estimate steps
-    it under ``values_on_meta``); ``lora`` on the CPU is the tests' reference, its rows real tensors. Refused in one
-    line off the loop's step on one device (``one_device``: not sharded, prepared) and for ``full``. None for a text
-    model (given a vision tower option: refused in one line)."""
+    it under ``values_on_meta``, the trainer's step its collated batches); ``lora`` on the CPU is the tests'
+    reference, its rows real tensors. ``prepared`` False: the 4-bit model unprepared, for SFTTrainer. Refused in
+    one line off one device (``one_device``: not sharded) and for ``full``. None for a text model (given a vision
+    tower option: refused in one line)."""
     from vramguard.workload.vision import is_vision_spec, refuse_tower_options
 
     if not is_vision_spec(spec):
@@ -1005,7 +1006,7 @@ def _vision_meta(
         )
     from vramguard.estimate.vision import build_vision_meta
 
-    built_vlm, values = build_vision_meta(config, spec=spec, method=method, device=device)
+    built_vlm, values = build_vision_meta(config, spec=spec, method=method, device=device, prepared=prepared)
     if device == META:
         built_vlm.q.image_values = values  # run_estimate steps it under values_on_meta
     return built_vlm.q  # type: ignore[no-any-return]

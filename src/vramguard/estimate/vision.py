@@ -152,6 +152,7 @@ def build_vision_meta(
     spec: Any = None,
     method: str = "qlora",
     device: str = META,
+    prepared: bool = True,
 ) -> tuple[VisionQLoRAModel, ImageValues]:
     """The model :func:`vramguard.workload.vision.build_vision_qlora` builds, on meta, as
     :func:`vramguard.estimate.meta.build_meta` builds a text model (``_from_config`` on meta at the compute dtype,
@@ -159,7 +160,9 @@ def build_vision_meta(
     batch carries: every tensor of the processor's rows a meta tensor with its row as value. ``method`` ``lora``:
     the base left in the compute dtype (no quantizer, no k-bit preparation: transformers' own checkpointing when
     asked), LoRA as PEFT puts it; ``device`` ``cpu`` builds that model with random weights and real rows on the
-    host, the reference the tests hold the meta run against (as ``build_meta(device="cpu")`` for a text model)."""
+    host, the reference the tests hold the meta run against (as ``build_meta(device="cpu")`` for a text model).
+    ``prepared`` False (``qlora``): the 4-bit model as ``from_pretrained`` loads it, without k-bit preparation and
+    LoRA, for TRL's SFTTrainer, which does its own (as ``build_meta(prepared=False)`` for a text model)."""
     from transformers.utils import logging as hf_logging
 
     from vramguard.workload.models import with_lora
@@ -170,11 +173,12 @@ def build_vision_meta(
     hf_logging.disable_progress_bar()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = _vision_base(setup, config, method, device)
-        apply_tower_checkpointing(model, setup.family, setup.choices)
-        # on meta PEFT makes LoRA on the host and moves it to meta: nothing to draw
-        with values_not_drawn(meta_only=False) if device == META else contextlib.nullcontext():
-            model = with_lora(model, config, setup.choices)
+        model = _vision_base(setup, config, method, device, prepared)
+        if prepared:
+            apply_tower_checkpointing(model, setup.family, setup.choices)
+            # on meta PEFT makes LoRA on the host and moves it to meta: nothing to draw
+            with values_not_drawn(meta_only=False) if device == META else contextlib.nullcontext():
+                model = with_lora(model, config, setup.choices)
     model.train()
     model.config.use_cache = False
     values = ImageValues()
@@ -182,7 +186,7 @@ def build_vision_meta(
     if device == META:
         inputs = {k: values.give(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     run_config = dataclasses.replace(config, device=device)  # (not validated: validate() allows cpu or cuda)
-    q = image_text_model(setup, model, run_config, inputs)
+    q = image_text_model(setup, model, run_config, inputs, prepared)
     built = VisionQLoRAModel(
         q=q,
         family=setup.family,
@@ -212,10 +216,10 @@ def refuse_quantizer_options(config: Any, method: str) -> None:
         )
 
 
-def _vision_base(setup: Any, config: Any, method: str, device: str) -> torch.nn.Module:
+def _vision_base(setup: Any, config: Any, method: str, device: str, prepared: bool = True) -> torch.nn.Module:
     """The base model of ``setup`` on ``device`` before LoRA: ``_from_config`` at the compute dtype; for ``qlora``
     swapped by transformers' own bitsandbytes quantizer, each weight quantized on meta, and PEFT's k-bit
-    preparation; for ``lora`` as it is, with transformers' gradient checkpointing when asked (what
+    preparation (``prepared``; without it as ``from_pretrained`` loads it); for ``lora`` as it is, with transformers' gradient checkpointing when asked (what
     :func:`vramguard.estimate.meta.build_meta` does for a text model's ``lora``)."""
     if method == "qlora" and device != META:  # the real device's 4-bit model is workload.vision's build
         raise ValueError("build a vision-language QLoRA model on a real device with vramguard.workload.vision")
@@ -248,7 +252,7 @@ def _vision_base(setup: Any, config: Any, method: str, device: str) -> torch.nn.
     _quantize_on_meta(model, compute_dtype)
     quantizer.postprocess_model(model)
     model.hf_quantizer = quantizer
-    return prepare_for_training(model, config)
+    return prepare_for_training(model, config) if prepared else model
 
 
 @dataclass

@@ -28,24 +28,30 @@ from vramguard.workload.vision import FILLER, family_processor, processor_option
 @dataclass(frozen=True)
 class SftTemplate:
     """A family's chat template as its Hub processor ships it: ``name``, TRL's stored copy
-    (``trl/chat_templates/<name>.jinja``); ``markers``, the special tokens it writes; ``eos`` and ``pad``, the
-    tokens the family's tokenizer names so (SFTTrainer pads with the pad token, else the eos token)."""
+    (``trl/chat_templates/<name>.jinja``); ``markers``, the special tokens it writes; ``eos``, ``pad`` and
+    ``bos``, the tokens the family's tokenizer names so (None: none; SFTTrainer pads with the eos token then)."""
 
     name: str
     markers: tuple[str, ...]
     eos: str
-    pad: str
+    pad: str | None = None
+    bos: str | None = None
 
 
-_QWEN_MARKERS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
-
+_QWEN = SftTemplate("qwen2_5_vl", ("<|im_start|>", "<|im_end|>", "<|endoftext|>"), "<|im_end|>", "<|endoftext|>")
 SFT_TEMPLATES: dict[str, SftTemplate] = {
     # Qwen2-VL ships the template of Qwen2.5-VL byte for byte (TRL's chat_templates/README.md)
-    "qwen2_vl": SftTemplate("qwen2_5_vl", _QWEN_MARKERS, "<|im_end|>", "<|endoftext|>"),
-    "qwen2_5_vl": SftTemplate("qwen2_5_vl", _QWEN_MARKERS, "<|im_end|>", "<|endoftext|>"),
-    "qwen3_vl": SftTemplate("qwen3_vl", _QWEN_MARKERS, "<|im_end|>", "<|endoftext|>"),
+    "qwen2_vl": _QWEN,
+    "qwen2_5_vl": _QWEN,
+    "qwen3_vl": dataclasses.replace(_QWEN, name="qwen3_vl"),
+    "gemma3": SftTemplate(
+        "gemma3", ("<bos>", "<start_of_turn>", "<end_of_turn>", "<eos>", "<pad>"), "<eos>", "<pad>", "<bos>"
+    ),
+    "idefics3": SftTemplate("idefics3", ("<|begin_of_text|>", "<end_of_utterance>"), "<end_of_utterance>"),
+    "llava_next": SftTemplate("llava_next", ("</s>",), "</s>"),
 }
-"""The families whose SFTTrainer step runs (model_type -> :class:`SftTemplate`); register one to add a family."""
+"""The families whose SFTTrainer step runs (model_type -> :class:`SftTemplate`); register one to add a family.
+(SmolVLM's processor renders its template only with its video processor, which needs torchvision: not yet.)"""
 
 
 def sft_refusal(config: Any, model_type: str) -> str | None:
@@ -82,8 +88,11 @@ def sft_processor(setup: Any, config: Any) -> Any:
     family = setup.family
     marked = dataclasses.replace(family, tokens=(*family.tokens, *((None, t, None) for t in template.markers)))
     processor = family_processor(marked, setup.hf_config, setup.shape.text["vocab_size"], processor_options(config, family))
-    processor.tokenizer.eos_token = template.eos
-    processor.tokenizer.pad_token = template.pad
+    # SFTTrainer pads with the tokenizer's pad token, else its eos token: the collator of the rows' lengths too
+    named = {"eos_token": template.eos, "pad_token": template.pad or template.eos, "bos_token": template.bos}
+    for attribute, token in named.items():
+        if token is not None:
+            setattr(processor.tokenizer, attribute, token)
     processor.chat_template = (files("trl") / "chat_templates" / f"{template.name}.jinja").read_text()
     return processor
 

@@ -1,0 +1,118 @@
+"""TRL's own SFTTrainer step for a vision-language model (issue 45): a ``ProcessorMixin`` as ``processing_class``,
+a vision dataset (images + messages) rendered with the family's Hub chat template by TRL's
+``DataCollatorForVisionLanguageModeling``, the 4-bit model handed unprepared, and on meta the collated batch
+carrying its values; with ``--target cpu`` the estimate equals ``vramguard audit --trainer sft`` to the byte."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vramguard.cli.app import main
+from vramguard.workload.models import QLoRAConfig
+
+pytest.importorskip("trl")
+
+VLM = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "vlm"
+
+
+def _figures(doc: dict) -> dict:
+    """What the audit measures and the estimate must equal: each phase's peak, the totals, each step's peaks and
+    retained bytes, and the saved bytes of every layer of every stack."""
+    return {
+        "phases": {name: p["peak_bytes"] for name, p in doc["phases"].items()},
+        "totals": doc["totals"],
+        "steps": [(s["peak_bytes"], s["retained_bytes"], s["retained_after_forward"]) for s in doc["steps"]],
+        "layers": [(row["name"], row["saved_bytes"]) for row in doc["layers"]],
+    }
+
+
+def _audit_and_estimate(tmp_path: Path, family: str, size: str, seq: int, steps: int = 1) -> tuple[dict, dict]:
+    base = ["--model", str(VLM / f"tiny-{family}.json"), "--image-size", size, "--seq-len", str(seq)]
+    base += ["--batch", "1", "--target-modules", "all-linear", "--steps", str(steps), "--quiet"]
+    audit, estimate = tmp_path / "audit.json", tmp_path / "estimate.json"
+    assert main(["audit", *base, "--trainer", "sft", "--json", str(audit)]) == 0
+    assert main(["estimate", *base, "--target", "cpu", "--json", str(estimate)]) == 0  # sft: estimate's default
+    return json.loads(audit.read_text()), json.loads(estimate.read_text())
+
+
+def test_the_sft_step_of_a_vlm_on_meta_equals_its_audit(tmp_path: Path) -> None:
+    """Tiny Qwen2-VL, one 56x56 image a row: ``vramguard estimate`` runs SFTTrainer's own step on meta (not the
+    loop), and its figures equal the CPU audit of SFTTrainer's step byte for byte, per stack's layer too."""
+    audited, estimated = _audit_and_estimate(tmp_path, "qwen2-vl", "56x56", 64)
+    assert estimated["config"]["recipe"].startswith("recipe: trl sft "), estimated["config"]["recipe"]
+    assert "SFTTrainer's own step" in estimated["config"]["recipe"]
+    assert estimated["device"] == "meta" and audited["config"]["trainer"] == "SFTTrainer"
+    assert _figures(estimated) == _figures(audited)
+    assert {row["stack"] for row in estimated["layers"]} == {"vision tower", "projector", "language model"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "size", "seq"),
+    [
+        ("qwen2.5-vl", "56x56", 64),
+        ("qwen2.5-vl", "112x84", 128),
+        ("qwen3-vl", "56x56", 128),  # mm_token_type_ids and deepstack's boolean masks, from the values
+        ("qwen3-vl", "112x112", 320),
+        ("gemma3", "56x56", 256),  # token_type_ids: bidirectional attention over the image
+        ("idefics3", "56x56", 256),
+        ("llava-next", "56x56", 256),
+    ],
+)
+def test_every_family_with_a_template_equals_its_audit(tmp_path: Path, family: str, size: str, seq: int) -> None:
+    audited, estimated = _audit_and_estimate(tmp_path, family, size, seq, steps=2)
+    assert "SFTTrainer's own step" in estimated["config"]["recipe"]
+    assert _figures(estimated) == _figures(audited)
+
+
+@pytest.mark.parametrize(("family", "size", "seq", "images"), [("qwen2-vl", "56x56", 64, 1), ("qwen3-vl", "56x84", 160, 2)])
+def test_the_rows_are_seq_len_long_as_trls_collator_makes_them(family: str, size: str, seq: int, images: int) -> None:
+    """Each row, rendered with the family's chat template and processed by TRL's own vision collator as
+    SFTTrainer runs it (max_length = seq-len), is exactly seq-len tokens, its image tokens the processor's, no
+    padding (every label is a token)."""
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    from vramguard.workload.vision import image_token_id, vision_setup
+    from vramguard.workload.vision_sft import sft_processor, sft_rows
+
+    config = QLoRAConfig(
+        model=str(VLM / f"tiny-{family}.json"), seq_len=seq, batch=1, image_size=size, images_per_row=images
+    )
+    setup = vision_setup(config)
+    processor = sft_processor(setup, config)
+    rows = sft_rows(setup, processor, config, 3)
+    batch = DataCollatorForVisionLanguageModeling(processor=processor, max_length=seq)(rows)
+    assert tuple(batch["input_ids"].shape) == (3, seq)
+    image_id = image_token_id(setup.family, setup.hf_config, setup.shape.text["vocab_size"])
+    assert (batch["input_ids"] == image_id).sum(dim=1).tolist() == [setup.rows.image_tokens] * 3
+    assert bool((batch["labels"] == batch["input_ids"]).all())
+    assert processor.tokenizer.eos_token == "<|im_end|>" and "<|im_start|>" in processor.chat_template
+
+
+def test_what_sfttrainers_vlm_step_does_not_run_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A family without a stored chat template (SmolVLM's needs its video processor) and text-only rows of a
+    vision-language model: asked for by name, one line naming what and the workaround (exit 2)."""
+    smol = ["--model", str(VLM / "tiny-smolvlm.json"), "--image-size", "56x56", "--seq-len", "640"]
+    text_only = ["--model", str(VLM / "tiny-qwen2-vl.json"), "--seq-len", "64"]
+    for argv, what in ((smol, "a smolvlm model (no chat template"), (text_only, "text-only rows")):
+        assert main(["estimate", *argv, "--trainer", "sft", "--quiet"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert what in err and "--trainer loop" in err and "\n" not in err, err
+
+
+def test_a_family_without_a_template_falls_back_to_the_loop_and_says_so() -> None:
+    """Not asked for by name (estimate's default), SFTTrainer's step that cannot run yet leaves the run to
+    vramguard's loop, and the recipe line says which and why."""
+    import argparse
+
+    from vramguard.cli.options import resolve_trainer
+
+    args = argparse.Namespace(trainer=None, config=None, trainer_default="sft")
+    config = QLoRAConfig(model=str(VLM / "tiny-smolvlm.json"), seq_len=640, image_size="56x56")
+    trainer, recipe = resolve_trainer(args, config)
+    assert trainer == "loop" and "does not run a smolvlm model (no chat template of it stored in TRL) yet" in recipe
+    ok = QLoRAConfig(model=str(VLM / "tiny-qwen2-vl.json"), seq_len=64, image_size="56x56")
+    assert resolve_trainer(args, ok)[0] == "sft"

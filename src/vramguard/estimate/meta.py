@@ -993,7 +993,7 @@ def _vision_meta(
     reference, its rows real tensors. ``prepared`` False: the 4-bit model unprepared, for SFTTrainer. Refused in
     one line off one device (``one_device``: not sharded) and for ``full``. None for a text model (given a vision
     tower option: refused in one line)."""
-    from vramguard.workload.vision import is_vision_spec, refuse_tower_options
+    from vramguard.workload.vision import is_vision_spec, refuse_tower_options, vision_setup
 
     if not is_vision_spec(spec):
         refuse_tower_options(config)
@@ -1004,9 +1004,12 @@ def _vision_meta(
             f"vision-language models are estimated for --method {methods} on one device in vramguard's loop "
             "(--trainer loop) for now"
         )
-    from vramguard.estimate.vision import build_vision_meta
+    from vramguard.estimate.vision import build_vision_meta, vision_meta_of
 
-    built_vlm, values = build_vision_meta(config, spec=spec, method=method, device=device, prepared=prepared)
+    if prepared:
+        built_vlm, values = build_vision_meta(config, spec=spec, method=method, device=device)
+    else:  # SFTTrainer's: its own LoRA (qlora only: refuse_unpriced)
+        built_vlm, values = vision_meta_of(vision_setup(config, spec=spec), config, method, device, prepared=False)
     if device == META:
         built_vlm.q.image_values = values  # run_estimate steps it under values_on_meta
     return built_vlm.q  # type: ignore[no-any-return]

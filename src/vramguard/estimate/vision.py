@@ -152,7 +152,6 @@ def build_vision_meta(
     spec: Any = None,
     method: str = "qlora",
     device: str = META,
-    prepared: bool = True,
 ) -> tuple[VisionQLoRAModel, ImageValues]:
     """The model :func:`vramguard.workload.vision.build_vision_qlora` builds, on meta, as
     :func:`vramguard.estimate.meta.build_meta` builds a text model (``_from_config`` on meta at the compute dtype,
@@ -160,15 +159,22 @@ def build_vision_meta(
     batch carries: every tensor of the processor's rows a meta tensor with its row as value. ``method`` ``lora``:
     the base left in the compute dtype (no quantizer, no k-bit preparation: transformers' own checkpointing when
     asked), LoRA as PEFT puts it; ``device`` ``cpu`` builds that model with random weights and real rows on the
-    host, the reference the tests hold the meta run against (as ``build_meta(device="cpu")`` for a text model).
+    host, the reference the tests hold the meta run against (as ``build_meta(device="cpu")`` for a text model)."""
+    refuse_quantizer_options(config, method)
+    setup = vision_setup(config, image_size, images_per_row, spec)
+    return vision_meta_of(setup, config, method, device)
+
+
+def vision_meta_of(
+    setup: Any, config: Any, method: str = "qlora", device: str = META, prepared: bool = True
+) -> tuple[VisionQLoRAModel, ImageValues]:
+    """:func:`build_vision_meta` of a resolved ``setup`` (:func:`vramguard.workload.vision.vision_setup`).
     ``prepared`` False (``qlora``): the 4-bit model as ``from_pretrained`` loads it, without k-bit preparation and
     LoRA, for TRL's SFTTrainer, which does its own (as ``build_meta(prepared=False)`` for a text model)."""
     from transformers.utils import logging as hf_logging
 
     from vramguard.workload.models import with_lora
 
-    refuse_quantizer_options(config, method)
-    setup = vision_setup(config, image_size, images_per_row, spec)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     with warnings.catch_warnings():
@@ -356,4 +362,5 @@ __all__ = [
     "build_vision_meta",
     "estimate_vision_step",
     "values_on_meta",
+    "vision_meta_of",
 ]

@@ -33,8 +33,10 @@ def _audit_and_estimate(tmp_path: Path, family: str, size: str, seq: int, steps:
     base = ["--model", str(VLM / f"tiny-{family}.json"), "--image-size", size, "--seq-len", str(seq)]
     base += ["--batch", "1", "--target-modules", "all-linear", "--steps", str(steps), "--quiet"]
     audit, estimate = tmp_path / "audit.json", tmp_path / "estimate.json"
-    assert main(["audit", *base, "--trainer", "sft", "--json", str(audit)]) == 0
-    assert main(["estimate", *base, "--target", "cpu", "--json", str(estimate)]) == 0  # sft: estimate's default
+    # exit 0 or 1 (a finding: tiny Qwen3-VL's deepstack activations have a weight's shape), the same for both
+    measured = main(["audit", *base, "--trainer", "sft", "--json", str(audit)])
+    assert measured in (0, 1)
+    assert main(["estimate", *base, "--target", "cpu", "--json", str(estimate)]) == measured  # sft: the default
     return json.loads(audit.read_text()), json.loads(estimate.read_text())
 
 
@@ -68,7 +70,9 @@ def test_every_family_with_a_template_equals_its_audit(tmp_path: Path, family: s
     assert _figures(estimated) == _figures(audited)
 
 
-@pytest.mark.parametrize(("family", "size", "seq", "images"), [("qwen2-vl", "56x56", 64, 1), ("qwen3-vl", "56x84", 160, 2)])
+@pytest.mark.parametrize(
+    ("family", "size", "seq", "images"), [("qwen2-vl", "56x56", 64, 1), ("qwen3-vl", "56x84", 160, 2)]
+)
 def test_the_rows_are_seq_len_long_as_trls_collator_makes_them(family: str, size: str, seq: int, images: int) -> None:
     """Each row, rendered with the family's chat template and processed by TRL's own vision collator as
     SFTTrainer runs it (max_length = seq-len), is exactly seq-len tokens, its image tokens the processor's, no
@@ -116,3 +120,16 @@ def test_a_family_without_a_template_falls_back_to_the_loop_and_says_so() -> Non
     assert trainer == "loop" and "does not run a smolvlm model (no chat template of it stored in TRL) yet" in recipe
     ok = QLoRAConfig(model=str(VLM / "tiny-qwen2-vl.json"), seq_len=64, image_size="56x56")
     assert resolve_trainer(args, ok)[0] == "sft"
+
+
+def test_a_data_dependent_results_storage_is_what_the_host_kernel_allocated(tmp_path: Path) -> None:
+    """Qwen2.5-VL's window lengths of a 112x84 image (a merged grid of 4x3, not a whole window) go through
+    ``unique_consecutive``, whose CPU kernel allocates its input's 3 int32 and keeps 2: with checkpointing the
+    tower's blocks keep them to backward, so the meta run holds the 12 bytes the audit holds, not 8 (vramguard's
+    loop, the values of :class:`~vramguard.estimate.vision.ImageValues`; SFTTrainer's step takes the same)."""
+    base = ["--model", str(VLM / "tiny-qwen2.5-vl.json"), "--image-size", "112x84", "--seq-len", "128"]
+    base += ["--batch", "1", "--target-modules", "all-linear", "--gradient-checkpointing", "--steps", "1", "--quiet"]
+    audit, estimate = tmp_path / "audit.json", tmp_path / "estimate.json"
+    assert main(["audit", *base, "--device", "cpu", "--json", str(audit)]) == 0
+    assert main(["estimate", *base, "--trainer", "loop", "--target", "cpu", "--json", str(estimate)]) == 0
+    assert _figures(json.loads(estimate.read_text())) == _figures(json.loads(audit.read_text()))

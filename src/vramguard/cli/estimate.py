@@ -267,7 +267,9 @@ def main(args: argparse.Namespace) -> int:
     return 0 if report.verdict.ok and fits else 1
 
 
-def refuse_with_trainer(args: argparse.Namespace, trainer: str, events: Any, sharding: Any, space: Any = None) -> None:
+def refuse_with_trainer(
+    args: argparse.Namespace, trainer: str, events: Any, sharding: Any, space: Any = None
+) -> None:
     """What ``--trainer sft|trainer`` on meta does not run yet, refused in one line with the workaround."""
     asked = {
         "--snapshot / --html": events is not None,

@@ -685,6 +685,19 @@ class _RoutedValues(TorchDispatchMode):
         self.values[t] = host
         return t
 
+    def give_as_made(self, host: torch.Tensor) -> torch.Tensor:
+        """:meth:`give` of a data-dependent op's host result, its meta storage as large as the storage the host
+        kernel allocated: ``unique_consecutive`` allocates its input's length and shrinks the tensor, not the
+        storage, so the CPU holds those bytes (Qwen2.5-VL's window lengths of an image whose merged grid is not
+        a whole number of windows: 12 bytes held, 8 used)."""
+        size = host.untyped_storage().nbytes()
+        if size <= host.numel() * host.element_size() or host.element_size() == 0:
+            return self.give(host)
+        whole = torch.empty(size // host.element_size(), dtype=host.dtype, device=META)
+        t = whole.as_strided(host.shape, host.stride(), host.storage_offset())
+        self.values[t] = host
+        return t
+
     def enter_experts(self, entering: bool) -> None:
         self.inside += 1 if entering else -1
 
@@ -718,7 +731,7 @@ class _RoutedValues(TorchDispatchMode):
             out = func(*args, **kwargs)
         except (NotImplementedError, RuntimeError):  # a data-dependent shape (nonzero): the host result's
             self.answered += 1
-            return tree_map(lambda h: self.give(h) if isinstance(h, torch.Tensor) else h, host)
+            return tree_map(lambda h: self.give_as_made(h) if isinstance(h, torch.Tensor) else h, host)
         outs, _ = tree_flatten(out)
         hosts, _ = tree_flatten(host)
         for o, h in zip(outs, hosts, strict=True):

@@ -328,7 +328,8 @@ def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str)
         q = dataclasses.replace(q, model=runner.model)
         request = StepRequest(config, target=target, steps=steps)  # the techniques' contexts take it
         on_step = meta_step_contexts(q, request, used_by(config))  # the decisions, autocast, flash-attn, the rows
-        asked_as, answers, as_users = _autocast_asked_as(target), _AnswerItems(values), fails_as_the_users_run(q, trainer)
+        asked_as, answers = _autocast_asked_as(target), _AnswerItems(values)
+        as_users = fails_as_the_users_run(q, trainer)
         with on_step as (taken, seen), image_values_step(values), asked_as, _accelerate_autocast_on_meta():
             with answers, as_users:
                 counters = [c for c in (taken, *seen.values()) if hasattr(c, "counts")]

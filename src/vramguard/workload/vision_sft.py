@@ -87,7 +87,8 @@ def sft_processor(setup: Any, config: Any) -> Any:
     template = SFT_TEMPLATES[setup.hf_config.model_type]
     family = setup.family
     marked = dataclasses.replace(family, tokens=(*family.tokens, *((None, t, None) for t in template.markers)))
-    processor = family_processor(marked, setup.hf_config, setup.shape.text["vocab_size"], processor_options(config, family))
+    vocab, pixels = setup.shape.text["vocab_size"], processor_options(config, family)
+    processor = family_processor(marked, setup.hf_config, vocab, pixels)
     # SFTTrainer pads with the tokenizer's pad token, else its eos token: the collator of the rows' lengths too
     named = {"eos_token": template.eos, "pad_token": template.pad or template.eos, "bos_token": template.bos}
     for attribute, token in named.items():
@@ -102,7 +103,8 @@ def _row(setup: Any, words: int, seed: int) -> dict[str, Any]:
     assistant's of ``words`` words (TRL puts the images before the first user turn's text)."""
     images = [synthetic_image(*setup.image_size, seed)] * setup.images_per_row
     answer = " ".join([FILLER] * words)
-    return {"images": images, "messages": [{"role": "user", "content": FILLER}, {"role": "assistant", "content": answer}]}
+    turns = [{"role": "user", "content": FILLER}, {"role": "assistant", "content": answer}]
+    return {"images": images, "messages": turns}
 
 
 def _length(processor: Any, row: dict[str, Any]) -> int:
@@ -126,7 +128,8 @@ def sft_rows(setup: Any, processor: Any, config: Any, count: int) -> list[dict[s
     rows = [_row(setup, config.seq_len - used, config.seed + i) for i in range(count)]
     got = _length(processor, rows[0])
     if got != config.seq_len:  # a check of this code: each filler word is one token
-        raise UsageError(f"{setup.family.name}'s rows came out {got} tokens under SFTTrainer for seq-len {config.seq_len}")
+        name = setup.family.name
+        raise UsageError(f"{name}'s rows came out {got} tokens under SFTTrainer for seq-len {config.seq_len}")
     return rows
 
 
@@ -153,4 +156,13 @@ def with_tower_note(q: Any) -> Any:
     return dataclasses.replace(q, notes=(*q.notes, *tower_note(q.model, setup, q.config)))
 
 
-__all__ = ["SFT_TEMPLATES", "SftTemplate", "sft_data", "sft_processor", "sft_refusal", "sft_rows", "trainer_refusal", "with_tower_note"]
+__all__ = [
+    "SFT_TEMPLATES",
+    "SftTemplate",
+    "sft_data",
+    "sft_processor",
+    "sft_refusal",
+    "sft_rows",
+    "trainer_refusal",
+    "with_tower_note",
+]

@@ -62,6 +62,8 @@ def test_the_sft_step_of_a_vlm_on_meta_equals_its_audit(tmp_path: Path) -> None:
         ("gemma3", "56x56", 256),  # token_type_ids: bidirectional attention over the image
         ("idefics3", "56x56", 256),
         ("llava-next", "56x56", 256),
+        ("qwen3.5", "56x56", 128),  # its thinking template's <think> markers
+        ("qwen3-vl-moe", "56x56", 128),
     ],
 )
 def test_every_family_with_a_template_equals_its_audit(tmp_path: Path, family: str, size: str, seq: int) -> None:
@@ -97,11 +99,12 @@ def test_the_rows_are_seq_len_long_as_trls_collator_makes_them(family: str, size
 
 
 def test_what_sfttrainers_vlm_step_does_not_run_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    """A family without a stored chat template (SmolVLM's needs its video processor) and text-only rows of a
-    vision-language model: asked for by name, one line naming what and the workaround (exit 2)."""
+    """A family SFTTrainer's step does not take yet (SmolVLM's processor renders its template only with its video
+    processor) and text-only rows of a vision-language model: asked for by name, one line naming what and the workaround (exit 2)."""
     smol = ["--model", str(VLM / "tiny-smolvlm.json"), "--image-size", "56x56", "--seq-len", "640"]
     text_only = ["--model", str(VLM / "tiny-qwen2-vl.json"), "--seq-len", "64"]
-    for argv, what in ((smol, "a smolvlm model (no chat template"), (text_only, "text-only rows")):
+    smol_why = "SmolVLM (its processor renders the chat template only with its video processor"
+    for argv, what in ((smol, smol_why), (text_only, "text-only rows")):
         assert main(["estimate", *argv, "--trainer", "sft", "--quiet"]) == 2
         err = capsys.readouterr().err.strip()
         assert what in err and "--trainer loop" in err and "\n" not in err, err
@@ -117,7 +120,9 @@ def test_a_family_without_a_template_falls_back_to_the_loop_and_says_so() -> Non
     args = argparse.Namespace(trainer=None, config=None, trainer_default="sft")
     config = QLoRAConfig(model=str(VLM / "tiny-smolvlm.json"), seq_len=640, image_size="56x56")
     trainer, recipe = resolve_trainer(args, config)
-    assert trainer == "loop" and "does not run a smolvlm model (no chat template of it stored in TRL) yet" in recipe
+    assert trainer == "loop" and "(ran instead of sft's own step, which does not run SmolVLM (its" in recipe
+    llava = QLoRAConfig(model=str(VLM / "tiny-llava.json"), seq_len=640, image_size="56x56")
+    assert "a llava model (its chat template is not registered" in resolve_trainer(args, llava)[1]
     ok = QLoRAConfig(model=str(VLM / "tiny-qwen2-vl.json"), seq_len=64, image_size="56x56")
     assert resolve_trainer(args, ok)[0] == "sft"
 

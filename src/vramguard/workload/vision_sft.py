@@ -11,8 +11,8 @@ tokenizer's). The rows come out exactly ``seq_len`` tokens long as the collator 
 template's tokens included, as TRL's ``max_length`` counts them): the assistant turn is filled with
 :data:`~vramguard.workload.vision.FILLER` words to that length, measured with the collator itself.
 
-A family without a stored template (or what the trainer's step does not take yet: video, text-only rows, the
-tower's checkpointing turned off) is :func:`sft_refusal`'s one line: vramguard's loop prices it.
+A family whose template is not registered (or what the trainer's step does not take yet: video, text-only rows,
+the tower's checkpointing turned off) is :func:`sft_refusal`'s one line: vramguard's loop prices it.
 """
 
 from __future__ import annotations
@@ -44,21 +44,31 @@ SFT_TEMPLATES: dict[str, SftTemplate] = {
     "qwen2_vl": _QWEN,
     "qwen2_5_vl": _QWEN,
     "qwen3_vl": dataclasses.replace(_QWEN, name="qwen3_vl"),
+    # (the MoE checkpoints, Qwen3-VL-30B-A3B-Instruct, ship the dense ones' template: assumed, TRL stores one)
+    "qwen3_vl_moe": dataclasses.replace(_QWEN, name="qwen3_vl"),
+    # Qwen3.5-4B and larger ship the template that thinks by default (TRL's chat_templates/README.md)
+    "qwen3_5": SftTemplate("qwen3_5_think", (*_QWEN.markers, "<think>", "</think>"), "<|im_end|>", "<|endoftext|>"),
     "gemma3": SftTemplate(
         "gemma3", ("<bos>", "<start_of_turn>", "<end_of_turn>", "<eos>", "<pad>"), "<eos>", "<pad>", "<bos>"
     ),
     "idefics3": SftTemplate("idefics3", ("<|begin_of_text|>", "<end_of_utterance>"), "<end_of_utterance>"),
     "llava_next": SftTemplate("llava_next", ("</s>",), "</s>"),
 }
-"""The families whose SFTTrainer step runs (model_type -> :class:`SftTemplate`); register one to add a family.
-(SmolVLM's processor renders its template only with its video processor, which needs torchvision: not yet.)"""
+"""The families whose SFTTrainer step runs (model_type -> :class:`SftTemplate`); register one to add a family."""
+
+SFT_NOT_YET: dict[str, str] = {
+    "smolvlm": "SmolVLM (its processor renders the chat template only with its video processor, which needs "
+    "torchvision)",
+}
+"""Why a family's SFTTrainer step does not run yet, where it is more than its template not being registered."""
 
 
 def sft_refusal(config: Any, model_type: str) -> str | None:
     """What SFTTrainer's vision-language step does not run yet for ``config`` (a
     :class:`~vramguard.workload.models.QLoRAConfig`) of a ``model_type`` model, in words; None where it runs."""
     not_yet = {
-        f"a {model_type} model (no chat template of it stored in TRL)": model_type not in SFT_TEMPLATES,
+        SFT_NOT_YET.get(model_type, f"a {model_type} model (its chat template is not registered in "
+        "vramguard.workload.vision_sft)"): model_type not in SFT_TEMPLATES,
         "text-only rows of a vision-language model": not config.image_size and not config.video_frames,
         "video rows": bool(config.video_frames),
         "--no-tower-checkpointing": config.gradient_checkpointing and not config.tower_checkpointing,
@@ -157,6 +167,7 @@ def with_tower_note(q: Any) -> Any:
 
 
 __all__ = [
+    "SFT_NOT_YET",
     "SFT_TEMPLATES",
     "SftTemplate",
     "sft_data",

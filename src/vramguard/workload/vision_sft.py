@@ -66,9 +66,9 @@ SFT_NOT_YET: dict[str, str] = {
 def sft_refusal(config: Any, model_type: str) -> str | None:
     """What SFTTrainer's vision-language step does not run yet for ``config`` (a
     :class:`~vramguard.workload.models.QLoRAConfig`) of a ``model_type`` model, in words; None where it runs."""
+    unregistered = f"a {model_type} model (its chat template is not registered in vramguard.workload.vision_sft)"
     not_yet = {
-        SFT_NOT_YET.get(model_type, f"a {model_type} model (its chat template is not registered in "
-        "vramguard.workload.vision_sft)"): model_type not in SFT_TEMPLATES,
+        SFT_NOT_YET.get(model_type, unregistered): model_type not in SFT_TEMPLATES,
         "text-only rows of a vision-language model": not config.image_size and not config.video_frames,
         "video rows": bool(config.video_frames),
         "--no-tower-checkpointing": config.gradient_checkpointing and not config.tower_checkpointing,

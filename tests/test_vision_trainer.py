@@ -29,8 +29,11 @@ def _figures(doc: dict) -> dict:
     }
 
 
-def _audit_and_estimate(tmp_path: Path, family: str, size: str, seq: int, steps: int = 1) -> tuple[dict, dict]:
-    base = ["--model", str(VLM / f"tiny-{family}.json"), "--image-size", size, "--seq-len", str(seq)]
+def _audit_and_estimate(
+    tmp_path: Path, family: str, size: str | None, seq: int, steps: int = 1
+) -> tuple[dict, dict]:
+    base = ["--model", str(VLM / f"tiny-{family}.json"), "--seq-len", str(seq)]
+    base += ["--image-size", size] if size else []  # none: text-only rows (the seed's TEXT mode)
     base += ["--batch", "1", "--target-modules", "all-linear", "--steps", str(steps), "--quiet"]
     audit, estimate = tmp_path / "audit.json", tmp_path / "estimate.json"
     # exit 0 or 1 (a finding: tiny Qwen3-VL's deepstack activations have a weight's shape), the same for both
@@ -64,9 +67,13 @@ def test_the_sft_step_of_a_vlm_on_meta_equals_its_audit(tmp_path: Path) -> None:
         ("llava-next", "56x56", 256),
         ("qwen3.5", "56x56", 128),  # its thinking template's <think> markers
         ("qwen3-vl-moe", "56x56", 128),
+        ("qwen3-vl", None, 96),  # text-only rows: messages alone, tokenized in SFTTrainer's dataset preparation
+        ("gemma3", None, 96),
     ],
 )
-def test_every_family_with_a_template_equals_its_audit(tmp_path: Path, family: str, size: str, seq: int) -> None:
+def test_every_family_with_a_template_equals_its_audit(
+    tmp_path: Path, family: str, size: str | None, seq: int
+) -> None:
     audited, estimated = _audit_and_estimate(tmp_path, family, size, seq, steps=2)
     assert "SFTTrainer's own step" in estimated["config"]["recipe"]
     assert _figures(estimated) == _figures(audited)
@@ -100,11 +107,12 @@ def test_the_rows_are_seq_len_long_as_trls_collator_makes_them(family: str, size
 
 def test_what_sfttrainers_vlm_step_does_not_run_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     """A family SFTTrainer's step does not take yet (SmolVLM's processor renders its template only with its video
-    processor) and text-only rows of a vision-language model: asked for by name, one line naming what and the workaround (exit 2)."""
+    processor) and the tower's checkpointing turned off (Trainer turns checkpointing on inside train()): asked for
+    by name, one line naming what and the workaround (exit 2)."""
     smol = ["--model", str(VLM / "tiny-smolvlm.json"), "--image-size", "56x56", "--seq-len", "640"]
-    text_only = ["--model", str(VLM / "tiny-qwen2-vl.json"), "--seq-len", "64"]
+    tower = ["--model", str(VLM / "tiny-qwen2-vl.json"), "--image-size", "56x56", "--seq-len", "64"]
     smol_why = "SmolVLM (its processor renders the chat template only with its video processor"
-    for argv, what in ((smol, smol_why), (text_only, "text-only rows")):
+    for argv, what in ((smol, smol_why), ([*tower, "--no-tower-checkpointing"], "--no-tower-checkpointing")):
         assert main(["estimate", *argv, "--trainer", "sft", "--quiet"]) == 2
         err = capsys.readouterr().err.strip()
         assert what in err and "--trainer loop" in err and "\n" not in err, err

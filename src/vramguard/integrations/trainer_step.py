@@ -167,6 +167,10 @@ def make_trainer(q: QLoRAModel, trainer: str, args: Any, micro_batches: int, cal
                     raise
                 raise lora_refused(exc, q.model) from None
         refuse_tuple_routers(runner.model)
+        if getattr(q, "vision", None) is not None:
+            from vramguard.workload.vision_sft import check_prepared
+
+            check_prepared(runner, q.config.seq_len)
     from transformers.trainer_callback import PrinterCallback
 
     runner.remove_callback(PrinterCallback)

@@ -11,8 +11,9 @@ tokenizer's). The rows come out exactly ``seq_len`` tokens long as the collator 
 template's tokens included, as TRL's ``max_length`` counts them): the assistant turn is filled with
 :data:`~vramguard.workload.vision.FILLER` words to that length, measured with the collator itself.
 
-A family whose template is not registered (or what the trainer's step does not take yet: video, text-only rows,
-the tower's checkpointing turned off) is :func:`sft_refusal`'s one line: vramguard's loop prices it.
+Text-only rows (no ``--image-size``) are ``messages`` alone, which SFTTrainer tokenizes in its dataset preparation
+with the processor's chat template and collates as text. A family whose template is not registered (or what the
+trainer's step does not take yet: video, the tower's checkpointing turned off) is :func:`sft_refusal`'s one line: vramguard's loop prices it.
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ def sft_refusal(config: Any, model_type: str) -> str | None:
     unregistered = f"a {model_type} model (its chat template is not registered in vramguard.workload.vision_sft)"
     not_yet = {
         SFT_NOT_YET.get(model_type, unregistered): model_type not in SFT_TEMPLATES,
-        "text-only rows of a vision-language model": not config.image_size and not config.video_frames,
         "video rows": bool(config.video_frames),
         "--no-tower-checkpointing": config.gradient_checkpointing and not config.tower_checkpointing,
     }
@@ -109,20 +109,34 @@ def sft_processor(setup: Any, config: Any) -> Any:
 
 
 def _row(setup: Any, words: int, seed: int) -> dict[str, Any]:
-    """A dataset row: ``setup``'s images (noise, deterministic in ``seed``) and a user turn of one word, the
-    assistant's of ``words`` words (TRL puts the images before the first user turn's text)."""
-    images = [synthetic_image(*setup.image_size, seed)] * setup.images_per_row
+    """A dataset row: ``setup``'s images (noise, deterministic in ``seed``; none for text-only rows) and a user
+    turn of one word, the assistant's of ``words`` words (TRL puts the images before the first user turn's text)."""
     answer = " ".join([FILLER] * words)
     turns = [{"role": "user", "content": FILLER}, {"role": "assistant", "content": answer}]
-    return {"images": images, "messages": turns}
+    if setup.image_size is None:
+        return {"messages": turns}
+    return {"images": [synthetic_image(*setup.image_size, seed)] * setup.images_per_row, "messages": turns}
 
 
 def _length(processor: Any, row: dict[str, Any]) -> int:
-    """The tokens TRL's vision collator makes of ``row`` (a copy: the collator rewrites its rows)."""
+    """The tokens TRL makes of ``row``: its vision collator's (a copy: the collator rewrites its rows), or for a
+    text-only row its dataset preparation's tokenization of the messages (``trl.data_utils._tokenize``, the
+    processor's chat template; SFTTrainer's check of the prepared rows is :func:`check_prepared`)."""
+    from trl.data_utils import _tokenize
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
+    if "images" not in row:
+        return len(_tokenize(processor, row["messages"])["input_ids"])
     made = DataCollatorForVisionLanguageModeling(processor=processor)([dict(row)])
     return int(made["input_ids"].shape[-1])
+
+
+def check_prepared(runner: Any, seq_len: int) -> None:
+    """Text-only rows as SFTTrainer prepared them (tokenized, truncated to ``max_length``) are ``seq_len`` long,
+    else one line: a check of :func:`sft_rows` against TRL's own preparation."""
+    data = runner.train_dataset
+    if "input_ids" in data.column_names and len(data[0]["input_ids"]) != seq_len:
+        raise UsageError(f"SFTTrainer prepared rows of {len(data[0]['input_ids'])} tokens for seq-len {seq_len}")
 
 
 def sft_rows(setup: Any, processor: Any, config: Any, count: int) -> list[dict[str, Any]]:
@@ -130,10 +144,12 @@ def sft_rows(setup: Any, processor: Any, config: Any, count: int) -> list[dict[s
     them with ``processor``; a row the images and the template alone overflow is one line naming their tokens."""
     used = _length(processor, _row(setup, 0, config.seed))
     if used > config.seq_len:
+        size = setup.image_size
+        what = f"{setup.images_per_row} image(s) of {size[0]}x{size[1]} and the chat template" if size else "the chat template"
         raise UsageError(
-            f"{setup.images_per_row} image(s) of {setup.image_size[0]}x{setup.image_size[1]} and the chat template "
-            f"take {used} tokens in {setup.family.name}'s rows under SFTTrainer ({setup.rows.image_tokens} image "
-            f"tokens), more than seq-len {config.seq_len}: raise seq-len or lower the image size"
+            f"{what} take {used} tokens in {setup.family.name}'s rows under SFTTrainer ({setup.rows.image_tokens} "
+            f"image tokens), more than seq-len {config.seq_len}: raise seq-len"
+            + (" or lower the image size" if size else "")
         )
     rows = [_row(setup, config.seq_len - used, config.seed + i) for i in range(count)]
     got = _length(processor, rows[0])
@@ -170,6 +186,7 @@ __all__ = [
     "SFT_NOT_YET",
     "SFT_TEMPLATES",
     "SftTemplate",
+    "check_prepared",
     "sft_data",
     "sft_processor",
     "sft_refusal",

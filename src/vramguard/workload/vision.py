@@ -160,10 +160,16 @@ class ImageSteps:
     max_pixels: int
     min_pixels: int
     resize: Callable[..., tuple[int, int]]
+    frames: int | None = None
+    """GLM-4V's resize (None: Qwen's, which takes none): the frames its image processor gives an image to
+    (``num_frames`` and ``temporal_factor``, its ``temporal_patch_size``, 2), whose pixels together are bounded by
+    ``min_pixels`` / ``max_pixels``: an image's own bounds are half of them."""
 
     def resized(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) the processor makes of a ``height`` x ``width`` image."""
-        h, w = self.resize(height, width, factor=self.step, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        frames = {} if self.frames is None else {"num_frames": self.frames, "temporal_factor": self.frames}
+        bounds = {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
+        h, w = self.resize(height=height, width=width, factor=self.step, **bounds, **frames)
         return int(h), int(w)
 
 
@@ -188,6 +194,27 @@ def _qwen_image(c: Any, min_pixels: int, max_pixels: int) -> dict[str, Any]:
         "temporal_patch_size": int(v.temporal_patch_size),
         "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
     }
+
+
+_GLM4V_IMAGE = "Glm4vImageProcessorPil"
+
+
+def _glm4v_steps(c: Any) -> ImageSteps:
+    """GLM-4V's image processor's rounding (its own ``smart_resize``, as its ``resize`` calls it): each side in
+    ``patch_size * merge_size`` steps (28 pixels), the image taken as ``temporal_patch_size`` frames bounded
+    together by its class's ``size`` (``shortest_edge`` 12,544, ``longest_edge`` 11,760,000 pixels: what
+    :func:`family_processor` builds it with)."""
+    import transformers
+
+    v = c.vision_config
+    size = getattr(transformers, _GLM4V_IMAGE).size
+    return ImageSteps(
+        step=int(v.patch_size) * int(v.spatial_merge_size),
+        max_pixels=int(size["longest_edge"]),
+        min_pixels=int(size["shortest_edge"]),
+        resize=processor_resize(_GLM4V_IMAGE),
+        frames=int(v.temporal_patch_size),
+    )
 
 
 _QWEN_TOKENS: tuple[tuple[str | None, str, str | None], ...] = (
@@ -303,7 +330,7 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
     "glm4v": VisionFamily(
         name="GLM-4V",
         processor="Glm4vProcessor",
-        image_processor="Glm4vImageProcessorPil",
+        image_processor=_GLM4V_IMAGE,
         tokens=(
             ("image_token", "<|image|>", "image_token_id"),
             ("video_token", "<|video|>", "video_token_id"),
@@ -320,6 +347,7 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         },
         tower_path="model.visual",
         projector_paths=("model.visual.merger",),
+        image_steps=_glm4v_steps,
     ),
     "gemma3": VisionFamily(
         name="Gemma 3",

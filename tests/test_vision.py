@@ -761,9 +761,9 @@ def test_trainer_callback_on_a_vlm_splits_its_ledger_by_stack(tmp_path: Path) ->
     assert len(notes) == 1 and "vision tower" in notes[0] and "projector" in notes[0], report.verdict.notes
 
 
-# -- video frames (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; transformers' video processors need torchvision) -------
+# -- video frames (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5; video processors need torchvision) ---
 
-VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5")
 """The tiny fixtures of the families whose video rows vramguard makes."""
 
 
@@ -822,6 +822,9 @@ def test_video_rows_are_the_video_processors(name: str) -> None:
         ("qwen2.5-vl", (3136, 12845056)),
         # Qwen3-VL's video_preprocessor_config.json: size {"shortest_edge": 4096, "longest_edge": 25165824}
         ("qwen3-vl", (4096, 25165824)),
+        # Qwen3-VL-MoE and Qwen3.5 load Qwen3-VL's video processor (Qwen3VLProcessor) with its bounds
+        ("qwen3-vl-moe", (4096, 25165824)),
+        ("qwen3.5", (4096, 25165824)),
     ],
 )
 def test_the_video_processor_has_the_pixel_bounds_users_load(name: str, bounds: tuple[int, int]) -> None:
@@ -905,7 +908,7 @@ def test_video_without_torchvision_is_a_one_line_refusal(capsys: pytest.CaptureF
         ("llava", [], "LLaVA takes no video in transformers"),
         ("gemma3", [], "Gemma 3 takes no video in transformers"),
         ("glm4v", [], "takes video, but vramguard does not make its video rows yet"),
-        ("qwen3-vl-moe", [], "takes video, but vramguard does not make its video rows yet"),
+        ("smolvlm", [], "takes video, but vramguard does not make its video rows yet"),
         ("qwen2-vl", ["--video-size", ""], "video-frames and video-size go together"),
         ("qwen2-vl", ["--video-size", "56"], "video-size: image size must be HxW"),
         ("qwen2-vl", ["--video-frames", "769"], "video-frames must be an integer from 1 to 768"),
@@ -915,7 +918,7 @@ def test_video_without_torchvision_is_a_one_line_refusal(capsys: pytest.CaptureF
             "is 12,884,901,888 pixels, more than the 268,435,456",
         ),
     ],
-    ids=["llava", "gemma3", "glm4v", "qwen3-vl-moe", "no-size", "bad-size", "too-many", "too-many-pixels"],
+    ids=["llava", "gemma3", "glm4v", "smolvlm", "no-size", "bad-size", "too-many", "too-many-pixels"],
 )
 def test_video_options_a_run_cannot_take_are_one_line_exit_2(
     model: str, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]

@@ -324,9 +324,9 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_vl": _qwen("Qwen2-VL", "Qwen2VLProcessor", _QWEN2, "Qwen2VLVideoProcessor", _QWEN2_VIDEO),
     "qwen2_5_vl": _qwen("Qwen2.5-VL", "Qwen2_5_VLProcessor", _QWEN2, "Qwen2VLVideoProcessor", _QWEN2_VIDEO),
     "qwen3_vl": _qwen("Qwen3-VL", "Qwen3VLProcessor", _QWEN3, "Qwen3VLVideoProcessor", _QWEN3_VIDEO),
-    "qwen3_vl_moe": _qwen("Qwen3-VL-MoE", "Qwen3VLProcessor", _QWEN3),
-    "qwen3_5": _qwen("Qwen3.5", "Qwen3VLProcessor", _QWEN3),
-    "qwen3_5_moe": _qwen("Qwen3.5-MoE", "Qwen3VLProcessor", _QWEN3),
+    "qwen3_vl_moe": _qwen("Qwen3-VL-MoE", "Qwen3VLProcessor", _QWEN3, "Qwen3VLVideoProcessor", _QWEN3_VIDEO),
+    "qwen3_5": _qwen("Qwen3.5", "Qwen3VLProcessor", _QWEN3, "Qwen3VLVideoProcessor", _QWEN3_VIDEO),
+    "qwen3_5_moe": _qwen("Qwen3.5-MoE", "Qwen3VLProcessor", _QWEN3, "Qwen3VLVideoProcessor", _QWEN3_VIDEO),
     "glm4v": VisionFamily(
         name="GLM-4V",
         processor="Glm4vProcessor",

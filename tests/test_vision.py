@@ -761,9 +761,9 @@ def test_trainer_callback_on_a_vlm_splits_its_ledger_by_stack(tmp_path: Path) ->
     assert len(notes) == 1 and "vision tower" in notes[0] and "projector" in notes[0], report.verdict.notes
 
 
-# -- video frames (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5; video processors need torchvision) ---
+# -- video frames (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4V; they need torchvision) ---
 
-VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5")
+VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "glm4v")
 """The tiny fixtures of the families whose video rows vramguard makes."""
 
 
@@ -794,18 +794,24 @@ def test_video_rows_are_the_video_processors(name: str) -> None:
     """The family's video processor makes pixel_values_videos and video_grid_thw: 2 frames a temporal patch
     (an odd count padded with its last frame: 3 frames take the temporal patches of 4), each temporal patch
     ``grid_h * grid_w / merge**2`` video tokens in the row, the row --seq-len long, its video tokens masked in
-    the labels; no image inputs."""
+    the labels; no image inputs. GLM-4V's processor writes each temporal patch as an image (its image token
+    between the image markers, then the timestamp) inside the video's markers: its video tokens are the ones its
+    ``mm_token_type_ids`` mark 2."""
     if _video_missing():
         pytest.skip("transformers' video processors need torchvision")
     config, _ = load_vision_config(FIXTURES[name])
     merge = int(config.vision_config.spatial_merge_size)
     for frames, temporal in ((3, 2), (4, 2), (8, 4)):
-        _family, rows = _video_rows(name, frames)
+        family, rows = _video_rows(name, frames)
         ((t, h, w),) = rows.inputs["video_grid_thw"].tolist()
         assert t == temporal, (name, frames)
         assert rows.video_tokens == t * h * w // merge**2 > 0
         ids = rows.inputs["input_ids"]
-        assert ids.shape == (1, 640) and int((ids == config.video_token_id).sum()) == rows.video_tokens
+        video = ids == config.video_token_id if family.video_token else rows.inputs["mm_token_type_ids"] == 2
+        assert ids.shape == (1, 640) and int(video.sum()) == rows.video_tokens
+        if not family.video_token:  # GLM-4V: the video's tokens are image tokens, one frame marker pair a patch
+            assert int((ids == config.image_token_id).sum()) == rows.video_tokens
+            assert int((ids == config.image_start_token_id).sum()) == t
         assert int((rows.inputs["labels"] == -100).sum()) == rows.video_tokens
         assert rows.inputs["pixel_values_videos"].shape[0] == t * h * w
         assert "pixel_values" not in rows.inputs and rows.image_tokens == 0
@@ -907,7 +913,7 @@ def test_video_without_torchvision_is_a_one_line_refusal(capsys: pytest.CaptureF
     [
         ("llava", [], "LLaVA takes no video in transformers"),
         ("gemma3", [], "Gemma 3 takes no video in transformers"),
-        ("glm4v", [], "takes video, but vramguard does not make its video rows yet"),
+        ("internvl", [], "takes video, but vramguard does not make its video rows yet"),
         ("smolvlm", [], "takes video, but vramguard does not make its video rows yet"),
         ("qwen2-vl", ["--video-size", ""], "video-frames and video-size go together"),
         ("qwen2-vl", ["--video-size", "56"], "video-size: image size must be HxW"),
@@ -918,7 +924,7 @@ def test_video_without_torchvision_is_a_one_line_refusal(capsys: pytest.CaptureF
             "is 12,884,901,888 pixels, more than the 268,435,456",
         ),
     ],
-    ids=["llava", "gemma3", "glm4v", "smolvlm", "no-size", "bad-size", "too-many", "too-many-pixels"],
+    ids=["llava", "gemma3", "internvl", "smolvlm", "no-size", "bad-size", "too-many", "too-many-pixels"],
 )
 def test_video_options_a_run_cannot_take_are_one_line_exit_2(
     model: str, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]

@@ -106,6 +106,11 @@ class VisionFamily:
     video_placeholder: str = ""
     """The text one video takes in a prompt before the processor expands it (as the chat template writes
     it)."""
+    video_token: str | None = "<|video_pad|>"
+    """The token whose positions take the video's features, counted as the row's video tokens (Qwen's
+    ``<|video_pad|>``). None: the video's frames take the image token, and the processor's ``mm_token_type_ids``
+    tell them apart (:data:`VIDEO_TOKEN_TYPE`; GLM-4V writes each frame as an image between the video's
+    markers)."""
 
     def stack_of(self, module: str) -> str:
         """Which stack the module of qualified name ``module`` belongs to: ``vision tower``, ``projector`` or
@@ -348,6 +353,9 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         tower_path="model.visual",
         projector_paths=("model.visual.merger",),
         image_steps=_glm4v_steps,
+        video_processor="Glm4vVideoProcessor",
+        video_placeholder="<|begin_of_video|><|video|><|end_of_video|>",
+        video_token=None,
     ),
     "gemma3": VisionFamily(
         name="Gemma 3",
@@ -859,21 +867,18 @@ class ImageRows:
 _ROW_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
 
 
-def _video_options(videos: list[Any] | None) -> dict[str, Any]:
+def _video_options(processor: Any, videos: list[Any] | None) -> dict[str, Any]:
     """The processor call's video options: the frames as given (no sampling), their metadata at
-    :data:`VIDEO_FPS`, and the per-frame pixel bound of transformers 5.23's default (``cap_pixels_per_frame``
-    False, said so to silence its warning)."""
+    :data:`VIDEO_FPS`, and where the video processor has one (Qwen3-VL's) the per-frame pixel bound of
+    transformers 5.23's default (``cap_pixels_per_frame`` False, said so to silence its warning; another video
+    processor warns of it as an argument it ignores)."""
     if not videos:
         return {}
     metadata = [
         {"fps": VIDEO_FPS, "total_num_frames": len(v), "frames_indices": list(range(len(v)))} for v in videos
     ]
-    return {
-        "videos": videos,
-        "do_sample_frames": False,
-        "video_metadata": metadata,
-        "cap_pixels_per_frame": False,
-    }
+    cap = {"cap_pixels_per_frame": False} if hasattr(processor.video_processor, "cap_pixels_per_frame") else {}
+    return {"videos": videos, "do_sample_frames": False, "video_metadata": metadata, **cap}
 
 
 def _process(
@@ -882,11 +887,16 @@ def _process(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            options = {**getattr(processor, "vramguard_call_options", {}), **_video_options(videos)}
+            options = getattr(processor, "vramguard_call_options", {})
+            options = {**options, **_video_options(processor, videos)}
             return dict(processor(images=images, text=texts, return_tensors="pt", **options))
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             what = "these videos" if videos else "these images" if images else "text-only rows"
             raise UsageError(f"{type(processor).__name__} refuses {what}: {first_line(exc)}") from None
+
+
+VIDEO_TOKEN_TYPE = 2
+"""The ``mm_token_type_ids`` value of a video's tokens (transformers' processors: 0 text, 1 image, 2 video)."""
 
 
 def _tokens_of(
@@ -895,11 +905,19 @@ def _tokens_of(
     prompt: str,
     images: list[Any] | None,
     videos: list[Any] | None = None,
+    typed: bool = False,
 ) -> tuple[int, ...]:
     """(tokens a row of ``prompt`` with its images and videos takes, then the count of each of ``ids`` among
-    them), as ``processor`` expands it."""
-    bare = _process(processor, images, [prompt], videos)["input_ids"]
-    return (int(bare.shape[-1]), *(int((bare == i).sum()) for i in ids))
+    them), as ``processor`` expands it. ``typed``: the video's tokens are the first id's too (GLM-4V's frames
+    take the image token), counted apart by the processor's ``mm_token_type_ids``: then (tokens, the first id's
+    outside the video, the video's)."""
+    out = _process(processor, images, [prompt], videos)
+    bare = out["input_ids"]
+    counts = [int((bare == i).sum()) for i in ids]
+    if typed:
+        video = int((out["mm_token_type_ids"] == VIDEO_TOKEN_TYPE).sum())
+        counts = [counts[0] - video, video, *counts[1:]]
+    return (int(bare.shape[-1]), *counts)
 
 
 def row_tokens(
@@ -955,10 +973,13 @@ def image_rows(
         images_per_row = 0
     elif not 0 < images_per_row <= MAX_IMAGES_PER_ROW:
         raise UsageError(f"images per row must be between 1 and {MAX_IMAGES_PER_ROW}, got {images_per_row}")
-    ids = (image_id, token_ids(family, hf_config, vocab_size)["<|video_pad|>"]) if video else (image_id,)
+    typed = video is not None and family.video_token is None
+    ids = (image_id,)
+    if video is not None and family.video_token is not None:
+        ids += (token_ids(family, hf_config, vocab_size)[family.video_token],)
     prompt = family.placeholder * images_per_row + (family.video_placeholder if video else "")
     media = _media(image_size, images_per_row, video, seed)
-    used, image_tokens, *video_tokens = _tokens_of(processor, ids, prompt, *media)
+    used, image_tokens, *video_tokens = _tokens_of(processor, ids, prompt, *media, typed=typed)
     if used > seq_len:
         raise UsageError(
             f"{_asked(image_size, images_per_row, video)} take {used} tokens in {family.name}'s rows "

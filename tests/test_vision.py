@@ -761,10 +761,12 @@ def test_trainer_callback_on_a_vlm_splits_its_ledger_by_stack(tmp_path: Path) ->
     assert len(notes) == 1 and "vision tower" in notes[0] and "projector" in notes[0], report.verdict.notes
 
 
-# -- video frames (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4V; they need torchvision) ---
+# -- video frames (Qwen2-VL/2.5-VL/3-VL/3-VL-MoE, Qwen3.5, GLM-4V, InternVL; they need torchvision) ----
 
-VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "glm4v")
-"""The tiny fixtures of the families whose video rows vramguard makes."""
+GRID_VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "glm4v")
+"""The tiny fixtures of the families whose video processor makes ``pixel_values_videos`` and ``video_grid_thw``."""
+VIDEO_FAMILIES = (*GRID_VIDEO_FAMILIES, "internvl")
+"""The tiny fixtures of the families whose video rows vramguard makes (InternVL's frames are images)."""
 
 
 def _video_missing() -> bool:
@@ -789,7 +791,7 @@ def _video_rows(name: str, frames: int, size: tuple[int, int] = (56, 56), seq: i
     return family, image_rows(family, config, 512, None, seq, video=VideoAsk(frames, size))
 
 
-@pytest.mark.parametrize("name", VIDEO_FAMILIES)
+@pytest.mark.parametrize("name", GRID_VIDEO_FAMILIES)
 def test_video_rows_are_the_video_processors(name: str) -> None:
     """The family's video processor makes pixel_values_videos and video_grid_thw: 2 frames a temporal patch
     (an odd count padded with its last frame: 3 frames take the temporal patches of 4), each temporal patch
@@ -891,7 +893,32 @@ def test_video_audit_and_estimate_commands_agree_to_the_byte(name: str, tmp_path
         notes = [n for n in a["verdict"]["notes"] if "vision" in n]
         assert notes == [n for n in e["verdict"]["notes"] if "vision" in n]
         asked = f"a video of {frames} frames of 56x84"
-        assert any(asked in n and "video_grid_thw [[" in n for n in notes), notes
+        made = f"pixel_values {frames}x3x56x56" if name == "internvl" else "video_grid_thw [["
+        assert any(asked in n and made in n for n in notes), notes
+
+
+def test_internvl_video_frames_are_images() -> None:
+    """InternVL's processor resizes each frame to the tower's image size (InternVLVideoProcessor) and writes it as
+    an image, ``FrameN: <img>`` and image_seq_length image tokens ``</img>``, its pixels among the images' in
+    ``pixel_values``: no temporal patches (3 frames are 3 images), and the row's video tokens are the image
+    tokens the video adds to its images' own."""
+    if _video_missing():
+        pytest.skip("transformers' video processors need torchvision")
+    from vramguard.workload.vision import VideoAsk
+
+    config, _ = load_vision_config(FIXTURES["internvl"])
+    family = family_of(config.model_type)
+    per_frame = (56 // 14) ** 2 // 4  # (image_size / patch_size)^2 * downsample_ratio^2
+    for frames in (3, 8):
+        _family, rows = _video_rows("internvl", frames, (56, 84))
+        assert (rows.video_tokens, rows.image_tokens) == (frames * per_frame, 0)
+        assert tuple(rows.inputs["pixel_values"].shape) == (frames, 3, 56, 56)
+        ids = rows.inputs["input_ids"]
+        assert ids.shape == (1, 640) and int((ids == config.image_token_id).sum()) == rows.video_tokens
+        assert int((rows.inputs["labels"] == -100).sum()) == rows.video_tokens
+        both = image_rows(family, config, 512, (56, 56), 640, video=VideoAsk(frames, (56, 84)))
+        assert (both.image_tokens, both.video_tokens) == (per_frame, frames * per_frame)
+        assert tuple(both.inputs["pixel_values"].shape) == (frames + 1, 3, 56, 56)
 
 
 def test_video_without_torchvision_is_a_one_line_refusal(capsys: pytest.CaptureFixture[str]) -> None:
@@ -913,7 +940,6 @@ def test_video_without_torchvision_is_a_one_line_refusal(capsys: pytest.CaptureF
     [
         ("llava", [], "LLaVA takes no video in transformers"),
         ("gemma3", [], "Gemma 3 takes no video in transformers"),
-        ("internvl", [], "takes video, but vramguard does not make its video rows yet"),
         ("smolvlm", [], "takes video, but vramguard does not make its video rows yet"),
         ("qwen2-vl", ["--video-size", ""], "video-frames and video-size go together"),
         ("qwen2-vl", ["--video-size", "56"], "video-size: image size must be HxW"),
@@ -924,7 +950,7 @@ def test_video_without_torchvision_is_a_one_line_refusal(capsys: pytest.CaptureF
             "is 12,884,901,888 pixels, more than the 268,435,456",
         ),
     ],
-    ids=["llava", "gemma3", "internvl", "smolvlm", "no-size", "bad-size", "too-many", "too-many-pixels"],
+    ids=["llava", "gemma3", "smolvlm", "no-size", "bad-size", "too-many", "too-many-pixels"],
 )
 def test_video_options_a_run_cannot_take_are_one_line_exit_2(
     model: str, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]

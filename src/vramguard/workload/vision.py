@@ -108,9 +108,12 @@ class VisionFamily:
     it)."""
     video_token: str | None = "<|video_pad|>"
     """The token whose positions take the video's features, counted as the row's video tokens (Qwen's
-    ``<|video_pad|>``). None: the video's frames take the image token, and the processor's ``mm_token_type_ids``
-    tell them apart (:data:`VIDEO_TOKEN_TYPE`; GLM-4V writes each frame as an image between the video's
-    markers)."""
+    ``<|video_pad|>``). None: the video's frames take the image token (GLM-4V writes each temporal patch as an
+    image between the video's markers, InternVL each frame as an image after ``FrameN:``), so the row's video
+    tokens are the image token's count less that of the row's images alone (:func:`_media_tokens`)."""
+    video_processor_kwargs: Callable[[Any], dict[str, Any]] | None = None
+    """What the video processor is built with (its checkpoints' ``video_preprocessor_config.json``); None: the
+    tower's patch, merge and temporal patch sizes (Qwen's and GLM-4V's) and :attr:`video_size`."""
 
     def stack_of(self, module: str) -> str:
         """Which stack the module of qualified name ``module`` belongs to: ``vision tower``, ``projector`` or
@@ -465,6 +468,11 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         ),
         placeholder="<IMG_CONTEXT>",
         image_processor_kwargs=lambda c: {"size": _square(c), "crop_to_patches": True},
+        video_processor="InternVLVideoProcessor",
+        video_placeholder="<video>",
+        video_token=None,
+        # frames resized to the tower's image size, as its image tiles are (the class default: 384x384)
+        video_processor_kwargs=lambda c: {"size": _square(c)},
         processor_kwargs=lambda c: {
             "image_seq_length": int(
                 (_side(c.vision_config.image_size) // _side(c.vision_config.patch_size)) ** 2
@@ -720,6 +728,8 @@ def _video_processor(family: VisionFamily, hf_config: Any) -> Any:
             f"{family.name}'s video processor ({family.video_processor}) needs the torchvision package: pip "
             "install torchvision, a build matching this torch (e.g. torch 2.14.1 with torchvision 0.29.1)"
         )
+    if family.video_processor_kwargs is not None:
+        return getattr(transformers, family.video_processor)(**family.video_processor_kwargs(hf_config))
     v = hf_config.vision_config
     size = {"size": dict(family.video_size)} if family.video_size is not None else {}
     return getattr(transformers, family.video_processor)(
@@ -895,29 +905,33 @@ def _process(
             raise UsageError(f"{type(processor).__name__} refuses {what}: {first_line(exc)}") from None
 
 
-VIDEO_TOKEN_TYPE = 2
-"""The ``mm_token_type_ids`` value of a video's tokens (transformers' processors: 0 text, 1 image, 2 video)."""
-
-
 def _tokens_of(
     processor: Any,
     ids: tuple[int, ...],
     prompt: str,
     images: list[Any] | None,
     videos: list[Any] | None = None,
-    typed: bool = False,
 ) -> tuple[int, ...]:
     """(tokens a row of ``prompt`` with its images and videos takes, then the count of each of ``ids`` among
-    them), as ``processor`` expands it. ``typed``: the video's tokens are the first id's too (GLM-4V's frames
-    take the image token), counted apart by the processor's ``mm_token_type_ids``: then (tokens, the first id's
-    outside the video, the video's)."""
-    out = _process(processor, images, [prompt], videos)
-    bare = out["input_ids"]
-    counts = [int((bare == i).sum()) for i in ids]
-    if typed:
-        video = int((out["mm_token_type_ids"] == VIDEO_TOKEN_TYPE).sum())
-        counts = [counts[0] - video, video, *counts[1:]]
-    return (int(bare.shape[-1]), *counts)
+    them), as ``processor`` expands it."""
+    bare = _process(processor, images, [prompt], videos)["input_ids"]
+    return (int(bare.shape[-1]), *(int((bare == i).sum()) for i in ids))
+
+
+def _media_tokens(
+    family: VisionFamily, processor: Any, ids: tuple[int, ...], prompt: str, media: tuple[Any, Any]
+) -> tuple[int, int, list[int]]:
+    """(tokens of a row of ``prompt`` with ``media``, its images' tokens, its video's tokens as a list: one count
+    with a video, none without), as ``processor`` expands them. Where the video's frames take the image token
+    (:attr:`VisionFamily.video_token` None) the images' own are counted by the processor on the row without the
+    video."""
+    used, image_tokens, *video_tokens = _tokens_of(processor, ids, prompt, *media)
+    if media[1] and family.video_token is None:
+        alone = 0
+        if media[0]:
+            alone = _tokens_of(processor, ids, prompt.replace(family.video_placeholder, ""), media[0])[1]
+        image_tokens, video_tokens = alone, [image_tokens - alone]
+    return used, image_tokens, video_tokens
 
 
 def row_tokens(
@@ -973,13 +987,13 @@ def image_rows(
         images_per_row = 0
     elif not 0 < images_per_row <= MAX_IMAGES_PER_ROW:
         raise UsageError(f"images per row must be between 1 and {MAX_IMAGES_PER_ROW}, got {images_per_row}")
-    typed = video is not None and family.video_token is None
     ids = (image_id,)
     if video is not None and family.video_token is not None:
         ids += (token_ids(family, hf_config, vocab_size)[family.video_token],)
     prompt = family.placeholder * images_per_row + (family.video_placeholder if video else "")
-    media = _media(image_size, images_per_row, video, seed)
-    used, image_tokens, *video_tokens = _tokens_of(processor, ids, prompt, *media, typed=typed)
+    used, image_tokens, video_tokens = _media_tokens(
+        family, processor, ids, prompt, _media(image_size, images_per_row, video, seed)
+    )
     if used > seq_len:
         raise UsageError(
             f"{_asked(image_size, images_per_row, video)} take {used} tokens in {family.name}'s rows "

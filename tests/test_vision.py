@@ -765,8 +765,9 @@ def test_trainer_callback_on_a_vlm_splits_its_ledger_by_stack(tmp_path: Path) ->
 
 GRID_VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "glm4v")
 """The tiny fixtures of the families whose video processor makes ``pixel_values_videos`` and ``video_grid_thw``."""
-VIDEO_FAMILIES = (*GRID_VIDEO_FAMILIES, "internvl")
-"""The tiny fixtures of the families whose video rows vramguard makes (InternVL's frames are images)."""
+VIDEO_FAMILIES = (*GRID_VIDEO_FAMILIES, "internvl", "smolvlm")
+"""The tiny fixtures of the families whose video rows vramguard makes (InternVL's and SmolVLM's frames are
+images)."""
 
 
 def _video_missing() -> bool:
@@ -893,8 +894,54 @@ def test_video_audit_and_estimate_commands_agree_to_the_byte(name: str, tmp_path
         notes = [n for n in a["verdict"]["notes"] if "vision" in n]
         assert notes == [n for n in e["verdict"]["notes"] if "vision" in n]
         asked = f"a video of {frames} frames of 56x84"
-        made = f"pixel_values {frames}x3x56x56" if name == "internvl" else "video_grid_thw [["
+        made = {"internvl": f"pixel_values {frames}x3x56x56", "smolvlm": f"pixel_values 1x{frames}x3x56x56"}
+        made = made.get(name, "video_grid_thw [[")
         assert any(asked in n and made in n for n in notes), notes
+
+
+def test_smolvlm_video_frames_are_images_and_a_row_holds_no_image_beside_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SmolVLM's video processor resizes each frame to the tower's size (as its image processor resizes an image
+    before splitting it) and its processor writes each as an image after 'Frame from MM:SS:' (image_seq_len image
+    tokens between its markers, no global token), the frames in ``pixel_values`` (batch x frames x 3 x H x W):
+    3 frames are 3 images. It returns them under the images' own name, so a row with an image and a video would
+    have the video's pixels for both: that is one line."""
+    from vramguard.cli.app import main
+
+    if _video_missing():
+        pytest.skip("transformers' video processors need torchvision")
+    config, _ = load_vision_config(FIXTURES["smolvlm"])
+    per_frame = (56 // 14) ** 2 // int(config.scale_factor) ** 2
+    for frames in (3, 8):
+        _family, rows = _video_rows("smolvlm", frames, (56, 84))
+        assert (rows.video_tokens, rows.image_tokens) == (frames * per_frame, 0)
+        assert tuple(rows.inputs["pixel_values"].shape) == (1, frames, 3, 56, 56)
+        ids = rows.inputs["input_ids"]
+        assert int((ids == config.image_token_id).sum()) == rows.video_tokens
+        assert int((rows.inputs["labels"] == -100).sum()) == rows.video_tokens
+    argv = ["estimate", "--model", str(FIXTURES["smolvlm"]), "--video-frames", "3", "--video-size", "56x56"]
+    assert main([*argv, "--image-size", "56x56", "--seq-len", "640", "--target-modules", "all-linear"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "a row cannot hold both: give --image-size or --video-frames" in err and "\n" not in err
+
+
+def test_a_family_whose_video_rows_are_not_made_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A family registered without its video processor, whose processor takes video (SmolVLM's, here unregistered):
+    the one line says so and names the families whose video rows are made."""
+    import dataclasses
+
+    from vramguard.cli.app import main
+
+    family = VISION_FAMILIES["smolvlm"]
+    monkeypatch.setitem(VISION_FAMILIES, "smolvlm", dataclasses.replace(family, video_processor=None))
+    argv = ["estimate", "--model", str(FIXTURES["smolvlm"]), "--video-frames", "4", "--video-size", "56x56"]
+    assert main([*argv, "--seq-len", "640", "--target-modules", "all-linear"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "SmolVLM's processor (SmolVLMProcessor) takes video, but vramguard does not make its video rows yet" in err
+    assert "done: Qwen2-VL" in err and "InternVL" in err and "\n" not in err
 
 
 def test_internvl_video_frames_are_images() -> None:
@@ -940,7 +987,6 @@ def test_video_without_torchvision_is_a_one_line_refusal(capsys: pytest.CaptureF
     [
         ("llava", [], "LLaVA takes no video in transformers"),
         ("gemma3", [], "Gemma 3 takes no video in transformers"),
-        ("smolvlm", [], "takes video, but vramguard does not make its video rows yet"),
         ("qwen2-vl", ["--video-size", ""], "video-frames and video-size go together"),
         ("qwen2-vl", ["--video-size", "56"], "video-size: image size must be HxW"),
         ("qwen2-vl", ["--video-frames", "769"], "video-frames must be an integer from 1 to 768"),
@@ -950,7 +996,7 @@ def test_video_without_torchvision_is_a_one_line_refusal(capsys: pytest.CaptureF
             "is 12,884,901,888 pixels, more than the 268,435,456",
         ),
     ],
-    ids=["llava", "gemma3", "smolvlm", "no-size", "bad-size", "too-many", "too-many-pixels"],
+    ids=["llava", "gemma3", "no-size", "bad-size", "too-many", "too-many-pixels"],
 )
 def test_video_options_a_run_cannot_take_are_one_line_exit_2(
     model: str, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]

@@ -111,6 +111,9 @@ class VisionFamily:
     ``<|video_pad|>``). None: the video's frames take the image token (GLM-4V writes each temporal patch as an
     image between the video's markers, InternVL each frame as an image after ``FrameN:``), so the row's video
     tokens are the image token's count less that of the row's images alone (:func:`_media_tokens`)."""
+    video_with_images: bool = True
+    """A row may hold images and a video (False: SmolVLM's processor returns a video's frames under the images'
+    own name, ``pixel_values``, so the video's replace the images' and the row's image tokens have no pixels)."""
     video_processor_kwargs: Callable[[Any], dict[str, Any]] | None = None
     """What the video processor is built with (its checkpoints' ``video_preprocessor_config.json``); None: the
     tower's patch, merge and temporal patch sizes (Qwen's and GLM-4V's) and :attr:`video_size`."""
@@ -455,6 +458,11 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         processor="SmolVLMProcessor",
         image_processor="SmolVLMImageProcessorPil",
         needs=("num2words",),
+        video_processor="SmolVLMVideoProcessor",
+        video_placeholder="<video>",
+        video_token=None,
+        video_processor_kwargs=_idefics_image,  # (frames resized as the images are, to the tower's size)
+        video_with_images=False,
     ),
     "internvl": VisionFamily(
         name="InternVL",
@@ -985,6 +993,11 @@ def image_rows(
         return ImageRows(inputs=inputs, image_tokens=0, text_tokens=int(inputs["input_ids"].shape[-1]))
     if image_size is None:
         images_per_row = 0
+    elif video is not None and not family.video_with_images:
+        raise UsageError(
+            f"{family.name}'s processor returns a video's frames as pixel_values, the images' own name, so a row "
+            "cannot hold both: give --image-size or --video-frames"
+        )
     elif not 0 < images_per_row <= MAX_IMAGES_PER_ROW:
         raise UsageError(f"images per row must be between 1 and {MAX_IMAGES_PER_ROW}, got {images_per_row}")
     ids = (image_id,)

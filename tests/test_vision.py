@@ -944,6 +944,38 @@ def test_a_family_whose_video_rows_are_not_made_is_one_line(
     assert "done: Qwen2-VL" in err and "InternVL" in err and "\n" not in err
 
 
+@pytest.mark.slow
+def test_qwen3_5_moe_video_audit_and_estimate_agree_to_the_byte(tmp_path: Path) -> None:
+    """Qwen3.5-MoE (no tiny fixture of its own: tiny Qwen3.5's config with 4 experts, 2 a token) takes Qwen3.5's
+    processor and its video processor: the audit of a row with a 3-frame video measures, and the meta run (the
+    experts' routing and video_grid_thw's values carried) gives its totals and phase peaks to the byte."""
+    from vramguard.cli.app import main
+
+    if _video_missing():
+        pytest.skip("transformers' video processors need torchvision")
+    data = json.loads(FIXTURES["qwen3.5"].read_text())
+    data.update(model_type="qwen3_5_moe", architectures=["Qwen3_5MoeForConditionalGeneration"])
+    data["text_config"].update(
+        model_type="qwen3_5_moe_text",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    model = tmp_path / "tiny-qwen3.5-moe.json"
+    model.write_text(json.dumps(data))
+    base = ["--model", str(model), "--video-frames", "3", "--video-size", "56x84", "--seq-len", "640"]
+    base += ["--batch", "1", "--steps", "2", "--quiet"]
+    audit, estimate = tmp_path / "audit.json", tmp_path / "estimate.json"
+    assert main(["audit", *base, "--device", "cpu", "--json", str(audit)]) in (0, 1)
+    assert main(["estimate", *base, *LOOP, "--json", str(estimate)]) == 0
+    a, e = json.loads(audit.read_text()), json.loads(estimate.read_text())
+    assert a["totals"] == e["totals"] and a["totals"]["saved_bytes"] > 0
+    assert {k: v["peak_bytes"] for k, v in a["phases"].items()} == {k: v["peak_bytes"] for k, v in e["phases"].items()}
+    notes = [n for n in e["verdict"]["notes"] if "vision-language model (Qwen3.5-MoE)" in n]
+    assert len(notes) == 1 and "12 video tokens" in notes[0] and "video_grid_thw [[2, 4, 6]]" in notes[0], notes
+
+
 def test_internvl_video_frames_are_images() -> None:
     """InternVL's processor resizes each frame to the tower's image size (InternVLVideoProcessor) and writes it as
     an image, ``FrameN: <img>`` and image_seq_length image tokens ``</img>``, its pixels among the images' in

@@ -721,9 +721,10 @@ def video_refusal(family: VisionFamily) -> str | None:
 
 
 def _video_processor(family: VisionFamily, hf_config: Any) -> Any:
-    """The family's video processor with the tower's patch, merge and temporal patch sizes and the pixel bounds
-    users load from the Hub (:attr:`VisionFamily.video_size`; 2 frames a temporal patch); torchvision missing is a
-    one-line UsageError naming the way out."""
+    """The family's video processor with its :attr:`VisionFamily.video_processor_kwargs` (InternVL's and SmolVLM's
+    frame sizes), or else the tower's patch, merge and temporal patch sizes and the pixel bounds users load from
+    the Hub (:attr:`VisionFamily.video_size`; 2 frames a temporal patch); torchvision missing is a one-line
+    UsageError naming the way out."""
     import importlib.util
 
     import transformers

@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from vramguard.errors import UsageError
-from vramguard.estimate.fit_image import image_space
+from vramguard.estimate.fit_image import image_space, processor_sizes
 from vramguard.workload.models import QLoRAConfig
 from vramguard.workload.vision import VISION_FAMILIES, ImageSteps, image_rows, processor_resize, vision_setup
 
@@ -226,3 +226,91 @@ def test_fit_dim_without_fit_is_one_line(capsys: pytest.CaptureFixture[str]) -> 
 
     assert main(["estimate", "--model", str(QWEN25), *BASE, "--image-size", "56x56", "--fit-dim", "image"]) == 2
     assert capsys.readouterr().err.strip().endswith("--fit-dim image says what --fit searches: give --fit")
+
+
+GLM4V = VLM / "tiny-glm4v.json"
+
+
+def _glm4v(seq: int, **kw: object) -> QLoRAConfig:
+    return QLoRAConfig(model=str(GLM4V), seq_len=seq, batch=1, target_modules="all-linear", **kw)  # type: ignore[arg-type]
+
+
+def _at(aspect: tuple[int, int], side: int) -> tuple[int, int]:
+    from vramguard.estimate.fit_image import _probed
+
+    return _probed(aspect, side)
+
+
+@pytest.mark.parametrize("aspect", [(1, 1), (3, 4)])
+def test_glm4v_is_searched_over_the_sizes_its_processor_makes(aspect: tuple[int, int]) -> None:
+    """GLM-4V's processor (its own smart_resize: sides in 28-pixel steps, an image taken as 2 frames bounded
+    together by 12,544..11,760,000 pixels) was refused: its token count changes at nearly every size (1,112 times
+    from 16 to 4096 pixels at 3:4), more than the tiling probe's 96 calls. What the search relies on, over the
+    processor's real outputs: (1) its values cover what the processor makes: the image processor's own count
+    (``get_number_of_image_patches``) of an image of every longest side from 16 to 4096 pixels at the ratio is the
+    count of one of the values' sizes (through the value's resize, ``ImageSteps.resized``); (2) along the values,
+    fewest pixels first, the full processor (Glm4vProcessor on a real image) keeps each size as it is
+    (``image_grid_thw`` [1, h/14, w/14]) and writes strictly more image tokens, h*w/784 of them: so the bisection
+    over values is a bisection over the tokens and the answer's image gets exactly its tokens; (3) between the
+    smallest image it keeps and the largest, the count never falls as the image grows."""
+    import transformers
+
+    from vramguard.workload.vision import family_processor, image_token_id, synthetic_image
+
+    h, w = aspect
+    space = image_space(_glm4v(512, image_size=f"{3 * h}x{3 * w}"))
+    assert (space.dim.step, space.limited_by) == (28, "seq-len")
+    sizes = [space.dim.size(k) for k in range(1, space.limit + 1)]
+    every = processor_sizes(space.steps, aspect)  # up to max_pixels: what the processor makes of any image
+    assert every[: len(sizes)] == tuple(sizes) and every[-1][0] * every[-1][1] * 2 <= 11_760_000
+    made = {a * b // 784 for a, b in every}
+    image = transformers.Glm4vImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2)
+    counts = [image.get_number_of_image_patches(*_at(aspect, side)) // 4 for side in range(16, 4097)]
+    assert set(counts) <= made  # (1)
+    c = space.hf_config
+    processor = family_processor(space.family, c, 512)
+    image_id = image_token_id(space.family, c, 512)
+    tokens = []
+    for a, b in sizes:
+        out = processor(images=[synthetic_image(a, b, 0)], text=[space.family.placeholder], return_tensors="pt")
+        assert out["image_grid_thw"].tolist() == [[1, a // 14, b // 14]]
+        tokens.append(int((out["input_ids"] == image_id).sum()))
+    assert tokens == [a * b // 784 for a, b in sizes] and tokens == sorted(set(tokens))  # (2)
+    # from the first image of the fewest tokens (at 3:4 a 71x94 one: 84x84, 9 tokens; a smaller one is enlarged
+    # to 84x112, 12) to the first of the most (past it max_pixels shrinks each image to about the same size)
+    first = next(i for i, n in enumerate(counts) if n == min(tokens))
+    last = counts.index(max(made))
+    assert all(x <= y for x, y in zip(counts[first:last], counts[first + 1 : last + 1]))  # (3)
+
+
+def _glm4v_estimate(argv: list[str], tmp: Path) -> dict:  # type: ignore[type-arg]
+    from vramguard.cli.app import main
+
+    out = tmp / "e.json"
+    assert main(["estimate", "--model", str(GLM4V), *argv, *BASE, "--json", str(out)]) in (0, 1)
+    return json.loads(out.read_text())["estimate"]  # type: ignore[no-any-return]
+
+
+def test_glm4v_fit_dim_image_answers_at_the_seq_len_bound(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command that was refused ("more sizes than --fit-dim image probes"): at seq 512 and a SIZE every image
+    fits, the answer is 616x616, the largest size GLM-4V's processor makes whose row 512 tokens hold (484 image
+    tokens and its 2 markers), the requested shape's own run (no search run); the line says seq-len holds it."""
+    argv = ["--image-size", "616x616", "--seq-len", "512", "--fit", "100GiB", "--fit-dim", "image"]
+    fit = _glm4v_estimate(argv, tmp_path)["fit"]
+    image = fit["image"]
+    assert (image["largest"], image["limit"], image["limited_by"], image["step"]) == ("616x616", "616x616", "seq-len", 28)
+    assert (image["image_tokens"], image["row_tokens"], fit["run_count"]) == (484, 486, 0)
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("fit: "))
+    assert "is 616x616 (484 image tokens" in line and "28-pixel steps" in line
+
+
+@pytest.mark.slow  # two tiny estimates and the search's runs: about 40 s on a shared 2-core machine
+def test_glm4v_answer_is_the_largest_image_whose_estimate_fits(tmp_path: Path) -> None:
+    """SIZE between the estimates (the same command, no --fit) of 196x196 and 224x224: the answer is 196x196, 49
+    image tokens (one per 28x28 pixels), within the search's bound of meta runs."""
+    at = {s: _glm4v_estimate(["--image-size", f"{s}x{s}", "--seq-len", "512"], tmp_path)["total_bytes"] for s in (196, 224)}
+    assert at[196] < at[224]
+    argv = ["--image-size", "84x84", "--seq-len", "512", "--fit", f"{(at[196] + at[224]) // 2}B", "--fit-dim", "image"]
+    fit = _glm4v_estimate(argv, tmp_path)["fit"]
+    assert (fit["image"]["largest"], fit["image"]["image_tokens"], fit["image"]["row_tokens"]) == ("196x196", 49, 51)
+    assert fit["run_count"] <= fit["bound"] <= 8

@@ -761,10 +761,13 @@ def test_trainer_callback_on_a_vlm_splits_its_ledger_by_stack(tmp_path: Path) ->
     assert len(notes) == 1 and "vision tower" in notes[0] and "projector" in notes[0], report.verdict.notes
 
 
-# -- video frames (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; transformers' video processors need torchvision) -------
+# -- video frames (Qwen2-VL/2.5-VL/3-VL/3-VL-MoE, Qwen3.5, GLM-4V, InternVL; they need torchvision) ----
 
-VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
-"""The tiny fixtures of the families whose video rows vramguard makes."""
+GRID_VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "glm4v")
+"""The tiny fixtures of the families whose video processor makes ``pixel_values_videos`` and ``video_grid_thw``."""
+VIDEO_FAMILIES = (*GRID_VIDEO_FAMILIES, "internvl", "smolvlm")
+"""The tiny fixtures of the families whose video rows vramguard makes (InternVL's and SmolVLM's frames are
+images)."""
 
 
 def _video_missing() -> bool:
@@ -789,23 +792,29 @@ def _video_rows(name: str, frames: int, size: tuple[int, int] = (56, 56), seq: i
     return family, image_rows(family, config, 512, None, seq, video=VideoAsk(frames, size))
 
 
-@pytest.mark.parametrize("name", VIDEO_FAMILIES)
+@pytest.mark.parametrize("name", GRID_VIDEO_FAMILIES)
 def test_video_rows_are_the_video_processors(name: str) -> None:
     """The family's video processor makes pixel_values_videos and video_grid_thw: 2 frames a temporal patch
     (an odd count padded with its last frame: 3 frames take the temporal patches of 4), each temporal patch
     ``grid_h * grid_w / merge**2`` video tokens in the row, the row --seq-len long, its video tokens masked in
-    the labels; no image inputs."""
+    the labels; no image inputs. GLM-4V's processor writes each temporal patch as an image (its image token
+    between the image markers, then the timestamp) inside the video's markers: its video tokens are the ones its
+    ``mm_token_type_ids`` mark 2."""
     if _video_missing():
         pytest.skip("transformers' video processors need torchvision")
     config, _ = load_vision_config(FIXTURES[name])
     merge = int(config.vision_config.spatial_merge_size)
     for frames, temporal in ((3, 2), (4, 2), (8, 4)):
-        _family, rows = _video_rows(name, frames)
+        family, rows = _video_rows(name, frames)
         ((t, h, w),) = rows.inputs["video_grid_thw"].tolist()
         assert t == temporal, (name, frames)
         assert rows.video_tokens == t * h * w // merge**2 > 0
         ids = rows.inputs["input_ids"]
-        assert ids.shape == (1, 640) and int((ids == config.video_token_id).sum()) == rows.video_tokens
+        video = ids == config.video_token_id if family.video_token else rows.inputs["mm_token_type_ids"] == 2
+        assert ids.shape == (1, 640) and int(video.sum()) == rows.video_tokens
+        if not family.video_token:  # GLM-4V: the video's tokens are image tokens, one frame marker pair a patch
+            assert int((ids == config.image_token_id).sum()) == rows.video_tokens
+            assert int((ids == config.image_start_token_id).sum()) == t
         assert int((rows.inputs["labels"] == -100).sum()) == rows.video_tokens
         assert rows.inputs["pixel_values_videos"].shape[0] == t * h * w
         assert "pixel_values" not in rows.inputs and rows.image_tokens == 0
@@ -822,6 +831,9 @@ def test_video_rows_are_the_video_processors(name: str) -> None:
         ("qwen2.5-vl", (3136, 12845056)),
         # Qwen3-VL's video_preprocessor_config.json: size {"shortest_edge": 4096, "longest_edge": 25165824}
         ("qwen3-vl", (4096, 25165824)),
+        # Qwen3-VL-MoE and Qwen3.5 load Qwen3-VL's video processor (Qwen3VLProcessor) with its bounds
+        ("qwen3-vl-moe", (4096, 25165824)),
+        ("qwen3.5", (4096, 25165824)),
     ],
 )
 def test_the_video_processor_has_the_pixel_bounds_users_load(name: str, bounds: tuple[int, int]) -> None:
@@ -882,7 +894,110 @@ def test_video_audit_and_estimate_commands_agree_to_the_byte(name: str, tmp_path
         notes = [n for n in a["verdict"]["notes"] if "vision" in n]
         assert notes == [n for n in e["verdict"]["notes"] if "vision" in n]
         asked = f"a video of {frames} frames of 56x84"
-        assert any(asked in n and "video_grid_thw [[" in n for n in notes), notes
+        made = {"internvl": f"pixel_values {frames}x3x56x56", "smolvlm": f"pixel_values 1x{frames}x3x56x56"}
+        made = made.get(name, "video_grid_thw [[")
+        assert any(asked in n and made in n for n in notes), notes
+
+
+def test_smolvlm_video_frames_are_images_and_a_row_holds_no_image_beside_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SmolVLM's video processor resizes each frame to the tower's size (as its image processor resizes an image
+    before splitting it) and its processor writes each as an image after 'Frame from MM:SS:' (image_seq_len image
+    tokens between its markers, no global token), the frames in ``pixel_values`` (batch x frames x 3 x H x W):
+    3 frames are 3 images. It returns them under the images' own name, so a row with an image and a video would
+    have the video's pixels for both: that is one line."""
+    from vramguard.cli.app import main
+
+    if _video_missing():
+        pytest.skip("transformers' video processors need torchvision")
+    config, _ = load_vision_config(FIXTURES["smolvlm"])
+    per_frame = (56 // 14) ** 2 // int(config.scale_factor) ** 2
+    for frames in (3, 8):
+        _family, rows = _video_rows("smolvlm", frames, (56, 84))
+        assert (rows.video_tokens, rows.image_tokens) == (frames * per_frame, 0)
+        assert tuple(rows.inputs["pixel_values"].shape) == (1, frames, 3, 56, 56)
+        ids = rows.inputs["input_ids"]
+        assert int((ids == config.image_token_id).sum()) == rows.video_tokens
+        assert int((rows.inputs["labels"] == -100).sum()) == rows.video_tokens
+    argv = ["estimate", "--model", str(FIXTURES["smolvlm"]), "--video-frames", "3", "--video-size", "56x56"]
+    assert main([*argv, "--image-size", "56x56", "--seq-len", "640", "--target-modules", "all-linear"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "a row cannot hold both: give --image-size or --video-frames" in err and "\n" not in err
+
+
+def test_a_family_whose_video_rows_are_not_made_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A family registered without its video processor, whose processor takes video (SmolVLM's, here unregistered):
+    the one line says so and names the families whose video rows are made."""
+    import dataclasses
+
+    from vramguard.cli.app import main
+
+    family = VISION_FAMILIES["smolvlm"]
+    monkeypatch.setitem(VISION_FAMILIES, "smolvlm", dataclasses.replace(family, video_processor=None))
+    argv = ["estimate", "--model", str(FIXTURES["smolvlm"]), "--video-frames", "4", "--video-size", "56x56"]
+    assert main([*argv, "--seq-len", "640", "--target-modules", "all-linear"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "SmolVLM's processor (SmolVLMProcessor) takes video, but vramguard does not make its video rows yet" in err
+    assert "done: Qwen2-VL" in err and "InternVL" in err and "\n" not in err
+
+
+@pytest.mark.slow
+def test_qwen3_5_moe_video_audit_and_estimate_agree_to_the_byte(tmp_path: Path) -> None:
+    """Qwen3.5-MoE (no tiny fixture of its own: tiny Qwen3.5's config with 4 experts, 2 a token) takes Qwen3.5's
+    processor and its video processor: the audit of a row with a 3-frame video measures, and the meta run (the
+    experts' routing and video_grid_thw's values carried) gives its totals and phase peaks to the byte."""
+    from vramguard.cli.app import main
+
+    if _video_missing():
+        pytest.skip("transformers' video processors need torchvision")
+    data = json.loads(FIXTURES["qwen3.5"].read_text())
+    data.update(model_type="qwen3_5_moe", architectures=["Qwen3_5MoeForConditionalGeneration"])
+    data["text_config"].update(
+        model_type="qwen3_5_moe_text",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    model = tmp_path / "tiny-qwen3.5-moe.json"
+    model.write_text(json.dumps(data))
+    base = ["--model", str(model), "--video-frames", "3", "--video-size", "56x84", "--seq-len", "640"]
+    base += ["--batch", "1", "--steps", "2", "--quiet"]
+    audit, estimate = tmp_path / "audit.json", tmp_path / "estimate.json"
+    assert main(["audit", *base, "--device", "cpu", "--json", str(audit)]) in (0, 1)
+    assert main(["estimate", *base, *LOOP, "--json", str(estimate)]) == 0
+    a, e = json.loads(audit.read_text()), json.loads(estimate.read_text())
+    assert a["totals"] == e["totals"] and a["totals"]["saved_bytes"] > 0
+    assert {k: v["peak_bytes"] for k, v in a["phases"].items()} == {k: v["peak_bytes"] for k, v in e["phases"].items()}
+    notes = [n for n in e["verdict"]["notes"] if "vision-language model (Qwen3.5-MoE)" in n]
+    assert len(notes) == 1 and "12 video tokens" in notes[0] and "video_grid_thw [[2, 4, 6]]" in notes[0], notes
+
+
+def test_internvl_video_frames_are_images() -> None:
+    """InternVL's processor resizes each frame to the tower's image size (InternVLVideoProcessor) and writes it as
+    an image, ``FrameN: <img>`` and image_seq_length image tokens ``</img>``, its pixels among the images' in
+    ``pixel_values``: no temporal patches (3 frames are 3 images), and the row's video tokens are the image
+    tokens the video adds to its images' own."""
+    if _video_missing():
+        pytest.skip("transformers' video processors need torchvision")
+    from vramguard.workload.vision import VideoAsk
+
+    config, _ = load_vision_config(FIXTURES["internvl"])
+    family = family_of(config.model_type)
+    per_frame = (56 // 14) ** 2 // 4  # (image_size / patch_size)^2 * downsample_ratio^2
+    for frames in (3, 8):
+        _family, rows = _video_rows("internvl", frames, (56, 84))
+        assert (rows.video_tokens, rows.image_tokens) == (frames * per_frame, 0)
+        assert tuple(rows.inputs["pixel_values"].shape) == (frames, 3, 56, 56)
+        ids = rows.inputs["input_ids"]
+        assert ids.shape == (1, 640) and int((ids == config.image_token_id).sum()) == rows.video_tokens
+        assert int((rows.inputs["labels"] == -100).sum()) == rows.video_tokens
+        both = image_rows(family, config, 512, (56, 56), 640, video=VideoAsk(frames, (56, 84)))
+        assert (both.image_tokens, both.video_tokens) == (per_frame, frames * per_frame)
+        assert tuple(both.inputs["pixel_values"].shape) == (frames + 1, 3, 56, 56)
 
 
 def test_video_without_torchvision_is_a_one_line_refusal(capsys: pytest.CaptureFixture[str]) -> None:
@@ -904,8 +1019,6 @@ def test_video_without_torchvision_is_a_one_line_refusal(capsys: pytest.CaptureF
     [
         ("llava", [], "LLaVA takes no video in transformers"),
         ("gemma3", [], "Gemma 3 takes no video in transformers"),
-        ("glm4v", [], "takes video, but vramguard does not make its video rows yet"),
-        ("qwen3-vl-moe", [], "takes video, but vramguard does not make its video rows yet"),
         ("qwen2-vl", ["--video-size", ""], "video-frames and video-size go together"),
         ("qwen2-vl", ["--video-size", "56"], "video-size: image size must be HxW"),
         ("qwen2-vl", ["--video-frames", "769"], "video-frames must be an integer from 1 to 768"),
@@ -915,7 +1028,7 @@ def test_video_without_torchvision_is_a_one_line_refusal(capsys: pytest.CaptureF
             "is 12,884,901,888 pixels, more than the 268,435,456",
         ),
     ],
-    ids=["llava", "gemma3", "glm4v", "qwen3-vl-moe", "no-size", "bad-size", "too-many", "too-many-pixels"],
+    ids=["llava", "gemma3", "no-size", "bad-size", "too-many", "too-many-pixels"],
 )
 def test_video_options_a_run_cannot_take_are_one_line_exit_2(
     model: str, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]

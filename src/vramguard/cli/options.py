@@ -216,9 +216,10 @@ def add_tower_options(p: argparse.ArgumentParser) -> None:
         "--video-frames",
         type=positive_int,
         metavar="N",
-        help="with --video-size: a video of N frames in each row (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), made by "
-        "the family's video processor (needs torchvision): 2 frames a temporal patch, an odd N padded with "
-        "its last frame",
+        help="with --video-size: a video of N frames in each row (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, "
+        "Qwen3.5, Qwen3.5-MoE, GLM-4V, InternVL, SmolVLM), made by the family's video processor (needs "
+        "torchvision): Qwen's and GLM-4V's take 2 frames a temporal patch, an odd N padded with its last frame; "
+        "InternVL's and SmolVLM's make each frame an image",
     )
     p.add_argument(
         "--video-size",

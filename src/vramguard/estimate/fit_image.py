@@ -3,10 +3,10 @@ at the requested batch and sequence length.
 
 The search (:func:`vramguard.estimate.fit.search`) runs over the sizes the family's processor makes of an image at
 the requested ``--image-size``'s aspect ratio (square without one): its own resize
-(:attr:`vramguard.workload.vision.ImageSteps.resize`, Qwen's ``smart_resize``: each side in ``patch_size *
-merge_size`` steps, 28 pixels for Qwen2-VL and Qwen2.5-VL, 32 for Qwen3-VL, between ``min_pixels`` and
-``max_pixels``) applied to every image height at that ratio, value ``k`` the ``k``-th smallest size it makes
-(:func:`processor_sizes`). Two bounds cap it before any meta run: ``max_pixels`` (the largest size it makes: a
+(:attr:`vramguard.workload.vision.ImageSteps.resize`, Qwen's and GLM-4V's ``smart_resize``: each side in
+``patch_size * merge_size`` steps, 28 pixels for Qwen2-VL, Qwen2.5-VL and GLM-4V, 32 for Qwen3-VL, between
+``min_pixels`` and ``max_pixels``) applied to every image height at that ratio, value ``k`` the ``k``-th smallest
+size it makes (:func:`processor_sizes`). Two bounds cap it before any meta run: ``max_pixels`` (the largest size it makes: a
 larger image is resized to at most it, so memory stops growing there) and ``--seq-len``, the whole row as TRL's
 ``max_length`` counts it, image tokens included (a row whose image tokens alone exceed it is no row TRL trains
 on): the answer is never past either, and says which one held it.

@@ -106,6 +106,17 @@ class VisionFamily:
     video_placeholder: str = ""
     """The text one video takes in a prompt before the processor expands it (as the chat template writes
     it)."""
+    video_token: str | None = "<|video_pad|>"
+    """The token whose positions take the video's features, counted as the row's video tokens (Qwen's
+    ``<|video_pad|>``). None: the video's frames take the image token (GLM-4V writes each temporal patch as an
+    image between the video's markers, InternVL each frame as an image after ``FrameN:``), so the row's video
+    tokens are the image token's count less that of the row's images alone (:func:`_media_tokens`)."""
+    video_with_images: bool = True
+    """A row may hold images and a video (False: SmolVLM's processor returns a video's frames under the images'
+    own name, ``pixel_values``, so the video's replace the images' and the row's image tokens have no pixels)."""
+    video_processor_kwargs: Callable[[Any], dict[str, Any]] | None = None
+    """What the video processor is built with (its checkpoints' ``video_preprocessor_config.json``); None: the
+    tower's patch, merge and temporal patch sizes (Qwen's and GLM-4V's) and :attr:`video_size`."""
 
     def stack_of(self, module: str) -> str:
         """Which stack the module of qualified name ``module`` belongs to: ``vision tower``, ``projector`` or
@@ -160,10 +171,16 @@ class ImageSteps:
     max_pixels: int
     min_pixels: int
     resize: Callable[..., tuple[int, int]]
+    frames: int | None = None
+    """GLM-4V's resize (None: Qwen's, which takes none): the frames its image processor gives an image to
+    (``num_frames`` and ``temporal_factor``, its ``temporal_patch_size``, 2), whose pixels together are bounded by
+    ``min_pixels`` / ``max_pixels``: an image's own bounds are half of them."""
 
     def resized(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) the processor makes of a ``height`` x ``width`` image."""
-        h, w = self.resize(height, width, factor=self.step, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        frames = {} if self.frames is None else {"num_frames": self.frames, "temporal_factor": self.frames}
+        bounds = {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
+        h, w = self.resize(height=height, width=width, factor=self.step, **bounds, **frames)
         return int(h), int(w)
 
 
@@ -188,6 +205,27 @@ def _qwen_image(c: Any, min_pixels: int, max_pixels: int) -> dict[str, Any]:
         "temporal_patch_size": int(v.temporal_patch_size),
         "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
     }
+
+
+_GLM4V_IMAGE = "Glm4vImageProcessorPil"
+
+
+def _glm4v_steps(c: Any) -> ImageSteps:
+    """GLM-4V's image processor's rounding (its own ``smart_resize``, as its ``resize`` calls it): each side in
+    ``patch_size * merge_size`` steps (28 pixels), the image taken as ``temporal_patch_size`` frames bounded
+    together by its class's ``size`` (``shortest_edge`` 12,544, ``longest_edge`` 11,760,000 pixels: what
+    :func:`family_processor` builds it with)."""
+    import transformers
+
+    v = c.vision_config
+    size = getattr(transformers, _GLM4V_IMAGE).size
+    return ImageSteps(
+        step=int(v.patch_size) * int(v.spatial_merge_size),
+        max_pixels=int(size["longest_edge"]),
+        min_pixels=int(size["shortest_edge"]),
+        resize=processor_resize(_GLM4V_IMAGE),
+        frames=int(v.temporal_patch_size),
+    )
 
 
 _QWEN_TOKENS: tuple[tuple[str | None, str, str | None], ...] = (
@@ -297,13 +335,13 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_vl": _qwen("Qwen2-VL", "Qwen2VLProcessor", _QWEN2, "Qwen2VLVideoProcessor", _QWEN2_VIDEO),
     "qwen2_5_vl": _qwen("Qwen2.5-VL", "Qwen2_5_VLProcessor", _QWEN2, "Qwen2VLVideoProcessor", _QWEN2_VIDEO),
     "qwen3_vl": _qwen("Qwen3-VL", "Qwen3VLProcessor", _QWEN3, "Qwen3VLVideoProcessor", _QWEN3_VIDEO),
-    "qwen3_vl_moe": _qwen("Qwen3-VL-MoE", "Qwen3VLProcessor", _QWEN3),
-    "qwen3_5": _qwen("Qwen3.5", "Qwen3VLProcessor", _QWEN3),
-    "qwen3_5_moe": _qwen("Qwen3.5-MoE", "Qwen3VLProcessor", _QWEN3),
+    "qwen3_vl_moe": _qwen("Qwen3-VL-MoE", "Qwen3VLProcessor", _QWEN3, "Qwen3VLVideoProcessor", _QWEN3_VIDEO),
+    "qwen3_5": _qwen("Qwen3.5", "Qwen3VLProcessor", _QWEN3, "Qwen3VLVideoProcessor", _QWEN3_VIDEO),
+    "qwen3_5_moe": _qwen("Qwen3.5-MoE", "Qwen3VLProcessor", _QWEN3, "Qwen3VLVideoProcessor", _QWEN3_VIDEO),
     "glm4v": VisionFamily(
         name="GLM-4V",
         processor="Glm4vProcessor",
-        image_processor="Glm4vImageProcessorPil",
+        image_processor=_GLM4V_IMAGE,
         tokens=(
             ("image_token", "<|image|>", "image_token_id"),
             ("video_token", "<|video|>", "video_token_id"),
@@ -320,6 +358,10 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         },
         tower_path="model.visual",
         projector_paths=("model.visual.merger",),
+        image_steps=_glm4v_steps,
+        video_processor="Glm4vVideoProcessor",
+        video_placeholder="<|begin_of_video|><|video|><|end_of_video|>",
+        video_token=None,
     ),
     "gemma3": VisionFamily(
         name="Gemma 3",
@@ -416,6 +458,11 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         processor="SmolVLMProcessor",
         image_processor="SmolVLMImageProcessorPil",
         needs=("num2words",),
+        video_processor="SmolVLMVideoProcessor",
+        video_placeholder="<video>",
+        video_token=None,
+        video_processor_kwargs=_idefics_image,  # (frames resized as the images are, to the tower's size)
+        video_with_images=False,
     ),
     "internvl": VisionFamily(
         name="InternVL",
@@ -429,6 +476,11 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         ),
         placeholder="<IMG_CONTEXT>",
         image_processor_kwargs=lambda c: {"size": _square(c), "crop_to_patches": True},
+        video_processor="InternVLVideoProcessor",
+        video_placeholder="<video>",
+        video_token=None,
+        # frames resized to the tower's image size, as its image tiles are (the class default: 384x384)
+        video_processor_kwargs=lambda c: {"size": _square(c)},
         processor_kwargs=lambda c: {
             "image_seq_length": int(
                 (_side(c.vision_config.image_size) // _side(c.vision_config.patch_size)) ** 2
@@ -669,9 +721,10 @@ def video_refusal(family: VisionFamily) -> str | None:
 
 
 def _video_processor(family: VisionFamily, hf_config: Any) -> Any:
-    """The family's video processor with the tower's patch, merge and temporal patch sizes and the pixel bounds
-    users load from the Hub (:attr:`VisionFamily.video_size`; 2 frames a temporal patch); torchvision missing is a
-    one-line UsageError naming the way out."""
+    """The family's video processor with its :attr:`VisionFamily.video_processor_kwargs` (InternVL's and SmolVLM's
+    frame sizes), or else the tower's patch, merge and temporal patch sizes and the pixel bounds users load from
+    the Hub (:attr:`VisionFamily.video_size`; 2 frames a temporal patch); torchvision missing is a one-line
+    UsageError naming the way out."""
     import importlib.util
 
     import transformers
@@ -684,6 +737,8 @@ def _video_processor(family: VisionFamily, hf_config: Any) -> Any:
             f"{family.name}'s video processor ({family.video_processor}) needs the torchvision package: pip "
             "install torchvision, a build matching this torch (e.g. torch 2.14.1 with torchvision 0.29.1)"
         )
+    if family.video_processor_kwargs is not None:
+        return getattr(transformers, family.video_processor)(**family.video_processor_kwargs(hf_config))
     v = hf_config.vision_config
     size = {"size": dict(family.video_size)} if family.video_size is not None else {}
     return getattr(transformers, family.video_processor)(
@@ -831,21 +886,18 @@ class ImageRows:
 _ROW_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
 
 
-def _video_options(videos: list[Any] | None) -> dict[str, Any]:
+def _video_options(processor: Any, videos: list[Any] | None) -> dict[str, Any]:
     """The processor call's video options: the frames as given (no sampling), their metadata at
-    :data:`VIDEO_FPS`, and the per-frame pixel bound of transformers 5.23's default (``cap_pixels_per_frame``
-    False, said so to silence its warning)."""
+    :data:`VIDEO_FPS`, and where the video processor has one (Qwen3-VL's) the per-frame pixel bound of
+    transformers 5.23's default (``cap_pixels_per_frame`` False, said so to silence its warning; another video
+    processor warns of it as an argument it ignores)."""
     if not videos:
         return {}
     metadata = [
         {"fps": VIDEO_FPS, "total_num_frames": len(v), "frames_indices": list(range(len(v)))} for v in videos
     ]
-    return {
-        "videos": videos,
-        "do_sample_frames": False,
-        "video_metadata": metadata,
-        "cap_pixels_per_frame": False,
-    }
+    cap = {"cap_pixels_per_frame": False} if hasattr(processor.video_processor, "cap_pixels_per_frame") else {}
+    return {"videos": videos, "do_sample_frames": False, "video_metadata": metadata, **cap}
 
 
 def _process(
@@ -854,7 +906,8 @@ def _process(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            options = {**getattr(processor, "vramguard_call_options", {}), **_video_options(videos)}
+            options = getattr(processor, "vramguard_call_options", {})
+            options = {**options, **_video_options(processor, videos)}
             return dict(processor(images=images, text=texts, return_tensors="pt", **options))
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             what = "these videos" if videos else "these images" if images else "text-only rows"
@@ -872,6 +925,22 @@ def _tokens_of(
     them), as ``processor`` expands it."""
     bare = _process(processor, images, [prompt], videos)["input_ids"]
     return (int(bare.shape[-1]), *(int((bare == i).sum()) for i in ids))
+
+
+def _media_tokens(
+    family: VisionFamily, processor: Any, ids: tuple[int, ...], prompt: str, media: tuple[Any, Any]
+) -> tuple[int, int, list[int]]:
+    """(tokens of a row of ``prompt`` with ``media``, its images' tokens, its video's tokens as a list: one count
+    with a video, none without), as ``processor`` expands them. Where the video's frames take the image token
+    (:attr:`VisionFamily.video_token` None) the images' own are counted by the processor on the row without the
+    video."""
+    used, image_tokens, *video_tokens = _tokens_of(processor, ids, prompt, *media)
+    if media[1] and family.video_token is None:
+        alone = 0
+        if media[0]:
+            alone = _tokens_of(processor, ids, prompt.replace(family.video_placeholder, ""), media[0])[1]
+        image_tokens, video_tokens = alone, [image_tokens - alone]
+    return used, image_tokens, video_tokens
 
 
 def row_tokens(
@@ -925,12 +994,20 @@ def image_rows(
         return ImageRows(inputs=inputs, image_tokens=0, text_tokens=int(inputs["input_ids"].shape[-1]))
     if image_size is None:
         images_per_row = 0
+    elif video is not None and not family.video_with_images:
+        raise UsageError(
+            f"{family.name}'s processor returns a video's frames as pixel_values, the images' own name, so a row "
+            "cannot hold both: give --image-size or --video-frames"
+        )
     elif not 0 < images_per_row <= MAX_IMAGES_PER_ROW:
         raise UsageError(f"images per row must be between 1 and {MAX_IMAGES_PER_ROW}, got {images_per_row}")
-    ids = (image_id, token_ids(family, hf_config, vocab_size)["<|video_pad|>"]) if video else (image_id,)
+    ids = (image_id,)
+    if video is not None and family.video_token is not None:
+        ids += (token_ids(family, hf_config, vocab_size)[family.video_token],)
     prompt = family.placeholder * images_per_row + (family.video_placeholder if video else "")
-    media = _media(image_size, images_per_row, video, seed)
-    used, image_tokens, *video_tokens = _tokens_of(processor, ids, prompt, *media)
+    used, image_tokens, video_tokens = _media_tokens(
+        family, processor, ids, prompt, _media(image_size, images_per_row, video, seed)
+    )
     if used > seq_len:
         raise UsageError(
             f"{_asked(image_size, images_per_row, video)} take {used} tokens in {family.name}'s rows "

@@ -685,15 +685,15 @@ def test_the_layer_table_lists_each_stacks_layers(
     assert all(f" {name} " in text for name in ("visual.blocks.0", "visual.blocks.1", "layers.0", "layers.1"))
 
 
-def test_estimates_default_recipe_runs_in_the_loop_for_a_vlm(capsys: pytest.CaptureFixture[str]) -> None:
-    """``vramguard estimate`` prices trl sft's recipe by default; a vision-language model's step is priced in
-    vramguard's loop with those defaults, and the recipe line says why."""
+def test_estimates_default_recipe_runs_sfttrainers_step_for_a_vlm(capsys: pytest.CaptureFixture[str]) -> None:
+    """``vramguard estimate`` prices trl sft's recipe by default; a vision-language model's step is SFTTrainer's
+    own (tests/test_vision_trainer.py), its saved bytes split by stack."""
     from vramguard.cli.app import main
 
     argv = ["estimate", "--model", str(FIXTURES["qwen2.5-vl"]), "--image-size", "56x56", "--seq-len", "64"]
     assert main([*argv, "--batch", "1", "--target-modules", "all-linear", "--target", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "a vision-language model" in out and "saved for backward by stack" in out
+    assert "(SFTTrainer's own step)" in out and "saved for backward by stack" in out
 
 
 def test_trl_default_targets_on_a_vlm_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -252,6 +252,7 @@ def test_a_trl_vlm_config_with_a_language_model_regex_is_priced(tmp_path: Path) 
     doc = tmp_path / "estimate.json"
     argv = ["estimate", "--config", str(config), "--image-size", "56x56", "--seq-len", "128", "--target", "cpu"]
     assert main([*argv, "--quiet", "--json", str(doc)]) == 0
+    assert "(SFTTrainer's own step)" in json.loads(doc.read_text())["config"]["recipe"]  # as trl sft runs it
     notes = json.loads(doc.read_text())["verdict"]["notes"]
     assert any("priced:" in n and "lora_target_modules=" in n for n in notes), notes
     assert any("changes no byte: remove_unused_columns" in n and "dataset_kwargs (dataset preparation" in n for n in notes)

@@ -206,10 +206,11 @@ def main(args: argparse.Namespace) -> int:
         if args.world_size is not None or args.sharding is not None:
             raise UsageError("--fit-dim image searches one device's step: leave out --world-size and --sharding")
         space = image_space(config)
-    loop_only = (("--snapshot / --html", events is not None),)
+    # --fit-dim image searches the sizes whose tokens fit the loop's rows (the chat template's tokens are SFTTrainer's)
+    loop_only = (("--snapshot / --html", events is not None), ("--fit-dim image", space is not None))
     trainer, recipe = resolve_trainer(args, config, loop_only)
     if trainer != "loop":
-        refuse_with_trainer(args, trainer, events, sharding)
+        refuse_with_trainer(args, trainer, events, sharding, space)
     if sharding is not None:
         if events is not None:
             raise UsageError("--snapshot and --html record one process's allocations: leave out --world-size")
@@ -266,11 +267,14 @@ def main(args: argparse.Namespace) -> int:
     return 0 if report.verdict.ok and fits else 1
 
 
-def refuse_with_trainer(args: argparse.Namespace, trainer: str, events: Any, sharding: Any) -> None:
+def refuse_with_trainer(
+    args: argparse.Namespace, trainer: str, events: Any, sharding: Any, space: Any = None
+) -> None:
     """What ``--trainer sft|trainer`` on meta does not run yet, refused in one line with the workaround."""
     asked = {
         "--snapshot / --html": events is not None,
         "--world-size": sharding is not None,
+        "--fit-dim image": space is not None,
     }
     for flag, given in asked.items():
         if given:
@@ -379,6 +383,8 @@ def _limit(config: QLoRAConfig, args: argparse.Namespace, trainer: str) -> int:
         if config.video_frames:
             height, width = parse_image_size(config.video_size)
             pixels += height * width * config.video_frames
+        if trainer != "loop":  # the trainer's collator processes every micro-batch's rows of every step
+            pixels *= config.gradient_accumulation_steps * args.steps
         limit = min(limit, max(requested, IMAGE_FIT_PIXELS // pixels))
     return limit
 

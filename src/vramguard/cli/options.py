@@ -547,7 +547,7 @@ def resolve_trainer(
     command's default does (``estimate``: sft, ``audit``: loop). A trainer not given falls back to vramguard's
     loop where the run asks for what only the loop prices (sharded ranks, Liger, offloading, a method other than
     QLoRA, and the command's ``loop_only`` options, such as ``--fit``), and the line says so."""
-    from vramguard.workload.vision import is_vision_spec
+    from vramguard.workload.vision_sft import trainer_refusal
 
     path = getattr(args, "config", None)
     trainer = args.trainer
@@ -555,6 +555,7 @@ def resolve_trainer(
     if trainer is None:
         trainer = ("trainer" if path.suffix == ".json" else "sft") if path is not None else args.trainer_default
         if trainer != "loop":
+            not_yet = trainer_refusal(config, trainer)  # a vision-language model's step the trainer cannot run yet
             sharded = any(getattr(args, name, None) is not None for name in ("world_size", "sharding"))
             unpriced = [
                 what
@@ -563,7 +564,7 @@ def resolve_trainer(
                     ("use_liger_kernel", config.use_liger_kernel),
                     ("activation offloading", config.offload_activations),
                     (f"method {config.method}", config.method != "qlora"),
-                    ("a vision-language model", is_vision_spec(config.spec)),
+                    (str(not_yet), not_yet is not None),
                     *loop_only,
                 )
                 if asked

@@ -685,6 +685,19 @@ class _RoutedValues(TorchDispatchMode):
         self.values[t] = host
         return t
 
+    def give_as_made(self, host: torch.Tensor) -> torch.Tensor:
+        """:meth:`give` of a data-dependent op's host result, its meta storage as large as the storage the host
+        kernel allocated: ``unique_consecutive`` allocates its input's length and shrinks the tensor, not the
+        storage, so the CPU holds those bytes (Qwen2.5-VL's window lengths of an image whose merged grid is not
+        a whole number of windows: 12 bytes held, 8 used)."""
+        size = host.untyped_storage().nbytes()
+        if size <= host.numel() * host.element_size() or host.element_size() == 0:
+            return self.give(host)
+        whole = torch.empty(size // host.element_size(), dtype=host.dtype, device=META)
+        t = whole.as_strided(host.shape, host.stride(), host.storage_offset())
+        self.values[t] = host
+        return t
+
     def enter_experts(self, entering: bool) -> None:
         self.inside += 1 if entering else -1
 
@@ -718,7 +731,7 @@ class _RoutedValues(TorchDispatchMode):
             out = func(*args, **kwargs)
         except (NotImplementedError, RuntimeError):  # a data-dependent shape (nonzero): the host result's
             self.answered += 1
-            return tree_map(lambda h: self.give(h) if isinstance(h, torch.Tensor) else h, host)
+            return tree_map(lambda h: self.give_as_made(h) if isinstance(h, torch.Tensor) else h, host)
         outs, _ = tree_flatten(out)
         hosts, _ = tree_flatten(host)
         for o, h in zip(outs, hosts, strict=True):
@@ -926,7 +939,7 @@ def build_meta(
         raise ValueError("build the real-device QLoRA model with vramguard.workload.models.build_qlora")
     config.validate()
     spec = spec or config.spec
-    vision = _vision_meta(config, spec, method, device, not sharded and prepared)
+    vision = _vision_meta(config, spec, method, device, not sharded, prepared)
     if vision is not None:  # the family's processor's rows, their values carried on meta (estimate.vision)
         return vision
     from transformers.quantizers import AutoHfQuantizer
@@ -985,14 +998,15 @@ def build_meta(
 
 
 def _vision_meta(
-    config: QLoRAConfig, spec: ModelSpec, method: str, device: str, one_device: bool
+    config: QLoRAConfig, spec: ModelSpec, method: str, device: str, one_device: bool, prepared: bool = True
 ) -> QLoRAModel | None:
     """A vision-language model (:func:`vramguard.estimate.vision.build_vision_meta`) for ``method`` (``qlora`` or
     ``lora``) on ``device``: on meta its rows' values kept on it for the step (``image_values``: run_estimate steps
-    it under ``values_on_meta``); ``lora`` on the CPU is the tests' reference, its rows real tensors. Refused in one
-    line off the loop's step on one device (``one_device``: not sharded, prepared) and for ``full``. None for a text
-    model (given a vision tower option: refused in one line)."""
-    from vramguard.workload.vision import is_vision_spec, refuse_tower_options
+    it under ``values_on_meta``, the trainer's step its collated batches); ``lora`` on the CPU is the tests'
+    reference, its rows real tensors. ``prepared`` False: the 4-bit model unprepared, for SFTTrainer. Refused in
+    one line off one device (``one_device``: not sharded) and for ``full``. None for a text model (given a vision
+    tower option: refused in one line)."""
+    from vramguard.workload.vision import is_vision_spec, refuse_tower_options, vision_setup
 
     if not is_vision_spec(spec):
         refuse_tower_options(config)
@@ -1003,9 +1017,12 @@ def _vision_meta(
             f"vision-language models are estimated for --method {methods} on one device in vramguard's loop "
             "(--trainer loop) for now"
         )
-    from vramguard.estimate.vision import build_vision_meta
+    from vramguard.estimate.vision import build_vision_meta, vision_meta_of
 
-    built_vlm, values = build_vision_meta(config, spec=spec, method=method, device=device)
+    if prepared:
+        built_vlm, values = build_vision_meta(config, spec=spec, method=method, device=device)
+    else:  # SFTTrainer's: its own LoRA (qlora only: refuse_unpriced)
+        built_vlm, values = vision_meta_of(vision_setup(config, spec=spec), config, method, device, prepared=False)
     if device == META:
         built_vlm.q.image_values = values  # run_estimate steps it under values_on_meta
     return built_vlm.q  # type: ignore[no-any-return]

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from vramguard.errors import UsageError
 from vramguard.estimate.kernels import cuda_kernel_temporaries
@@ -43,7 +43,6 @@ from vramguard.estimate.meta import META, _deepcopy_on_meta, build_meta
 from vramguard.estimate.no_init import values_not_drawn
 from vramguard.integrations.trainer_step import (
     fails_as_the_users_run,
-    loop_rows,
     make_trainer,
     trainer_arguments,
     trainer_prepares,
@@ -56,6 +55,7 @@ from vramguard.step.request import StepRequest
 from vramguard.workload.models import QLoRAConfig, QLoRAModel
 from vramguard.workload.routing import eager_top_k
 from vramguard.workload.training import Repeats
+from vramguard.workload.vision_sft import trainer_refusal, with_tower_note
 
 
 class NeedsLoop(UsageError):
@@ -96,26 +96,47 @@ class _MetaCallback(VramGuardCallback):
 
 
 class _AnswerItems(TorchDispatchMode):
-    """``.item()`` / ``bool()`` of a meta scalar answered with 1 (see the module)."""
+    """``.item()`` / ``bool()`` of a meta scalar answered with 1 (see the module), unless it has a value
+    (``values``: a vision-language batch's, :class:`~vramguard.estimate.vision.ImageValues`, which answers it)."""
+
+    def __init__(self, values: Any = None) -> None:
+        super().__init__()
+        self.values = values
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == META:
-            return True if args[0].dtype is torch.bool else 1
+            if self.values is None or args[0] not in self.values.values:
+                return True if args[0].dtype is torch.bool else 1
         return func(*args, **(kwargs or {}))
 
 
-def _on_meta(collate: Any) -> Any:
-    """The trainer's collator, its tensors put on meta as it returns them (shape and dtype kept)."""
+def _on_meta(collate: Any, values: Any = None) -> Any:
+    """The trainer's collator, its tensors put on meta as it returns them (shape and dtype kept). With
+    ``values`` (a vision-language model's :class:`~vramguard.estimate.vision.ImageValues`) the collator runs
+    with every mode off (its host tensors are the values: no tracker counts them) and each tensor it returns
+    is given to meta with its value (``image_grid_thw``, the image tokens' positions: what the vision code
+    reads)."""
 
     def collate_on_meta(examples: Any) -> Any:
-        batch = collate(examples)
+        if values is None:
+            batch = collate(examples)
+        else:
+            with _disable_current_modes():
+                batch = collate(examples)
         made: dict[int, torch.Tensor] = {}  # one meta tensor per host tensor (cu_seq_lens_q is _k)
         for key, value in batch.items():
             if isinstance(value, torch.Tensor):
-                batch[key] = made.setdefault(id(value), torch.empty(value.shape, dtype=value.dtype, device=META))
+                batch[key] = made.setdefault(id(value), _meta_of(value, values))
         return batch
 
     return collate_on_meta
+
+
+def _meta_of(host: torch.Tensor, values: Any) -> torch.Tensor:
+    """``host``'s meta tensor: with ``values``, one that carries ``host`` as its value."""
+    if values is not None:
+        return values.give(host)  # type: ignore[no-any-return]
+    return torch.empty(host.shape, dtype=host.dtype, device=META)
 
 
 def _loader_on_meta(runner: Any) -> None:
@@ -156,9 +177,9 @@ def trainer_on_meta(q: QLoRAModel, trainer: str, target: str, steps: int, output
     base.hf_device_map = {"": META}  # what from_pretrained(device_map={"": device}) records: no move to a device
     # PEFT's LoRA, made by the trainer on the host and moved to meta: no values to keep
     with _device_is_meta(args), _deepcopy_on_meta(), values_not_drawn(meta_only=False):
-        runner = make_trainer(q, trainer, args, loop_rows(q, micro_batches), [callback])
+        runner = make_trainer(q, trainer, args, micro_batches, [callback])
     _all_on_meta(runner.model)  # what stayed on the host would hold values never drawn
-    runner.data_collator = _on_meta(runner.data_collator)
+    runner.data_collator = _on_meta(runner.data_collator, getattr(q, "image_values", None))
     _loader_on_meta(runner)
     runner.create_optimizer()  # the trainer's own; train() keeps it
     if target == "cpu":
@@ -272,14 +293,17 @@ class _PricedMicroBatches:
         return self.loss
 
 
-def priced_micro_batches(runner: Any, callback: VramGuardCallback, counters: list[Any]) -> None:
+def priced_micro_batches(
+    runner: Any, callback: VramGuardCallback, counters: list[Any], image_values: Any = None
+) -> None:
     """Install :class:`_PricedMicroBatches` on ``runner`` where a step has more than two micro-batches (unless
-    :data:`vramguard.estimate.run.ALL_MICRO_BATCHES` is set); ``counters``: what the step's contexts yielded that
-    counts (``counts``/``add``: the decisions, autocast's)."""
+    :data:`vramguard.estimate.run.ALL_MICRO_BATCHES` is set, or a vision-language batch's values are carried per
+    call: ``image_values``); ``counters``: what the step's contexts yielded that counts (``counts``/``add``: the
+    decisions, autocast's)."""
     from vramguard.estimate.run import ALL_MICRO_BATCHES
 
     n = runner.args.gradient_accumulation_steps
-    if n > 2 and os.environ.get(ALL_MICRO_BATCHES, "") in ("", "0"):
+    if n > 2 and image_values is None and os.environ.get(ALL_MICRO_BATCHES, "") in ("", "0"):
         runner.training_step = _PricedMicroBatches(runner, callback, counters, n)
 
 
@@ -290,6 +314,7 @@ def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str)
 
     refuse_unpriced(config, trainer)
     spec = config.spec
+    refuse_vision(config, trainer)
     limit = max_positions(spec)
     if limit is not None and config.seq_len > limit:  # the trainer's rows are real host lists: not made
         raise NeedsLoop(trainer, f"a seq-len beyond {spec.name}'s {limit:,} positions")
@@ -297,17 +322,39 @@ def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str)
     q = build_meta(config, spec, prepared=not trainer_prepares(trainer))
     if eager_top_k(q.model) is not None:
         raise NeedsLoop(trainer, "a mixture of experts' forced eager routing")
+    values = getattr(q, "image_values", None)  # a vision-language batch's (estimate.vision)
     with tempfile.TemporaryDirectory(prefix="vramguard-trainer-") as tmp:
         runner, callback = trainer_on_meta(q, trainer, target, steps, tmp)
         q = dataclasses.replace(q, model=runner.model)
         request = StepRequest(config, target=target, steps=steps)  # the techniques' contexts take it
         on_step = meta_step_contexts(q, request, used_by(config))  # the decisions, autocast, flash-attn, the rows
-        asked_as, answers, as_users = _autocast_asked_as(target), _AnswerItems(), fails_as_the_users_run(q, trainer)
-        with on_step as (taken, seen), asked_as, _accelerate_autocast_on_meta(), answers, as_users:
-            priced_micro_batches(runner, callback, [c for c in (taken, *seen.values()) if hasattr(c, "counts")])
-            runner.train()
+        asked_as, answers = _autocast_asked_as(target), _AnswerItems(values)
+        as_users = fails_as_the_users_run(q, trainer)
+        with on_step as (taken, seen), image_values_step(values), asked_as, _accelerate_autocast_on_meta():
+            with answers, as_users:
+                counters = [c for c in (taken, *seen.values()) if hasattr(c, "counts")]
+                priced_micro_batches(runner, callback, counters, values)
+                runner.train()
     assert callback.report is not None
-    return callback.report, q, time.perf_counter() - t0
+    return callback.report, with_tower_note(q), time.perf_counter() - t0
+
+
+def refuse_vision(config: QLoRAConfig, trainer: str) -> None:
+    """A vision-language model's step the trainer's step on meta does not run yet
+    (:func:`vramguard.workload.vision_sft.trainer_refusal` names what): :class:`NeedsLoop`."""
+    what = trainer_refusal(config, trainer)
+    if what is not None:
+        raise NeedsLoop(trainer, what, "estimate it with --trainer loop (vramguard's loop, which prices it)")
+
+
+def image_values_step(values: Any) -> contextlib.AbstractContextManager[Any]:
+    """The trainer's step under a vision-language batch's values (:func:`vramguard.estimate.vision.
+    values_on_meta`, where its collated batches get them); nothing for a text model."""
+    if values is None:
+        return contextlib.nullcontext()
+    from vramguard.estimate.vision import values_on_meta
+
+    return values_on_meta(values)
 
 
 def trainer_label(trainer: str) -> str:

@@ -160,21 +160,31 @@ def build_vision_meta(
     the base left in the compute dtype (no quantizer, no k-bit preparation: transformers' own checkpointing when
     asked), LoRA as PEFT puts it; ``device`` ``cpu`` builds that model with random weights and real rows on the
     host, the reference the tests hold the meta run against (as ``build_meta(device="cpu")`` for a text model)."""
+    refuse_quantizer_options(config, method)
+    setup = vision_setup(config, image_size, images_per_row, spec)
+    return vision_meta_of(setup, config, method, device)
+
+
+def vision_meta_of(
+    setup: Any, config: Any, method: str = "qlora", device: str = META, prepared: bool = True
+) -> tuple[VisionQLoRAModel, ImageValues]:
+    """:func:`build_vision_meta` of a resolved ``setup`` (:func:`vramguard.workload.vision.vision_setup`).
+    ``prepared`` False (``qlora``): the 4-bit model as ``from_pretrained`` loads it, without k-bit preparation and
+    LoRA, for TRL's SFTTrainer, which does its own (as ``build_meta(prepared=False)`` for a text model)."""
     from transformers.utils import logging as hf_logging
 
     from vramguard.workload.models import with_lora
 
-    refuse_quantizer_options(config, method)
-    setup = vision_setup(config, image_size, images_per_row, spec)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = _vision_base(setup, config, method, device)
-        apply_tower_checkpointing(model, setup.family, setup.choices)
-        # on meta PEFT makes LoRA on the host and moves it to meta: nothing to draw
-        with values_not_drawn(meta_only=False) if device == META else contextlib.nullcontext():
-            model = with_lora(model, config, setup.choices)
+        model = _vision_base(setup, config, method, device, prepared)
+        if prepared:
+            apply_tower_checkpointing(model, setup.family, setup.choices)
+            # on meta PEFT makes LoRA on the host and moves it to meta: nothing to draw
+            with values_not_drawn(meta_only=False) if device == META else contextlib.nullcontext():
+                model = with_lora(model, config, setup.choices)
     model.train()
     model.config.use_cache = False
     values = ImageValues()
@@ -182,7 +192,7 @@ def build_vision_meta(
     if device == META:
         inputs = {k: values.give(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     run_config = dataclasses.replace(config, device=device)  # (not validated: validate() allows cpu or cuda)
-    q = image_text_model(setup, model, run_config, inputs)
+    q = image_text_model(setup, model, run_config, inputs, prepared)
     built = VisionQLoRAModel(
         q=q,
         family=setup.family,
@@ -212,10 +222,10 @@ def refuse_quantizer_options(config: Any, method: str) -> None:
         )
 
 
-def _vision_base(setup: Any, config: Any, method: str, device: str) -> torch.nn.Module:
+def _vision_base(setup: Any, config: Any, method: str, device: str, prepared: bool = True) -> torch.nn.Module:
     """The base model of ``setup`` on ``device`` before LoRA: ``_from_config`` at the compute dtype; for ``qlora``
     swapped by transformers' own bitsandbytes quantizer, each weight quantized on meta, and PEFT's k-bit
-    preparation; for ``lora`` as it is, with transformers' gradient checkpointing when asked (what
+    preparation (``prepared``; without it as ``from_pretrained`` loads it); for ``lora`` as it is, with transformers' gradient checkpointing when asked (what
     :func:`vramguard.estimate.meta.build_meta` does for a text model's ``lora``)."""
     if method == "qlora" and device != META:  # the real device's 4-bit model is workload.vision's build
         raise ValueError("build a vision-language QLoRA model on a real device with vramguard.workload.vision")
@@ -248,7 +258,7 @@ def _vision_base(setup: Any, config: Any, method: str, device: str) -> torch.nn.
     _quantize_on_meta(model, compute_dtype)
     quantizer.postprocess_model(model)
     model.hf_quantizer = quantizer
-    return prepare_for_training(model, config)
+    return prepare_for_training(model, config) if prepared else model
 
 
 @dataclass
@@ -352,4 +362,5 @@ __all__ = [
     "build_vision_meta",
     "estimate_vision_step",
     "values_on_meta",
+    "vision_meta_of",
 ]

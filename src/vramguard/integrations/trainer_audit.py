@@ -23,7 +23,6 @@ from vramguard.errors import UsageError
 from vramguard.integrations.trainer_step import (
     TRAINERS,
     fails_as_the_users_run,
-    loop_rows,
     make_trainer,
     trainer_arguments,
     trainer_prepares,
@@ -35,6 +34,7 @@ from vramguard.step.request import StepRequest, audit_request
 from vramguard.step.technique import Technique, bounding_requests, contexts_of, enter_stage, revised
 from vramguard.workload import routing as routes
 from vramguard.workload.models import QLoRAConfig, QLoRAModel, build_qlora
+from vramguard.workload.vision_sft import trainer_refusal, with_tower_note
 
 
 def run_trainer_audit(
@@ -123,11 +123,14 @@ def _train(
             "--offload-activations with --trainer sft is TRL's OffloadActivations, which needs an accelerator; "
             "on CPU use --trainer trainer (torch's save_on_cpu)"
         )
+    not_yet = trainer_refusal(config, trainer)
+    if not_yet is not None:
+        raise UsageError(f"--trainer {trainer} does not run {not_yet} yet: measure it with --trainer loop")
     q = build_qlora(config, prepared=not trainer_prepares(trainer))
     micro_batches = steps * config.gradient_accumulation_steps  # the rows of every micro-batch of every step
     args = trainer_arguments(config, steps, trainer, output_dir, on_cpu, offload_activations)
     cb = VramGuardCallback(table=False)
-    runner = make_trainer(q, trainer, args, loop_rows(q, micro_batches), [cb])
+    runner = make_trainer(q, trainer, args, micro_batches, [cb])
     q.model = runner.model  # SFTTrainer's own PEFT model, where it wrapped the loaded one
     offload = (
         torch.autograd.graph.save_on_cpu(pin_memory=True)
@@ -141,6 +144,7 @@ def _train(
             runner.train()
     report = cb.report
     assert report is not None
+    q = with_tower_note(q)  # a vision-language model's, read off the trainer's own LoRA
     trainer_config = dict(report.config)
     report.config = {**config.to_dict(), **trainer_config, "model": config.model_ref}  # as given, as the loop
     report.architecture = {**report.architecture, "attn_implementation": q.attn_implementation}

@@ -117,18 +117,36 @@ def _raised_by(exc: BaseException, package: str) -> bool:
     return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).split(".")[0] == package
 
 
-def make_trainer(q: QLoRAModel, trainer: str, args: Any, rows: list[list[int]], callbacks: list[Any]) -> Any:
-    """The ``trainer`` ("trainer" or "sft") over ``q``'s model and ``rows``, its printer callback removed
-    (the audit prints its own tables). SFTTrainer gets the model unprepared and the config's ``LoraConfig``
-    when :func:`trainer_prepares` (see the module)."""
+def sft_inputs(q: QLoRAModel, micro_batches: int) -> tuple[Any, Any, Any]:
+    """(the dataset, the processing class, the ``LoraConfig``) SFTTrainer takes for ``q``'s first
+    ``micro_batches`` batches: the loop's token rows and the word-level tokenizer; for a vision-language model
+    its vision dataset and processor (:mod:`vramguard.workload.vision_sft`) and its tower's LoRA choices."""
+    vision = getattr(q, "vision", None)
+    if vision is None:
+        rows = loop_rows(q, micro_batches)
+        return dataset(rows, False), tokenizer(int(q.spec.fields["vocab_size"])), lora_config(q.config)
+    from vramguard.workload.vision_sft import sft_data
+
+    data, processor = sft_data(q, micro_batches * q.config.batch)
+    return data, processor, lora_config(q.config, vision.choices)
+
+
+def make_trainer(q: QLoRAModel, trainer: str, args: Any, micro_batches: int, callbacks: list[Any]) -> Any:
+    """The ``trainer`` ("trainer" or "sft") over ``q``'s model and its first ``micro_batches`` batches, its
+    printer callback removed (the audit prints its own tables). SFTTrainer gets the model unprepared and the
+    config's ``LoraConfig`` when :func:`trainer_prepares` (see the module), and a vision-language model's own
+    data (:func:`sft_inputs`)."""
     if trainer not in ("trainer", "sft"):
         raise UsageError(f"--trainer must be one of {', '.join(TRAINERS)}, got {trainer!r}")
     if trainer == "trainer":
         from transformers import Trainer
 
+        rows = loop_rows(q, micro_batches)
         runner = Trainer(model=q.model, args=args, train_dataset=dataset(rows, True), callbacks=callbacks)
     else:
         from trl import SFTTrainer
+
+        data, processing_class, peft_config = sft_inputs(q, micro_batches)
 
         with warnings.catch_warnings():  # PEFT's wrapping asks the model by transformers 5.23's old name
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
@@ -136,10 +154,10 @@ def make_trainer(q: QLoRAModel, trainer: str, args: Any, rows: list[list[int]], 
                 runner = SFTTrainer(
                     model=q.model,
                     args=args,
-                    train_dataset=dataset(rows, False),
-                    processing_class=tokenizer(int(q.spec.fields["vocab_size"])),
+                    train_dataset=data,
+                    processing_class=processing_class,
                     callbacks=callbacks,
-                    peft_config=lora_config(q.config) if trainer_prepares(trainer) else None,
+                    peft_config=peft_config if trainer_prepares(trainer) else None,
                 )
             except ValueError as exc:  # as vramguard.workload.models.with_lora says it for the loop
                 if _raised_by(exc, "trl"):  # its own checks of the config, which the user's run meets the same
@@ -149,6 +167,10 @@ def make_trainer(q: QLoRAModel, trainer: str, args: Any, rows: list[list[int]], 
                     raise
                 raise lora_refused(exc, q.model) from None
         refuse_tuple_routers(runner.model)
+        if getattr(q, "vision", None) is not None:
+            from vramguard.workload.vision_sft import check_prepared
+
+            check_prepared(runner, q.config.seq_len)
     from transformers.trainer_callback import PrinterCallback
 
     runner.remove_callback(PrinterCallback)

@@ -968,11 +968,11 @@ def build_qlora(
     from vramguard.workload.vision import build_vision_qlora, is_vision_spec
 
     if is_vision_spec(spec):  # AutoModelForImageTextToText, the family's processor's rows (workload.vision)
-        if sharded or not prepared:
+        if sharded:
             raise UsageError(
                 "vision-language models are measured on one device in vramguard's loop (--trainer loop) for now"
             )
-        return build_vision_qlora(config, spec=spec).q  # type: ignore[no-any-return]
+        return build_vision_qlora(config, spec=spec, prepared=prepared).q  # type: ignore[no-any-return]
     from vramguard.workload.vision import refuse_tower_options
 
     refuse_tower_options(config)

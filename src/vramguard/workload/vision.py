@@ -1480,10 +1480,13 @@ def vision_setup(
     )
 
 
-def image_text_model(setup: VisionSetup, model: torch.nn.Module, config: Any, inputs: dict[str, Any]) -> Any:
+def image_text_model(
+    setup: VisionSetup, model: torch.nn.Module, config: Any, inputs: dict[str, Any], prepared: bool = True
+) -> Any:
     """The :class:`~vramguard.workload.models.QLoRAModel` of a built vision-language ``model`` whose
     :meth:`batch` is ``inputs`` (the same images every step: a step's bytes depend on their sizes only) and whose
-    ``vision`` is ``setup``."""
+    ``vision`` is ``setup``. ``prepared`` False: the model as loaded, before a trainer's own LoRA (the tower's
+    line, which reads where LoRA went, is then the trainer's to add: :func:`tower_note`)."""
     from vramguard.workload.models import QLoRAModel
 
     class ImageTextModel(QLoRAModel):
@@ -1497,11 +1500,19 @@ def image_text_model(setup: VisionSetup, model: torch.nn.Module, config: Any, in
     notes: tuple[str, ...] = (setup.line(),)
     if setup.attn != config.attn_implementation:
         notes += (f"{setup.model_class.__name__} has no sdpa attention in transformers: it ran eager attention",)
-    if not setup.choices.is_default or config.target_modules != "all-linear":  # (all-linear's stay as they were)
-        notes += (tower_line(model, setup.family, setup.choices, config),)
+    if prepared:
+        notes += tower_note(model, setup, config)
     return ImageTextModel(
         model=model, spec=setup.spec, config=config, attn_implementation=setup.attn, notes=notes
     )
+
+
+def tower_note(model: torch.nn.Module, setup: VisionSetup, config: Any) -> tuple[str, ...]:
+    """The build's note on the tower's choices (:func:`tower_line` of the model with its LoRA) where a choice or
+    the targets are not the usual recipe's; none otherwise (all-linear's notes stay as they were)."""
+    if setup.choices.is_default and config.target_modules == "all-linear":
+        return ()
+    return (tower_line(model, setup.family, setup.choices, config),)
 
 
 def build_vision_qlora(
@@ -1509,13 +1520,15 @@ def build_vision_qlora(
     image_size: tuple[int, int] | None = None,
     images_per_row: int | None = None,
     spec: Any = None,
+    prepared: bool = True,
 ) -> VisionQLoRAModel:
     """A vision-language model as users load it for QLoRA: random weights written to a temporary checkpoint,
     ``AutoModelForImageTextToText.from_pretrained`` of it with the ``BitsAndBytesConfig`` of ``config`` (a
     :class:`~vramguard.workload.models.QLoRAConfig`: 4-bit, its quant type and compute dtype), PEFT's
     ``prepare_model_for_kbit_training`` and ``get_peft_model`` with its LoRA (``all-linear`` by default, which
     includes the vision tower and projector, as bitsandbytes quantizes them), and the family processor's rows of
-    ``config.seq_len`` tokens (:func:`image_rows`) as its batch."""
+    ``config.seq_len`` tokens (:func:`image_rows`) as its batch. ``prepared`` False: the 4-bit model as
+    ``from_pretrained`` loads it, without k-bit preparation and LoRA (TRL's SFTTrainer does its own)."""
     from transformers.utils import logging as hf_logging
 
     from vramguard.workload.models import (
@@ -1547,14 +1560,15 @@ def build_vision_qlora(
             dtype=compute_dtype,
             attn_implementation=setup.attn,
         )
-        model = prepare_for_training(model, config)
-        apply_tower_checkpointing(model, setup.family, setup.choices)
-        model = with_lora(model, config, setup.choices)
+        if prepared:
+            model = prepare_for_training(model, config)
+            apply_tower_checkpointing(model, setup.family, setup.choices)
+            model = with_lora(model, config, setup.choices)
     model.train()
     model.config.use_cache = False
     device = torch.device(config.device)
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in setup.rows.inputs.items()}
-    q = image_text_model(setup, model, config, inputs)
+    q = image_text_model(setup, model, config, inputs, prepared)
     return VisionQLoRAModel(
         q=q,
         family=setup.family,
@@ -1600,6 +1614,7 @@ __all__ = [
     "saved_by_stack",
     "synthetic_image",
     "token_ids",
+    "tower_note",
     "vision_setup",
     "vision_shape",
     "video_ask",

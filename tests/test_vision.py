@@ -926,6 +926,21 @@ def test_smolvlm_video_frames_are_images_and_a_row_holds_no_image_beside_them(
     assert "a row cannot hold both: give --image-size or --video-frames" in err and "\n" not in err
 
 
+def test_glm4v_image_and_video_in_one_row_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """GLM-4V's model finds a row's image features by the image token, and its processor writes the video's
+    frames with that token too (Glm4vModel.get_placeholder_mask: ``special_video_mask`` is the image token's
+    mask), so a row with an image and a video ends in transformers' "Image features and image tokens do not
+    match", on the real model as on meta (review: exit 3, an internal error). It is one line, exit 2, before any
+    processor is built (so without torchvision too)."""
+    from vramguard.cli.app import main
+
+    argv = ["estimate", "--model", str(FIXTURES["glm4v"]), "--image-size", "56x56", "--video-frames", "3"]
+    assert main([*argv, "--video-size", "56x84", "--seq-len", "640", "--target-modules", "all-linear"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "GLM-4V" in err and "a row cannot hold both: give --image-size or --video-frames" in err, err
+    assert "\n" not in err
+
+
 def test_a_family_whose_video_rows_are_not_made_is_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

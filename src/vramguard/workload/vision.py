@@ -892,16 +892,23 @@ _ROW_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "toke
 
 def _video_options(processor: Any, videos: list[Any] | None) -> dict[str, Any]:
     """The processor call's video options: the frames as given (no sampling), their metadata at
-    :data:`VIDEO_FPS`, and where the video processor has one (Qwen3-VL's) the per-frame pixel bound of
-    transformers 5.23's default (``cap_pixels_per_frame`` False, said so to silence its warning; another video
-    processor warns of it as an argument it ignores)."""
+    :data:`VIDEO_FPS`, the frames' layout (channels last, as :meth:`VideoAsk.video` makes them: a frame 1 or 3
+    pixels high would otherwise be read as channels first), and where the video processor has one (Qwen3-VL's)
+    the per-frame pixel bound of transformers 5.23's default (``cap_pixels_per_frame`` False, said so to silence
+    its warning; another video processor warns of it as an argument it ignores)."""
     if not videos:
         return {}
     metadata = [
         {"fps": VIDEO_FPS, "total_num_frames": len(v), "frames_indices": list(range(len(v)))} for v in videos
     ]
     cap = {"cap_pixels_per_frame": False} if hasattr(processor.video_processor, "cap_pixels_per_frame") else {}
-    return {"videos": videos, "do_sample_frames": False, "video_metadata": metadata, **cap}
+    return {
+        "videos": videos,
+        "do_sample_frames": False,
+        "video_metadata": metadata,
+        "input_data_format": "channels_last",
+        **cap,
+    }
 
 
 def _process(

@@ -364,8 +364,8 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         video_placeholder="<|begin_of_video|><|video|><|end_of_video|>",
         video_token=None,
         video_without_images="GLM-4V's model (Glm4vModel) finds the images' features by the image token, which its "
-        "processor writes for the video's frames too, so it refuses a row with both (\"Image features and image "
-        "tokens do not match\")",
+        "processor writes for the video's frames too (transformers: \"Image features and image tokens do not "
+        "match\")",
     ),
     "gemma3": VisionFamily(
         name="Gemma 3",

@@ -927,11 +927,13 @@ def test_smolvlm_video_frames_are_images_and_a_row_holds_no_image_beside_them(
 
 
 @pytest.mark.parametrize("name", ["qwen2-vl", "glm4v"])
-def test_video_frames_one_or_three_pixels_high_are_read_as_height(name: str, capfd: pytest.CaptureFixture[str]) -> None:
+def test_video_frames_one_or_three_pixels_high_are_read_as_height(
+    name: str, capfd: pytest.CaptureFixture[str]
+) -> None:
     """The frames are (frames, height, width, 3) arrays: a frame 1 or 3 pixels high looks channels-first to
-    transformers' inference (review: 3x200 frames made the grid of 200x3 ones, 1x5 frames were read as one
-    channel of 5x3, each with a warning on stderr). The processor is told they are channels-last: a 3x200 video
-    gets the transpose of a 200x3 one's grid, and nothing is printed."""
+    transformers' inference (review: 3x200 frames made the grid of 200x3 ones, 1x5 frames were read as
+    one channel of 5x3, each with a warning on stderr). The processor is told they are channels-last: a
+    3x200 video gets the transpose of a 200x3 one's grid, and nothing is printed."""
     if _video_missing():
         pytest.skip("transformers' video processors need torchvision")
     config, _ = load_vision_config(FIXTURES[name])
@@ -942,8 +944,8 @@ def test_video_frames_one_or_three_pixels_high_are_read_as_height(name: str, cap
     for size in ((3, 200), (200, 3), (1, 5), (5, 1)):
         rows = image_rows(family, config, 512, None, 640, video=VideoAsk(2, size))
         grid[size] = rows.inputs["video_grid_thw"].tolist()[0]
-    assert grid[(3, 200)] == [1, grid[(200, 3)][2], grid[(200, 3)][1]] and grid[(3, 200)][1] < grid[(3, 200)][2]
-    assert grid[(1, 5)] == [1, grid[(5, 1)][2], grid[(5, 1)][1]] and grid[(1, 5)][1] < grid[(1, 5)][2]
+    for short, tall in (((3, 200), (200, 3)), ((1, 5), (5, 1))):
+        assert grid[short] == [1, grid[tall][2], grid[tall][1]] and grid[short][1] < grid[short][2], grid
     assert "channel dimension is ambiguous" not in capfd.readouterr().err
 
 
@@ -951,8 +953,8 @@ def test_glm4v_image_and_video_in_one_row_is_one_line(capsys: pytest.CaptureFixt
     """GLM-4V's model finds a row's image features by the image token, and its processor writes the video's
     frames with that token too (Glm4vModel.get_placeholder_mask: ``special_video_mask`` is the image token's
     mask), so a row with an image and a video ends in transformers' "Image features and image tokens do not
-    match", on the real model as on meta (review: exit 3, an internal error). It is one line, exit 2, before any
-    processor is built (so without torchvision too)."""
+    match", on the real model as on meta (review: exit 3, an internal error). It is one line, exit 2, before
+    any processor is built (so without torchvision too)."""
     from vramguard.cli.app import main
 
     argv = ["estimate", "--model", str(FIXTURES["glm4v"]), "--image-size", "56x56", "--video-frames", "3"]

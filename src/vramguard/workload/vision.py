@@ -112,9 +112,9 @@ class VisionFamily:
     image between the video's markers, InternVL each frame as an image after ``FrameN:``), so the row's video
     tokens are the image token's count less that of the row's images alone (:func:`_media_tokens`)."""
     video_without_images: str = ""
-    """Why a row cannot hold images beside a video, in words ("": it can): SmolVLM's processor returns a video's
-    frames under the images' own name, ``pixel_values``; GLM-4V's model takes the image token's positions as the
-    images' and as the video's both."""
+    """Why a row cannot hold images beside a video, in words ("": it can): SmolVLM's processor returns a
+    video's frames under the images' own name, ``pixel_values``; GLM-4V's model takes the image token's
+    positions as the images' and as the video's both."""
     video_processor_kwargs: Callable[[Any], dict[str, Any]] | None = None
     """What the video processor is built with (its checkpoints' ``video_preprocessor_config.json``); None: the
     tower's patch, merge and temporal patch sizes (Qwen's and GLM-4V's) and :attr:`video_size`."""
@@ -363,9 +363,9 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         video_processor="Glm4vVideoProcessor",
         video_placeholder="<|begin_of_video|><|video|><|end_of_video|>",
         video_token=None,
-        video_without_images="GLM-4V's model (Glm4vModel) finds the images' features by the image token, which its "
-        "processor writes for the video's frames too (transformers: \"Image features and image tokens do not "
-        "match\")",
+        video_without_images="GLM-4V's model (Glm4vModel) finds the images' features by the image token, "
+        "which its processor writes for the video's frames too (transformers: \"Image features and image "
+        "tokens do not match\")",
     ),
     "gemma3": VisionFamily(
         name="Gemma 3",
@@ -466,7 +466,9 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         video_placeholder="<video>",
         video_token=None,
         video_processor_kwargs=_idefics_image,  # (frames resized as the images are, to the tower's size)
-        video_without_images="SmolVLM's processor returns a video's frames as pixel_values, the images' own name",
+        video_without_images=(
+            "SmolVLM's processor returns a video's frames as pixel_values, the images' own name"
+        ),
     ),
     "internvl": VisionFamily(
         name="InternVL",
@@ -892,10 +894,10 @@ _ROW_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "toke
 
 def _video_options(processor: Any, videos: list[Any] | None) -> dict[str, Any]:
     """The processor call's video options: the frames as given (no sampling), their metadata at
-    :data:`VIDEO_FPS`, the frames' layout (channels last, as :meth:`VideoAsk.video` makes them: a frame 1 or 3
-    pixels high would otherwise be read as channels first), and where the video processor has one (Qwen3-VL's)
-    the per-frame pixel bound of transformers 5.23's default (``cap_pixels_per_frame`` False, said so to silence
-    its warning; another video processor warns of it as an argument it ignores)."""
+    :data:`VIDEO_FPS`, the frames' layout (channels last, as :meth:`VideoAsk.video` makes them: a frame 1 or
+    3 pixels high would otherwise be read as channels first), and where the video processor has one
+    (Qwen3-VL's) the per-frame pixel bound of transformers 5.23's default (``cap_pixels_per_frame`` False,
+    said so to silence its warning; another video processor warns of it as an argument it ignores)."""
     if not videos:
         return {}
     metadata = [

@@ -926,6 +926,44 @@ def test_smolvlm_video_frames_are_images_and_a_row_holds_no_image_beside_them(
     assert "a row cannot hold both: give --image-size or --video-frames" in err and "\n" not in err
 
 
+@pytest.mark.parametrize("name", ["qwen2-vl", "glm4v"])
+def test_video_frames_one_or_three_pixels_high_are_read_as_height(
+    name: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The frames are (frames, height, width, 3) arrays: a frame 1 or 3 pixels high looks channels-first to
+    transformers' inference (review: 3x200 frames made the grid of 200x3 ones, 1x5 frames were read as
+    one channel of 5x3, each with a warning on stderr). The processor is told they are channels-last: a
+    3x200 video gets the transpose of a 200x3 one's grid, and nothing is printed."""
+    if _video_missing():
+        pytest.skip("transformers' video processors need torchvision")
+    config, _ = load_vision_config(FIXTURES[name])
+    family = family_of(config.model_type)
+    from vramguard.workload.vision import VideoAsk
+
+    grid = {}
+    for size in ((3, 200), (200, 3), (1, 5), (5, 1)):
+        rows = image_rows(family, config, 512, None, 640, video=VideoAsk(2, size))
+        grid[size] = rows.inputs["video_grid_thw"].tolist()[0]
+    for short, tall in (((3, 200), (200, 3)), ((1, 5), (5, 1))):
+        assert grid[short] == [1, grid[tall][2], grid[tall][1]] and grid[short][1] < grid[short][2], grid
+    assert "channel dimension is ambiguous" not in capfd.readouterr().err
+
+
+def test_glm4v_image_and_video_in_one_row_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """GLM-4V's model finds a row's image features by the image token, and its processor writes the video's
+    frames with that token too (Glm4vModel.get_placeholder_mask: ``special_video_mask`` is the image token's
+    mask), so a row with an image and a video ends in transformers' "Image features and image tokens do not
+    match", on the real model as on meta (review: exit 3, an internal error). It is one line, exit 2, before
+    any processor is built (so without torchvision too)."""
+    from vramguard.cli.app import main
+
+    argv = ["estimate", "--model", str(FIXTURES["glm4v"]), "--image-size", "56x56", "--video-frames", "3"]
+    assert main([*argv, "--video-size", "56x84", "--seq-len", "640", "--target-modules", "all-linear"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "GLM-4V" in err and "a row cannot hold both: give --image-size or --video-frames" in err, err
+    assert "\n" not in err
+
+
 def test_a_family_whose_video_rows_are_not_made_is_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -218,7 +218,8 @@ def add_tower_options(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --video-size: a video of N frames in each row (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, "
         "Qwen3.5, Qwen3.5-MoE, GLM-4V, InternVL, SmolVLM), made by the family's video processor (needs "
-        "torchvision): Qwen's and GLM-4V's take 2 frames a temporal patch, an odd N padded with its last frame; "
+        "torchvision): Qwen's and GLM-4V's take 2 frames a temporal patch, an odd N padded with its last "
+        "frame (N=1 refused by Qwen3-VL's and GLM-4V's); "
         "InternVL's and SmolVLM's make each frame an image",
     )
     p.add_argument(

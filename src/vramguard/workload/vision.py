@@ -111,9 +111,10 @@ class VisionFamily:
     ``<|video_pad|>``). None: the video's frames take the image token (GLM-4V writes each temporal patch as an
     image between the video's markers, InternVL each frame as an image after ``FrameN:``), so the row's video
     tokens are the image token's count less that of the row's images alone (:func:`_media_tokens`)."""
-    video_with_images: bool = True
-    """A row may hold images and a video (False: SmolVLM's processor returns a video's frames under the images'
-    own name, ``pixel_values``, so the video's replace the images' and the row's image tokens have no pixels)."""
+    video_without_images: str = ""
+    """Why a row cannot hold images beside a video, in words ("": it can): SmolVLM's processor returns a
+    video's frames under the images' own name, ``pixel_values``; GLM-4V's model takes the image token's
+    positions as the images' and as the video's both."""
     video_processor_kwargs: Callable[[Any], dict[str, Any]] | None = None
     """What the video processor is built with (its checkpoints' ``video_preprocessor_config.json``); None: the
     tower's patch, merge and temporal patch sizes (Qwen's and GLM-4V's) and :attr:`video_size`."""
@@ -362,6 +363,9 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         video_processor="Glm4vVideoProcessor",
         video_placeholder="<|begin_of_video|><|video|><|end_of_video|>",
         video_token=None,
+        video_without_images="GLM-4V's model (Glm4vModel) finds the images' features by the image token, "
+        "which its processor writes for the video's frames too (transformers: \"Image features and image "
+        "tokens do not match\")",
     ),
     "gemma3": VisionFamily(
         name="Gemma 3",
@@ -462,7 +466,9 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         video_placeholder="<video>",
         video_token=None,
         video_processor_kwargs=_idefics_image,  # (frames resized as the images are, to the tower's size)
-        video_with_images=False,
+        video_without_images=(
+            "SmolVLM's processor returns a video's frames as pixel_values, the images' own name"
+        ),
     ),
     "internvl": VisionFamily(
         name="InternVL",
@@ -888,16 +894,23 @@ _ROW_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "toke
 
 def _video_options(processor: Any, videos: list[Any] | None) -> dict[str, Any]:
     """The processor call's video options: the frames as given (no sampling), their metadata at
-    :data:`VIDEO_FPS`, and where the video processor has one (Qwen3-VL's) the per-frame pixel bound of
-    transformers 5.23's default (``cap_pixels_per_frame`` False, said so to silence its warning; another video
-    processor warns of it as an argument it ignores)."""
+    :data:`VIDEO_FPS`, the frames' layout (channels last, as :meth:`VideoAsk.video` makes them: a frame 1 or
+    3 pixels high would otherwise be read as channels first), and where the video processor has one
+    (Qwen3-VL's) the per-frame pixel bound of transformers 5.23's default (``cap_pixels_per_frame`` False,
+    said so to silence its warning; another video processor warns of it as an argument it ignores)."""
     if not videos:
         return {}
     metadata = [
         {"fps": VIDEO_FPS, "total_num_frames": len(v), "frames_indices": list(range(len(v)))} for v in videos
     ]
     cap = {"cap_pixels_per_frame": False} if hasattr(processor.video_processor, "cap_pixels_per_frame") else {}
-    return {"videos": videos, "do_sample_frames": False, "video_metadata": metadata, **cap}
+    return {
+        "videos": videos,
+        "do_sample_frames": False,
+        "video_metadata": metadata,
+        "input_data_format": "channels_last",
+        **cap,
+    }
 
 
 def _process(
@@ -983,6 +996,10 @@ def image_rows(
     overflow is a UsageError naming their token count. ``image_size`` and ``video`` None: text-only rows (no
     image inputs). ``pixels``: the image processor's ``min_pixels`` / ``max_pixels``
     (:func:`family_processor`)."""
+    if image_size is not None and video is not None and family.video_without_images:
+        raise UsageError(
+            f"{family.video_without_images}, so a row cannot hold both: give --image-size or --video-frames"
+        )
     processor = family_processor(family, hf_config, vocab_size, pixels, video=video is not None)
     image_id = image_token_id(family, hf_config, vocab_size)
     if image_size is None and video is None:  # what the processor adds to a text (PaliGemma's bos) counts too
@@ -994,11 +1011,6 @@ def image_rows(
         return ImageRows(inputs=inputs, image_tokens=0, text_tokens=int(inputs["input_ids"].shape[-1]))
     if image_size is None:
         images_per_row = 0
-    elif video is not None and not family.video_with_images:
-        raise UsageError(
-            f"{family.name}'s processor returns a video's frames as pixel_values, the images' own name, so a row "
-            "cannot hold both: give --image-size or --video-frames"
-        )
     elif not 0 < images_per_row <= MAX_IMAGES_PER_ROW:
         raise UsageError(f"images per row must be between 1 and {MAX_IMAGES_PER_ROW}, got {images_per_row}")
     ids = (image_id,)

@@ -80,6 +80,26 @@ SEED: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 
 
+TRL_DEFAULTS_IN_LOOP = (
+    *("--trainer", "loop", "--gradient-checkpointing", "--bf16", "--optimizer", "adamw-fused", "--no-double-quant"),
+    *("--lora-rank", "16", "--lora-alpha", "32", "--lora-dropout", "0.05"),
+)
+"""vramguard's loop with trl sft 1.16's defaults (the ones its recipe line names; the compute dtype is each row's own
+flag or fp32): the step the offloading rows run in, since SFTTrainer's step on meta does not run TRL's offloading."""
+
+SEED += [
+    # the modes without offloading again in vramguard's loop with trl sft's defaults, the step that prices
+    # offloading: offloading off and on compared within one step
+    (
+        f"{name}-loop",
+        f"{mode}, vramguard's loop",
+        (*flags, *TRL_DEFAULTS_IN_LOOP, *(() if "--compute-dtype" in flags else ("--compute-dtype", "fp32"))),
+    )
+    for name, mode, flags in list(SEED)
+    if "--offload-activations" not in flags
+]
+
+
 FIT: list[tuple[str, tuple[str, ...]]] = [
     # (run name, flags): --fit over the image size on a full-size shape: the largest square image whose step
     # fits a 24 GB card at seq 4096 (the requested 448x448 is one of the sizes searched)
@@ -299,13 +319,19 @@ their fp32 run's)."""
 
 def render_seed(runs: dict[str, dict[str, Any]]) -> str:
     """docs/case-studies.md's table: the seed's two modes on an RTX 3090, offloading off and on, beside its figures."""
-    head = ["mode", "the seed's figure", "weights", "allocator peak", "total (expected / high end)", "peak phase"]
-    head.append("fits 24 GB?")
+    head = ["mode", "step priced", "the seed's figure", "weights", "allocator peak", "total (expected / high end)"]
+    head += ["peak phase", "fits 24 GB?"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, mode, _flags in SEED:
+    def order(row: tuple[str, str, tuple[str, ...]]) -> tuple[int, int]:  # each mode's SFTTrainer, loop, offloading
+        base = row[0].removesuffix("-loop").removesuffix("-offload")
+        return [n for n, *_ in SEED].index(base), ("-loop" in row[0]) + 2 * ("-offload" in row[0])
+
+    for name, mode, _flags in sorted(SEED, key=order):
         run = runs[name]
         est = run["estimate"]
-        cells = [mode, SEED_FIGURES[name.replace("-bf16", "")], _g(est["weights_bytes"])]
+        step = "SFTTrainer's" if run["config"]["recipe"].startswith("recipe: trl sft") else "vramguard's loop"
+        figure = SEED_FIGURES[name.replace("-bf16", "").removesuffix("-loop")]
+        cells = [mode.removesuffix(", vramguard's loop"), step, figure, _g(est["weights_bytes"])]
         cells.append(_g(est["allocator_peak_bytes"]))
         cells += [f"{_g(est['total_bytes'])} / {_g(high(run))}", est["peak_phase"], _fits(run, "rtx3090")]
         lines.append("| " + " | ".join(cells) + " |")

@@ -653,8 +653,7 @@ def test_the_layer_table_lists_each_stacks_layers(
     tower's blocks, the merger and the language model's decoder layers, under a stack column, identical layers
     of one stack collapsed by default and every layer with --verbose; the JSON's ``layers`` carry them with their
     stack (the tower's ``blocks.N`` and the merger were in "outside decoder layers": the table listed the
-    language model's layers only). The same run is estimate's default recipe on a vision-language model: trl
-    sft's recipe is priced in vramguard's loop with those defaults, and the recipe line says why."""
+    language model's layers only)."""
     from rich.console import Console
 
     from vramguard.cli.app import main
@@ -675,9 +674,7 @@ def test_the_layer_table_lists_each_stacks_layers(
     ]
     totals = doc["totals"]
     assert sum(row["saved_bytes"] for row in doc["layers"]) + totals["outside_layers_bytes"] == totals["saved_bytes"]
-    printed = capsys.readouterr().out
-    assert "a vision-language model" in printed and "saved for backward by stack" in printed  # the recipe line
-    table = [line for line in printed.splitlines() if line.startswith("│")]
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
     rows = [[cell.strip() for cell in line.split("│")[1:3]] for line in table]
     assert rows[0][0] == "vision tower" and rows[0][1].startswith("visual.blocks.0"), rows
     assert rows[-2:] == [["projector", "visual.merger"], ["language model", "layers.0-1"]], rows
@@ -686,6 +683,17 @@ def test_the_layer_table_lists_each_stacks_layers(
     text = console.export_text()
     assert "per layer of each stack" in text and "outside the stacks' layers" in text
     assert all(f" {name} " in text for name in ("visual.blocks.0", "visual.blocks.1", "layers.0", "layers.1"))
+
+
+def test_estimates_default_recipe_runs_in_the_loop_for_a_vlm(capsys: pytest.CaptureFixture[str]) -> None:
+    """``vramguard estimate`` prices trl sft's recipe by default; a vision-language model's step is priced in
+    vramguard's loop with those defaults, and the recipe line says why."""
+    from vramguard.cli.app import main
+
+    argv = ["estimate", "--model", str(FIXTURES["qwen2.5-vl"]), "--image-size", "56x56", "--seq-len", "64"]
+    assert main([*argv, "--batch", "1", "--target-modules", "all-linear", "--target", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "a vision-language model" in out and "saved for backward by stack" in out
 
 
 def test_trl_default_targets_on_a_vlm_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:

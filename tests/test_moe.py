@@ -193,6 +193,33 @@ def eager(preset: str, tmp_path: Path) -> str:
     return str(path)
 
 
+class ForcedEstimates:
+    """The tiny presets with eager experts (:func:`eager`, one copy a module) and the estimates of their
+    step at :data:`SHAPE` forced to each routing (``steps=1, target="cpu"``), each run once a module: three
+    tests read the same forced estimates (the bounds, the CPU audit's equality, the unforced one's high)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.reports: dict[tuple[str, str], Any] = {}
+
+    def config(self, preset: str) -> QLoRAConfig:
+        path = self.folder / f"{preset}-eager.json"
+        return QLoRAConfig(model=str(path) if path.exists() else eager(preset, self.folder), **SHAPE)
+
+    def __call__(self, preset: str, routing: str) -> Any:
+        from vramguard.estimate.run import run_estimate
+
+        if (preset, routing) not in self.reports:
+            config = self.config(preset)
+            self.reports[preset, routing] = run_estimate(config, steps=1, target="cpu", routing=routing)
+        return self.reports[preset, routing]
+
+
+@pytest.fixture(scope="module")
+def forced_estimate(tmp_path_factory: pytest.TempPathFactory) -> ForcedEstimates:
+    return ForcedEstimates(tmp_path_factory.mktemp("eager-experts"))
+
+
 def test_a_config_asking_for_eager_experts_gets_them_in_the_audit_and_the_estimate(tmp_path: Path) -> None:
     """``experts_implementation`` in the model's config.json is what transformers' from_pretrained honours;
     save_pretrained does not write it, so the audit's load from its random checkpoint is told it."""
@@ -224,17 +251,18 @@ def test_forced_assignments_route_their_counts(kind: str, tokens: int, top_k: in
 
 
 @pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
-def test_eager_forced_routing_on_meta_equals_the_cpu_audit(preset: str, tmp_path: Path) -> None:
+def test_eager_forced_routing_on_meta_equals_the_cpu_audit(
+    preset: str, forced_estimate: ForcedEstimates
+) -> None:
     """Each forced routing, estimated on meta with the CPU's kernels (the expert loop's data-dependent steps
     answered from the assignment), equals the CPU audit forced to it, to the byte; the routings differ."""
-    from vramguard.estimate.run import run_estimate
     from vramguard.workload.routing import step_peak
 
-    config = QLoRAConfig(model=eager(preset, tmp_path), **SHAPE)
+    config = forced_estimate.config(preset)
     peaks = {}
     for kind in ("same", "balanced", "skewed"):
         audit = run_audit(config, steps=1, routing=kind)
-        estimate = run_estimate(config, steps=1, target="cpu", routing=kind)
+        estimate = forced_estimate(preset, kind)
         assert estimate.totals == audit.totals
         assert estimate.layers == audit.layers
         assert estimate.phases == audit.phases
@@ -246,20 +274,21 @@ def test_eager_forced_routing_on_meta_equals_the_cpu_audit(preset: str, tmp_path
 
 
 @pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
-def test_eager_experts_routing_bounds_hold_the_drawn_routing(preset: str, tmp_path: Path) -> None:
+def test_eager_experts_routing_bounds_hold_the_drawn_routing(
+    preset: str, forced_estimate: ForcedEstimates
+) -> None:
     """With eager experts routing decides the step's peak: the routing the audit's random router drew lies
     between the low (all tokens to the same experts) and the high (every expert hit, the highest-numbered with
     one token each), each the step estimated on meta with the routing forced (equal to the CPU audit forced to
     it: the test above), and the audit's routing line names all three."""
-    from vramguard.estimate.run import forced_routing_figures, run_estimate
+    from vramguard.estimate.run import forced_routing_figures
     from vramguard.units import format_bytes
     from vramguard.workload.routing import step_peak
 
-    config = QLoRAConfig(model=eager(preset, tmp_path), **SHAPE)
-    drawn = run_audit(config, steps=1, routing_figures=forced_routing_figures)
+    drawn = run_audit(forced_estimate.config(preset), steps=1, routing_figures=forced_routing_figures)
     figures = {}
     for kind in ("same", "balanced", "skewed"):
-        forced = run_estimate(config, steps=1, target="cpu", routing=kind)
+        forced = forced_estimate(preset, kind)
         figures[kind] = (step_peak(forced), forced.totals.saved_bytes)
     low, balanced, high = figures["same"], figures["balanced"], figures["skewed"]
     measured = (step_peak(drawn), drawn.totals.saved_bytes)
@@ -274,17 +303,16 @@ def test_eager_experts_routing_bounds_hold_the_drawn_routing(preset: str, tmp_pa
     assert "not bounded" not in line
 
 
-def test_eager_experts_estimate_is_the_high(tmp_path: Path) -> None:
+def test_eager_experts_estimate_is_the_high(forced_estimate: ForcedEstimates) -> None:
     """meta has no routing to draw: the estimate of eager experts is the highest forced routing's step, and its
     routing line names the low."""
     from vramguard.estimate.run import run_estimate
     from vramguard.units import format_bytes
     from vramguard.workload.routing import step_peak
 
-    config = QLoRAConfig(model=eager("tiny-mixtral", tmp_path), **SHAPE)
-    estimate = run_estimate(config, steps=1, target="cpu")
-    high = run_estimate(config, steps=1, target="cpu", routing="skewed")
-    low = run_estimate(config, steps=1, target="cpu", routing="same")
+    estimate = run_estimate(forced_estimate.config("tiny-mixtral"), steps=1, target="cpu")
+    high = forced_estimate("tiny-mixtral", "skewed")
+    low = forced_estimate("tiny-mixtral", "same")
     assert estimate.estimate is not None and high.estimate is not None
     assert estimate.phases == high.phases and estimate.estimate.total_bytes == high.estimate.total_bytes
     assert step_peak(low) < step_peak(high)

@@ -365,3 +365,37 @@ def test_a_tensor_given_twice_is_not_answered_as_two_tensors() -> None:
         torch.mm(x, x)
         torch.mm(x, y)
     assert seen == [(torch.float16, torch.float16)] * 2
+
+
+def test_the_routed_calls_flattening_is_pytrees_and_keys_each_structure_apart() -> None:
+    """TargetAutocast walks plain tuples, lists and dicts itself (``_flatten``), in place of ``tree_flatten`` and
+    its spec: the leaves are ``tree_flatten``'s, in its order; two structures never share a key; a named tuple or a
+    ``torch.Size`` (pytree nodes) is left to ``tree_flatten``."""
+    import collections
+
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    from vramguard.estimate.autocast import _flatten
+
+    x = torch.empty(2, 3, device="meta")
+    pair = collections.namedtuple("pair", "a b")
+    calls = [
+        ((x, 1.0), {}),
+        ((x, (1.0,)), {}),
+        (((x, 1.0),), {}),
+        (([x, None], slice(1, 2)), {"dim": -1}),
+        ((x,), {"dim": -1, "keepdim": True}),
+        ((x,), {"keepdim": True, "dim": -1}),
+        ((pair(x, 2),), {}),
+        ((x, torch.Size([2, 3])), {}),
+    ]
+    keys = []
+    for args, kwargs in calls:
+        leaves, key = _flatten(args, kwargs)
+        want, spec = tree_flatten((args, kwargs))
+        assert len(leaves) == len(want) and all(a is b for a, b in zip(leaves, want, strict=True))
+        keys.append(key)
+        if any(isinstance(a, (pair, torch.Size)) for a in args):
+            assert key == spec  # torch's own
+    assert len(set(keys)) == len(keys)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map
 
 META = "meta"
 
@@ -95,19 +95,19 @@ class TargetAutocast(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if (
-            not torch.is_autocast_enabled(self.target)
-            or getattr(func, "__name__", "") in _NOT_ROUTED
-            or _inplace(func)
-        ):
+        target = self.target
+        if not _autocast_enabled(target) or getattr(func, "__name__", "") in _NOT_ROUTED or _inplace(func):
             return func(*args, **kwargs)
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = _flatten(args, kwargs)
         if not _floating_meta(leaves):
             return func(*args, **kwargs)
         self.routed += 1
         args, kwargs = self.autocast_inputs(func, args, kwargs, (leaves, spec))
-        with autocast_off(self.target):
+        torch.set_autocast_enabled(target, False)  # as autocast_off (enabled: asked above), inline: every call
+        try:
             return func(*args, **kwargs)
+        finally:
+            torch.set_autocast_enabled(target, True)
 
     def autocast_inputs(
         self, func: Any, args: Any, kwargs: dict[str, Any], flat: tuple[list[Any], Any] | None = None
@@ -115,8 +115,9 @@ class TargetAutocast(TorchFunctionMode):
         """``(args, kwargs)`` with every meta tensor cast as ``target``'s autocast kernel of ``func`` casts it
         before the op's own kernel runs (see the module docstring). The probe's answer is kept by what it was
         asked (:func:`_probe_key`): a call asked the same is answered without a probe (a model's identical
-        layers ask the same of each op). ``flat``: ``(args, kwargs)`` flattened, where the caller has it."""
-        leaves, spec = flat if flat is not None else tree_flatten((args, kwargs))
+        layers ask the same of each op). ``flat``: ``(args, kwargs)`` flattened (:func:`_flatten`), where the
+        caller has it."""
+        leaves, spec = flat if flat is not None else _flatten(args, kwargs)
         metas = [t for t in leaves if isinstance(t, torch.Tensor) and t.device.type == META]
         key = _probe_key(func, spec, leaves, self.target)
         plan = self.probed.get(key) if key is not None else None
@@ -224,6 +225,41 @@ def autocast_off(device: str) -> Iterator[None]:
         yield
     finally:
         torch.set_autocast_enabled(device, enabled)
+
+
+_autocast_enabled = torch._C.is_autocast_enabled
+"""torch's own ``is_autocast_enabled``: a trainer's step on meta patches ``torch.is_autocast_enabled`` to answer
+for ``meta`` (:func:`vramguard.estimate.trainer._autocast_asked_as`); the mode asks of its target, never of meta,
+once per torch function of the step."""
+
+
+def _flatten(args: Any, kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """``tree_flatten((args, kwargs))``'s leaves, in its order, with a key of the call's structure in place of its
+    spec: plain tuples, lists and dicts (what torch functions take) are walked here, their types, lengths and
+    dict keys in order making the key (a walk in preorder with counts: one structure, one key); a call with any
+    other container (a named tuple, a registered node, a subclass) is torch's own ``tree_flatten``, its spec the
+    key. ``tree_flatten`` of every routed call and the hashing of its spec cost more than the rest of the mode."""
+    leaves: list[Any] = []
+    shape: list[Any] = []
+    if _walk((args, kwargs), leaves, shape):
+        return leaves, tuple(shape)
+    return tree_flatten((args, kwargs))  # type: ignore[no-any-return]
+
+
+def _walk(tree: Any, leaves: list[Any], shape: list[Any]) -> bool:
+    """Append ``tree``'s leaves and structure (:func:`_flatten`); False at a container it does not walk."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        shape.append((kind, len(tree)))
+        return all(_walk(v, leaves, shape) for v in tree)
+    if kind is dict:
+        shape.append((dict, tuple(tree)))
+        return all(_walk(v, leaves, shape) for v in tree.values())
+    if kind in SUPPORTED_NODES or isinstance(tree, (tuple, list, dict)):
+        return False  # torch's pytree decides (a named tuple is a node, another subclass a leaf)
+    leaves.append(tree)
+    shape.append(None)
+    return True
 
 
 def _floating_meta(leaves: list[Any]) -> bool:

@@ -60,3 +60,29 @@ def test_fp32_grouped_mm_is_answered_in_the_step_and_torch_refuses_it_after() ->
     assert _meta_kernel_of("_grouped_mm") == torch_own
     with pytest.raises(RuntimeError, match="BF16"):
         torch._grouped_mm(a, b, offs=offs)
+
+
+def test_a_tensor_has_a_value_only_while_the_tensor_given_it_lives() -> None:
+    """The routed values' dictionary (``_Valued``) answers "has it a value?" from the ids of the tensors given one
+    before asking its weak dictionary: a tensor given a value has it, another has not, and one made after the
+    first is freed, at the same id, has none either."""
+    import gc
+
+    from vramguard.estimate.meta import _Valued
+
+    values = _Valued()
+    given, other = torch.empty(3, device="meta"), torch.empty(3, device="meta")
+    values[given] = torch.arange(3)
+    assert given in values and other not in values and 1 not in values
+    old_id = id(given)
+    del given
+    gc.collect()
+    for _ in range(1000):  # a new tensor at the freed one's address, where the allocator gives it back
+        reused = torch.empty(3, device="meta")
+        if id(reused) == old_id:
+            assert old_id in values.given and reused not in values
+            break
+    assert len(values) == 0
+    values.setdefault(other, torch.zeros(3))
+    values.update({reused: torch.ones(3)})
+    assert other in values and reused in values

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from vramguard.errors import UsageError, first_line
 from vramguard.estimate.autocast import autocast_off
@@ -672,9 +673,7 @@ class _RoutedValues(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        from torch.utils.weak import WeakTensorKeyDictionary
-
-        self.values: Any = WeakTensorKeyDictionary()
+        self.values: Any = _Valued()
         self.inside = 0
         self.answered = 0
 
@@ -724,6 +723,32 @@ class _RoutedValues(TorchDispatchMode):
             if isinstance(o, torch.Tensor) and o.device.type == META:
                 self.values[o] = h
         return out
+
+
+class _Valued(WeakTensorKeyDictionary):  # type: ignore[misc]
+    """:class:`_RoutedValues`' values: a dictionary keyed weakly by tensor identity (torch's), with the ids of the
+    tensors ever given a value kept beside it. Every op of the step asks of each of its meta tensors whether it
+    has a value, and almost none has: a lookup makes a weak reference to ask, the set answers "no" without one
+    (an id in the set is still asked of the dictionary: the tensor it named may be gone, its id reused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.given: set[int] = set()
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.given.add(id(key))
+        super().__setitem__(key, value)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        self.given.add(id(key))
+        return super().setdefault(key, default)
+
+    def update(self, other: Any = None, **kwargs: Any) -> None:
+        for key, value in (*dict(other or {}).items(), *kwargs.items()):
+            self[key] = value
+
+    def __contains__(self, key: Any) -> bool:
+        return id(key) in self.given and super().__contains__(key)
 
 
 def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:

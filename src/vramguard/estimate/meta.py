@@ -993,7 +993,10 @@ def build_meta(
             for p in model.parameters():
                 p.requires_grad_(True)
         else:
-            with _deepcopy_on_meta():  # DoRA copies the 4-bit base layer (see there)
+            # DoRA copies the 4-bit base layer (see there); PEFT makes each LoRA matrix on the host, draws it and
+            # moves it to its base layer's device: on meta nothing drawn is kept (as the vision build's)
+            drawn = values_not_drawn(meta_only=False) if device == META else contextlib.nullcontext()
+            with _deepcopy_on_meta(), drawn:
                 model = with_lora(model, config)
     model.train()
     model.config.use_cache = False

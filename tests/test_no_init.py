@@ -37,6 +37,20 @@ def test_the_meta_build_draws_no_values(monkeypatch: pytest.MonkeyPatch) -> None
     assert "meta" not in devices
 
 
+def test_the_meta_build_draws_no_loras_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PEFT makes each LoRA matrix on the host, draws it and moves it to its base layer's device: on meta the
+    values are dropped, so the build draws none there either (an 8B loop estimate drew 224 x 3 matrices on the
+    host: about 1 s of CPU, page faults included); the host build (the tests' reference) still draws its own."""
+    from vramguard.estimate.meta import build_meta
+    from vramguard.workload.models import QLoRAConfig
+
+    devices = _draws_on(monkeypatch)
+    q = build_meta(QLoRAConfig(seq_len=64, batch=2))
+    assert devices == [] and {p.device.type for p in q.trainable_parameters()} == {"meta"}
+    build_meta(QLoRAConfig(seq_len=64, batch=2), method="lora", device="cpu")
+    assert "cpu" in devices
+
+
 def test_other_devices_are_initialised_as_ever(monkeypatch: pytest.MonkeyPatch) -> None:
     devices = _draws_on(monkeypatch)
     with values_not_drawn():

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from vramguard.atomic import write_text_atomic
+from vramguard.cli.collector import imports_uncollected
 from vramguard.cli.options import (
     add_qlora_options,
     add_sharding_options,
@@ -185,7 +187,14 @@ def _optimizer(name: str) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Run the estimate the options describe on meta, print it (only the verdict line with ``--quiet``),
-    search ``--fit`` and write ``--json``; exit 1 when the verdict fails or the total exceeds ``--fit``."""
+    search ``--fit`` and write ``--json``; exit 1 when the verdict fails or the total exceeds ``--fit``. The
+    libraries' imports run without the garbage collector (:mod:`vramguard.cli.collector`)."""
+    with imports_uncollected() as imported:
+        return _estimate(args, imported)
+
+
+def _estimate(args: argparse.Namespace, imported: Callable[[], None]) -> int:
+    """:func:`main`'s estimate; ``imported``: called once the libraries are imported (the collector back on)."""
     from vramguard.estimate.run import run_estimate
     from vramguard.measure.events import AllocationLog
     from vramguard.view.console import progress_bar, stdout_console
@@ -196,6 +205,7 @@ def main(args: argparse.Namespace) -> int:
     gpu = card(args)
     size = fit_size(args, gpu)
     config, lines = qlora_config(args, device="cpu")  # validated as a real device; the run is on meta
+    imported()  # torch, transformers, TRL (the config's defaults), PEFT and bitsandbytes are imported by now
     events = AllocationLog() if wants_timeline(args) else None
     sharding = sharding_config(args)
     settings = fsdp_settings(args, sharding)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map
 
 META = "meta"
 
@@ -95,19 +95,19 @@ class TargetAutocast(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if (
-            not torch.is_autocast_enabled(self.target)
-            or getattr(func, "__name__", "") in _NOT_ROUTED
-            or _inplace(func)
-        ):
+        target = self.target
+        if not _autocast_enabled(target) or getattr(func, "__name__", "") in _NOT_ROUTED or _inplace(func):
             return func(*args, **kwargs)
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = _flatten(args, kwargs)
         if not _floating_meta(leaves):
             return func(*args, **kwargs)
         self.routed += 1
         args, kwargs = self.autocast_inputs(func, args, kwargs, (leaves, spec))
-        with autocast_off(self.target):
+        torch.set_autocast_enabled(target, False)  # as autocast_off (enabled: asked above), inline: every call
+        try:
             return func(*args, **kwargs)
+        finally:
+            torch.set_autocast_enabled(target, True)
 
     def autocast_inputs(
         self, func: Any, args: Any, kwargs: dict[str, Any], flat: tuple[list[Any], Any] | None = None
@@ -115,8 +115,9 @@ class TargetAutocast(TorchFunctionMode):
         """``(args, kwargs)`` with every meta tensor cast as ``target``'s autocast kernel of ``func`` casts it
         before the op's own kernel runs (see the module docstring). The probe's answer is kept by what it was
         asked (:func:`_probe_key`): a call asked the same is answered without a probe (a model's identical
-        layers ask the same of each op). ``flat``: ``(args, kwargs)`` flattened, where the caller has it."""
-        leaves, spec = flat if flat is not None else tree_flatten((args, kwargs))
+        layers ask the same of each op). ``flat``: ``(args, kwargs)`` flattened (:func:`_flatten`), where the
+        caller has it."""
+        leaves, spec = flat if flat is not None else _flatten(args, kwargs)
         metas = [t for t in leaves if isinstance(t, torch.Tensor) and t.device.type == META]
         key = _probe_key(func, spec, leaves, self.target)
         plan = self.probed.get(key) if key is not None else None
@@ -226,6 +227,41 @@ def autocast_off(device: str) -> Iterator[None]:
         torch.set_autocast_enabled(device, enabled)
 
 
+_autocast_enabled = torch._C.is_autocast_enabled
+"""torch's own ``is_autocast_enabled``: a trainer's step on meta patches ``torch.is_autocast_enabled`` to answer
+for ``meta`` (:func:`vramguard.estimate.trainer._autocast_asked_as`); the mode asks of its target, never of meta,
+once per torch function of the step."""
+
+
+def _flatten(args: Any, kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """``tree_flatten((args, kwargs))``'s leaves, in its order, with a key of the call's structure in place of its
+    spec: plain tuples, lists and dicts (what torch functions take) are walked here, their types, lengths and
+    dict keys in order making the key (a walk in preorder with counts: one structure, one key); a call with any
+    other container (a named tuple, a registered node, a subclass) is torch's own ``tree_flatten``, its spec the
+    key. ``tree_flatten`` of every routed call and the hashing of its spec cost more than the rest of the mode."""
+    leaves: list[Any] = []
+    shape: list[Any] = []
+    if _walk((args, kwargs), leaves, shape):
+        return leaves, tuple(shape)
+    return tree_flatten((args, kwargs))  # type: ignore[no-any-return]
+
+
+def _walk(tree: Any, leaves: list[Any], shape: list[Any]) -> bool:
+    """Append ``tree``'s leaves and structure (:func:`_flatten`); False at a container it does not walk."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        shape.append((kind, len(tree)))
+        return all(_walk(v, leaves, shape) for v in tree)
+    if kind is dict:
+        shape.append((dict, tuple(tree)))
+        return all(_walk(v, leaves, shape) for v in tree.values())
+    if kind in SUPPORTED_NODES or isinstance(tree, (tuple, list, dict)):
+        return False  # torch's pytree decides (a named tuple is a node, another subclass a leaf)
+    leaves.append(tree)
+    shape.append(None)
+    return True
+
+
 def _floating_meta(leaves: list[Any]) -> bool:
     return any(
         isinstance(t, torch.Tensor) and t.device.type == META and t.is_floating_point() for t in leaves
@@ -241,8 +277,8 @@ def _probe_key(func: Any, spec: Any, leaves: list[Any], target: str) -> Any:
     """What a probe of ``func`` is asked, as a key, or None where it cannot be keyed: the call's structure
     (``spec``); each tensor's type, device type, dtype, shape and stride, and the first place it is given (the
     answer names its inputs by place: ``mm(x, x)`` is not ``mm(x, y)``), but not its offset (a view's place in its
-    storage, which differs between the chunks of a chunked loss); every other argument itself (by value; an
-    unhashable one gives None); and the target's autocast dtype and cache flag. Autocast's casts are a function
+    storage, which differs between the chunks of a chunked loss); every other argument itself (by value, a slice
+    of int bounds as its bounds: :func:`_slice_key`; an unhashable one gives None); and the target's autocast dtype and cache flag. Autocast's casts are a function
     of these: its kernels read the op and its inputs' dtypes, and a composite function's way to its first kernel
     reads no more than its arguments."""
     parts: list[Any] = [func, spec, torch.get_autocast_dtype(target), torch.is_autocast_cache_enabled()]
@@ -255,6 +291,8 @@ def _probe_key(func: Any, spec: Any, leaves: list[Any], target: str) -> Any:
                 stride = None
             place = first.setdefault(id(leaf), i)
             parts.append((type(leaf), leaf.device.type, leaf.dtype, tuple(leaf.shape), stride, place))
+        elif type(leaf) is slice:
+            parts.append((slice, _slice_key(leaf)))
         else:
             parts.append((type(leaf), leaf))
     key = tuple(parts)
@@ -263,3 +301,13 @@ def _probe_key(func: Any, spec: Any, leaves: list[Any], target: str) -> Any:
     except TypeError:
         return None
     return key
+
+
+def _slice_key(index: slice) -> Any:
+    """An index's slice by value, (start, stop, step), where each is an int or None; else the slice itself. A
+    slice is unhashable before Python 3.12, so ``x[:, :n]`` (every ``__getitem__`` with a slice) left its call
+    unkeyed and probed every time (2,466 of a 70B step's 2,595 probes); one with a tensor bound stays unkeyed."""
+    bounds = (index.start, index.stop, index.step)
+    if all(b is None or type(b) is int for b in bounds):
+        return bounds
+    return index

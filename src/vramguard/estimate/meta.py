@@ -33,9 +33,11 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from vramguard.errors import UsageError, first_line
 from vramguard.estimate.autocast import autocast_off
+from vramguard.estimate.meta_kernels import meta_kernels
 from vramguard.estimate.no_init import values_not_drawn
 from vramguard.measure.storage import tensor_leaves
 from vramguard.model.layers import sdpa_kernel
@@ -362,7 +364,7 @@ def target_decisions(target: str = "cpu") -> Iterator[Decisions]:
         with contextlib.ExitStack() as stack:
             patch_all(stack, patches)
             # the cache first: below every mode the step pushes (it answers as the kernels)
-            with shapes, grouped, norms:
+            with meta_kernels({"_grouped_mm": grouped}), shapes, norms:
                 yield taken
     finally:
         taken["grouped_mm"] = grouped.answered
@@ -427,9 +429,9 @@ class _LayerNormStatsAsOnCpu(TorchDispatchMode):
 
 class Decisions(dict):  # type: ignore[type-arg]
     """:func:`target_decisions`' counter of the decisions taken (``find_packed_sequence_indices``,
-    ``scaled_dot_product_attention``), with the count its mode keeps (``grouped_mm``) written in when the block
-    ends. :meth:`counts` reads them all now and :meth:`add` adds to each: a step that prices repeated
-    micro-batches from one (:class:`vramguard.workload.training.Repeats`) counts theirs."""
+    ``scaled_dot_product_attention``), with the count its ``_grouped_mm`` kernel keeps (``grouped_mm``) written in
+    when the block ends. :meth:`counts` reads them all now and :meth:`add` adds to each: a step that prices
+    repeated micro-batches from one (:class:`vramguard.workload.training.Repeats`) counts theirs."""
 
     def __init__(self, grouped: Any) -> None:
         super().__init__(find_packed_sequence_indices=0, scaled_dot_product_attention=0)
@@ -631,32 +633,30 @@ class _MetaAutocast(torch.amp.autocast_mode.autocast):
         super().__init__("cpu" if device_type == META else device_type, *args, **kwargs)  # type: ignore[arg-type]
 
 
-class _GroupedMmAnyDtype(TorchDispatchMode):
-    """``aten._grouped_mm`` on meta tensors of any dtype, as the CPU kernel takes them.
+class _GroupedMmAnyDtype:
+    """``aten._grouped_mm`` on meta tensors of any dtype, as the CPU kernel takes them: the op's Meta kernel over
+    the step (:func:`vramguard.estimate.meta_kernels.meta_kernels`; torch's own before and after it).
 
     transformers 5.x runs mixture-of-experts layers through ``torch.nn.functional.grouped_mm`` (its
     ``grouped_mm`` experts implementation, the default). After ``prepare_model_for_kbit_training`` the
     unquantized expert weights are fp32, which the CPU kernel multiplies, but torch's meta kernel follows
     the CUDA fast path's check ("Expected inputs of BF16 type"). The output is made by the meta kernel's
-    own shape rule (``_create_grouped_mm_output_tensor``: shape, strides, dtype), skipping only that check;
-    autograd, above this mode, saves what its formula saves."""
+    own shape rule (``_create_grouped_mm_output_tensor``: shape, strides, dtype), skipping only that check
+    (``answered`` counts them); bf16 inputs get torch's meta kernel itself. Autograd, above the dispatch modes
+    and this kernel, saves what its formula saves."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.answered = 0
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not torch.ops.aten._grouped_mm.default or args[0].device.type != META:
-            return func(*args, **kwargs)
-        a, b = args[0], args[1]
-        if a.dtype == b.dtype == torch.bfloat16:
-            return func(*args, **kwargs)
-        from torch._meta_registrations import _create_grouped_mm_output_tensor
+    def __call__(
+        self, a: torch.Tensor, b: torch.Tensor, offs: Any = None, bias: Any = None, out_dtype: Any = None
+    ) -> torch.Tensor:
+        from torch._meta_registrations import _create_grouped_mm_output_tensor, meta_grouped_mm
 
-        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        if a.dtype == b.dtype == torch.bfloat16:
+            return meta_grouped_mm(a, b, offs, bias, out_dtype)  # type: ignore[no-any-return]
         self.answered += 1
-        return _create_grouped_mm_output_tensor(a, b, offs, kwargs.get("out_dtype"))
+        return _create_grouped_mm_output_tensor(a, b, offs, out_dtype)  # type: ignore[no-any-return]
 
 
 class _RoutedValues(TorchDispatchMode):
@@ -673,9 +673,7 @@ class _RoutedValues(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        from torch.utils.weak import WeakTensorKeyDictionary
-
-        self.values: Any = WeakTensorKeyDictionary()
+        self.values: Any = _Valued()
         self.inside = 0
         self.answered = 0
 
@@ -738,6 +736,32 @@ class _RoutedValues(TorchDispatchMode):
             if isinstance(o, torch.Tensor) and o.device.type == META:
                 self.values[o] = h
         return out
+
+
+class _Valued(WeakTensorKeyDictionary):  # type: ignore[misc]
+    """:class:`_RoutedValues`' values: a dictionary keyed weakly by tensor identity (torch's), with the ids of the
+    tensors ever given a value kept beside it. Every op of the step asks of each of its meta tensors whether it
+    has a value, and almost none has: a lookup makes a weak reference to ask, the set answers "no" without one
+    (an id in the set is still asked of the dictionary: the tensor it named may be gone, its id reused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.given: set[int] = set()
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.given.add(id(key))
+        super().__setitem__(key, value)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        self.given.add(id(key))
+        return super().setdefault(key, default)
+
+    def update(self, other: Any = None, **kwargs: Any) -> None:
+        for key, value in (*dict(other or {}).items(), *kwargs.items()):
+            self[key] = value
+
+    def __contains__(self, key: Any) -> bool:
+        return id(key) in self.given and super().__contains__(key)
 
 
 def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -982,8 +1006,7 @@ def build_meta(
             for p in model.parameters():
                 p.requires_grad_(True)
         else:
-            with _deepcopy_on_meta():  # DoRA copies the 4-bit base layer (see there)
-                model = with_lora(model, config)
+            model = _lora_on(model, config, device)
     model.train()
     model.config.use_cache = False
     loaded = getattr(model, "config", hf_config)  # from_pretrained set its experts implementation there
@@ -995,6 +1018,16 @@ def build_meta(
         attn_implementation=attn,
         notes=tuple(notes),
     )
+
+
+def _lora_on(model: Any, config: QLoRAConfig, device: str) -> Any:
+    """PEFT's LoRA on the built ``model`` (:func:`vramguard.workload.models.with_lora`). DoRA copies the 4-bit base
+    layer (:func:`_deepcopy_on_meta`); PEFT makes each LoRA matrix on the host, draws it and moves it to its base
+    layer's device: on meta nothing drawn is kept, so nothing is drawn (as the vision build and the trainer's
+    setup: 224 x 3 host draws of an 8B shape, about 1 s of CPU)."""
+    drawn = values_not_drawn(meta_only=False) if device == META else contextlib.nullcontext()
+    with _deepcopy_on_meta(), drawn:
+        return with_lora(model, config)
 
 
 def _vision_meta(

@@ -15,7 +15,8 @@ log-prob loss), ``create_optimizer``, scheduler and gradient clipping, over the 
   CUDA's state and policy for ``--target cuda``, where accelerate on a host without a GPU would enter the CPU's,
   which casts no meta tensor);
 * ``.item()`` and ``bool()`` of a meta scalar (the metrics SFTTrainer logs, Trainer's loss logging) are answered
-  with 1 (no value exists on meta; what they decide is logging, outside the step's tensors);
+  with 1 (no value exists on meta; what they decide is logging, outside the step's tensors): the Meta kernel of
+  ``_local_scalar_dense`` over the step (:mod:`vramguard.estimate.meta_kernels`), torch's own after it;
 * a bitsandbytes 8-bit optimizer's quantization maps are moved to meta before the step for the ``cpu`` target
   (as :func:`vramguard.estimate.run.make_estimate_optimizer`), where the CPU run needs no copy.
 
@@ -35,11 +36,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from vramguard.errors import UsageError
 from vramguard.estimate.kernels import cuda_kernel_temporaries
 from vramguard.estimate.meta import META, _deepcopy_on_meta, build_meta
+from vramguard.estimate.meta_kernels import ITEMS_ANSWERED, meta_kernels
 from vramguard.estimate.no_init import values_not_drawn
 from vramguard.integrations.trainer_step import (
     fails_as_the_users_run,
@@ -93,21 +95,6 @@ class _MetaCallback(VramGuardCallback):
         if self.target == "cuda":
             source.kernel_temporaries = cuda_kernel_temporaries
         return source
-
-
-class _AnswerItems(TorchDispatchMode):
-    """``.item()`` / ``bool()`` of a meta scalar answered with 1 (see the module), unless it has a value
-    (``values``: a vision-language batch's, :class:`~vramguard.estimate.vision.ImageValues`, which answers it)."""
-
-    def __init__(self, values: Any = None) -> None:
-        super().__init__()
-        self.values = values
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == META:
-            if self.values is None or args[0] not in self.values.values:
-                return True if args[0].dtype is torch.bool else 1
-        return func(*args, **(kwargs or {}))
 
 
 def _on_meta(collate: Any, values: Any = None) -> Any:
@@ -328,8 +315,10 @@ def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str)
         q = dataclasses.replace(q, model=runner.model)
         request = StepRequest(config, target=target, steps=steps)  # the techniques' contexts take it
         on_step = meta_step_contexts(q, request, used_by(config))  # the decisions, autocast, flash-attn, the rows
-        asked_as, answers = _autocast_asked_as(target), _AnswerItems(values)
-        as_users = fails_as_the_users_run(q, trainer)
+        asked_as, as_users = _autocast_asked_as(target), fails_as_the_users_run(q, trainer)
+        # .item() of a meta scalar: 1 (see the module); a vision-language batch's valued one is answered first
+        # by its values' mode (a dispatch mode runs before the Meta kernel)
+        answers = meta_kernels(ITEMS_ANSWERED)
         with on_step as (taken, seen), image_values_step(values), asked_as, _accelerate_autocast_on_meta():
             with answers, as_users:
                 counters = [c for c in (taken, *seen.values()) if hasattr(c, "counts")]

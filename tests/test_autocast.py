@@ -402,9 +402,9 @@ def test_the_routed_calls_flattening_is_pytrees_and_keys_each_structure_apart() 
 
 
 def test_no_two_different_calls_share_a_probe_key() -> None:
-    """Adversarial (review): slices with negative, None and bool bounds, a tensor bound, lists against tuples,
-    keyword order, ints against floats and bools, dtype arguments: every pair of different calls has a different
-    key (or none), and an identical call the same key."""
+    """Adversarial (review): slices with negative, None and bool bounds, a tensor bound, lists against
+    tuples, keyword order, ints against floats and bools, dtype arguments: every pair of different calls has a
+    different key (or none), and an identical call the same key."""
     import torch
 
     from vramguard.estimate.autocast import _flatten, _probe_key
@@ -426,10 +426,13 @@ def test_no_two_different_calls_share_a_probe_key() -> None:
         ((x,), {"dim": 0, "keepdim": True}),
         ((x,), {"keepdim": True, "dim": 0}),
     ]
-    keys = [_probe_key(torch.Tensor.__getitem__, _flatten(a, k)[1], _flatten(a, k)[0], "cuda") for a, k in calls]
+
+    def key(args: Any, kwargs: dict[str, Any]) -> Any:
+        leaves, spec = _flatten(args, kwargs)
+        return _probe_key(torch.Tensor.__getitem__, spec, leaves, "cuda")
+
+    keys = [key(a, k) for a, k in calls]
     assert None not in keys and len(set(keys)) == len(keys)
-    again = [_probe_key(torch.Tensor.__getitem__, _flatten(a, k)[1], _flatten(a, k)[0], "cuda") for a, k in calls]
-    assert again == keys
+    assert [key(a, k) for a, k in calls] == keys
     for bound in (True, torch.tensor(1), 1.5):  # not an int: unkeyed (probed each time), never a shared key
-        args = (x, slice(None, bound))
-        assert _probe_key(torch.Tensor.__getitem__, _flatten(args, {})[1], _flatten(args, {})[0], "cuda") is None
+        assert key((x, slice(None, bound)), {}) is None

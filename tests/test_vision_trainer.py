@@ -118,6 +118,15 @@ def test_what_sfttrainers_vlm_step_does_not_run_is_one_line(capsys: pytest.Captu
         assert what in err and "--trainer loop" in err and "\n" not in err, err
 
 
+def test_a_text_row_the_template_alone_overflows_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Text-only rows (the seed's TEXT mode) whose chat template alone is longer than seq-len: one line,
+    exit 2, in words (review: "the chat template take")."""
+    argv = ["--model", str(VLM / "tiny-qwen2-vl.json"), "--seq-len", "4", "--target-modules", "all-linear"]
+    assert main(["estimate", *argv, "--trainer", "sft", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "the chat template takes 15 tokens" in err and "raise seq-len" in err and "\n" not in err, err
+
+
 def test_a_family_without_a_template_falls_back_to_the_loop_and_says_so() -> None:
     """Not asked for by name (estimate's default), SFTTrainer's step that cannot run yet leaves the run to
     vramguard's loop, and the recipe line says which and why."""

@@ -399,3 +399,40 @@ def test_the_routed_calls_flattening_is_pytrees_and_keys_each_structure_apart() 
         if any(isinstance(a, (pair, torch.Size)) for a in args):
             assert key == spec  # torch's own
     assert len(set(keys)) == len(keys)
+
+
+def test_no_two_different_calls_share_a_probe_key() -> None:
+    """Adversarial (review): slices with negative, None and bool bounds, a tensor bound, lists against
+    tuples, keyword order, ints against floats and bools, dtype arguments: every pair of different calls has a
+    different key (or none), and an identical call the same key."""
+    import torch
+
+    from vramguard.estimate.autocast import _flatten, _probe_key
+
+    x = torch.empty(4, 4, device="meta")
+    calls = [
+        ((x, slice(None, 2)), {}),
+        ((x, slice(0, 2)), {}),
+        ((x, slice(-2, None)), {}),
+        ((x, slice(None, -2)), {}),
+        ((x, slice(None, None, -1)), {}),
+        ((x, (slice(None), slice(1, None))), {}),
+        ((x, [slice(None), slice(1, None)]), {}),
+        ((x, 1), {}),
+        ((x, 1.0), {}),
+        ((x, True), {}),
+        ((x,), {"dtype": torch.float16}),
+        ((x,), {"dtype": torch.bfloat16}),
+        ((x,), {"dim": 0, "keepdim": True}),
+        ((x,), {"keepdim": True, "dim": 0}),
+    ]
+
+    def key(args: Any, kwargs: dict[str, Any]) -> Any:
+        leaves, spec = _flatten(args, kwargs)
+        return _probe_key(torch.Tensor.__getitem__, spec, leaves, "cuda")
+
+    keys = [key(a, k) for a, k in calls]
+    assert None not in keys and len(set(keys)) == len(keys)
+    assert [key(a, k) for a, k in calls] == keys
+    for bound in (True, torch.tensor(1), 1.5):  # not an int: unkeyed (probed each time), never a shared key
+        assert key((x, slice(None, bound)), {}) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +53,26 @@ def test_a_callers_own_policy_is_kept() -> None:
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+def test_an_estimate_through_the_command_is_the_same_with_the_collector_block_run(tmp_path: Path) -> None:
+    """In the test session the block is a no-op (conftest froze what collection imported), so no command-line
+    test runs an estimate through it: here one does (nothing frozen), and its JSON is the one the no-op block
+    gives, byte for byte but its time; the collector is on and nothing is frozen after it (review)."""
+    import json
+
+    from vramguard.cli.app import main
+
+    argv = ["estimate", "--model", "tiny-llama", "--seq-len", "16", "--batch", "2", "--quiet", "--json"]
+    figures = []
+    for freeze in (False, True):
+        if freeze:
+            gc.freeze()  # a caller that froze objects: the block does nothing
+        out = tmp_path / f"frozen-{freeze}.json"
+        assert main([*argv, str(out)]) == 0
+        assert gc.isenabled() and (gc.get_freeze_count() > 0) is freeze
+        gc.unfreeze()
+        report = json.loads(out.read_text())
+        report.pop("elapsed_s")
+        figures.append(report)
+    assert figures[0] == figures[1]

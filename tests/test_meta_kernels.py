@@ -86,3 +86,19 @@ def test_a_tensor_has_a_value_only_while_the_tensor_given_it_lives() -> None:
     values.setdefault(other, torch.zeros(3))
     values.update({reused: torch.ones(3)})
     assert other in values and reused in values
+
+
+def test_nested_blocks_for_one_op_give_back_the_outer_kernel_then_torchs() -> None:
+    """Nested use (review): an inner block for the same op answers inside it, the outer block's kernel answers
+    again once the inner one ends (even by an exception), and torch's own after the outer one; a CPU scalar's
+    ``.item()`` is its value throughout (the Meta key only)."""
+    torch_own = _meta_kernel_of("_local_scalar_dense")
+    scalar, host = torch.empty((), device="meta"), torch.tensor(2.5)
+    with meta_kernels(ITEMS_ANSWERED):
+        with pytest.raises(KeyError), meta_kernels({"_local_scalar_dense": lambda s: 7}):
+            assert scalar.item() == 7 and host.item() == 2.5
+            raise KeyError("the inner step failed")
+        assert scalar.item() == 1 and host.item() == 2.5
+    assert _meta_kernel_of("_local_scalar_dense") == torch_own
+    with pytest.raises(RuntimeError, match="cannot be called on meta tensors"):
+        scalar.item()

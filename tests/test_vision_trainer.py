@@ -118,6 +118,15 @@ def test_what_sfttrainers_vlm_step_does_not_run_is_one_line(capsys: pytest.Captu
         assert what in err and "--trainer loop" in err and "\n" not in err, err
 
 
+def test_a_text_row_the_template_alone_overflows_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Text-only rows (the seed's TEXT mode) whose chat template alone is longer than seq-len: one line,
+    exit 2, in words (review: "the chat template take")."""
+    argv = ["--model", str(VLM / "tiny-qwen2-vl.json"), "--seq-len", "4", "--target-modules", "all-linear"]
+    assert main(["estimate", *argv, "--trainer", "sft", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "the chat template takes 15 tokens" in err and "raise seq-len" in err and "\n" not in err, err
+
+
 def test_a_family_without_a_template_falls_back_to_the_loop_and_says_so() -> None:
     """Not asked for by name (estimate's default), SFTTrainer's step that cannot run yet leaves the run to
     vramguard's loop, and the recipe line says which and why."""
@@ -146,3 +155,26 @@ def test_a_data_dependent_results_storage_is_what_the_host_kernel_allocated(tmp_
     assert main(["audit", *base, "--device", "cpu", "--json", str(audit)]) == 0
     assert main(["estimate", *base, "--trainer", "loop", "--target", "cpu", "--json", str(estimate)]) == 0
     assert _figures(json.loads(estimate.read_text())) == _figures(json.loads(audit.read_text()))
+
+
+def test_keep_end_truncation_of_image_rows_is_refused_as_sfttrainer_refuses_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TRL's SFTTrainer raises in its ``__init__`` for ``truncation_mode: keep_end`` on a vision dataset while
+    ``max_length`` is set (its default included): a `trl sft` YAML asking it of rows with images is one line,
+    exit 2, not a figure; text-only rows and ``max_length: null`` are what TRL runs."""
+    from vramguard.workload.run_config import load_run_config
+
+    head = f"model_name_or_path: {VLM / 'tiny-qwen2-vl.json'}\nuse_peft: true\nload_in_4bit: true\n"
+    head += "lora_target_modules: all-linear\ntruncation_mode: keep_end\n"
+    for lengths, refused in (("max_length: 64\n", True), ("", True), ("max_length: null\n", False)):
+        path = tmp_path / "sft.yaml"
+        path.write_text(head + lengths)
+        run = load_run_config(path)
+        run.config(seq_len=64)  # text-only rows: SFTTrainer truncates them from the end
+        if not refused:
+            run.config(seq_len=64, image_size="56x56")
+            continue
+        assert main(["estimate", "--config", str(path), "--image-size", "56x56", "--quiet"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "truncation_mode keep_end" in err and "\n" not in err, err

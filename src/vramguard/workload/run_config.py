@@ -170,7 +170,21 @@ class RunConfig:
             raise UsageError(self.model_problem or f"{self.path} names no model_name_or_path: pass --model")
         config = QLoRAConfig(**values)
         config.validate()
+        self._refuse_keep_end(config)
         return config
+
+    def _refuse_keep_end(self, config: QLoRAConfig) -> None:
+        """TRL's SFTTrainer refuses ``truncation_mode: keep_end`` for a vision dataset (rows with images)
+        while ``max_length`` is set (its default 1024 included): the user's `trl sft` run stops in its
+        ``__init__``, so the estimate is one line, not a figure with the key named NOT PRICED."""
+        read = {r.key: r.value for r in self.readings}
+        keep_end = read.get("truncation_mode") == "keep_end" and read.get("max_length", 0) is not None
+        if config.image_size and keep_end:
+            raise UsageError(
+                f"--config {self.path}: TRL's SFTTrainer refuses truncation_mode keep_end for rows with "
+                "images (it may cut their image tokens), as `trl sft` would: write keep_start (the default) "
+                "or max_length: null"
+            )
 
     def named(self, reading: Reading) -> list[KeyReading]:
         """The keys read as ``reading``."""

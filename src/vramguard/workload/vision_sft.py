@@ -145,9 +145,11 @@ def sft_rows(setup: Any, processor: Any, config: Any, count: int) -> list[dict[s
     used = _length(processor, _row(setup, 0, config.seed))
     if used > config.seq_len:
         size = setup.image_size
-        what = f"{setup.images_per_row} image(s) of {size[0]}x{size[1]} and the chat template" if size else "the chat template"
+        what = "the chat template takes"
+        if size:
+            what = f"{setup.images_per_row} image(s) of {size[0]}x{size[1]} and the chat template take"
         raise UsageError(
-            f"{what} take {used} tokens in {setup.family.name}'s rows under SFTTrainer ({setup.rows.image_tokens} "
+            f"{what} {used} tokens in {setup.family.name}'s rows under SFTTrainer ({setup.rows.image_tokens} "
             f"image tokens), more than seq-len {config.seq_len}: raise seq-len"
             + (" or lower the image size" if size else "")
         )

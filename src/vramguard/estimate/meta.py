@@ -1047,8 +1047,8 @@ def _vision_meta(
     if method not in VISION_METHODS or not one_device:
         methods = " or ".join(VISION_METHODS)
         raise UsageError(
-            f"vision-language models are estimated for --method {methods} on one device in vramguard's loop "
-            "(--trainer loop) for now"
+            f"vision-language models are estimated for --method {methods} on one device for now (qlora through "
+            "SFTTrainer's step or vramguard's loop, lora in the loop)"
         )
     from vramguard.estimate.vision import build_vision_meta, vision_meta_of
 

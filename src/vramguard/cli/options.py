@@ -14,7 +14,7 @@ from vramguard.errors import UsageError
 from vramguard.step import verdict as checks
 from vramguard.step.report import AuditReport
 from vramguard.units import MAX_COUNT
-from vramguard.workload.models import ATTN_IMPLEMENTATIONS, QLoRAConfig
+from vramguard.workload.models import ATTN_IMPLEMENTATIONS, ModelSpec, QLoRAConfig
 from vramguard.workload.sharding import SHARDINGS, ShardingConfig
 from vramguard.workload.vision import TOWER_FIELDS
 
@@ -255,6 +255,8 @@ def qlora_config(args: argparse.Namespace, **fixed: object) -> tuple[QLoRAConfig
     elif trl_defaults(args):
         from vramguard.workload.run_config import trl_sft_defaults
 
+        if isinstance(flags.get("model"), str):  # a bad --model refused before TRL is imported for its defaults (~5 s)
+            flags["model"] = ModelSpec.load(flags["model"])
         defaults = trl_sft_defaults(flags.get("method", "qlora"))
         config = QLoRAConfig(**{**defaults, **flags, **fixed})
         config.validate()

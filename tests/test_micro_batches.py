@@ -15,11 +15,14 @@ from typing import Any
 
 import pytest
 
+from pathlib import Path
+
 from vramguard.estimate.run import ALL_MICRO_BATCHES, run_estimate
 from vramguard.workload import training
 from vramguard.workload.models import QLoRAConfig
 
 SMALL = dict(seq_len=32, batch=1)
+VLM = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "vlm"
 CASES: dict[str, tuple[dict[str, Any], str]] = {
     "llama-ga4-cuda": ({**SMALL, "batch": 2, "gradient_accumulation_steps": 4}, "cuda"),
     "checkpointing-dropout-bf16-ga3": (
@@ -40,6 +43,12 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
     "cpu-8bit-ga5": ({**SMALL, "gradient_accumulation_steps": 5, "optimizer": "adamw-8bit"}, "cpu"),
     "gemma2-eager-ga3": ({**SMALL, "model": "tiny-gemma2", "gradient_accumulation_steps": 3}, "cuda"),
     "qwen3-moe-ga3": ({**SMALL, "model": "tiny-qwen3-moe", "gradient_accumulation_steps": 3}, "cuda"),
+    # a vision-language batch's values carried beside its meta tensors (image grids, the image tokens' positions)
+    "qwen2.5-vl-images-ga3": (
+        {"model": str(VLM / "tiny-qwen2.5-vl.json"), "seq_len": 64, "batch": 2, "image_size": "56x56",
+         "gradient_accumulation_steps": 3, "target_modules": "all-linear"},
+        "cuda",
+    ),
 }
 
 
@@ -95,6 +104,15 @@ TRAINER_CASES: dict[str, dict[str, Any]] = {
         "gradient_accumulation_steps": 3,
         "mixed_precision": "bf16",
         "optimizer": "adamw-8bit",
+    },
+    # TRL's vision collator's batches (Qwen3-VL: mm_token_type_ids, deepstack's masks), their values on meta
+    "sft-qwen3-vl-images-ga3": {
+        "model": str(VLM / "tiny-qwen3-vl.json"),
+        "seq_len": 128,
+        "batch": 1,
+        "image_size": "56x56",
+        "gradient_accumulation_steps": 3,
+        "target_modules": "all-linear",
     },
 }
 

@@ -280,17 +280,14 @@ class _PricedMicroBatches:
         return self.loss
 
 
-def priced_micro_batches(
-    runner: Any, callback: VramGuardCallback, counters: list[Any], image_values: Any = None
-) -> None:
+def priced_micro_batches(runner: Any, callback: VramGuardCallback, counters: list[Any]) -> None:
     """Install :class:`_PricedMicroBatches` on ``runner`` where a step has more than two micro-batches (unless
-    :data:`vramguard.estimate.run.ALL_MICRO_BATCHES` is set, or a vision-language batch's values are carried per
-    call: ``image_values``); ``counters``: what the step's contexts yielded that counts (``counts``/``add``: the
+    :data:`vramguard.estimate.run.ALL_MICRO_BATCHES` is set); ``counters``: what the step's contexts yielded that counts (``counts``/``add``: the
     decisions, autocast's)."""
     from vramguard.estimate.run import ALL_MICRO_BATCHES
 
     n = runner.args.gradient_accumulation_steps
-    if n > 2 and image_values is None and os.environ.get(ALL_MICRO_BATCHES, "") in ("", "0"):
+    if n > 2 and os.environ.get(ALL_MICRO_BATCHES, "") in ("", "0"):
         runner.training_step = _PricedMicroBatches(runner, callback, counters, n)
 
 
@@ -322,7 +319,7 @@ def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str)
         with on_step as (taken, seen), image_values_step(values), asked_as, _accelerate_autocast_on_meta():
             with answers, as_users:
                 counters = [c for c in (taken, *seen.values()) if hasattr(c, "counts")]
-                priced_micro_batches(runner, callback, counters, values)
+                priced_micro_batches(runner, callback, counters)
                 runner.train()
     assert callback.report is not None
     return callback.report, with_tower_note(q), time.perf_counter() - t0

@@ -77,9 +77,11 @@ class _AnswerScalars(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class PointwiseShapeCache(TorchDispatchMode):
+class ShapeCache(TorchDispatchMode):
     """The meta results of pointwise ops (``torch.Tag.pointwise``: ``mul``, ``add``, ``addcdiv_``, ``silu``,
-    ...) answered from the first result of the same op on the same metadata.
+    ...) and of every op whose schema writes and aliases nothing (``mm``, ``mean``, ``cat``,
+    ``native_layer_norm``, bitsandbytes' ``gemm_4bit``) answered from the first result of the same op on the
+    same metadata.
 
     torch registers its Python references (``torch._refs``, ``torch._prims``) as the meta kernels of the
     pointwise ops: about 120 us an op, against 2 us for the same op on a small CPU tensor and 15 us for a meta
@@ -102,7 +104,15 @@ class PointwiseShapeCache(TorchDispatchMode):
     results, and ``linalg_vector_norm`` (:data:`ONE_FRESH`) as a pointwise op. Anything else passes through: ops not tagged pointwise or with several results (but those) or an
     ``out=``, tensor subclasses (FSDP2's DTensors), real tensors other than 0-d ones, an in-place op on a
     real tensor (Adam's step counter on the host counts), an in-place op that resized what it wrote, and a
-    first result that is no fresh meta tensor."""
+    first result that is no fresh meta tensor.
+
+    The other ops (kinds 6 and 7 of :meth:`_kind`): their Python meta kernels cost as much (``native_layer_norm``
+    about 1.2 ms a call, ``mean`` 0.3 ms, bitsandbytes' ``gemm_4bit`` 0.1 ms) and read no more than metadata,
+    but a float may decide a shape there (``interpolate``'s scale factor) and a host tensor's value too
+    (``repeat_interleave``'s repeats): their keys hold every scalar by value, and a real tensor is not keyed.
+    A first result that shares an input's storage (``_unsafe_view``, whose schema says nothing of it) or whose
+    storage is not exactly its extent leaves that key to the kernel; the ops whose Meta kernel the step itself
+    registers (:data:`_OWN_KERNELS`: they count what they answer) are never cached."""
 
     def __init__(self, answers: dict[tuple[Any, ...], Any] | None = None) -> None:
         super().__init__()
@@ -114,7 +124,9 @@ class PointwiseShapeCache(TorchDispatchMode):
         """0: not cached; 1: a pointwise op with a new result; 2: one that writes its first argument; 3: a
         foreach op of a pointwise op (``_foreach_sqrt``) with a new list of results; 4: one that writes its
         first list (``_foreach_lerp_``, which returns nothing); 5: one of :data:`SEVERAL_FRESH` (a tuple of
-        new results)."""
+        new results); 6 and 7: any other op whose schema neither writes nor aliases anything, of one tensor
+        result (6: ``mm``, ``mean``, ``cat``, bitsandbytes' ``gemm_4bit``) or several (7: ``native_layer_norm``),
+        all of whose arguments are keyed by value (:func:`_exact_key`)."""
         kind = _KINDS.get(func)
         if kind is None:
             kind = 5 if func in SEVERAL_FRESH else 1 if func in ONE_FRESH else 0
@@ -132,20 +144,23 @@ class PointwiseShapeCache(TorchDispatchMode):
                     kind = 3
                 elif writes_first and not schema.returns:
                     kind = 4
+            elif kind == 0 and _fresh_by_schema(func):
+                kind = 6 if len(schema.returns) == 1 else 7
             _KINDS[func] = kind
         return kind
 
-    def _key(self, func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    def _key(self, func: Any, args: Any, kwargs: dict[str, Any], exact: bool = False) -> tuple[Any, ...] | None:
         key: list[Any] = [func, torch.get_default_dtype()]  # an int tensor's sqrt is of the default dtype
+        keyed = _exact_key if exact else _value_key
         for name, value in (*((None, a) for a in args), *kwargs.items()):
             key.append(name)
             if type(value) is list or type(value) is tuple:  # a foreach op's tensors or scalars
-                items = [_value_key(v) for v in value]
+                items = [keyed(v) for v in value]
                 if _UNKEYED in items:
                     return None
                 key.append((type(value), tuple(items)))
                 continue
-            item = _value_key(value)
+            item = keyed(value)
             if item is _UNKEYED:
                 return None
             key.append(item)
@@ -158,7 +173,7 @@ class PointwiseShapeCache(TorchDispatchMode):
             kind = 0  # written values are real off meta (Adam's step counter on the host): the kernel runs
         if kind == 4 and not all(isinstance(t, torch.Tensor) and t.device.type == META for t in args[0]):
             kind = 0  # the same for a foreach op (Adam's step counters on the host, one a parameter)
-        key = self._key(func, args, kwargs) if kind else None
+        key = self._key(func, args, kwargs, exact=kind >= 6) if kind else None
         if key is None:
             return func(*args, **kwargs)
         known = self._shapes.get(key)
@@ -172,12 +187,14 @@ class PointwiseShapeCache(TorchDispatchMode):
             if [(t.shape, t.stride(), t.dtype) for t in written] == before:
                 self._remember(kind, key, args, out)
             return out
+        if known is _KERNEL:  # a first result the cache cannot make (one sharing an input's storage)
+            return func(*args, **kwargs)
         self.hits += 1
         if kind == 2:
             return args[0]
         if kind == 4:
             return None
-        if kind == 3 or kind == 5:
+        if kind == 3 or kind == 5 or kind == 7:
             made = [torch.empty_strided(shape, stride, dtype=dtype, device=META) for shape, stride, dtype in known]
             return made if kind == 3 else tuple(made)
         shape, stride, dtype = known
@@ -195,6 +212,15 @@ class PointwiseShapeCache(TorchDispatchMode):
             self._shapes[key] = ()
         elif kind == 5 and type(out) is tuple and all(_fresh(t) for t in out) and _apart(out):
             self._shapes[key] = tuple((t.shape, t.stride(), t.dtype) for t in out)
+        elif kind >= 6:
+            outs = (out,) if kind == 6 else out
+            inputs = {t.untyped_storage()._cdata for t in tensor_leaves(args) if t.device.type == META}
+            own = (kind == 6 or type(out) is tuple) and all(_fresh_whole(t, inputs) for t in outs)
+            if own and _apart(outs):
+                made = tuple((t.shape, t.stride(), t.dtype) for t in outs)
+                self._shapes[key] = made[0] if kind == 6 else made
+            else:
+                self._shapes[key] = _KERNEL  # the kernel answers every call with this key
 
 
 SEVERAL_FRESH = frozenset({torch.ops.aten.native_dropout.default})
@@ -218,11 +244,11 @@ def _apart(out: tuple[torch.Tensor, ...]) -> bool:
 
 
 PROCESS_ANSWERS: dict[tuple[Any, ...], Any] = {}
-"""The meta step's :class:`PointwiseShapeCache` answers, kept for the process: a key holds everything a meta
+"""The meta step's :class:`ShapeCache` answers, kept for the process: a key holds everything a meta
 kernel's result depends on (torch's default dtype included), so an answer holds for any later step."""
 
 _KINDS: dict[Any, int] = {}
-""":meth:`PointwiseShapeCache._kind` of each op seen (a function of the op's schema and tags alone)."""
+""":meth:`ShapeCache._kind` of each op seen (a function of the op's schema and tags alone)."""
 
 _UNKEYED = object()
 """:func:`_value_key` of an argument the cache cannot key (the op then runs its kernel)."""
@@ -243,6 +269,49 @@ def _value_key(value: Any) -> Any:
     if value is None or type(value) in _KEYED_BY_VALUE:
         return (type(value), value)
     return _UNKEYED
+
+
+def _exact_key(value: Any) -> Any:
+    """What the key of an op of kind 6 or 7 (:meth:`ShapeCache._kind`) holds of one argument: a meta
+    tensor's metadata, any scalar by value (a float may decide a shape there: ``upsample``'s scale factors),
+    :data:`_UNKEYED` for a real tensor (a host scalar's value may decide a shape: ``repeat_interleave``'s
+    repeats) and anything else."""
+    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
+        if value.layout is not torch.strided or value.device.type != META:
+            return _UNKEYED
+        return (value.shape, value.stride(), value.dtype, value.device)
+    if type(value) in (float, complex):
+        return (type(value), value)
+    return _value_key(value)
+
+
+def _fresh_by_schema(func: Any) -> bool:
+    """Whether ``func``'s schema says its results are new tensors: no argument written or aliased, no
+    ``out=``, every return a plain ``Tensor`` with no alias; not an op whose Meta kernel the step registers
+    (:mod:`vramguard.estimate.meta_kernels`: their kernels count what they answer)."""
+    schema = func._schema
+    if func.__name__.split(".")[0] in _OWN_KERNELS or not schema.returns:
+        return False
+    if any(a.alias_info is not None or a.name == "out" for a in schema.arguments):
+        return False
+    return all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
+
+
+_OWN_KERNELS = frozenset({"_grouped_mm", "_local_scalar_dense"})
+"""The ops whose Meta kernel the meta step replaces (:func:`target_decisions`, the trainer's step): never cached."""
+
+_KERNEL = object()
+"""What the cache keeps under a key whose first result it cannot make: the kernel answers every call."""
+
+
+def _fresh_whole(out: Any, inputs: set[int]) -> bool:
+    """Whether ``out`` is a new meta tensor whose storage is none of ``inputs`` and exactly what
+    ``empty_strided`` of its shape and strides allocates (``_unsafe_view`` shares its input's storage with no
+    alias in its schema)."""
+    if not _fresh(out) or out.untyped_storage()._cdata in inputs:
+        return False
+    extent = 1 + sum((n - 1) * s for n, s in zip(out.shape, out.stride(), strict=True)) if out.numel() else 0
+    return out.untyped_storage().nbytes() == extent * out.element_size()
 
 
 def _fresh(out: Any) -> bool:
@@ -358,7 +427,7 @@ def target_decisions(target: str = "cpu") -> Iterator[Decisions]:
         (torch_optimizer, "_get_foreach_kernels_supported_devices", _foreach_devices(target)),
         (torch_optimizer, "_get_fused_kernels_supported_devices", _fused_devices),
     ]
-    shapes = PointwiseShapeCache(PROCESS_ANSWERS)
+    shapes = ShapeCache(PROCESS_ANSWERS)
     norms = _LayerNormStatsAsOnCpu() if target == "cpu" else contextlib.nullcontext()
     try:
         with contextlib.ExitStack() as stack:

@@ -1,4 +1,4 @@
-"""The meta step's pointwise cache (:class:`vramguard.estimate.meta.PointwiseShapeCache`) answers as the
+"""The meta step's pointwise cache (:class:`vramguard.estimate.meta.ShapeCache`) answers as the
 kernels.
 
 A repeat of a pointwise op on the same metadata gets the first result's shape, strides and dtype; whatever the
@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vramguard.estimate.meta import PointwiseShapeCache
+from vramguard.estimate.meta import ShapeCache
 from vramguard.workload.models import QLoRAConfig
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
@@ -75,10 +75,10 @@ def test_every_answer_has_the_kernels_shape_strides_and_dtype(
         try:
             want = _metadata(call())
         except RuntimeError:  # the kernel refuses (e.g. sqrt of bool): the cache must refuse too
-            with PointwiseShapeCache(), pytest.raises(RuntimeError):
+            with ShapeCache(), pytest.raises(RuntimeError):
                 call()
             continue
-        cache = PointwiseShapeCache()
+        cache = ShapeCache()
         with cache:
             first, repeat = _metadata(call()), _metadata(call())
         assert first == repeat == want
@@ -90,7 +90,7 @@ def test_a_transposed_operand_is_not_answered_with_a_contiguous_ones_strides() -
     column-major strides, as the kernel gives them."""
     a = torch.empty(4, 8, device="meta")
     t = torch.empty(8, 4, device="meta").t()
-    with PointwiseShapeCache() as cache:
+    with ShapeCache() as cache:
         contiguous, transposed = a + a, t + t
     assert contiguous.stride() == (8, 1) and transposed.stride() == (1, 4)
     assert cache.hits == 0
@@ -101,7 +101,7 @@ def test_a_scalars_type_decides_the_dtype() -> None:
     of the key (``ints * 2`` reaches the kernel as a 0-d tensor, whose dtype is in the key anyway)."""
     ints = torch.empty(3, dtype=torch.int64, device="meta")
     mul = torch.ops.aten.mul.Scalar
-    with PointwiseShapeCache() as cache:
+    with ShapeCache() as cache:
         assert mul(ints, 2).dtype == torch.int64
         assert mul(ints, 2.5).dtype == torch.float32
         assert mul(ints, 7.0).dtype == torch.float32  # a repeat of the float one: answered from the cache
@@ -113,7 +113,7 @@ def test_the_default_dtype_is_part_of_the_key() -> None:
     it."""
     ints = torch.empty(3, dtype=torch.int64, device="meta")
     before = torch.get_default_dtype()
-    with PointwiseShapeCache():
+    with ShapeCache():
         try:
             assert ints.sqrt().dtype == torch.float32
             torch.set_default_dtype(torch.float64)
@@ -127,7 +127,7 @@ def test_an_in_place_op_returns_its_tensor_and_a_real_tensors_op_runs() -> None:
     real tensor (Adam's step counter on the host) runs every time."""
     a, b = torch.empty(2, 3, device="meta"), torch.empty(2, 3, device="meta")
     step = torch.zeros(())
-    with PointwiseShapeCache():
+    with ShapeCache():
         assert a.mul_(b) is a and a.mul_(b) is a
         for _ in range(3):
             step += 1
@@ -148,7 +148,7 @@ def test_an_estimate_is_the_same_with_the_cache_and_answers_most_ops_from_it(
     cached = run_estimate(config, steps=2, target="cuda")
     (cache,) = counts
     assert cache.hits > 2 * cache.misses > 0
-    monkeypatch.setattr(meta.PointwiseShapeCache, "_kind", lambda self, func: 0)  # every op to its kernel
+    monkeypatch.setattr(meta.ShapeCache, "_kind", lambda self, func: 0)  # every op to its kernel
     kernels = run_estimate(config, steps=2, target="cuda")
     assert counts[1].hits == 0  # the second run answered nothing from the cache
     assert _document(cached) == _document(kernels)
@@ -201,10 +201,10 @@ def test_a_foreach_ops_answers_are_its_kernels(
     try:
         want = call(copies[0])
     except RuntimeError:
-        with PointwiseShapeCache(), pytest.raises(RuntimeError):
+        with ShapeCache(), pytest.raises(RuntimeError):
             call(copies[1])
         return
-    cache = PointwiseShapeCache()
+    cache = ShapeCache()
     with cache:
         first, repeat = call(copies[2]), call(copies[3])
     assert first == repeat == want
@@ -232,14 +232,14 @@ def test_an_in_place_op_that_resizes_what_it_writes_is_its_kernels_every_time(ca
         return tuple(a.shape)
 
     want = resized()
-    with PointwiseShapeCache():
+    with ShapeCache():
         assert resized() == resized() == want == (3, 4)
 
 
 def test_an_op_of_no_argument_passes_through() -> None:
     """``torch.backends.nnpack.is_available()`` (what RNN modules ask) is an op of no argument."""
     want = torch.backends.nnpack.is_available()
-    with PointwiseShapeCache():
+    with ShapeCache():
         assert torch.backends.nnpack.is_available() == want
 
 
@@ -247,24 +247,24 @@ def test_a_foreach_op_on_host_tensors_runs() -> None:
     """Adam's step counters on the host go through ``_foreach_add_``: their values count, the kernel runs
     every time."""
     steps = [torch.zeros(()), torch.zeros(())]
-    with PointwiseShapeCache() as cache:
+    with ShapeCache() as cache:
         for _ in range(3):
             torch._foreach_add_(steps, 1)
     assert [s.item() for s in steps] == [3, 3] and cache.hits == 0
 
 
-def _count_caches(monkeypatch: pytest.MonkeyPatch) -> list[PointwiseShapeCache]:
-    """The :class:`PointwiseShapeCache` objects made from now on (the meta steps'), in order."""
+def _count_caches(monkeypatch: pytest.MonkeyPatch) -> list[ShapeCache]:
+    """The :class:`ShapeCache` objects made from now on (the meta steps'), in order."""
     from vramguard.estimate import meta
 
-    counts: list[PointwiseShapeCache] = []
-    original = meta.PointwiseShapeCache.__init__
+    counts: list[ShapeCache] = []
+    original = meta.ShapeCache.__init__
 
-    def counted(self: PointwiseShapeCache, *args: Any) -> None:
+    def counted(self: ShapeCache, *args: Any) -> None:
         original(self, *args)
         counts.append(self)
 
-    monkeypatch.setattr(meta.PointwiseShapeCache, "__init__", counted)
+    monkeypatch.setattr(meta.ShapeCache, "__init__", counted)
     return counts
 
 
@@ -284,7 +284,7 @@ def test_native_dropout_is_answered_as_its_kernel(dtype: torch.dtype, transposed
     x = torch.empty(8, 4, dtype=dtype, device="meta")
     x = x.t() if transposed else x
     kernel = torch.native_dropout(x, 0.1, True)
-    with PointwiseShapeCache() as cache:
+    with ShapeCache() as cache:
         first = torch.native_dropout(x, 0.1, True)
         again = torch.native_dropout(x, 0.3, True)
     assert cache.hits == 1 and cache.misses == 1
@@ -303,18 +303,18 @@ def test_an_estimate_with_lora_dropout_is_the_same_with_the_cache(monkeypatch: p
 
     config = QLoRAConfig(seq_len=32, batch=2, lora_dropout=0.05)
     dropouts = []
-    original = meta.PointwiseShapeCache._remember
+    original = meta.ShapeCache._remember
 
-    def remember(self: PointwiseShapeCache, kind: int, key: Any, args: Any, out: Any) -> None:
+    def remember(self: ShapeCache, kind: int, key: Any, args: Any, out: Any) -> None:
         dropouts.append(key[0] is torch.ops.aten.native_dropout.default and key in self._shapes)
         original(self, kind, key, args, out)
         dropouts[-1] = key[0] is torch.ops.aten.native_dropout.default and key in self._shapes
 
-    monkeypatch.setattr(meta.PointwiseShapeCache, "_remember", remember)
+    monkeypatch.setattr(meta.ShapeCache, "_remember", remember)
     monkeypatch.setattr(meta, "PROCESS_ANSWERS", {})
     cached = run_estimate(config, steps=2, target="cuda")
     assert any(dropouts)  # native_dropout's answers were kept
-    monkeypatch.setattr(meta.PointwiseShapeCache, "_kind", lambda self, func: 0)  # every op to its kernel
+    monkeypatch.setattr(meta.ShapeCache, "_kind", lambda self, func: 0)  # every op to its kernel
     kernels = run_estimate(config, steps=2, target="cuda")
     assert _document(cached) == _document(kernels)
 
@@ -334,7 +334,7 @@ def test_vector_norm_is_answered_as_its_kernel(call: Any, dtype: torch.dtype) ->
     its result as the kernel makes it, for each ``dim``, ``keepdim``, ``dtype`` and order."""
     x = torch.empty(6, 4, dtype=dtype, device="meta")
     kernel = call(x)
-    with PointwiseShapeCache() as cache:
+    with ShapeCache() as cache:
         first, again = call(x), call(x)
     assert cache.hits == 1 and cache.misses == 1
     for ours in (first, again):
@@ -349,20 +349,121 @@ def test_a_trainer_estimate_is_the_same_with_the_cache(monkeypatch: pytest.Monke
 
     config = QLoRAConfig(seq_len=32, batch=1, lora_dropout=0.05)
     answered: list[Any] = []
-    original = meta.PointwiseShapeCache.__torch_dispatch__
+    original = meta.ShapeCache.__torch_dispatch__
 
-    def dispatch(self: PointwiseShapeCache, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def dispatch(self: ShapeCache, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         hits = self.hits
         out = original(self, func, types, args, kwargs)
         if self.hits > hits:
             answered.append(func)
         return out
 
-    monkeypatch.setattr(meta.PointwiseShapeCache, "__torch_dispatch__", dispatch)
+    monkeypatch.setattr(meta.ShapeCache, "__torch_dispatch__", dispatch)
     monkeypatch.setattr(meta, "PROCESS_ANSWERS", {})
     cached = run_trainer_estimate(config, "sft", steps=2, target="cuda")
     assert torch.ops.aten.linalg_vector_norm.default in answered
     assert torch.ops.aten.native_dropout.default in answered
-    monkeypatch.setattr(meta.PointwiseShapeCache, "_kind", lambda self, func: 0)  # every op to its kernel
+    monkeypatch.setattr(meta.ShapeCache, "_kind", lambda self, func: 0)  # every op to its kernel
     kernels = run_trainer_estimate(config, "sft", steps=2, target="cuda")
+    assert _document(cached) == _document(kernels)
+
+
+FRESH = {  # ops whose schema neither writes nor aliases: one new result (kind 6) or several (kind 7)
+    "mm": lambda x: x @ x.t(),
+    "mean": lambda x: x.mean(-1, keepdim=True),
+    "sum": lambda x: x.sum(0),
+    "amax": lambda x: x.amax(1),
+    "cat": lambda x: torch.cat([x, x.t().t()], 1),
+    "stack": lambda x: torch.stack([x, x]),
+    "layer_norm": lambda x: torch.native_layer_norm(x, (x.shape[-1],), None, None, 1e-6),
+    "max-dim": lambda x: torch.max(x, 1),
+    "softmax": lambda x: x.softmax(-1),
+    "zeros-like": torch.zeros_like,
+    "to-bf16": lambda x: x.to(torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FRESH))
+@pytest.mark.parametrize("transposed", [False, True])
+def test_an_op_of_new_results_is_answered_as_its_kernel(name: str, transposed: bool) -> None:
+    """An op whose schema writes and aliases nothing repeats from its first result's metadata, each result a
+    storage of its own of the kernel's size; the kernel alone gives the same (a transposed input's strides
+    too)."""
+    x = torch.empty(6, 4, device="meta")
+    x = x.t() if transposed else x
+    call = FRESH[name]
+    want = call(x)
+    with ShapeCache() as cache:
+        first, again = call(x), call(x)
+    assert cache.hits >= 1
+    for made in (first, again):
+        ours = (made,) if isinstance(made, torch.Tensor) else tuple(made)
+        theirs = (want,) if isinstance(want, torch.Tensor) else tuple(want)
+        assert [_metadata(t) for t in ours] == [_metadata(t) for t in theirs]
+        assert len({t.untyped_storage()._cdata for t in (*ours, x)}) == len(ours) + 1
+
+
+def test_a_float_that_decides_a_shape_is_keyed_by_value() -> None:
+    """``interpolate``'s scale factor and ``arange``'s float bounds decide the result's shape: an op of new
+    results keys its floats by value (a pointwise op's by type), so 1.5 and 2.0 are two keys."""
+    x = torch.empty(1, 1, 6, 4, device="meta")
+    interpolate = torch.nn.functional.interpolate
+    with ShapeCache():
+        assert interpolate(x, scale_factor=1.5).shape == (1, 1, 9, 6)
+        assert interpolate(x, scale_factor=2.0).shape == (1, 1, 12, 8)
+        assert torch.arange(0.0, 3.0, 0.5, device="meta").shape == (6,)
+        assert torch.arange(0.0, 3.0, 1.5, device="meta").shape == (2,)
+
+
+def test_a_host_tensor_whose_value_decides_a_shape_runs_the_kernel() -> None:
+    """``repeat_interleave`` of a meta tensor by a host scalar tensor: the scalar's value sets the length, so an
+    op of new results given a real tensor is not answered from the cache."""
+    x = torch.empty(6, 4, device="meta")
+    with ShapeCache() as cache:
+        assert torch.repeat_interleave(x, torch.tensor(2), dim=0).shape == (12, 4)
+        assert torch.repeat_interleave(x, torch.tensor(3), dim=0).shape == (18, 4)
+    assert cache.hits == 0
+
+
+def test_a_result_sharing_its_inputs_storage_is_the_kernels_every_time() -> None:
+    """``_unsafe_view`` shares its input's storage with no alias in its schema: its first result is not a new
+    storage, so every call with that key runs the kernel (a repeat shares the storage too)."""
+    x = torch.empty(6, 4, device="meta")
+    with ShapeCache() as cache:
+        for _ in range(2):
+            view = torch.ops.aten._unsafe_view(x, [24])
+            assert view.untyped_storage()._cdata == x.untyped_storage()._cdata
+    assert cache.hits == 0
+
+
+def test_a_vision_language_estimate_is_the_same_with_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Qwen2-VL estimate for the CPU (its vision tower's LayerNorms: ``native_layer_norm``'s three
+    results, their statistics then made as the CPU makes them above the cache; 4-bit ``gemm_4bit``) answers
+    those from the cache and is byte for byte the estimate of the kernels alone."""
+    from pathlib import Path
+
+    from vramguard.estimate import meta
+    from vramguard.estimate.run import run_estimate
+
+    vlm = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "vlm" / "tiny-qwen2-vl.json"
+    config = QLoRAConfig(
+        model=str(vlm), seq_len=64, batch=1, image_size="56x56", target_modules="all-linear"
+    )
+    answered: set[Any] = set()
+    original = meta.ShapeCache.__torch_dispatch__
+
+    def dispatch(self: ShapeCache, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        hits = self.hits
+        out = original(self, func, types, args, kwargs)
+        if self.hits > hits:
+            answered.add(func)
+        return out
+
+    monkeypatch.setattr(meta.ShapeCache, "__torch_dispatch__", dispatch)
+    monkeypatch.setattr(meta, "PROCESS_ANSWERS", {})
+    cached = run_estimate(config, steps=2, target="cpu")
+    assert {torch.ops.aten.native_layer_norm.default, torch.ops.aten.mm.default} <= answered
+    assert torch.ops.bitsandbytes.gemm_4bit.default in answered
+    monkeypatch.setattr(meta.ShapeCache, "_kind", lambda self, func: 0)  # every op to its kernel
+    kernels = run_estimate(config, steps=2, target="cpu")
     assert _document(cached) == _document(kernels)

@@ -96,7 +96,7 @@ class TargetAutocast(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         target = self.target
-        if not _autocast_enabled(target) or getattr(func, "__name__", "") in _NOT_ROUTED or _inplace(func):
+        if not _autocast_enabled(target) or _passed_on(func):
             return func(*args, **kwargs)
         leaves, spec = _flatten(args, kwargs)
         if not _floating_meta(leaves):
@@ -251,10 +251,16 @@ def _walk(tree: Any, leaves: list[Any], shape: list[Any]) -> bool:
     kind = type(tree)
     if kind is tuple or kind is list:
         shape.append((kind, len(tree)))
-        return all(_walk(v, leaves, shape) for v in tree)
+        for v in tree:
+            if not _walk(v, leaves, shape):
+                return False
+        return True
     if kind is dict:
         shape.append((dict, tuple(tree)))
-        return all(_walk(v, leaves, shape) for v in tree.values())
+        for v in tree.values():
+            if not _walk(v, leaves, shape):
+                return False
+        return True
     if kind in SUPPORTED_NODES or isinstance(tree, (tuple, list, dict)):
         return False  # torch's pytree decides (a named tuple is a node, another subclass a leaf)
     leaves.append(tree)
@@ -263,14 +269,33 @@ def _walk(tree: Any, leaves: list[Any], shape: list[Any]) -> bool:
 
 
 def _floating_meta(leaves: list[Any]) -> bool:
-    return any(
-        isinstance(t, torch.Tensor) and t.device.type == META and t.is_floating_point() for t in leaves
-    )
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.is_meta and t.is_floating_point():
+            return True
+    return False
 
 
 def _inplace(func: Any) -> bool:
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+_PASSED_ON: dict[Any, bool] = {}
+""":func:`_passed_on` of each function seen (a function of its name alone)."""
+
+
+def _passed_on(func: Any) -> bool:
+    """Whether ``func`` runs as it is, never routed: a tensor method that computes nothing
+    (:data:`_NOT_ROUTED`) or an in-place one (autocast casts no input of an in-place op)."""
+    try:
+        return _PASSED_ON[func]
+    except KeyError:
+        passed = getattr(func, "__name__", "") in _NOT_ROUTED or _inplace(func)
+        if len(_PASSED_ON) < 65536:  # a function object made anew for each call is not kept for ever
+            _PASSED_ON[func] = passed
+        return passed
+    except TypeError:  # unhashable: asked each time
+        return getattr(func, "__name__", "") in _NOT_ROUTED or _inplace(func)
 
 
 def _probe_key(func: Any, spec: Any, leaves: list[Any], target: str) -> Any:
@@ -290,7 +315,7 @@ def _probe_key(func: Any, spec: Any, leaves: list[Any], target: str) -> Any:
             except (RuntimeError, NotImplementedError):  # sparse, nested: no strides
                 stride = None
             place = first.setdefault(id(leaf), i)
-            parts.append((type(leaf), leaf.device.type, leaf.dtype, tuple(leaf.shape), stride, place))
+            parts.append((type(leaf), leaf.device.type, leaf.dtype, leaf.shape, stride, place))
         elif type(leaf) is slice:
             parts.append((slice, _slice_key(leaf)))
         else:

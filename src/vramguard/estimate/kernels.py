@@ -30,13 +30,20 @@ from typing import Any
 import torch
 
 
+_SOFTMAX_BACKWARD = torch.ops.aten._softmax_backward_data.default
+_SAFE_SOFTMAX = torch.ops.aten._safe_softmax.default
+_PRICED = frozenset({_SOFTMAX_BACKWARD, _SAFE_SOFTMAX})  # asked of every op of a CUDA estimate: a set's answer
+
+
 def cuda_kernel_temporaries(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The blocks ``func``'s CUDA kernel holds while it runs, beyond its outputs, as meta tensors (on the
     inputs' device, which on meta allocates nothing real): see the module docstring; [] for any other op."""
-    if func is torch.ops.aten._softmax_backward_data.default:
+    if func not in _PRICED:
+        return []
+    if func is _SOFTMAX_BACKWARD:
         grad = args[0] if args else kwargs["grad_output"]
         return [torch.empty_like(grad)]
-    if func is torch.ops.aten._safe_softmax.default:
+    if func is _SAFE_SOFTMAX:
         x = args[0] if args else kwargs["self"]
         dim = args[1] if len(args) > 1 else kwargs["dim"]
         rows = list(x.shape)

@@ -258,8 +258,13 @@ def _value_key(value: Any) -> Any:
     """What a pointwise op's key holds of one argument: a tensor's metadata (a meta tensor, or a real one of
     0 dimensions), a float's or complex's type, another scalar's value; :data:`_UNKEYED` for anything else
     (a real tensor with dimensions, a tensor subclass, which its own dispatch decides, another layout)."""
-    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
-        if value.layout is not torch.strided or (value.device.type != META and value.dim()):
+    kind = type(value)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        if value.layout is not torch.strided:
+            return _UNKEYED
+        if value.is_meta:  # (a real 0-d tensor's key names its device: a longer tuple)
+            return (value.shape, value.stride(), value.dtype)
+        if value.dim():
             return _UNKEYED
         return (value.shape, value.stride(), value.dtype, value.device)
     if isinstance(value, torch.Tensor):
@@ -276,12 +281,13 @@ def _exact_key(value: Any) -> Any:
     tensor's metadata, any scalar by value (a float may decide a shape there: ``upsample``'s scale factors),
     :data:`_UNKEYED` for a real tensor (a host scalar's value may decide a shape: ``repeat_interleave``'s
     repeats) and anything else."""
-    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
-        if value.layout is not torch.strided or value.device.type != META:
+    kind = type(value)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        if not value.is_meta or value.layout is not torch.strided:
             return _UNKEYED
-        return (value.shape, value.stride(), value.dtype, value.device)
-    if type(value) in (float, complex):
-        return (type(value), value)
+        return (value.shape, value.stride(), value.dtype)
+    if kind is float or kind is complex:
+        return (kind, value)
     return _value_key(value)
 
 
@@ -474,6 +480,9 @@ def target_autocast(target: str) -> Iterator[Autocasted]:
         routed["autocast_unprobed"] = len(routing.unprobed)
 
 
+_NATIVE_LAYER_NORM = torch.ops.aten.native_layer_norm.default
+
+
 class _LayerNormStatsAsOnCpu(TorchDispatchMode):
     """``native_layer_norm`` on meta as the CPU runs it: its mean and rstd (which autograd saves) in the input's
     dtype where the input is bf16 or fp16 and its weight and bias are too (or absent), as torch's CPU kernel makes
@@ -485,7 +494,7 @@ class _LayerNormStatsAsOnCpu(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func is not torch.ops.aten.native_layer_norm.default:
+        if func is not _NATIVE_LAYER_NORM:
             return out
         x, params = args[0], args[2:4]
         if x.device.type != META or x.dtype not in self.LOW:

@@ -1,4 +1,4 @@
-"""Issue 47's speed targets for ``vramguard estimate`` on a 2-core machine: wall and CPU time of the command, with
+"""Issues 47's and 45's speed targets for ``vramguard estimate`` on a 2-core machine: wall and CPU time of the command, with
 the commit and the machine.
 
 * ``70b-preset-s8192``: the 70B preset at 8k tokens, every other setting the default (TRL's sft step): <= 10 s;
@@ -6,7 +6,9 @@ the commit and the machine.
   batch 2, accumulation 4, packing, paged 8-bit AdamW, LoRA r 16 on all linear layers): any single estimate of
   a model up to 70B at up to 8k tokens, <= 15 s;
 * ``8b-s4096-trl-sft-fit``: ``--fit 24GiB --gpu rtx4090`` on the 8B ``trl sft`` config at 4k tokens, the search
-  and its suggestions: <= 60 s.
+  and its suggestions: <= 60 s;
+* ``qwen3-vl-8b-448-s512``: issue 45's, the Qwen3-VL-8B shape with one 448x448 image at seq 512 (batch 1, LoRA on
+  all linear layers, SFTTrainer's step: the seed's VL mode): the estimate's budget, <= 15 s.
 
 Each runs as a child (``run_estimate_command`` of ``test_estimate_speed``: its own wall, CPU and peak RSS) and
 is recorded in ``extra_info["vramguard"]`` with its target, whether the wall met it, ``nproc``, the CPU model
@@ -44,6 +46,12 @@ TARGETS = {  # name: (arguments but --config's file, whether it takes the trl sf
     "70b-preset-s8192": (["--model", "llama-3.1-70b", "--seq-len", "8192"], False, 10.0),
     "70b-s8192-trl-sft": (["--model", "llama-3.1-70b", "--seq-len", "8192"], True, 15.0),
     "8b-s4096-trl-sft-fit": (["--model", "llama-3.1-8b", "--fit", "24GiB", "--gpu", "rtx4090"], True, 60.0),
+    "qwen3-vl-8b-448-s512": (
+        ["--model", "qwen3-vl-8b", "--image-size", "448x448", "--seq-len", "512", "--batch", "1",
+         "--target-modules", "all-linear"],
+        False,
+        15.0,
+    ),
 }
 
 

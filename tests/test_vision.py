@@ -448,7 +448,8 @@ def test_every_family_meta_step_equals_the_cpu_audit(name: str) -> None:
 @pytest.mark.slow
 def test_qwen3_vl_8b_estimate_splits_the_stacks() -> None:
     """Issue 45's acceptance: a Qwen3-VL-8B-shaped estimate with one 448x448 image at seq 512 runs on the CPU
-    (about 15 s here) and splits vision tower / projector / language model bytes."""
+    (about 13 s here: benchmarks/test_estimate_targets.py times it) and splits vision tower / projector /
+    language model bytes."""
     from vramguard.estimate.vision import estimate_vision_step
 
     config = QLoRAConfig(model=str(PRESETS_DIR / "qwen3-vl-8b.json"), seq_len=512, batch=1)

@@ -1,5 +1,5 @@
-"""Issues 47's and 45's speed targets for ``vramguard estimate`` on a 2-core machine: wall and CPU time of the command, with
-the commit and the machine.
+"""Issues 47's and 45's speed targets for ``vramguard estimate`` on a 2-core machine: wall and CPU time of the
+command, with the commit and the machine.
 
 * ``70b-preset-s8192``: the 70B preset at 8k tokens, every other setting the default (TRL's sft step): <= 10 s;
 * ``70b-s8192-trl-sft``: a heavy config of the 70B at 8k tokens (the ``trl sft`` file below with the 70B:

@@ -182,10 +182,16 @@ def test_fit_offers_the_same_rows_a_step_in_micro_batches_that_fit(tmp_path) -> 
         (1, 4, 0, None),  # a batch of 1: nothing to split
     ],
 )
-def test_the_fit_option_keeps_the_rows_a_step(batch: int, steps: int, largest: int, offered: str | None) -> None:
+def test_the_fit_option_keeps_the_rows_a_step(
+    monkeypatch: pytest.MonkeyPatch, batch: int, steps: int, largest: int, offered: str | None
+) -> None:
     """The micro-batch option keeps the rows a step (batch x micro-batches) exactly, in micro-batches no larger
-    than the largest batch that fit (a stand-in estimator: this is the option's arithmetic, not its pricing)."""
+    than the largest batch that fit (a stand-in estimator: this is the option's arithmetic, not its pricing;
+    run in this process, where its calls are seen)."""
     from vramguard.estimate.fit import cheaper_changes
+    from vramguard.estimate.workers import WORKERS
+
+    monkeypatch.setenv(WORKERS, "1")
 
     seen = []
 

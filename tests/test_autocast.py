@@ -349,7 +349,6 @@ def test_a_tensor_given_twice_is_not_answered_as_two_tensors() -> None:
     cast (review)."""
     import torch
 
-    from vramguard.estimate.autocast import TargetAutocast
     from vramguard.estimate.meta import forced_decisions
 
     seen: list[tuple[torch.dtype, ...]] = []

@@ -15,7 +15,7 @@ from vramguard.measure.meters import SavedBytesMeter
 from vramguard.model.analytic import activation_expectation
 from vramguard.workload.families import FAMILIES, NoAnalyticModel
 from vramguard.workload.models import presets
-from vramguard.workload.models import ModelSpec, presets
+from vramguard.workload.models import ModelSpec
 
 PRESETS = Path(__file__).resolve().parents[1] / "src" / "vramguard" / "workload" / "presets"
 TINY = {

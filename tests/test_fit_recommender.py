@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -30,6 +29,15 @@ from vramguard.workload.models import QLoRAConfig
 
 FA2 = "--attn-implementation flash_attention_2"
 BF16 = QLoRAConfig(mixed_precision="bf16")
+
+
+@pytest.fixture(autouse=True)
+def _in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The changes' estimates run here, not in worker processes: the tests count the calls (a child's would be
+    lost with it)."""
+    from vramguard.estimate.workers import WORKERS
+
+    monkeypatch.setenv(WORKERS, "1")
 
 
 def _on(card: str, trainer: str = "loop") -> Place:

@@ -20,7 +20,7 @@ from vramguard.workload.training import make_optimizer
 
 pytest.importorskip("transformers")
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback  # noqa: E402 - after the importorskip above
 
 CONFIG = QLoRAConfig(model="tiny-llama", seq_len=128, batch=2)
 STEPS = 2

@@ -204,6 +204,10 @@ def _estimate(args: argparse.Namespace, imported: Callable[[], None]) -> int:
     check_timeline_paths(args)
     gpu = card(args)
     size = fit_size(args, gpu)
+    if size is not None:  # VRAMGUARD_WORKERS read now: a bad one is refused before any run
+        from vramguard.estimate.workers import worker_count
+
+        worker_count(1)
     config, lines = qlora_config(args, device="cpu")  # validated as a real device; the run is on meta
     imported()  # torch, transformers, TRL (the config's defaults), PEFT and bitsandbytes are imported by now
     events = AllocationLog() if wants_timeline(args) else None
@@ -253,8 +257,11 @@ def _estimate(args: argparse.Namespace, imported: Callable[[], None]) -> int:
         judged = FIT_AT[args.fit_at]
         fit = None
         if size is not None:
-            runner = _runner(args, trainer, gpu, lambda what: progress.update(task, description=what))
-            fit = _fit(config, size, args, report, runner, _place(args, trainer, gpu), space)
+            def told(what: str) -> None:
+                progress.update(task, description=what)
+
+            runner = _runner(args, trainer, gpu, told)
+            fit = _fit(config, size, args, report, runner, _place(args, trainer, gpu), space, told)
             assert report.estimate is not None
             report.estimate.fit = fit
             fits = judged(report) <= size
@@ -341,6 +348,7 @@ def _runner(args: argparse.Namespace, trainer: str, gpu: Gpu | None, told: Any) 
     """The estimate of a changed config as ``--fit`` runs it: ``trainer``'s own step (``sft``, ``trainer``) or
     vramguard's loop, each run first told (``told``: the progress line) with its count and shape."""
     from vramguard.estimate.run import run_estimate
+    from vramguard.estimate.workers import in_worker
 
     runs = 0
 
@@ -348,7 +356,8 @@ def _runner(args: argparse.Namespace, trainer: str, gpu: Gpu | None, told: Any) 
         nonlocal runs
         runs += 1
         image = f", image {c.image_size}" if c.image_size else ""
-        told(f"fit: meta run {runs} (batch {c.batch} x seq {c.seq_len}{image}, {trainer})")
+        if not in_worker():  # a worker process prints nothing (the parent's progress line says what runs)
+            told(f"fit: meta run {runs} (batch {c.batch} x seq {c.seq_len}{image}, {trainer})")
         if trainer == "loop":  # only the figure is read: no data bounds (packed rows' second run)
             return run_estimate(c, steps=args.steps, top=1, target=args.target, gpu=gpu, bounds=False)
         from vramguard.estimate.trainer import run_trainer_estimate
@@ -413,12 +422,15 @@ def _fit(
     runner: Any,
     place: Any,
     space: Any = None,
+    told: Any = None,
 ) -> dict[str, Any]:
     """``--fit``'s search and, for a shape that does not fit, the changes, each a meta run of ``runner`` (the
-    trainer's step where it runs, :func:`_runner`) at ``place`` (:func:`_place`); a config run once is not run
+    trainer's step where it runs, :func:`_runner`; the changes' in worker processes, ``told``: the progress line
+    hears of them) at ``place`` (:func:`_place`); a config run once is not run
     again (:func:`~vramguard.estimate.fit.remembered`). ``space``: ``--fit-dim image``'s sizes
     (:func:`vramguard.estimate.fit_image.image_space`), its answer under ``image``."""
     from vramguard.estimate.fit import cheaper_changes, remembered, search
+    from vramguard.estimate.workers import MAX_WORKERS, worker_count
 
     judged = FIT_AT[args.fit_at]
     assert report.estimate is not None
@@ -433,6 +445,8 @@ def _fit(
     if judged(report) > size:
         largest = result.largest if args.fit_dim == "batch" else 0
         phase = report.estimate.peak_phase
+        if told is not None:  # the changes' runs print nothing from their worker processes
+            told(f"fit: the changes that could fit, each a meta run, {worker_count(MAX_WORKERS)} at a time")
         result.changes = cheaper_changes(config, size, figure, largest_batch=largest, place=place, peak_phase=phase)
     fit = result.to_dict()
     if space is not None:

@@ -308,28 +308,34 @@ def cheaper_changes(
     it saves device memory; offloading and Liger on vramguard's loop, the only step that prices them yet).
     ``peak_phase``: the requested shape's; where it is the optimizer step, on CUDA, the fused AdamW is offered
     (torch's default there, ``foreach``, holds a temporary as large as the trainable parameters in that step
-    only)."""
+    only). The changes' runs go to worker processes (:func:`_rows`)."""
     singles = single_changes(config, largest_batch, place, peak_phase)
     tried = singles + checkpointing_and_rank(config)
-    rows = [_row(flag, changed, estimate, size) for flag, changed in tried]
+    rows = _rows(tried, estimate, size)
     priced = [o for o, r in zip(singles, rows) if "refused" not in r]
     if priced and not any(r["fits"] for r in rows):
-        rows += [_row(flag, changed, estimate, size) for flag, changed in pairs(config, rows, priced, tried)]
+        rows += _rows(pairs(config, rows, priced, tried), estimate, size)
     # cheapest: what fits, then the fewest flags changed (a single change before a combination); refused last
     rows.sort(key=lambda r: (not r["fits"], "refused" in r, r["change"].count("--"), r["total_bytes"] or 0))
     return rows
 
 
-def _row(change: str, changed: QLoRAConfig, estimate: Estimator, size: int) -> dict[str, Any]:
-    """A change's row: its total and whether it fits, or (``refused``: the one line) why its step cannot be priced
-    (a change the user's run would refuse, or beyond what torch can describe): named, never the whole answer."""
+def _rows(changes: list[Change], estimate: Estimator, size: int) -> list[dict[str, Any]]:
+    """Each change's row: its total and whether it fits, or (``refused``: the one line) why its step cannot be
+    priced (a change the user's run would refuse, or beyond what torch can describe): named, never the whole
+    answer. The changes' meta runs are independent: they run in worker processes, on every core
+    (:func:`vramguard.estimate.workers.map_in_workers`)."""
     from vramguard.errors import UsageError
+    from vramguard.estimate.workers import Refused, map_in_workers
 
-    try:
-        total = estimate(changed)
-    except UsageError as exc:
-        return {"change": change, "total_bytes": None, "fits": False, "refused": str(exc)}
-    return {"change": change, "total_bytes": total, "fits": total <= size}
+    totals = map_in_workers(estimate, [changed for _, changed in changes], refusals=(UsageError,))
+    rows: list[dict[str, Any]] = []
+    for (change, _), total in zip(changes, totals, strict=True):
+        if isinstance(total, Refused):
+            rows.append({"change": change, "total_bytes": None, "fits": False, "refused": total.message})
+        else:
+            rows.append({"change": change, "total_bytes": total, "fits": total <= size})
+    return rows
 
 
 def remembered(estimate: Estimator) -> Estimator:

@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from vramguard.errors import UsageError, first_line
+from vramguard.errors import UsageError
 from vramguard.estimate.autocast import autocast_off
 from vramguard.estimate.meta_kernels import meta_kernels
 from vramguard.estimate.no_init import values_not_drawn

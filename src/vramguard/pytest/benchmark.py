@@ -65,7 +65,7 @@ def visible_gpus(env: MutableMapping[str, str] | None = None) -> list[str]:
             out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20, check=False).stdout
         except (OSError, subprocess.SubprocessError):
             return []
-        return [str(i) for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU "))]
+        return [str(i) for i, _ in enumerate(row for row in out.splitlines() if row.startswith("GPU "))]
     return []
 
 

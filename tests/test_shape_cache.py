@@ -467,3 +467,18 @@ def test_a_vision_language_estimate_is_the_same_with_the_cache(monkeypatch: pyte
     monkeypatch.setattr(meta.ShapeCache, "_kind", lambda self, func: 0)  # every op to its kernel
     kernels = run_estimate(config, steps=2, target="cpu")
     assert _document(cached) == _document(kernels)
+
+
+def test_an_op_whose_meta_kernel_the_step_registers_runs_it_every_time() -> None:
+    """``_grouped_mm``'s Meta kernel in the step (:func:`vramguard.estimate.meta.target_decisions`) answers fp32
+    experts and counts each call (the report's ``forced_decisions``): its schema writes and aliases nothing, yet
+    a repeat on the same metadata is the kernel's too, so every call is counted."""
+    from vramguard.estimate.meta import forced_decisions
+
+    a = torch.empty(16, 16, device="meta")
+    b = torch.empty(4, 16, 32, device="meta")
+    offs = torch.empty(4, dtype=torch.int32, device="meta")
+    with forced_decisions("cpu") as taken:
+        for _ in range(3):
+            assert torch._grouped_mm(a, b, offs=offs).shape == (16, 32)
+    assert taken["grouped_mm"] == 3

@@ -416,12 +416,17 @@ def test_a_float_that_decides_a_shape_is_keyed_by_value() -> None:
 
 
 def test_a_host_tensor_whose_value_decides_a_shape_runs_the_kernel() -> None:
-    """``repeat_interleave`` of a meta tensor by a host scalar tensor: the scalar's value sets the length, so an
-    op of new results given a real tensor is not answered from the cache."""
+    """``repeat_interleave`` of a meta tensor by a host scalar tensor (the scalar's value sets the length) and
+    ``index`` by a host boolean mask (its count of True sets it; two masks of one shape, strides and dtype, the
+    case that holds the rule: ``repeat_interleave``'s repeats reach ``index_select`` as indices of another
+    length): an op of new results given a real tensor is not answered from the cache."""
     x = torch.empty(6, 4, device="meta")
     with ShapeCache() as cache:
         assert torch.repeat_interleave(x, torch.tensor(2), dim=0).shape == (12, 4)
         assert torch.repeat_interleave(x, torch.tensor(3), dim=0).shape == (18, 4)
+        # a host boolean mask of one shape selects as many rows as it holds True: its metadata is not its answer
+        assert x[torch.tensor([True, False, False, False, False, True])].shape == (2, 4)
+        assert x[torch.tensor([True] * 6)].shape == (6, 4)
     assert cache.hits == 0
 
 

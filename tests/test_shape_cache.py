@@ -1,7 +1,7 @@
-"""The meta step's pointwise cache (:class:`vramguard.estimate.meta.ShapeCache`) answers as the
-kernels.
+"""The meta step's shape cache (:class:`vramguard.estimate.meta.ShapeCache`) answers as the kernels.
 
-A repeat of a pointwise op on the same metadata gets the first result's shape, strides and dtype; whatever the
+A repeat of an op it caches (a pointwise op, or any op whose schema writes and aliases nothing) on the same
+metadata gets the first result's shape, strides and dtype; whatever the
 key leaves out must not change them. Each property compares the cache's answers with torch's own meta kernels.
 """
 

@@ -1,7 +1,7 @@
-"""The meta step's pointwise cache (:class:`vramguard.estimate.meta.ShapeCache`) answers as the
-kernels.
+"""The meta step's shape cache (:class:`vramguard.estimate.meta.ShapeCache`) answers as the kernels.
 
-A repeat of a pointwise op on the same metadata gets the first result's shape, strides and dtype; whatever the
+A repeat of an op it caches (a pointwise op, or any op whose schema writes and aliases nothing) on the same
+metadata gets the first result's shape, strides and dtype; whatever the
 key leaves out must not change them. Each property compares the cache's answers with torch's own meta kernels.
 """
 
@@ -416,12 +416,17 @@ def test_a_float_that_decides_a_shape_is_keyed_by_value() -> None:
 
 
 def test_a_host_tensor_whose_value_decides_a_shape_runs_the_kernel() -> None:
-    """``repeat_interleave`` of a meta tensor by a host scalar tensor: the scalar's value sets the length, so an
-    op of new results given a real tensor is not answered from the cache."""
+    """``repeat_interleave`` of a meta tensor by a host scalar tensor (the scalar's value sets the length) and
+    ``index`` by a host boolean mask (its count of True sets it; two masks of one shape, strides and dtype, the
+    case that holds the rule: ``repeat_interleave``'s repeats reach ``index_select`` as indices of another
+    length): an op of new results given a real tensor is not answered from the cache."""
     x = torch.empty(6, 4, device="meta")
     with ShapeCache() as cache:
         assert torch.repeat_interleave(x, torch.tensor(2), dim=0).shape == (12, 4)
         assert torch.repeat_interleave(x, torch.tensor(3), dim=0).shape == (18, 4)
+        # a host boolean mask of one shape selects as many rows as it holds True: its metadata is not its answer
+        assert x[torch.tensor([True, False, False, False, False, True])].shape == (2, 4)
+        assert x[torch.tensor([True] * 6)].shape == (6, 4)
     assert cache.hits == 0
 
 
@@ -467,3 +472,18 @@ def test_a_vision_language_estimate_is_the_same_with_the_cache(monkeypatch: pyte
     monkeypatch.setattr(meta.ShapeCache, "_kind", lambda self, func: 0)  # every op to its kernel
     kernels = run_estimate(config, steps=2, target="cpu")
     assert _document(cached) == _document(kernels)
+
+
+def test_an_op_whose_meta_kernel_the_step_registers_runs_it_every_time() -> None:
+    """``_grouped_mm``'s Meta kernel in the step (:func:`vramguard.estimate.meta.target_decisions`) answers fp32
+    experts and counts each call (the report's ``forced_decisions``): its schema writes and aliases nothing, yet
+    a repeat on the same metadata is the kernel's too, so every call is counted."""
+    from vramguard.estimate.meta import forced_decisions
+
+    a = torch.empty(16, 16, device="meta")
+    b = torch.empty(4, 16, 32, device="meta")
+    offs = torch.empty(4, dtype=torch.int32, device="meta")
+    with forced_decisions("cpu") as taken:
+        for _ in range(3):
+            assert torch._grouped_mm(a, b, offs=offs).shape == (16, 32)
+    assert taken["grouped_mm"] == 3

@@ -101,10 +101,11 @@ class ShapeCache(TorchDispatchMode):
 
     Entered below every other mode of the meta step (first), so the tracker and the other modes see each
     result as the kernel's. ``native_dropout`` (:data:`SEVERAL_FRESH`) is answered the same way, a tuple of new
-    results, and ``linalg_vector_norm`` (:data:`ONE_FRESH`) as a pointwise op. Anything else passes through: ops not tagged pointwise or with several results (but those) or an
-    ``out=``, tensor subclasses (FSDP2's DTensors), real tensors other than 0-d ones, an in-place op on a
-    real tensor (Adam's step counter on the host counts), an in-place op that resized what it wrote, and a
-    first result that is no fresh meta tensor.
+    results, and ``linalg_vector_norm`` (:data:`ONE_FRESH`) as a pointwise op. Anything else passes through:
+    an op that writes or aliases an argument but a pointwise one's first (an ``out=``, a view), tensor
+    subclasses (FSDP2's DTensors), real tensors other than a pointwise op's 0-d ones, an in-place op on a real
+    tensor (Adam's step counter on the host counts), an in-place op that resized what it wrote, and a first
+    result that is no fresh meta tensor.
 
     The other ops (kinds 6 and 7 of :meth:`_kind`): their Python meta kernels cost as much (``native_layer_norm``
     about 1.2 ms a call, ``mean`` 0.3 ms, bitsandbytes' ``gemm_4bit`` 0.1 ms) and read no more than metadata,

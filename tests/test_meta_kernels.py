@@ -102,3 +102,14 @@ def test_nested_blocks_for_one_op_give_back_the_outer_kernel_then_torchs() -> No
     assert _meta_kernel_of("_local_scalar_dense") == torch_own
     with pytest.raises(RuntimeError, match="cannot be called on meta tensors"):
         scalar.item()
+
+
+def test_a_kernel_the_shape_cache_does_not_know_is_refused() -> None:
+    """The shape cache leaves the ops in ``STEP_KERNELS`` to their kernel (their kernels count what they answer);
+    a step kernel for any other op would be answered from the cache unseen, so ``meta_kernels`` refuses it."""
+    from vramguard.estimate.meta_kernels import STEP_KERNELS
+
+    with pytest.raises(ValueError, match="not in STEP_KERNELS: mm"):
+        with meta_kernels({"mm": lambda *args: None}):
+            pass
+    assert {"_local_scalar_dense", "_grouped_mm"} == STEP_KERNELS

@@ -37,7 +37,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from vramguard.errors import UsageError
 from vramguard.estimate.autocast import autocast_off
-from vramguard.estimate.meta_kernels import meta_kernels
+from vramguard.estimate.meta_kernels import STEP_KERNELS, meta_kernels
 from vramguard.estimate.no_init import values_not_drawn
 from vramguard.measure.storage import tensor_leaves
 from vramguard.model.layers import sdpa_kernel
@@ -304,8 +304,9 @@ def _fresh_by_schema(func: Any) -> bool:
     return all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
 
 
-_OWN_KERNELS = frozenset({"_grouped_mm", "_local_scalar_dense"})
-"""The ops whose Meta kernel the meta step replaces (:func:`target_decisions`, the trainer's step): never cached."""
+_OWN_KERNELS = STEP_KERNELS
+"""The ops whose Meta kernel the meta step replaces (:func:`target_decisions`, the trainer's step; ``meta_kernels``
+registers no other): never cached."""
 
 _KERNEL = object()
 """What the cache keeps under a key whose first result it cannot make: the kernel answers every call."""

@@ -27,6 +27,9 @@ def meta_kernels(kernels: Mapping[str, Callable[..., Any]]) -> Iterator[None]:
     """Within the block each ``aten`` operator named in ``kernels`` (an overload name: ``"_local_scalar_dense"``,
     ``"_grouped_mm"``) runs its function as its ``Meta`` kernel, called with the op's arguments as a dispatch
     mode gets them; torch's own kernel is back when the block ends, however it ends."""
+    unknown = set(kernels) - STEP_KERNELS
+    if unknown:  # the shape cache must leave these ops to their kernel: it reads STEP_KERNELS
+        raise ValueError(f"meta kernels not in STEP_KERNELS: {', '.join(sorted(unknown))}")
     library = torch.library.Library("aten", "IMPL")
     try:
         for name, kernel in kernels.items():
@@ -41,6 +44,10 @@ def answer_items(scalar: torch.Tensor) -> bool | int:
     a trainer's logging asks it (:mod:`vramguard.estimate.trainer`); no value exists on meta."""
     return True if scalar.dtype is torch.bool else 1
 
+
+STEP_KERNELS = frozenset({"_local_scalar_dense", "_grouped_mm"})
+"""Every op whose ``Meta`` kernel a meta step may register (:func:`meta_kernels` refuses any other): the step's
+shape cache (:class:`vramguard.estimate.meta.ShapeCache`) never answers them, their kernels count what they answer."""
 
 ITEMS_ANSWERED = {"_local_scalar_dense": answer_items}
 """The trainer step's meta kernels (:func:`meta_kernels`): ``.item()`` of a meta scalar answered."""

@@ -681,3 +681,33 @@ def test_doras_dequantized_weight_is_a_weight_copy():
     del out
     copies = [r for r in ledger.report.records if r.kind == "weight-copy"]
     assert [(r.shape, r.bytes) for r in copies] == [((64, 32), 64 * 32 * 4)], ledger.report.records
+
+
+class _NativeDropout(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.native_dropout(x, 0.5, True)[0]  # CUDA's dropout: a boolean mask saved
+
+
+class _DropThenLinear(nn.Module):
+    """A frozen weight of its own behind a dropout module, as a 4-bit layer holds its weight and LoRA's dropout
+    sits in it before the A matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 16), requires_grad=False)
+        self.drop = _NativeDropout()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.drop(x), self.weight)
+
+
+def test_a_dropout_mask_with_a_weights_shape_is_no_weight_copy() -> None:
+    """Dropout's boolean mask of 8 x 16 rows (a tiny model's batch x seq equal to a weight's rows) has the frozen
+    weight's shape, but a mask is never "the dequantized weight saved for backward": an activation."""
+    model = nn.Sequential(_DropThenLinear())
+    x = torch.randn(8, 16, requires_grad=True)
+    with SavedTensorLedger(model) as ledger:
+        out = model(x)  # noqa: F841  (the graph, and what it saved, lives while out does)
+    rec = _only(ledger.report.records)
+    assert (rec.shape, rec.dtype, rec.kind) == ((8, 16), "bool", "activation")
+    assert ledger.report.weight_copy_bytes == 0

@@ -16,8 +16,8 @@ weights a forward computes with live in all-gather buffers the engine frees afte
 before backward (:func:`~vramguard.measure.storage.gathered_storages`): a saved one is a *gathered-weight*,
 at its gathered size, not an activation the graph keeps, and not in the saved bytes. A record is a
 ``weight-copy`` when it has the logical shape of a quantized or frozen weight of its module (a 2-D weight, or
-a mixture of experts' 3-D expert stack): the
-signature of "the dequantized weight was saved for backward".
+a mixture of experts' 3-D expert stack) and is no boolean mask (LoRA dropout's, of a tiny model's batch x seq
+rows equal to a weight's rows): the signature of "the dequantized weight was saved for backward".
 
 The ledger never extends a tensor's lifetime: the pack hook stores a detached alias in a slot
 object that only autograd references, and the ledger keeps a weak reference to that object.
@@ -754,6 +754,8 @@ class SavedTensorLedger:
                 kind = "resident"
             else:
                 kind = self._kind(module, shape, key, life, alive)
+                if kind == "weight-copy" and dtype == torch.bool:  # a mask (dropout's) with a weight's shape
+                    kind = "activation"
             record = _record(
                 module=module,
                 node=node_name(seqs[0]),

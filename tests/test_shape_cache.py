@@ -348,18 +348,7 @@ def test_a_trainer_estimate_is_the_same_with_the_cache(monkeypatch: pytest.Monke
     from vramguard.estimate.trainer import run_trainer_estimate
 
     config = QLoRAConfig(seq_len=32, batch=1, lora_dropout=0.05)
-    answered: list[Any] = []
-    original = meta.ShapeCache.__torch_dispatch__
-
-    def dispatch(self: ShapeCache, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        hits = self.hits
-        out = original(self, func, types, args, kwargs)
-        if self.hits > hits:
-            answered.append(func)
-        return out
-
-    monkeypatch.setattr(meta.ShapeCache, "__torch_dispatch__", dispatch)
-    monkeypatch.setattr(meta, "PROCESS_ANSWERS", {})
+    answered = _answered_from_the_cache(monkeypatch)
     cached = run_trainer_estimate(config, "sft", steps=2, target="cuda")
     assert torch.ops.aten.linalg_vector_norm.default in answered
     assert torch.ops.aten.native_dropout.default in answered
@@ -454,18 +443,7 @@ def test_a_vision_language_estimate_is_the_same_with_the_cache(monkeypatch: pyte
     config = QLoRAConfig(
         model=str(vlm), seq_len=64, batch=1, image_size="56x56", target_modules="all-linear"
     )
-    answered: set[Any] = set()
-    original = meta.ShapeCache.__torch_dispatch__
-
-    def dispatch(self: ShapeCache, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        hits = self.hits
-        out = original(self, func, types, args, kwargs)
-        if self.hits > hits:
-            answered.add(func)
-        return out
-
-    monkeypatch.setattr(meta.ShapeCache, "__torch_dispatch__", dispatch)
-    monkeypatch.setattr(meta, "PROCESS_ANSWERS", {})
+    answered = _answered_from_the_cache(monkeypatch)
     cached = run_estimate(config, steps=2, target="cpu")
     assert {torch.ops.aten.native_layer_norm.default, torch.ops.aten.mm.default} <= answered
     assert torch.ops.bitsandbytes.gemm_4bit.default in answered
@@ -487,3 +465,22 @@ def test_an_op_whose_meta_kernel_the_step_registers_runs_it_every_time() -> None
         for _ in range(3):
             assert torch._grouped_mm(a, b, offs=offs).shape == (16, 32)
     assert taken["grouped_mm"] == 3
+
+
+def _answered_from_the_cache(monkeypatch: pytest.MonkeyPatch) -> set[Any]:
+    """The ops the shape cache answers from now on (an empty process cache to start from), as a set filled in."""
+    from vramguard.estimate import meta
+
+    answered: set[Any] = set()
+    original = meta.ShapeCache.__torch_dispatch__
+
+    def dispatch(self: ShapeCache, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        hits = self.hits
+        out = original(self, func, types, args, kwargs)
+        if self.hits > hits:
+            answered.add(func)
+        return out
+
+    monkeypatch.setattr(meta.ShapeCache, "__torch_dispatch__", dispatch)
+    monkeypatch.setattr(meta, "PROCESS_ANSWERS", {})
+    return answered

@@ -20,9 +20,10 @@ import re
 import signal
 import sys
 import traceback
-import warnings
 from collections.abc import Callable
 from pathlib import Path
+
+from vramguard.forking import fork
 
 #: a rank's name in ``ps``/``top`` (``/proc/PID/comm``, at most 15 bytes): ``vg-rank-`` and its number
 RANK_NAME = "vg-rank-{rank}"
@@ -90,13 +91,7 @@ def _first_cause(failed: list[tuple[int, int]]) -> tuple[int, int]:
 def _fork(rank: Callable[[], int], r: int) -> int:
     """Start ``rank()`` in a forked child (its exit code the child's) and return the child's pid. The child
     never returns here: it leaves through ``os._exit``, so the launcher's exit handlers never run twice."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    with warnings.catch_warnings():
-        # Python >= 3.12 warns on every fork of a process with a second thread; torch starts one at import
-        # (an idle OpenMP helper), and the children start no parallel region the parent began
-        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*fork.*")
-        pid = os.fork()
+    pid = fork()
     if pid:
         return pid
     code = 1

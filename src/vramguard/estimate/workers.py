@@ -28,12 +28,13 @@ import signal
 import sys
 import threading
 import traceback
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+
+from vramguard.forking import fork
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -136,13 +137,7 @@ def _start(
     alive)."""
     read_out, write_out = os.pipe()
     read_life, write_life = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    with warnings.catch_warnings():
-        # Python >= 3.12 warns on every fork of a process with a second thread (torch's idle OpenMP helper, the
-        # progress bar's refresh); the child runs none of their work and takes none of their locks
-        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*fork.*")
-        pid = os.fork()
+    pid = fork()
     if pid:
         os.close(write_out)
         os.close(read_life)

@@ -112,6 +112,8 @@ def map_in_workers(
             index, pid, lifeline = running.pop(out)
             results[index] = _collect(out, pid)
             os.close(lifeline)
+            if isinstance(results[index], WorkerFailed):
+                break  # no more runs: the ones still running are ended below
     finally:
         for out, (_, pid, lifeline) in running.items():
             _end(pid, out, lifeline)

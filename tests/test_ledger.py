@@ -711,3 +711,28 @@ def test_a_dropout_mask_with_a_weights_shape_is_no_weight_copy() -> None:
     rec = _only(ledger.report.records)
     assert (rec.shape, rec.dtype, rec.kind) == ((8, 16), "bool", "activation")
     assert ledger.report.weight_copy_bytes == 0
+
+
+class _DropoutThenLinear(nn.Module):
+    """:class:`_DropThenLinear` with ``nn.Dropout``, as PEFT's ``lora_dropout`` is: on the CPU and on meta
+    torch multiplies by a mask in the input's dtype (a float, not native_dropout's bool)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 16), requires_grad=False)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.drop(x), self.weight)
+
+
+def test_a_float_dropout_mask_with_a_weights_shape_is_no_weight_copy() -> None:
+    """The CPU's (and meta's) dropout mask is a float of the input's dtype: saved inside the dropout module, it
+    is an activation, whatever its shape."""
+    model = nn.Sequential(_DropoutThenLinear()).train()
+    x = torch.randn(8, 16, requires_grad=True)
+    with SavedTensorLedger(model) as ledger:
+        out = model(x)  # noqa: F841  (the graph, and what it saved, lives while out does)
+    rec = _only(ledger.report.records)
+    assert (rec.shape, rec.dtype, rec.kind) == ((8, 16), "float32", "activation")
+    assert ledger.report.weight_copy_bytes == 0

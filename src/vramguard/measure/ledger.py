@@ -16,8 +16,9 @@ weights a forward computes with live in all-gather buffers the engine frees afte
 before backward (:func:`~vramguard.measure.storage.gathered_storages`): a saved one is a *gathered-weight*,
 at its gathered size, not an activation the graph keeps, and not in the saved bytes. A record is a
 ``weight-copy`` when it has the logical shape of a quantized or frozen weight of its module (a 2-D weight, or
-a mixture of experts' 3-D expert stack) and is no boolean mask (LoRA dropout's, of a tiny model's batch x seq
-rows equal to a weight's rows): the signature of "the dequantized weight was saved for backward".
+a mixture of experts' 3-D expert stack) and is no dropout mask (LoRA dropout's, of a tiny model's batch x seq
+rows equal to a weight's rows: a bool, or on the CPU and meta a float saved inside the dropout module): the
+signature of "the dequantized weight was saved for backward".
 
 The ledger never extends a tensor's lifetime: the pack hook stores a detached alias in a slot
 object that only autograd references, and the ledger keeps a weak reference to that object.
@@ -388,6 +389,7 @@ class SavedTensorLedger:
         self._registered = False  # whether a parameter, buffer or module was registered in the block
         self._weights: dict[str, set[tuple[int, ...]]] = {}
         self._trainable: frozenset[str] = frozenset()
+        self._dropouts: frozenset[str] = frozenset()  # dropout modules (their masks are activations)
         # storages passed into each module, as (key, life)
         self._inputs: dict[str, set[tuple[StorageKey, int]]] = defaultdict(set)
         # key -> (weakref to the storage last seen under it, its life number): a key is a StorageImpl
@@ -474,6 +476,10 @@ class SavedTensorLedger:
                 if not m._modules
                 and any(p is not None and p.requires_grad and p.dim() == 2 for p in m._parameters.values())
             )
+            # dropout modules (PEFT's lora_dropout): what they save is a mask of their input, a float in its
+            # dtype on the CPU and on meta (a bool with CUDA's native_dropout), never a copy of a weight
+            dropout = torch.nn.modules.dropout._DropoutNd
+            self._dropouts = frozenset(n for n, m in named if isinstance(m, dropout))
             self._with_inputs = _under(self._weights, (n for n, _ in named))
             self._modules.names = {id(m): n for n, m in named}
             self._modules.__enter__()
@@ -637,6 +643,8 @@ class SavedTensorLedger:
         ):  # (a storage that died is no parameter, whatever took its address)
             return "resident"
         if len(shape) in (2, 3) and self._weights:
+            if module in self._dropouts:  # a dropout's mask with a weight's shape (tokens == out_features)
+                return "activation"
             owner = module  # the owners of weights that ``module`` is inside: itself, its parents, the root
             while True:
                 if owner in self._trainable and owner not in self._weights:

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -192,3 +193,27 @@ def test_a_bad_worker_count_is_refused_before_any_run(
     assert main(["estimate", "--model", "tiny-llama", "--seq-len", "64", "--trainer", "loop", "--fit", "2MiB"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.strip().endswith("VRAMGUARD_WORKERS must be a whole number of processes, 1 or more; got '0'")
+
+
+def _unpicklable(value: int) -> Any:
+    return lambda: value  # a function made here: pickle refuses it
+
+
+def test_a_result_that_will_not_pickle_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(WORKERS, "2")
+    with pytest.raises(WorkerFailed, match="Can't pickle|can't pickle|PicklingError|AttributeError"):
+        map_in_workers(_unpicklable, [1, 2])
+
+
+def test_no_process_to_be_had_runs_the_item_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fork() refused (memory, the process limit): each item runs in this process, its pipes closed."""
+    from vramguard.estimate import workers
+
+    def refused() -> int:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setenv(WORKERS, "2")
+    monkeypatch.setattr(workers, "fork", refused)
+    before = len(os.listdir("/proc/self/fd"))
+    assert map_in_workers(_pid_and, [2, 3]) == [(os.getpid(), 4), (os.getpid(), 9)]
+    assert len(os.listdir("/proc/self/fd")) == before

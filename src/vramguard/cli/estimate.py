@@ -446,7 +446,7 @@ def _fit(
         largest = result.largest if args.fit_dim == "batch" else 0
         phase = report.estimate.peak_phase
         if told is not None:  # the changes' runs print nothing from their worker processes
-            told(f"fit: the changes that could fit, each a meta run, {worker_count(MAX_WORKERS)} at a time")
+            told(f"fit: the changes that could fit, each a meta run, up to {worker_count(MAX_WORKERS)} at a time")
         result.changes = cheaper_changes(config, size, figure, largest_batch=largest, place=place, peak_phase=phase)
     fit = result.to_dict()
     if space is not None:

@@ -21,6 +21,7 @@ cores this process may use, at most :data:`MAX_WORKERS`.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import select
@@ -28,6 +29,7 @@ import signal
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -103,8 +105,14 @@ def map_in_workers(
             while queue and len(running) < workers:
                 index, item = queue.pop(0)
                 parents = [fd for out, (_, _, life) in running.items() for fd in (out, life)]
-                pid, out, lifeline = _start(run, item, refusals, parents)
+                try:
+                    pid, out, lifeline = _start(run, item, refusals, parents)
+                except OSError:  # no process to be had (memory, the process limit): this one runs here
+                    results[index] = _here(run, item, refusals)
+                    continue
                 running[out] = (index, pid, lifeline)
+            if not running:  # every item left ran here (no process to be had)
+                continue
             # a child's result pipe is readable once it writes (it exits right after); only our children are
             # waited for (os.wait would reap another part's subprocess)
             ready, _, _ = select.select(list(running), [], [])
@@ -139,7 +147,12 @@ def _start(
     alive)."""
     read_out, write_out = os.pipe()
     read_life, write_life = os.pipe()
-    pid = fork()
+    try:
+        pid = fork()
+    except OSError:
+        for fd in (read_out, write_out, read_life, write_life):
+            os.close(fd)
+        raise
     if pid:
         os.close(write_out)
         os.close(read_life)
@@ -167,17 +180,21 @@ def _child(
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
         sys.stdout = sys.stderr = open(os.devnull, "w")  # (a replaced sys.stdout may write to its own file)
+        # a logging handler holds the parent's stderr, whose lock the parent's progress thread may have held at the
+        # fork: nothing is logged here (transformers' warnings included)
+        logging.disable(logging.CRITICAL)
+        warnings.simplefilter("ignore")
         threading.Thread(target=_watch, args=(lifeline,), daemon=True).start()
         # one thread for torch's CPU ops (the host values of an image's pixels): OpenMP's pool is the parent's, and
         # a parallel region it began before the fork hangs a child's next one (torch's DataLoader workers do this)
         torch.set_num_threads(1)
         try:
             outcome: tuple[str, Any] = ("ok", run(item))
+            data = pickle.dumps(outcome)
         except refusals as exc:
-            outcome = ("refused", Refused(type(exc).__name__, str(exc)))
-        except BaseException:  # noqa: BLE001 - the parent raises it, with this traceback
-            outcome = ("failed", traceback.format_exc())
-        data = pickle.dumps(outcome)
+            data = pickle.dumps(("refused", Refused(type(exc).__name__, str(exc))))
+        except BaseException:  # noqa: BLE001 - the parent raises it, with this traceback (a result that won't pickle too)
+            data = pickle.dumps(("failed", traceback.format_exc()))
         with os.fdopen(out, "wb") as pipe:
             pipe.write(data)
     except BaseException:  # noqa: BLE001 - nothing here may return into the parent's code

@@ -690,49 +690,27 @@ class _NativeDropout(nn.Module):
 
 class _DropThenLinear(nn.Module):
     """A frozen weight of its own behind a dropout module, as a 4-bit layer holds its weight and LoRA's dropout
-    sits in it before the A matrix."""
+    sits in it before the A matrix: ``nn.Dropout`` (PEFT's ``lora_dropout``; on the CPU and on meta torch
+    multiplies by a mask in the input's dtype) or CUDA's ``native_dropout`` (a boolean mask)."""
 
-    def __init__(self) -> None:
+    def __init__(self, drop: nn.Module) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(8, 16), requires_grad=False)
-        self.drop = _NativeDropout()
+        self.drop = drop
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(self.drop(x), self.weight)
 
 
-def test_a_dropout_mask_with_a_weights_shape_is_no_weight_copy() -> None:
-    """Dropout's boolean mask of 8 x 16 rows (a tiny model's batch x seq equal to a weight's rows) has the frozen
-    weight's shape, but a mask is never "the dequantized weight saved for backward": an activation."""
-    model = nn.Sequential(_DropThenLinear())
+@pytest.mark.parametrize(("drop", "dtype"), [(_NativeDropout, "bool"), (lambda: nn.Dropout(0.5), "float32")])
+def test_a_dropout_mask_with_a_weights_shape_is_no_weight_copy(drop: Any, dtype: str) -> None:
+    """Dropout's mask of 8 x 16 rows (a tiny model's batch x seq equal to a weight's rows) has the frozen
+    weight's shape, but a mask is never "the dequantized weight saved for backward": an activation, boolean
+    (CUDA's) or a float (the CPU's and meta's)."""
+    model = nn.Sequential(_DropThenLinear(drop())).train()
     x = torch.randn(8, 16, requires_grad=True)
     with SavedTensorLedger(model) as ledger:
         out = model(x)  # noqa: F841  (the graph, and what it saved, lives while out does)
     rec = _only(ledger.report.records)
-    assert (rec.shape, rec.dtype, rec.kind) == ((8, 16), "bool", "activation")
-    assert ledger.report.weight_copy_bytes == 0
-
-
-class _DropoutThenLinear(nn.Module):
-    """:class:`_DropThenLinear` with ``nn.Dropout``, as PEFT's ``lora_dropout`` is: on the CPU and on meta
-    torch multiplies by a mask in the input's dtype (a float, not native_dropout's bool)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(8, 16), requires_grad=False)
-        self.drop = nn.Dropout(0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(self.drop(x), self.weight)
-
-
-def test_a_float_dropout_mask_with_a_weights_shape_is_no_weight_copy() -> None:
-    """The CPU's (and meta's) dropout mask is a float of the input's dtype: saved inside the dropout module, it
-    is an activation, whatever its shape."""
-    model = nn.Sequential(_DropoutThenLinear()).train()
-    x = torch.randn(8, 16, requires_grad=True)
-    with SavedTensorLedger(model) as ledger:
-        out = model(x)  # noqa: F841  (the graph, and what it saved, lives while out does)
-    rec = _only(ledger.report.records)
-    assert (rec.shape, rec.dtype, rec.kind) == ((8, 16), "float32", "activation")
+    assert (rec.shape, rec.dtype, rec.kind) == ((8, 16), dtype, "activation")
     assert ledger.report.weight_copy_bytes == 0

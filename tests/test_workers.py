@@ -217,3 +217,20 @@ def test_no_process_to_be_had_runs_the_item_here(monkeypatch: pytest.MonkeyPatch
     before = len(os.listdir("/proc/self/fd"))
     assert map_in_workers(_pid_and, [2, 3]) == [(os.getpid(), 4), (os.getpid(), 9)]
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_the_default_count_is_the_cores_and_the_memory_that_holds_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No more children than copies of this process fit in the available memory (each counted whole)."""
+    import psutil
+
+    from vramguard.estimate import workers
+
+    monkeypatch.delenv(WORKERS, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    here = psutil.Process().memory_info().rss
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("M", (), {"available": int(3.5 * here)})())
+    assert worker_count(20) == 3
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("M", (), {"available": 100 * here})())
+    assert worker_count(20) == workers.MAX_WORKERS
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("M", (), {"available": 0})())
+    assert worker_count(20) == 1

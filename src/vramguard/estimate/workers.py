@@ -16,7 +16,8 @@ parent's, and a thread in the child ends it when that pipe closes (the parent en
 parent kills and reaps every child it started before it returns or raises (an error, Ctrl-C).
 
 ``VRAMGUARD_WORKERS`` sets how many children run at once (1: none, every run in this process); by default the
-cores this process may use, at most :data:`MAX_WORKERS`.
+cores this process may use, at most :data:`MAX_WORKERS`, and no more than the available memory holds of copies of
+this process (a child's own pages are far fewer: each counted whole, the OOM killer is not asked).
 """
 
 from __future__ import annotations
@@ -71,8 +72,18 @@ def worker_count(runs: int) -> int:
             raise UsageError(f"{WORKERS} must be a whole number of processes, 1 or more; got {given!r}")
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        n = min(cores, MAX_WORKERS)
+        n = min(cores, MAX_WORKERS, _room())
     return max(1, min(n, runs))
+
+
+def _room() -> int:
+    """How many children the available memory holds, each counted as large as this whole process (a child's
+    own pages are a fraction of it: what its meta run makes; the rest is shared with this process until
+    written)."""
+    import psutil
+
+    here = psutil.Process().memory_info().rss
+    return max(1, int(psutil.virtual_memory().available // max(here, 1)))
 
 
 @dataclass(frozen=True)

@@ -637,13 +637,15 @@ class SavedTensorLedger:
                 modules[start + 1 - first : end + 1 - first] = [name] * (end - start)
         return first, modules
 
-    def _kind(self, module: str, shape: tuple[int, ...], key: StorageKey, life: int, alive: bool) -> Kind:
+    def _kind(
+        self, module: str, shape: tuple[int, ...], dtype: Any, key: StorageKey, life: int, alive: bool
+    ) -> Kind:
         if (
             alive and key in self._resident
         ):  # (a storage that died is no parameter, whatever took its address)
             return "resident"
         if len(shape) in (2, 3) and self._weights:
-            if module in self._dropouts:  # a dropout's mask with a weight's shape (tokens == out_features)
+            if dtype == torch.bool or module in self._dropouts:  # a mask (dropout's) with a weight's shape
                 return "activation"
             owner = module  # the owners of weights that ``module`` is inside: itself, its parents, the root
             while True:
@@ -761,9 +763,7 @@ class SavedTensorLedger:
             elif alive and key in resident:
                 kind = "resident"
             else:
-                kind = self._kind(module, shape, key, life, alive)
-                if kind == "weight-copy" and dtype == torch.bool:  # a mask (dropout's) with a weight's shape
-                    kind = "activation"
+                kind = self._kind(module, shape, dtype, key, life, alive)
             record = _record(
                 module=module,
                 node=node_name(seqs[0]),

@@ -220,7 +220,8 @@ def _estimate(args: argparse.Namespace, imported: Callable[[], None]) -> int:
         if args.world_size is not None or args.sharding is not None:
             raise UsageError("--fit-dim image searches one device's step: leave out --world-size and --sharding")
         space = image_space(config)
-    # --fit-dim image searches the sizes whose tokens fit the loop's rows (the chat template's tokens are SFTTrainer's)
+    # --fit-dim image searches the sizes whose tokens fit the loop's rows (the chat template's tokens are
+    # SFTTrainer's)
     loop_only = (("--snapshot / --html", events is not None), ("--fit-dim image", space is not None))
     trainer, recipe = resolve_trainer(args, config, loop_only)
     if trainer != "loop":

@@ -255,7 +255,8 @@ def qlora_config(args: argparse.Namespace, **fixed: object) -> tuple[QLoRAConfig
     elif trl_defaults(args):
         from vramguard.workload.run_config import trl_sft_defaults
 
-        if isinstance(flags.get("model"), str):  # a bad --model refused before TRL is imported for its defaults (~5 s)
+        # a bad --model refused before TRL is imported for its defaults (~5 s)
+        if isinstance(flags.get("model"), str):
             flags["model"] = ModelSpec.load(flags["model"])
         defaults = trl_sft_defaults(flags.get("method", "qlora"))
         config = QLoRAConfig(**{**defaults, **flags, **fixed})

@@ -301,11 +301,11 @@ def _passed_on(func: Any) -> bool:
 def _probe_key(func: Any, spec: Any, leaves: list[Any], target: str) -> Any:
     """What a probe of ``func`` is asked, as a key, or None where it cannot be keyed: the call's structure
     (``spec``); each tensor's type, device type, dtype, shape and stride, and the first place it is given (the
-    answer names its inputs by place: ``mm(x, x)`` is not ``mm(x, y)``), but not its offset (a view's place in its
-    storage, which differs between the chunks of a chunked loss); every other argument itself (by value, a slice
-    of int bounds as its bounds: :func:`_slice_key`; an unhashable one gives None); and the target's autocast dtype and cache flag. Autocast's casts are a function
-    of these: its kernels read the op and its inputs' dtypes, and a composite function's way to its first kernel
-    reads no more than its arguments."""
+    answer names its inputs by place: ``mm(x, x)`` is not ``mm(x, y)``), but not its offset (a view's place in
+    its storage, which differs between the chunks of a chunked loss); every other argument itself (by value, a
+    slice of int bounds as its bounds: :func:`_slice_key`; an unhashable one gives None); and the target's
+    autocast dtype and cache flag. Autocast's casts are a function of these: its kernels read the op and its
+    inputs' dtypes, and a composite function's way to its first kernel reads no more than its arguments."""
     parts: list[Any] = [func, spec, torch.get_autocast_dtype(target), torch.is_autocast_cache_enabled()]
     first: dict[int, int] = {}  # a tensor given twice (mm(x, x)) is keyed apart from two tensors (mm(x, y))
     for i, leaf in enumerate(leaves):

@@ -5,11 +5,11 @@ The search (:func:`vramguard.estimate.fit.search`) runs over the sizes the famil
 the requested ``--image-size``'s aspect ratio (square without one): its own resize
 (:attr:`vramguard.workload.vision.ImageSteps.resize`, Qwen's and GLM-4V's ``smart_resize``: each side in
 ``patch_size * merge_size`` steps, 28 pixels for Qwen2-VL, Qwen2.5-VL and GLM-4V, 32 for Qwen3-VL, between
-``min_pixels`` and ``max_pixels``) applied to every image height at that ratio, value ``k`` the ``k``-th smallest
-size it makes (:func:`processor_sizes`). Two bounds cap it before any meta run: ``max_pixels`` (the largest size it makes: a
-larger image is resized to at most it, so memory stops growing there) and ``--seq-len``, the whole row as TRL's
-``max_length`` counts it, image tokens included (a row whose image tokens alone exceed it is no row TRL trains
-on): the answer is never past either, and says which one held it.
+``min_pixels`` and ``max_pixels``) applied to every image height at that ratio, value ``k`` the ``k``-th
+smallest size it makes (:func:`processor_sizes`). Two bounds cap it before any meta run: ``max_pixels`` (the
+largest size it makes: a larger image is resized to at most it, so memory stops growing there) and
+``--seq-len``, the whole row as TRL's ``max_length`` counts it, image tokens included (a row whose image
+tokens alone exceed it is no row TRL trains on): the answer is never past either, and says which one held it.
 
 A family whose processor does not keep the image's size (Gemma 3's fixed size and pan-and-scan crops, LLaVA-NeXT's
 tiles, Idefics3's splitting, InternVL's crops) is searched by the processor's own token count instead

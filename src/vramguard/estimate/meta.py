@@ -110,10 +110,11 @@ class ShapeCache(TorchDispatchMode):
     The other ops (kinds 6 and 7 of :meth:`_kind`): their Python meta kernels cost as much (``native_layer_norm``
     about 1.2 ms a call, ``mean`` 0.3 ms, bitsandbytes' ``gemm_4bit`` 0.1 ms) and read no more than metadata,
     but a float may decide a shape there (``interpolate``'s scale factor) and a host tensor's value too
-    (``repeat_interleave``'s repeats): their keys hold every scalar by value, and a real tensor is not keyed.
+    (``index`` by a host boolean mask): their keys hold every scalar by value, and a real tensor is not keyed.
     A first result that shares an input's storage (``_unsafe_view``, whose schema says nothing of it) or whose
     storage is not exactly its extent leaves that key to the kernel; the ops whose Meta kernel the step itself
-    registers (:data:`_OWN_KERNELS`: they count what they answer) are never cached."""
+    registers (:data:`~vramguard.estimate.meta_kernels.STEP_KERNELS`: they count what they answer) are never
+    cached."""
 
     def __init__(self, answers: dict[tuple[Any, ...], Any] | None = None) -> None:
         super().__init__()
@@ -280,8 +281,8 @@ def _value_key(value: Any) -> Any:
 def _exact_key(value: Any) -> Any:
     """What the key of an op of kind 6 or 7 (:meth:`ShapeCache._kind`) holds of one argument: a meta
     tensor's metadata, any scalar by value (a float may decide a shape there: ``upsample``'s scale factors),
-    :data:`_UNKEYED` for a real tensor (a host scalar's value may decide a shape: ``repeat_interleave``'s
-    repeats) and anything else."""
+    :data:`_UNKEYED` for a real tensor (a host tensor's value may decide a shape: ``index`` by a host boolean
+    mask) and anything else."""
     kind = type(value)
     if kind is torch.Tensor or kind is torch.nn.Parameter:
         if not value.is_meta or value.layout is not torch.strided:
@@ -297,16 +298,12 @@ def _fresh_by_schema(func: Any) -> bool:
     ``out=``, every return a plain ``Tensor`` with no alias; not an op whose Meta kernel the step registers
     (:mod:`vramguard.estimate.meta_kernels`: their kernels count what they answer)."""
     schema = func._schema
-    if func.__name__.split(".")[0] in _OWN_KERNELS or not schema.returns:
+    if func.__name__.split(".")[0] in STEP_KERNELS or not schema.returns:
         return False
-    if any(a.alias_info is not None or a.name == "out" for a in schema.arguments):
+    if any(a.alias_info is not None for a in schema.arguments):  # (an out= argument is written: it has one)
         return False
     return all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
 
-
-_OWN_KERNELS = STEP_KERNELS
-"""The ops whose Meta kernel the meta step replaces (:func:`target_decisions`, the trainer's step; ``meta_kernels``
-registers no other): never cached."""
 
 _KERNEL = object()
 """What the cache keeps under a key whose first result it cannot make: the kernel answers every call."""

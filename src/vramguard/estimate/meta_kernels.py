@@ -46,8 +46,9 @@ def answer_items(scalar: torch.Tensor) -> bool | int:
 
 
 STEP_KERNELS = frozenset({"_local_scalar_dense", "_grouped_mm"})
-"""Every op whose ``Meta`` kernel a meta step may register (:func:`meta_kernels` refuses any other): the step's
-shape cache (:class:`vramguard.estimate.meta.ShapeCache`) never answers them, their kernels count what they answer."""
+"""Every op whose ``Meta`` kernel a meta step may register (:func:`meta_kernels` refuses any other): the
+step's shape cache (:class:`vramguard.estimate.meta.ShapeCache`) never answers them, their kernels count what
+they answer."""
 
 ITEMS_ANSWERED = {"_local_scalar_dense": answer_items}
 """The trainer step's meta kernels (:func:`meta_kernels`): ``.item()`` of a meta scalar answered."""

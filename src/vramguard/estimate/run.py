@@ -484,9 +484,10 @@ def step_repeats(
 ) -> Repeats | None:
     """The step's middle micro-batches priced from its last (:class:`~vramguard.workload.training.Repeats`),
     where that is the same as running them: more than two, one device (no ``no_sync`` that could hold
-    gradients back), no allocation log (it lists each one), no forced routing, and every counter (``taken``, what each technique saw) one that counts (``counts``/``add``; Liger's does not)
-    or one that saw nothing (None, an empty dict: a technique's context with nothing to do); None otherwise, or
-    with :data:`ALL_MICRO_BATCHES` set."""
+    gradients back), no allocation log (it lists each one), no forced routing, and every counter (``taken``,
+    what each technique saw) one that counts (``counts``/``add``; Liger's does not) or one that saw nothing
+    (None, an empty dict: a technique's context with nothing to do); None otherwise, or with
+    :data:`ALL_MICRO_BATCHES` set."""
     if q.config.gradient_accumulation_steps <= 2 or events is not None or request.routing is not None:
         return None
     if os.environ.get(ALL_MICRO_BATCHES, "") not in ("", "0"):

@@ -282,8 +282,8 @@ class _PricedMicroBatches:
 
 def priced_micro_batches(runner: Any, callback: VramGuardCallback, counters: list[Any]) -> None:
     """Install :class:`_PricedMicroBatches` on ``runner`` where a step has more than two micro-batches (unless
-    :data:`vramguard.estimate.run.ALL_MICRO_BATCHES` is set); ``counters``: what the step's contexts yielded that counts (``counts``/``add``: the
-    decisions, autocast's)."""
+    :data:`vramguard.estimate.run.ALL_MICRO_BATCHES` is set); ``counters``: what the step's contexts yielded that
+    counts (``counts``/``add``: the decisions, autocast's)."""
     from vramguard.estimate.run import ALL_MICRO_BATCHES
 
     n = runner.args.gradient_accumulation_steps

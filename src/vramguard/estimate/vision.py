@@ -225,7 +225,8 @@ def refuse_quantizer_options(config: Any, method: str) -> None:
 def _vision_base(setup: Any, config: Any, method: str, device: str, prepared: bool = True) -> torch.nn.Module:
     """The base model of ``setup`` on ``device`` before LoRA: ``_from_config`` at the compute dtype; for ``qlora``
     swapped by transformers' own bitsandbytes quantizer, each weight quantized on meta, and PEFT's k-bit
-    preparation (``prepared``; without it as ``from_pretrained`` loads it); for ``lora`` as it is, with transformers' gradient checkpointing when asked (what
+    preparation (``prepared``; without it as ``from_pretrained`` loads it); for ``lora`` as it is, with
+    transformers' gradient checkpointing when asked (what
     :func:`vramguard.estimate.meta.build_meta` does for a text model's ``lora``)."""
     if method == "qlora" and device != META:  # the real device's 4-bit model is workload.vision's build
         raise ValueError("build a vision-language QLoRA model on a real device with vramguard.workload.vision")

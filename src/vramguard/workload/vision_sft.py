@@ -11,9 +11,10 @@ tokenizer's). The rows come out exactly ``seq_len`` tokens long as the collator 
 template's tokens included, as TRL's ``max_length`` counts them): the assistant turn is filled with
 :data:`~vramguard.workload.vision.FILLER` words to that length, measured with the collator itself.
 
-Text-only rows (no ``--image-size``) are ``messages`` alone, which SFTTrainer tokenizes in its dataset preparation
-with the processor's chat template and collates as text. A family whose template is not registered (or what the
-trainer's step does not take yet: video, the tower's checkpointing turned off) is :func:`sft_refusal`'s one line: vramguard's loop prices it.
+Text-only rows (no ``--image-size``) are ``messages`` alone, which SFTTrainer tokenizes in its dataset
+preparation with the processor's chat template and collates as text. A family whose template is not registered
+(or what the trainer's step does not take yet: video, the tower's checkpointing turned off) is
+:func:`sft_refusal`'s one line: vramguard's loop prices it.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from vramguard.errors import UsageError, first_line
 from vramguard.estimate.kernels import cuda_kernel_temporaries
 from vramguard.estimate.meta import build_meta, target_decisions
 from vramguard.estimate.techniques import autocast, offloading, routing, used_by
+from vramguard.estimate.ghosts import ghost_layers
 from vramguard.measure.events import AllocationLog
 from vramguard.measure.ledger import LedgerReport
 from vramguard.measure.tracker import MemoryTracker, StorageTracker
@@ -453,6 +454,8 @@ def meta_step(
             tracker = stack.enter_context(MemoryTracker(device, model=q.model, source=source, events=events))
             seen |= enter_stage(stack, "under", techniques, contexts)
             repeats = step_repeats(q, request, tracker, [taken, *seen.values()], events)
+            if request.routing is None and request.device == META:
+                stack.enter_context(ghost_layers(q, lambda: tracker, [taken, *seen.values()], events))
             results, ledger = run_steps(
                 q, request.steps, tracker, optimizer=opt, ledger_step=0, repeats=repeats
             )

@@ -39,6 +39,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from vramguard.errors import UsageError
+from vramguard.estimate.ghosts import ghost_layers
 from vramguard.estimate.kernels import cuda_kernel_temporaries
 from vramguard.estimate.meta import META, _deepcopy_on_meta, build_meta
 from vramguard.estimate.meta_kernels import ITEMS_ANSWERED, meta_kernels
@@ -320,7 +321,8 @@ def run_trainer_step(config: QLoRAConfig, trainer: str, steps: int, target: str)
             with answers, as_users:
                 counters = [c for c in (taken, *seen.values()) if hasattr(c, "counts")]
                 priced_micro_batches(runner, callback, counters)
-                runner.train()
+                with ghost_layers(q, lambda: callback._tracker, [taken, *seen.values()]):
+                    runner.train()
     assert callback.report is not None
     return callback.report, with_tower_note(q), time.perf_counter() - t0
 

@@ -27,6 +27,7 @@ Double backward (``create_graph=True``) through the ledger is not supported.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -87,12 +88,14 @@ class SavedRecord:
     new: bool | None = None
     """Whether the measured block created the storage: known only when the live tracker ran along
     (:func:`vramguard.measure.meters.measure`); not written to JSON."""
+    saved_in: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    """The module of each node of ``also_saved_by``, in its order; not written to JSON."""
 
     def to_dict(self) -> dict[str, Any]:
-        """The record as JSON: shape and ``also_saved_by`` as lists; the process-local ``key`` and ``new`` are
-        left out."""
+        """The record as JSON: shape and ``also_saved_by`` as lists; the process-local ``key``, ``new`` and
+        ``saved_in`` are left out."""
         d = asdict(self)
-        del d["key"], d["new"]
+        del d["key"], d["new"], d["saved_in"]
         d["shape"] = list(self.shape)
         d["also_saved_by"] = list(self.also_saved_by)
         return d
@@ -195,6 +198,20 @@ class LedgerReport:
             "resident": [r.to_dict() for r in self.resident],
             "gathered": [r.to_dict() for r in self.gathered],
         }
+
+
+_REPORT_HOOKS: list[Callable[[LedgerReport], LedgerReport]] = []
+
+
+@contextlib.contextmanager
+def report_hook(hook: Callable[[LedgerReport], LedgerReport]) -> Iterator[None]:
+    """Every ledger report made inside the block is ``hook``'s of it: the records of the decoder layers an
+    estimate prices without running them (:mod:`vramguard.estimate.ghosts`)."""
+    _REPORT_HOOKS.append(hook)
+    try:
+        yield
+    finally:
+        _REPORT_HOOKS.remove(hook)
 
 
 class SavedSlot:
@@ -511,7 +528,10 @@ class SavedTensorLedger:
                 assert self._residents is not None
                 if self._registered or not self._residents.unchanged():
                     self._resident = resident_storages(self.model, first_names=self._resident)
-            self.report = self._build_report()
+            report = self._build_report()
+            for hook in _REPORT_HOOKS:
+                report = hook(report)
+            self.report = report
         self._packs.clear()
         self._zero3.clear()
         self._inputs.clear()
@@ -776,6 +796,7 @@ class SavedTensorLedger:
                 attribute=attribute,
                 owner=resident.get(key) if alive else None,
                 also_saved_by=tuple(node_name(seq) for seq in seqs[1:]) if len(seqs) > 1 else (),
+                saved_in=tuple(self._module_of_seq(seq) for seq in seqs[1:]) if len(seqs) > 1 else (),
                 key=key if alive else None,
                 new=None,
             )

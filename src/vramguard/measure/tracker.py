@@ -85,6 +85,11 @@ class StorageTracker(TorchDispatchMode):
         # its outputs (:func:`vramguard.estimate.kernels.cuda_kernel_temporaries`, for a meta run priced for
         # CUDA): counted from before the op until it returns
         self.kernel_temporaries: Callable[[Any, Any, dict[str, Any]], list[torch.Tensor]] | None = None
+        # storage key -> bytes that leave with that counted storage: copies of it counted by :meth:`add` (the
+        # identical decoder layers an estimate does not run, :mod:`vramguard.estimate.ghosts`); ``held``: keys
+        # whose copies leave another way now (subtracted by another :meth:`add`)
+        self._shadows: dict[StorageKey, int] = {}
+        self.held: frozenset[StorageKey] = frozenset()
 
     # MemorySource -------------------------------------------------------------------------
     def current(self) -> int:
@@ -107,6 +112,7 @@ class StorageTracker(TorchDispatchMode):
         with self._lock:  # storages of an earlier run are no longer followed: do not count them
             self._live.clear()
             self._refs.clear()
+            self._shadows.clear()
             self._current = self._peak = 0
         self._seeing = True
         _RESIZES.add(self)
@@ -120,6 +126,7 @@ class StorageTracker(TorchDispatchMode):
         with self._lock:
             self._refs.clear()  # the callbacks of storages counted so far never run
             self._live.clear()
+            self._shadows.clear()
 
     def pause(self) -> None:
         """Stop seeing ops (the dispatch mode is left, so ops run at full speed) while storages counted
@@ -205,8 +212,48 @@ class StorageTracker(TorchDispatchMode):
                 return
             del self._refs[ref.key]
             self._current -= self._live.pop(ref.key)
+            if self._shadows:
+                shadow = self._shadows.pop(ref.key, 0)
+                if ref.key not in self.held:
+                    self._current -= shadow
             if self.events is not None:
                 self.events.free(ref.key)
+
+    # bytes not made by ops (vramguard.estimate.ghosts) -----------------------------------------
+    def add(self, nbytes: int, peak: int) -> None:
+        """Count ``nbytes`` more (fewer, negative) live bytes that no storage here holds, and ``peak`` as a
+        reading the peak takes in: what copies of a span the step did not run would have done."""
+        with self._lock:
+            self._current += nbytes
+            self._peak = max(self._peak, peak, self._current)
+
+    def marks(self) -> dict[StorageKey, Any]:
+        """The storages counted now (key -> the reference that follows it), for :meth:`born_since`."""
+        with self._lock:
+            return dict(self._refs)
+
+    def born_since(self, marks: dict[StorageKey, Any]) -> dict[StorageKey, int]:
+        """The storages counted after ``marks`` (:meth:`marks`) and still alive: key -> bytes."""
+        with self._lock:
+            return {key: self._live[key] for key, ref in self._refs.items() if marks.get(key) is not ref}
+
+    def alive(self, key: StorageKey, marks: dict[StorageKey, Any]) -> bool:
+        """Whether the storage ``marks`` followed under ``key`` is still counted."""
+        return key in marks and self._refs.get(key) is marks[key]
+
+    def shadow(self, key: StorageKey, nbytes: int) -> None:
+        """``nbytes`` counted by :meth:`add` leave when the counted storage ``key`` is freed (unless ``key`` is
+        :attr:`held` then)."""
+        with self._lock:
+            self._shadows[key] = self._shadows.get(key, 0) + nbytes
+
+    def adopt(self, storage: Any) -> None:
+        """Follow ``storage``, made outside the tracker, from now on: its bytes are among those counted
+        (by :meth:`add`) already, so the count does not change until it is freed."""
+        key = int(storage._cdata)
+        with self._lock:
+            self._live[key] = int(storage.nbytes())
+            self._refs[key] = weakref.KeyedRef(storage, self._free, key)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         temporaries = self.kernel_temporaries(func, args, kwargs or {}) if self.kernel_temporaries else []

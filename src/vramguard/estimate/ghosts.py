@@ -1,0 +1,384 @@
+"""Identical decoder layers priced from one: a deep model's meta step runs four of its layers.
+
+A decoder of L identical layers (every layer the same modules, parameter shapes, dtypes and settings) runs
+the same ops in every layer but the first and the last: layer k's forward frees layer k-1's output where
+layer k-1's frees k-2's, keeps what it saves until its own backward, and its backward frees the gradient
+layer k+1 passed it and passes one on. The estimate runs layers 0, 1, 2 and L-1 (the decoder's loop takes
+the slice of the layers it runs) and prices layers 3..L-2 from layer 2, in the tracker's count
+(:meth:`vramguard.measure.tracker.StorageTracker.add`):
+
+* a *span* is layer 2's forward (from its call to the call of the next layer run) and its backward (from the
+  gradient of its output to that of its input, the recompute of a checkpointed layer inside): the bytes live
+  at its start ``s``, its highest ``p`` and its end ``e``. Its n = L-4 copies start at ``e``, ``e + (e-s)``,
+  ...: they add ``n (e-s)`` bytes and reach ``e + (p-s) + max(0, (n-1)(e-s))`` (a sum of identical steps
+  is highest at its first or its last);
+* what a span made and still holds at its end leaves, in the copies, as its original leaves: in the copies'
+  own backward for what the forward kept for backward (the backward span frees it, copied with it), else when
+  the original is freed (the autocast cache at the forward's end, the graph's tensors after backward:
+  :meth:`~vramguard.measure.tracker.StorageTracker.shadow`); the output a span passes to the next layer is
+  freed by the next copy's span;
+* the copies' LoRA gradients, counted by the backward's copies, are made real on layers 3..L-2's own
+  parameters (:meth:`~vramguard.measure.tracker.StorageTracker.adopt`): the optimizer, the gradient clipping
+  and ``zero_grad`` run over every parameter of the model, which is built whole;
+* the counters of the step's contexts (forced decisions, autocast's) gain n times a span's counts, and the
+  ledger's report gets layer 2's records under each copy's name.
+
+Not used (the step runs every layer) where any of this is not known to hold: an allocation log (it lists
+every storage), a vision-language model, a mixture of experts, activation offloading, Liger, another method
+than QLoRA, a sharded or multi-device step, fewer than :data:`MIN_LAYERS` layers, a decoder whose loop is not
+``self.layers[: self.config.num_hidden_layers]``, layers that differ, a counter that cannot add; or with
+:data:`ALL_LAYERS` set. tests/test_ghost_layers.py holds the reports equal to running every layer, byte for
+byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from vramguard.measure.ledger import LedgerReport, SavedRecord, report_hook
+from vramguard.measure.storage import StorageKey
+from vramguard.measure.tracker import FrameStats, MemoryTracker, StorageTracker
+
+ALL_LAYERS = "VRAMGUARD_ALL_LAYERS"
+"""Set (to anything but empty or 0), a meta step runs every decoder layer (the reference of
+tests/test_ghost_layers.py)."""
+
+MIN_LAYERS = 8
+"""Fewer layers than this run whole: the four run are most of them."""
+
+RUN = 2
+"""The layer whose spans stand for the ones not run (layers 0, 1, 2 and the last run)."""
+
+LOOP = "self.layers[: self.config.num_hidden_layers]"
+"""The decoder loop the layers not run are taken out of (its slice of the layers)."""
+
+
+def decoder_of(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] | None:
+    """(qualified name, module list) of ``model``'s decoder layers where its decoder loops over
+    :data:`LOOP`; None otherwise."""
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or name.rsplit(".", 1)[-1] != "layers":
+            continue
+        parent = model.get_submodule(name.rpartition(".")[0])
+        config = getattr(parent, "config", None)
+        if getattr(config, "num_hidden_layers", None) != len(module):
+            continue
+        try:
+            source = inspect.getsource(type(parent).forward)
+        except (OSError, TypeError):
+            return None
+        return (name, module) if LOOP in source else None
+    return None
+
+
+def _plain(value: Any) -> Any:
+    """A comparable form of a module attribute: values as they are, containers element by element, any other
+    object by its type (its identity differs per layer where its settings do not)."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _plain(v)) for k, v in value.items()))
+    if isinstance(value, (set, frozenset)):
+        return tuple(sorted(repr(v) for v in value))
+    return type(value).__qualname__
+
+
+def signature(layer: torch.nn.Module) -> tuple[Any, ...]:
+    """What makes two decoder layers the same step: every submodule's name, class and plain attributes (but
+    ``layer_idx``, which only a cache reads), every parameter's and buffer's name, class, shape, dtype and
+    ``requires_grad``, and a 4-bit weight's quantized shape."""
+    parts: list[Any] = []
+    for name, sub in layer.named_modules():
+        attributes = tuple(
+            sorted(
+                (k, _plain(v))
+                for k, v in vars(sub).items()
+                if not k.startswith("_") and k not in ("training", "layer_idx")
+            )
+        )
+        parts.append((name, type(sub).__qualname__, attributes))
+    for name, t in (*layer.named_parameters(), *layer.named_buffers()):
+        state = getattr(t, "quant_state", None)
+        quantized = tuple(getattr(state, "shape", ())) if state is not None else None
+        parts.append((name, type(t).__qualname__, tuple(t.shape), t.dtype, t.requires_grad, quantized))
+    return tuple(parts)
+
+
+def eligible(q: Any, events: Any, counters: list[Any]) -> tuple[str, torch.nn.ModuleList] | None:
+    """The decoder whose layers 3..L-2 are priced from layer 2 in ``q``'s meta step, or None where the step
+    must run them (see the module)."""
+    if os.environ.get(ALL_LAYERS, "") not in ("", "0") or events is not None:
+        return None
+    config = q.config
+    if getattr(q, "image_values", None) is not None or config.offload_activations or config.use_liger_kernel:
+        return None
+    if config.method != "qlora" or str(getattr(q, "device", "meta")) != "meta":
+        return None
+    model = q.model
+    if hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync"):
+        return None
+    counters = [c for c in counters if c is not None and not (isinstance(c, dict) and not c)]
+    if not all(hasattr(c, "counts") and hasattr(c, "add") for c in counters):
+        return None
+    found = decoder_of(model)
+    if found is None or len(found[1]) < MIN_LAYERS:
+        return None
+    layers = found[1]
+    if any("experts" in name for name, _ in layers[RUN].named_modules()):
+        return None
+    first = signature(layers[1])
+    if any(signature(layer) != first for layer in list(layers)[2:]):
+        return None
+    return found
+
+
+def _runs_some(cls: type, run: frozenset[int]) -> type:
+    """``cls`` (a ``ModuleList``) whose slices hold only the layers in ``run`` (by identity)."""
+
+    class RunsSome(cls):  # type: ignore[misc, valid-type]
+        def __getitem__(self, idx: Any) -> Any:
+            if isinstance(idx, slice):
+                kept = [m for m in list(self._modules.values())[idx] if id(m) in run]
+                return torch.nn.ModuleList(kept)
+            return super().__getitem__(idx)
+
+    RunsSome.__name__ = RunsSome.__qualname__ = cls.__name__
+    return RunsSome
+
+
+def _storage(value: Any) -> StorageKey | None:
+    t = value[0] if isinstance(value, (tuple, list)) and value else value
+    if isinstance(getattr(t, "hidden_states", None), torch.Tensor):
+        t = t.hidden_states
+    return t.untyped_storage()._cdata if isinstance(t, torch.Tensor) else None
+
+
+def _tensor(value: Any) -> torch.Tensor | None:
+    t = value[0] if isinstance(value, (tuple, list)) and value else value
+    return t if isinstance(t, torch.Tensor) else None
+
+
+class _Span:
+    """One span of the layer run (its forward or its backward): where it started and what the counters read."""
+
+    def __init__(self, tracker: MemoryTracker, counters: list[Any]) -> None:
+        self.tracker, self.counters = tracker, counters
+        self.frame = tracker.open_frame(FrameStats("ghosts"))
+        self.source: StorageTracker = tracker.source  # type: ignore[assignment]
+        self.marks = self.source.marks()
+        self.counts = [c.counts() for c in counters]
+
+    def end(self, copies: int, passed_on: frozenset[StorageKey]) -> dict[StorageKey, int]:
+        """Close the span and count ``copies`` more of it; what it made and still holds (but ``passed_on``,
+        which the next copy frees): key -> bytes."""
+        stats = self.tracker.close_frame(self.frame)
+        start, top, end = stats.start_bytes, stats.peak_bytes, stats.end_bytes
+        step = end - start
+        self.source.add(copies * step, end + (top - start) + max(0, (copies - 1) * step))
+        for counter, before in zip(self.counters, self.counts, strict=True):
+            counter.add({name: copies * (n - before.get(name, 0)) for name, n in counter.counts().items()})
+        made = self.source.born_since(self.marks)
+        return {key: nbytes for key, nbytes in made.items() if key not in passed_on}
+
+
+class GhostLayers:
+    """The context of a meta step in which ``layers`` (named ``prefix``) run only 0, 1, :data:`RUN` and the
+    last; ``tracker``: the step's tracker when it runs (a trainer's callback makes it at ``train()``);
+    ``counters``: the step's contexts' counters (``counts``/``add``). See the module."""
+
+    def __init__(
+        self,
+        prefix: str,
+        layers: torch.nn.ModuleList,
+        tracker: Callable[[], MemoryTracker | None],
+        counters: list[Any],
+    ) -> None:
+        self.prefix, self.layers, self.tracker_of = prefix, layers, tracker
+        self.counters = [c for c in counters if hasattr(c, "counts")]
+        self.last = len(layers) - 1
+        self.copies = len(layers) - 4  # layers 3..L-2
+        self.forward: _Span | None = None
+        self.backward: _Span | None = None
+        self.output: frozenset[StorageKey] = frozenset()
+        self.kept: frozenset[StorageKey] = frozenset()  # what the forward span made and held at its end
+        self.ran = 0  # forward spans priced
+
+    # the context ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def running(self) -> Iterator[GhostLayers]:
+        layers = self.layers
+        run = frozenset(id(layers[i]) for i in (0, 1, RUN, self.last))
+        original = type(layers)
+        handles = [
+            layers[RUN].register_forward_pre_hook(self._forward_begins),
+            layers[RUN].register_forward_hook(self._forward_output),
+            layers[self.last].register_forward_pre_hook(self._forward_ends),
+            layers[RUN - 1].register_forward_hook(self._input_made),
+            *(layers[i].register_forward_pre_hook(_not_run) for i in range(RUN + 1, self.last)),
+        ]
+        layers.__class__ = _runs_some(original, run)
+        try:
+            with report_hook(self._records):
+                yield self
+        finally:
+            layers.__class__ = original
+            for h in handles:
+                h.remove()
+
+    # forward -----------------------------------------------------------------------------------
+    def _tracking(self) -> MemoryTracker | None:
+        tracker = self.tracker_of()
+        if tracker is None or not isinstance(tracker.source, StorageTracker) or not tracker.source._seeing:
+            return None
+        return tracker
+
+    def _forward_begins(self, module: Any, args: Any) -> None:
+        tracker = self._tracking()
+        if tracker is not None and torch._C._current_graph_task_id() == -1:
+            self.forward = _Span(tracker, self.counters)
+
+    def _forward_output(self, module: Any, args: Any, output: Any) -> None:
+        if self.forward is None:
+            return
+        key = _storage(output)
+        self.output = frozenset() if key is None else frozenset({key})
+        t = _tensor(output)
+        if t is not None and t.requires_grad:
+            t.register_hook(self._backward_begins)
+
+    def _forward_ends(self, module: Any, args: Any) -> None:
+        span, self.forward = self.forward, None
+        if span is None:
+            return
+        kept = span.end(self.copies, self.output)
+        self.kept = frozenset(kept)
+        for key, nbytes in kept.items():
+            span.source.shadow(key, self.copies * nbytes)
+        self.ran += 1
+
+    # backward ----------------------------------------------------------------------------------
+    def _input_made(self, module: Any, args: Any, output: Any) -> None:
+        t = _tensor(output)
+        if t is not None and t.requires_grad and torch._C._current_graph_task_id() == -1:
+            t.register_hook(self._backward_ends)
+
+    def _backward_begins(self, grad: torch.Tensor) -> None:
+        tracker = self._tracking()
+        if tracker is None:
+            return
+        self.backward = _Span(tracker, self.counters)
+        # what the forward span kept and its copies free in their own backward: the copied span frees them
+        self.backward.source.held = self.kept
+
+    def _backward_ends(self, grad: torch.Tensor) -> None:
+        span, self.backward = self.backward, None
+        if span is None:
+            return
+        source = span.source
+        layer = self.layers[RUN]
+        grads = {p.grad.untyped_storage()._cdata for p in layer.parameters() if p.grad is not None}
+        made = span.end(self.copies, frozenset({grad.untyped_storage()._cdata, *grads}))
+        source.held = frozenset()
+        for key, nbytes in made.items():
+            source.shadow(key, self.copies * nbytes)
+        self._gradients_of_copies(source)
+
+    def _gradients_of_copies(self, source: StorageTracker) -> None:
+        """The gradients the backward's copies counted, made on layers 3..L-2's own parameters (the
+        optimizer steps them): counted already, adopted, not added."""
+        named = dict(self.layers[RUN].named_parameters())
+        with _disable_current_modes():
+            for i in range(RUN + 1, self.last):
+                for name, p in self.layers[i].named_parameters():
+                    grad = named[name].grad
+                    if grad is None or p.grad is not None:
+                        continue
+                    p.grad = torch.empty_like(grad)
+                    source.adopt(p.grad.untyped_storage())
+
+    # the ledger --------------------------------------------------------------------------------
+    def _records(self, report: LedgerReport) -> LedgerReport:
+        """``report`` with layer :data:`RUN`'s records copied under each layer not run, and each storage saved
+        in more layers than one (the rotary embedding's, the mask) also saved by the copies of layer
+        :data:`RUN`'s nodes."""
+        run = f"{self.prefix}.{RUN}"
+        names = [f"{self.prefix}.{i}" for i in range(RUN + 1, self.last)]
+        mine = [r for r in report.records if _under(r.module, run)]
+        records = [_also_saved(r, run, names) for r in report.records]
+        records += [_renamed(r, run, name) for name in names for r in mine]
+        records.sort(key=lambda r: (-r.bytes, r.module))
+        resident = [_also_saved(r, run, names) for r in report.resident]
+        at = max((i for i, r in enumerate(resident) if _under(r.module, run)), default=None)
+        if at is not None:
+            theirs = [r for r in resident if _under(r.module, run)]
+            resident[at + 1 : at + 1] = [_renamed(r, run, name) for name in names for r in theirs]
+        report.records, report.resident = records, resident
+        return report
+
+
+def _not_run(module: Any, args: Any) -> None:
+    raise RuntimeError("a decoder layer priced from another ran (vramguard.estimate.ghosts): an internal error")
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _rename(value: str | None, run: str, name: str) -> str | None:
+    return name + value[len(run) :] if value is not None and _under(value, run) else value
+
+
+def _copy(record: SavedRecord, **values: Any) -> SavedRecord:
+    copy = object.__new__(SavedRecord)
+    copy.__dict__.update({**vars(record), **values})
+    return copy
+
+
+def _renamed(record: SavedRecord, run: str, name: str) -> SavedRecord:
+    """``record`` of layer ``run`` as the layer ``name`` not run has it."""
+    return _copy(
+        record,
+        module=_rename(record.module, run, name),
+        owner=_rename(record.owner, run, name),
+        saved_in=tuple(_rename(m, run, name) for m in record.saved_in),
+        key=None,
+    )
+
+
+def _also_saved(record: SavedRecord, run: str, names: list[str]) -> SavedRecord:
+    """``record`` of a storage layer ``run``'s nodes also saved (first saved elsewhere) with the nodes of
+    each layer in ``names`` after them, as the forward of every layer saves it."""
+    if _under(record.module, run):
+        return record
+    inside = [i for i, module in enumerate(record.saved_in) if _under(module, run)]
+    if not inside:
+        return record
+    at = inside[-1] + 1
+    nodes = tuple(record.also_saved_by[i] for name in names for i in inside)
+    modules = tuple(_rename(record.saved_in[i], run, name) or "" for name in names for i in inside)
+    return _copy(
+        record,
+        also_saved_by=record.also_saved_by[:at] + nodes + record.also_saved_by[at:],
+        saved_in=record.saved_in[:at] + modules + record.saved_in[at:],
+    )
+
+
+def ghost_layers(
+    q: Any, tracker: Callable[[], MemoryTracker | None], counters: list[Any], events: Any = None
+) -> contextlib.AbstractContextManager[Any]:
+    """The context pricing ``q``'s identical decoder layers from one (see the module), or one that does
+    nothing where the step must run them all."""
+    found = eligible(q, events, counters)
+    if found is None:
+        return contextlib.nullcontext()
+    prefix, layers = found
+    return GhostLayers(prefix, layers, tracker, counters).running()

@@ -215,6 +215,8 @@ class GhostLayers:
     # the context ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def running(self) -> Iterator[GhostLayers]:
+        """Inside: the decoder's loop runs layers 0, 1, :data:`RUN` and the last, and the hooks price the others
+        (a layer not run that is called anyway is an internal error); after it, every layer runs again."""
         layers = self.layers
         run = frozenset(id(layers[i]) for i in (0, 1, RUN, self.last))
         original = type(layers)
@@ -263,7 +265,21 @@ class GhostLayers:
         self.kept = frozenset(kept)
         for key, nbytes in kept.items():
             span.source.shadow(key, self.copies * nbytes)
+        self._casts_of_copies()
         self.ran += 1
+
+    def _casts_of_copies(self) -> None:
+        """A parameter or buffer layer :data:`RUN`'s forward replaced by another dtype (bitsandbytes' Linear4bit
+        casts its bias to the input's dtype on its first call), replaced so on layers 3..L-2 too: the new
+        storages' bytes were counted with the span's copies, and the model's weights are read from it."""
+        run = self.layers[RUN]
+        theirs = {**dict(run.named_parameters()), **dict(run.named_buffers())}
+        with _unseen():
+            for i in range(RUN + 1, self.last):
+                layer = self.layers[i]
+                for name, t in (*layer.named_parameters(), *layer.named_buffers()):
+                    if t.dtype != theirs[name].dtype:
+                        t.data = torch.empty_like(theirs[name].data)
 
     # backward ----------------------------------------------------------------------------------
     def _input_made(self, module: Any, args: Any, output: Any) -> None:
@@ -296,7 +312,7 @@ class GhostLayers:
         """The gradients the backward's copies counted, made on layers 3..L-2's own parameters (the
         optimizer steps them): counted already, adopted, not added."""
         named = dict(self.layers[RUN].named_parameters())
-        with _disable_current_modes():
+        with _unseen():
             for i in range(RUN + 1, self.last):
                 for name, p in self.layers[i].named_parameters():
                     grad = named[name].grad
@@ -323,6 +339,14 @@ class GhostLayers:
             resident[at + 1 : at + 1] = [_renamed(r, run, name) for name in names for r in theirs]
         report.records, report.resident = records, resident
         return report
+
+
+@contextlib.contextmanager
+def _unseen() -> Iterator[None]:
+    """Nothing the step's modes see (the tracker's dispatch mode, autocast's function mode, which counts what it
+    routes): the storages made here are priced already."""
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        yield
 
 
 def _not_run(module: Any, args: Any) -> None:

@@ -1,0 +1,234 @@
+"""A deep model's identical decoder layers priced from one equal running every layer, byte for byte.
+
+The meta step of a decoder with L >= 8 identical layers runs layers 0, 1, 2 and L-1 and counts L-4 copies of
+layer 2's forward and backward (:mod:`vramguard.estimate.ghosts`). Each case runs the estimate both ways
+(``VRAMGUARD_ALL_LAYERS`` runs every layer) on a 10-layer copy of a tiny preset and compares the whole JSON
+report (peaks per phase and step, retained bytes, the ledger's records and layers, forced decisions, notes) but
+its wall time, and counts the decoder layers' forwards each ran.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from vramguard.estimate import ghosts
+from vramguard.estimate.ghosts import ALL_LAYERS, eligible, signature
+from vramguard.measure.tracker import StorageTracker
+from vramguard.workload.models import QLoRAConfig, presets
+
+LAYERS = 10
+SMALL = dict(seq_len=32, batch=1)
+
+LOOP_CASES: dict[str, tuple[dict[str, Any], str, str]] = {  # name: (config, preset, target)
+    "llama-fp32": (SMALL, "tiny-llama", "cuda"),
+    "checkpointing-dropout-bf16-ga4": (
+        {
+            "seq_len": 32,
+            "batch": 2,
+            "gradient_accumulation_steps": 4,
+            "gradient_checkpointing": True,
+            "lora_dropout": 0.05,
+            "mixed_precision": "bf16",
+        },
+        "tiny-llama",
+        "cuda",
+    ),
+    "padding-free-packing-ga3": (
+        {"seq_len": 48, "batch": 2, "gradient_accumulation_steps": 3, "padding_free": True, "packing": True},
+        "tiny-llama",
+        "cuda",
+    ),
+    "cpu-8bit-qwen3": ({**SMALL, "optimizer": "adamw-8bit"}, "tiny-qwen3", "cpu"),
+}
+SLOW_LOOP_CASES: dict[str, tuple[dict[str, Any], str, str]] = {
+    "mistral-checkpointing-fused": (
+        {**SMALL, "gradient_checkpointing": True, "optimizer": "adamw-fused"},
+        "tiny-mistral",
+        "cuda",
+    ),
+    "qwen2-bf16-all-linear-ga3": (
+        {**SMALL, "mixed_precision": "bf16", "target_modules": "all-linear", "gradient_accumulation_steps": 3},
+        "tiny-qwen2",
+        "cuda",
+    ),
+    "phi3-checkpointing-8bit": (
+        {**SMALL, "gradient_checkpointing": True, "optimizer": "paged-adamw-8bit"},
+        "tiny-phi3",
+        "cuda",
+    ),
+}
+TRAINER_CASES: dict[str, dict[str, Any]] = {
+    "sft": SMALL,
+    "sft-checkpointing-packing-ga3": {
+        "seq_len": 48,
+        "batch": 2,
+        "gradient_accumulation_steps": 3,
+        "gradient_checkpointing": True,
+        "padding_free": True,
+        "packing": True,
+        "lora_dropout": 0.05,
+    },
+}
+SLOW_TRAINER_CASES: dict[str, dict[str, Any]] = {
+    "sft-bf16-8bit-ga3": {
+        **SMALL,
+        "gradient_accumulation_steps": 3,
+        "mixed_precision": "bf16",
+        "optimizer": "paged-adamw-8bit",
+    },
+}
+
+
+def deep(tmp_path: Path, preset: str, layers: int = LAYERS) -> str:
+    """A config.json of ``preset`` with ``layers`` decoder layers."""
+    config = json.loads(presets()[preset].read_text())
+    config["num_hidden_layers"] = layers
+    config.pop("layer_types", None)
+    path = tmp_path / f"{preset}-{layers}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def _document(report: Any) -> str:
+    doc = report.to_dict()
+    doc.pop("elapsed_s", None)
+    return json.dumps(doc, sort_keys=True, default=str)
+
+
+def _both_ways(monkeypatch: pytest.MonkeyPatch, estimate: Any) -> list[tuple[str, int]]:
+    """(the report's document, decoder-layer forwards) of ``estimate()`` with every layer run, then priced."""
+    out = []
+    for full in (True, False):
+        calls: list[int] = []
+
+        def counted(module: Any, args: Any, _calls: list[int] = calls) -> None:
+            if type(module).__name__.endswith("DecoderLayer") and torch.is_grad_enabled():
+                _calls.append(1)
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(counted)
+        monkeypatch.setenv(ALL_LAYERS, "1" if full else "")
+        try:
+            out.append((_document(estimate()), len(calls)))
+        finally:
+            handle.remove()
+    return out
+
+
+def _loop_case(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: tuple[dict[str, Any], str, str]) -> None:
+    from vramguard.estimate.run import run_estimate
+
+    fields, preset, target = case
+    config = QLoRAConfig(model=deep(tmp_path, preset), **fields)
+    (full, full_calls), (priced, priced_calls) = _both_ways(
+        monkeypatch, lambda: run_estimate(config, steps=2, target=target)
+    )
+    # each forward runs 4 of the 10 layers (a checkpointed one's recompute under no grad is not counted)
+    assert full_calls and priced_calls * LAYERS == full_calls * 4
+    assert priced == full
+
+
+@pytest.mark.parametrize("case", list(LOOP_CASES))
+def test_layers_priced_from_one_equal_every_layer_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: str
+) -> None:
+    _loop_case(monkeypatch, tmp_path, LOOP_CASES[case])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SLOW_LOOP_CASES))
+def test_more_layers_priced_from_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: str) -> None:
+    _loop_case(monkeypatch, tmp_path, SLOW_LOOP_CASES[case])
+
+
+def _trainer_case(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fields: dict[str, Any]) -> None:
+    from vramguard.estimate.trainer import run_trainer_estimate
+
+    config = QLoRAConfig(model=deep(tmp_path, "tiny-llama"), **fields)
+    (full, full_calls), (priced, priced_calls) = _both_ways(
+        monkeypatch, lambda: run_trainer_estimate(config, "sft", steps=2, target="cuda")
+    )
+    assert full_calls and priced_calls * LAYERS == full_calls * 4
+    assert priced == full
+
+
+@pytest.mark.parametrize("case", list(TRAINER_CASES))
+def test_the_trainers_layers_are_priced_from_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: str
+) -> None:
+    """TRL's SFTTrainer on meta (the default trainer): the same report with 4 of its 10 layers run."""
+    _trainer_case(monkeypatch, tmp_path, TRAINER_CASES[case])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SLOW_TRAINER_CASES))
+def test_more_of_the_trainers_layers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: str) -> None:
+    _trainer_case(monkeypatch, tmp_path, SLOW_TRAINER_CASES[case])
+
+
+def _built(tmp_path: Path, preset: str, layers: int = LAYERS, **config: Any) -> Any:
+    from vramguard.estimate.meta import build_meta
+
+    q_config = QLoRAConfig(model=deep(tmp_path, preset, layers), **SMALL, **config).resolved()
+    return build_meta(q_config, q_config.spec)
+
+
+def test_only_identical_layers_of_a_deep_decoder_are_priced(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Eligible: a 10-layer Llama; not: 7 layers, layers that differ (one with another LoRA rank, Gemma 2's
+    sliding and full layers), a vision-language model's batch, an allocation log, a counter that cannot add,
+    ``VRAMGUARD_ALL_LAYERS``."""
+    monkeypatch.delenv(ALL_LAYERS, raising=False)
+    q = _built(tmp_path, "tiny-llama")
+    found = eligible(q, None, [])
+    assert found is not None and found[0].endswith("model.layers") and len(found[1]) == LAYERS
+    assert eligible(_built(tmp_path, "tiny-llama", 7), None, []) is None
+    assert eligible(q, object(), []) is None  # an allocation log lists every storage
+    assert eligible(q, None, [object()]) is None
+    assert eligible(q, None, [None, {}]) is not None  # contexts that saw nothing
+    monkeypatch.setenv(ALL_LAYERS, "1")
+    assert eligible(q, None, []) is None
+    monkeypatch.delenv(ALL_LAYERS)
+    lora_a = found[1][5].self_attn.q_proj.lora_A["default"]
+    lora_a.weight = torch.nn.Parameter(torch.empty(lora_a.weight.shape[0] + 1, lora_a.weight.shape[1], device="meta"))
+    assert signature(found[1][5]) != signature(found[1][4]) and eligible(q, None, []) is None
+    gemma = _built(tmp_path, "tiny-gemma2")  # alternating sliding-window and full attention
+    assert ghosts.decoder_of(gemma.model) is not None and eligible(gemma, None, []) is None
+
+
+def test_shadowed_bytes_leave_with_their_storage() -> None:
+    """The tracker's count of bytes no storage holds (:meth:`StorageTracker.add`): they raise the current
+    count and the peak, leave when the storage they shadow is freed (not while it is ``held``), and an
+    adopted storage is followed without being counted again."""
+    tracker = StorageTracker("cpu")
+    tracker.start()
+    try:
+        a = torch.empty(100, dtype=torch.uint8)
+        b = torch.empty(10, dtype=torch.uint8)
+        assert tracker.current() == 110
+        marks = tracker.marks()
+        c = torch.empty(7, dtype=torch.uint8)
+        assert tracker.born_since(marks) == {c.untyped_storage()._cdata: 7}
+        tracker.add(300, 500)
+        assert (tracker.current(), tracker.peak()) == (417, 500)
+        tracker.shadow(a.untyped_storage()._cdata, 200)
+        tracker.shadow(b.untyped_storage()._cdata, 50)
+        tracker.held = frozenset({b.untyped_storage()._cdata})
+        del a
+        assert tracker.current() == 417 - 100 - 200
+        del b
+        assert tracker.current() == 117 - 10  # held: its shadow leaves another way
+        tracker.held = frozenset()
+        with torch.utils._python_dispatch._disable_current_modes():
+            d = torch.empty(40, dtype=torch.uint8)
+        tracker.adopt(d.untyped_storage())
+        assert tracker.current() == 107
+        del d
+        assert tracker.current() == 67
+    finally:
+        tracker.stop()

@@ -23,6 +23,10 @@ from vramguard.workload.models import QLoRAConfig, presets
 
 LAYERS = 10
 SMALL = dict(seq_len=32, batch=1)
+WIDE = "tiny-llama:wide"
+"""tiny-llama with a 4096-wide MLP: a layer's recompute in backward sets the step's peak (the real layer 2's span,
+the first of the identical ones: a copy's own highest point never tops a real neighbour's, which has the same
+climb from a higher start)."""
 
 LOOP_CASES: dict[str, tuple[dict[str, Any], str, str]] = {  # name: (config, preset, target)
     "llama-fp32": (SMALL, "tiny-llama", "cuda"),
@@ -46,6 +50,7 @@ LOOP_CASES: dict[str, tuple[dict[str, Any], str, str]] = {  # name: (config, pre
     "cpu-8bit-qwen3": ({**SMALL, "optimizer": "adamw-8bit"}, "tiny-qwen3", "cpu"),
 }
 SLOW_LOOP_CASES: dict[str, tuple[dict[str, Any], str, str]] = {
+    "wide-mlp-checkpointing": ({"seq_len": 64, "batch": 2, "gradient_checkpointing": True}, WIDE, "cuda"),
     "mistral-checkpointing-fused": (
         {**SMALL, "gradient_checkpointing": True, "optimizer": "adamw-fused"},
         "tiny-mistral",
@@ -85,11 +90,14 @@ SLOW_TRAINER_CASES: dict[str, dict[str, Any]] = {
 
 
 def deep(tmp_path: Path, preset: str, layers: int = LAYERS) -> str:
-    """A config.json of ``preset`` with ``layers`` decoder layers."""
-    config = json.loads(presets()[preset].read_text())
+    """A config.json of ``preset`` (``WIDE``: see it) with ``layers`` decoder layers."""
+    name, _, wide = preset.partition(":")
+    config = json.loads(presets()[name].read_text())
     config["num_hidden_layers"] = layers
+    if wide:
+        config["intermediate_size"] = 4096
     config.pop("layer_types", None)
-    path = tmp_path / f"{preset}-{layers}.json"
+    path = tmp_path / f"{name}{wide}-{layers}.json"
     path.write_text(json.dumps(config))
     return str(path)
 

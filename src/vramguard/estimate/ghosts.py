@@ -239,13 +239,17 @@ class GhostLayers:
     # forward -----------------------------------------------------------------------------------
     def _tracking(self) -> MemoryTracker | None:
         tracker = self.tracker_of()
-        if tracker is None or not isinstance(tracker.source, StorageTracker) or not tracker.source._seeing:
+        if tracker is None or not isinstance(tracker.source, StorageTracker) or not tracker.source.seeing:
             return None
         return tracker
 
     def _forward_begins(self, module: Any, args: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if self.backward is not None:
+            raise RuntimeError("a forward began inside layer 2's backward span (vramguard.estimate.ghosts)")
         tracker = self._tracking()
-        if tracker is not None and torch._C._current_graph_task_id() == -1:
+        if tracker is not None:
             self.forward = _Span(tracker, self.counters)
 
     def _forward_output(self, module: Any, args: Any, output: Any) -> None:

@@ -140,6 +140,11 @@ class StorageTracker(TorchDispatchMode):
         self._seeing = True
         self.__enter__()
 
+    @property
+    def seeing(self) -> bool:
+        """Whether ops are seen now: started and not paused."""
+        return self._seeing
+
     def resized(self, storage: Any, old_nbytes: int) -> None:
         """``storage`` was resized in place from ``old_nbytes`` (``UntypedStorage.resize_``, which is no
         dispatcher op: FSDP frees and re-allocates its unsharded parameters this way, keeping the storage

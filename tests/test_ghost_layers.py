@@ -240,3 +240,74 @@ def test_shadowed_bytes_leave_with_their_storage() -> None:
         assert tracker.current() == 67
     finally:
         tracker.stop()
+
+
+def _granite_swa(tmp_path: Path, theta: list[float]) -> str:
+    """A 10-layer Granite SWA config.json (every layer full attention) with the per-layer RoPE theta ``theta``
+    (0: a NoPE layer, which its decoder's loop gives no position embeddings by its index)."""
+    pytest.importorskip("transformers.models.granite_swa")
+    from transformers import GraniteSWAConfig
+
+    config = GraniteSWAConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+        layer_types=["full_attention"] * LAYERS,
+        layer_rope_theta=theta,
+    )
+    path = tmp_path / f"granite-swa-{len(set(theta))}.json"
+    path.write_text(config.to_json_string())
+    return str(path)
+
+
+ROPE, NOPE = 10000.0, 0.0
+SOME_NOPE = [ROPE, ROPE, ROPE, NOPE, NOPE, NOPE, NOPE, NOPE, NOPE, ROPE]
+
+
+def test_a_loop_that_reads_per_layer_config_by_index_runs_every_layer(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Granite SWA's loop (``for i, layer in enumerate(self.layers[: ...])``) gives layer i position
+    embeddings by ``config.layer_rope_theta[i]``: its layers' modules are alike whatever the theta, so
+    :func:`signature` cannot tell a NoPE layer, and with layers not run ``i`` counts the layers run (the last
+    gets item 3). Alike thetas are priced from one; differing ones run every layer. Gemma 3n's loop indexes
+    its per-layer inputs by ``i``: any use of the index but a config list's item runs every layer."""
+    import inspect
+
+    from transformers.models.gemma3n import modeling_gemma3n
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.delenv(ALL_LAYERS, raising=False)
+
+    def built(path: str) -> Any:
+        from vramguard.estimate.meta import build_meta
+
+        q_config = QLoRAConfig(model=path, **SMALL).resolved()
+        return build_meta(q_config, q_config.spec)
+
+    assert eligible(built(_granite_swa(tmp_path, [ROPE] * LAYERS)), None, []) is not None
+    q = built(_granite_swa(tmp_path, SOME_NOPE))
+    layers = ghosts.decoder_of(q.model)
+    assert layers is not None
+    assert signature(layers[1][3]) == signature(layers[1][2])  # a NoPE layer looks like a RoPE one
+    assert eligible(q, None, []) is None
+    assert ghosts._loop_reads(inspect.getsource(modeling_llama.LlamaModel.forward)) == frozenset()
+    assert ghosts._loop_reads(inspect.getsource(modeling_gemma3n.Gemma3nTextModel.forward)) is None
+
+
+@pytest.mark.slow
+def test_nope_layers_report_equal(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The Granite SWA model with NoPE layers: the same report both ways (priced from one, the rotary
+    embedding's record listed 17 nodes saving it where running every layer lists 7)."""
+    from vramguard.estimate.run import run_estimate
+
+    config = QLoRAConfig(model=_granite_swa(tmp_path, SOME_NOPE), seq_len=64, batch=2)
+    (full, _), (priced, _) = _both_ways(monkeypatch, lambda: run_estimate(config, steps=2, target="cuda"))
+    assert priced == full

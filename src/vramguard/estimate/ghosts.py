@@ -26,16 +26,21 @@ the slice of the layers it runs) and prices layers 3..L-2 from layer 2, in the t
 Not used (the step runs every layer) where any of this is not known to hold: an allocation log (it lists
 every storage), a vision-language model, a mixture of experts, activation offloading, Liger, another method
 than QLoRA, a sharded or multi-device step, fewer than :data:`MIN_LAYERS` layers, a decoder whose loop is not
-``self.layers[: self.config.num_hidden_layers]``, layers that differ, a counter that cannot add; or with
+``self.layers[: self.config.num_hidden_layers]`` or whose loop uses a layer's index but to read a config list
+whose items for layers 1..L-1 are alike (``enumerate`` counts the layers run: Granite SWA's per-layer RoPE
+theta, Gemma 4's first shared-KV layer), a config list of one item a layer that differs over layers 1..L-1
+(a layer may read it by its ``layer_idx``), layers that differ, a counter that cannot add; or with
 :data:`ALL_LAYERS` set. tests/test_ghost_layers.py holds the reports equal to running every layer, byte for
 byte.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import inspect
 import os
+import textwrap
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -76,6 +81,66 @@ def decoder_of(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] | None
             return None
         return (name, module) if LOOP in source else None
     return None
+
+
+def _loop_reads(source: str) -> frozenset[str] | None:
+    """The config lists the decoder's loop (:data:`LOOP`) reads at a layer's index (``self.config.X[i]`` in
+    ``for i, layer in enumerate(LOOP)``): their names (none for a loop without the index); None where the loop
+    uses the index any other way (``i == self.first_kv_shared_layer_idx``, ``per_layer_inputs[:, :, i]``) or
+    is not found. Its layers run, ``i`` counts the layers run (0, 1, 2, 3), not their places in the model."""
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return None
+    loop = ast.unparse(ast.parse(LOOP, mode="eval").body)
+    names: set[str] = set()
+    found = False
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.For) or loop not in ast.unparse(node.iter):
+            continue
+        found = True
+        if isinstance(node.target, ast.Name) and ast.unparse(node.iter) == loop:
+            continue
+        it, target = node.iter, node.target
+        if not (
+            isinstance(it, ast.Call)
+            and ast.unparse(it.func) == "enumerate"
+            and len(it.args) == 1
+            and not it.keywords
+            and ast.unparse(it.args[0]) == loop
+            and isinstance(target, ast.Tuple)
+            and len(target.elts) == 2
+            and all(isinstance(e, ast.Name) for e in target.elts)
+        ):
+            return None
+        index = target.elts[0].id  # type: ignore[attr-defined]
+        read: set[int] = set()
+        for sub in ast.walk(node):
+            if (
+                isinstance(sub, ast.Subscript)
+                and isinstance(sub.slice, ast.Name)
+                and sub.slice.id == index
+                and isinstance(sub.value, ast.Attribute)
+                and ast.unparse(sub.value.value) == "self.config"
+            ):
+                read.add(id(sub.slice))
+                names.add(sub.value.attr)
+        for sub in ast.walk(node):
+            other = sub is not target.elts[0] and id(sub) not in read
+            if isinstance(sub, ast.Name) and sub.id == index and other:
+                return None
+    return frozenset(names) if found else None
+
+
+def _per_layer_alike(config: Any, layers: int, reads: frozenset[str]) -> bool:
+    """Whether every per-layer list of ``config`` (a list or tuple of ``layers`` items: ``layer_types``,
+    ``layer_rope_theta``) has the same item for layers 1..L-1, and each the loop reads (``reads``) is one:
+    the layers run read items 0, 1, 2 and 3 (:func:`_loop_reads`), a layer its own by its ``layer_idx`` (left
+    out of :func:`signature`)."""
+    values = {k: v for k, v in vars(config).items() if isinstance(v, (list, tuple)) and len(v) == layers}
+    if any(name not in values for name in reads):
+        return False
+    return all(all(item == v[1] for item in v[2:]) for v in values.values())
 
 
 def _plain(value: Any) -> Any:
@@ -134,6 +199,10 @@ def eligible(q: Any, events: Any, counters: list[Any]) -> tuple[str, torch.nn.Mo
         return None
     layers = found[1]
     if any("experts" in name for name, _ in layers[RUN].named_modules()):
+        return None
+    parent = model.get_submodule(found[0].rpartition(".")[0])
+    reads = _loop_reads(inspect.getsource(type(parent).forward))
+    if reads is None or not _per_layer_alike(parent.config, len(layers), reads):
         return None
     first = signature(layers[1])
     if any(signature(layer) != first for layer in list(layers)[2:]):

@@ -188,9 +188,9 @@ def _built(tmp_path: Path, preset: str, layers: int = LAYERS, **config: Any) -> 
 def test_only_identical_layers_of_a_deep_decoder_are_priced(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Eligible: an 8-layer Llama; not: 7 layers, layers that differ (one with another LoRA rank, Gemma 2's
-    sliding and full layers), a vision-language model's batch, an allocation log, a counter that cannot add,
-    ``VRAMGUARD_ALL_LAYERS``."""
+    """Eligible: an 8-layer Llama; not: 7 layers, layers that differ (one with another LoRA rank, one with a
+    tensor attribute of another shape, Gemma 2's sliding and full layers), a vision-language model's batch, an
+    allocation log, a counter that cannot add, ``VRAMGUARD_ALL_LAYERS``."""
     monkeypatch.delenv(ALL_LAYERS, raising=False)
     q = _built(tmp_path, "tiny-llama")
     found = eligible(q, None, [])
@@ -204,6 +204,14 @@ def test_only_identical_layers_of_a_deep_decoder_are_priced(
     monkeypatch.delenv(ALL_LAYERS)
     lora_a = found[1][5].self_attn.q_proj.lora_A["default"]
     lora_a.weight = torch.nn.Parameter(torch.empty(lora_a.weight.shape[0] + 1, lora_a.weight.shape[1], device="meta"))
+    assert signature(found[1][5]) != signature(found[1][4]) and eligible(q, None, []) is None
+    mlp = found[1][5].mlp
+    lora_a.weight = found[1][4].self_attn.q_proj.lora_A["default"].weight  # alike again
+    assert eligible(q, None, []) is not None
+    for layer in found[1]:  # a tensor kept as a plain attribute, not a buffer: its shape is the layer's
+        layer.mlp.table = torch.empty(8, device="meta")
+    assert eligible(q, None, []) is not None
+    mlp.table = torch.empty(7, device="meta")
     assert signature(found[1][5]) != signature(found[1][4]) and eligible(q, None, []) is None
     gemma = _built(tmp_path, "tiny-gemma2")  # alternating sliding-window and full attention
     assert ghosts.decoder_of(gemma.model) is not None and eligible(gemma, None, []) is None

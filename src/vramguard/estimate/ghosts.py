@@ -144,9 +144,10 @@ def _per_layer_alike(config: Any, layers: int, reads: frozenset[str]) -> bool:
 
 
 def _plain(value: Any) -> Any:
-    """A comparable form of a module attribute: values as they are, containers element by element, a tensor (one
-    kept as a plain attribute, neither parameter nor buffer) by its class, shape, dtype and ``requires_grad``, any
-    other object by its type (its identity differs per layer where its settings do not)."""
+    """A comparable form of a module attribute: values as they are, containers element by element, a tensor
+    (one kept as a plain attribute, neither parameter nor buffer) by its class, shape, dtype and
+    ``requires_grad``, any other object by its type (its identity differs per layer where its settings do
+    not)."""
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         return repr(value)
     if isinstance(value, torch.Tensor):

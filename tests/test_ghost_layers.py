@@ -203,7 +203,8 @@ def test_only_identical_layers_of_a_deep_decoder_are_priced(
     assert eligible(q, None, []) is None
     monkeypatch.delenv(ALL_LAYERS)
     lora_a = found[1][5].self_attn.q_proj.lora_A["default"]
-    lora_a.weight = torch.nn.Parameter(torch.empty(lora_a.weight.shape[0] + 1, lora_a.weight.shape[1], device="meta"))
+    rows, columns = lora_a.weight.shape
+    lora_a.weight = torch.nn.Parameter(torch.empty(rows + 1, columns, device="meta"))
     assert signature(found[1][5]) != signature(found[1][4]) and eligible(q, None, []) is None
     mlp = found[1][5].mlp
     lora_a.weight = found[1][4].self_attn.q_proj.lora_A["default"].weight  # alike again

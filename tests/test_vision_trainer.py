@@ -178,3 +178,39 @@ def test_keep_end_truncation_of_image_rows_is_refused_as_sfttrainer_refuses_it(
         assert main(["estimate", "--config", str(path), "--image-size", "56x56", "--quiet"]) == 2
         err = capsys.readouterr().err.strip()
         assert "truncation_mode keep_end" in err and "\n" not in err, err
+
+
+def test_large_results_carry_no_value_and_change_no_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A valued op's result over ``VALUED_BYTES`` gets no host value (computing a 4-D attention mask of 8 rows of
+    8,192 tokens on the host cost a second an op): with the limit at 4 KiB, so that the tiny batch's position ids,
+    patch positions and TRL's loss masks lose theirs, Qwen3-VL's estimate through SFTTrainer is the same byte for
+    byte (Qwen2.5-VL's and Qwen2-VL's in the loop too, by hand); at 0 (no value kept at all) a data-dependent op
+    raises, never a wrong shape."""
+    from vramguard.estimate import meta
+    from vramguard.estimate.trainer import run_trainer_estimate
+
+    dropped: list[int] = []
+    too_large = meta._too_large
+
+    def counted(t: object) -> bool:
+        large = too_large(t)
+        dropped.extend([1] if large else [])
+        return large
+
+    monkeypatch.setattr(meta, "_too_large", counted)
+    for family in ("tiny-qwen3-vl",):
+        config = QLoRAConfig(
+            model=str(VLM / f"{family}.json"), seq_len=128, batch=2, image_size="56x56", target_modules="all-linear"
+        )
+        docs = []
+        for limit in (meta.VALUED_BYTES, 4096):
+            monkeypatch.setattr(meta, "VALUED_BYTES", limit)
+            dropped.clear()
+            doc = run_trainer_estimate(config, "sft", steps=2, target="cpu").to_dict()
+            doc.pop("elapsed_s")
+            docs.append(json.dumps(doc, sort_keys=True, default=str))
+        assert dropped, family  # the 4 KiB limit dropped values
+        assert docs[1] == docs[0], family
+    monkeypatch.setattr(meta, "VALUED_BYTES", 0)
+    with pytest.raises((NotImplementedError, RuntimeError)):  # meta's "no data", "without output_size"
+        run_trainer_estimate(config, "sft", steps=2, target="cpu")

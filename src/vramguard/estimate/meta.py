@@ -785,8 +785,8 @@ class _RoutedValues(TorchDispatchMode):
         if not valued:
             out = func(*args, **kwargs)
             made = self.inside and not metas and isinstance(out, torch.Tensor) and out.device.type == META
-            if made and not (out.dtype.is_floating_point or out.dtype.is_complex):  # a factory's int/bool
-                with _disable_current_modes():
+            if made and not (out.dtype.is_floating_point or out.dtype.is_complex) and not _too_large(out):
+                with _disable_current_modes():  # a factory's int/bool
                     self.values[out] = func(*args, **{**kwargs, "device": torch.device("cpu")})
             return out
         if len(valued) < len(metas):  # values meet unknown values: no value comes out, a written one is lost
@@ -797,16 +797,23 @@ class _RoutedValues(TorchDispatchMode):
         def to_host(t: Any) -> Any:
             return self.values[t] if isinstance(t, torch.Tensor) and t in self.values else t
 
-        with _disable_current_modes():
-            host = func(*tree_map(to_host, args), **tree_map(to_host, kwargs))
+        def on_host() -> Any:
+            with _disable_current_modes():
+                return func(*tree_map(to_host, args), **tree_map(to_host, kwargs))
+
         if func is torch.ops.aten._local_scalar_dense.default:
             self.answered += 1
-            return host
+            return on_host()
         try:
             out = func(*args, **kwargs)
         except (NotImplementedError, RuntimeError):  # a data-dependent shape (nonzero): the host result's
             self.answered += 1
-            return tree_map(lambda h: self.give_as_made(h) if isinstance(h, torch.Tensor) else h, host)
+            return tree_map(lambda h: self.give_as_made(h) if isinstance(h, torch.Tensor) else h, on_host())
+        if any(_too_large(o) for o in tensor_leaves(out)):  # no value (a 4-D attention mask), a written one lost
+            for t in _written(func, args, kwargs):
+                self.values.pop(t, None)
+            return out
+        host = on_host()
         outs, _ = tree_flatten(out)
         hosts, _ = tree_flatten(host)
         for o, h in zip(outs, hosts, strict=True):
@@ -839,6 +846,24 @@ class _Valued(WeakTensorKeyDictionary):  # type: ignore[misc]
 
     def __contains__(self, key: Any) -> bool:
         return id(key) in self.given and super().__contains__(key)
+
+
+VALUED_BYTES = 1 << 24
+"""The largest new storage a valued op's result gets a value for (16 MiB). What the step's code reads values of
+(rows, positions, grids, image-token masks, window indices) is rows x seq or patches long; what is larger is a
+rows x seq x seq attention mask, which only attention reads, and computing it on the host costs seconds (8 rows of
+8,192 tokens: 512 MiB, 1 s an op). A view keeps its base's value whatever its size (an image-token mask expanded to
+the embeddings). A data-dependent op that would read a value not kept raises, as meta does (never a wrong shape)."""
+
+
+def _too_large(t: Any) -> bool:
+    """Whether ``t`` (an op's result on meta) is a new storage over :data:`VALUED_BYTES`."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.device.type == META
+        and not t._is_view()
+        and t.untyped_storage().nbytes() > VALUED_BYTES
+    )
 
 
 def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from test_micro_batches import TRAINER_CASES as MICRO_BATCH_CASES
 from vramguard.estimate import ghosts
 from vramguard.estimate.ghosts import ALL_LAYERS, eligible, signature
 from vramguard.measure.tracker import StorageTracker
@@ -28,7 +29,10 @@ WIDE = "tiny-llama:wide"
 the first of the identical ones: a copy's own highest point never tops a real neighbour's, which has the same
 climb from a higher start)."""
 
-LOOP_CASES: dict[str, tuple[dict[str, Any], str, str]] = {  # name: (config, preset, target)
+Case = tuple[dict[str, Any], str, str, str]
+"""(config, preset, target, trainer: ``loop`` or ``sft``)."""
+
+CASES: dict[str, Case] = {
     "checkpointing-dropout-bf16-ga4": (
         {
             "seq_len": 32,
@@ -40,52 +44,71 @@ LOOP_CASES: dict[str, tuple[dict[str, Any], str, str]] = {  # name: (config, pre
         },
         "tiny-llama",
         "cuda",
+        "loop",
     ),
-    "cpu-8bit-qwen2": ({**SMALL, "optimizer": "adamw-8bit"}, "tiny-qwen2", "cpu"),  # q/k/v biases cast
+    "cpu-8bit-qwen2": (
+        {**SMALL, "optimizer": "adamw-8bit"},
+        "tiny-qwen2",
+        "cpu",
+        "loop",
+    ),  # q/k/v biases cast
+    # the micro-batches' case: packing, checkpointing, dropout, through SFTTrainer
+    "sft-checkpointing-packing-ga3": (
+        MICRO_BATCH_CASES["sft-checkpointing-packing-ga3"],
+        "tiny-llama",
+        "cuda",
+        "sft",
+    ),
 }
-SLOW_LOOP_CASES: dict[str, tuple[dict[str, Any], str, str]] = {
-    "llama-fp32": (SMALL, "tiny-llama", "cuda"),
+SLOW_CASES: dict[str, Case] = {
+    "llama-fp32": (SMALL, "tiny-llama", "cuda", "loop"),
     "padding-free-packing-ga3": (
         {"seq_len": 48, "batch": 2, "gradient_accumulation_steps": 3, "padding_free": True, "packing": True},
         "tiny-llama",
         "cuda",
+        "loop",
     ),
-    "wide-mlp-checkpointing": ({"seq_len": 64, "batch": 2, "gradient_checkpointing": True}, WIDE, "cuda"),
+    "wide-mlp-checkpointing": (
+        {"seq_len": 64, "batch": 2, "gradient_checkpointing": True},
+        WIDE,
+        "cuda",
+        "loop",
+    ),
     "mistral-checkpointing-fused": (
         {**SMALL, "gradient_checkpointing": True, "optimizer": "adamw-fused"},
         "tiny-mistral",
         "cuda",
+        "loop",
     ),
     "qwen2-bf16-all-linear-ga3": (
-        {**SMALL, "mixed_precision": "bf16", "target_modules": "all-linear", "gradient_accumulation_steps": 3},
+        {
+            **SMALL,
+            "mixed_precision": "bf16",
+            "target_modules": "all-linear",
+            "gradient_accumulation_steps": 3,
+        },
         "tiny-qwen2",
         "cuda",
+        "loop",
     ),
     "phi3-checkpointing-8bit": (
         {**SMALL, "gradient_checkpointing": True, "optimizer": "paged-adamw-8bit"},
         "tiny-phi3",
         "cuda",
+        "loop",
     ),
-}
-TRAINER_CASES: dict[str, dict[str, Any]] = {
-    "sft-checkpointing-packing-ga3": {
-        "seq_len": 48,
-        "batch": 2,
-        "gradient_accumulation_steps": 3,
-        "gradient_checkpointing": True,
-        "padding_free": True,
-        "packing": True,
-        "lora_dropout": 0.05,
-    },
-}
-SLOW_TRAINER_CASES: dict[str, dict[str, Any]] = {
-    "sft": SMALL,
-    "sft-bf16-8bit-ga3": {
-        **SMALL,
-        "gradient_accumulation_steps": 3,
-        "mixed_precision": "bf16",
-        "optimizer": "paged-adamw-8bit",
-    },
+    "sft": (SMALL, "tiny-llama", "cuda", "sft"),
+    "sft-bf16-8bit-ga3": (
+        {
+            **SMALL,
+            "gradient_accumulation_steps": 3,
+            "mixed_precision": "bf16",
+            "optimizer": "paged-adamw-8bit",
+        },
+        "tiny-llama",
+        "cuda",
+        "sft",
+    ),
 }
 
 
@@ -127,55 +150,36 @@ def _both_ways(monkeypatch: pytest.MonkeyPatch, estimate: Any) -> list[tuple[str
     return out
 
 
-def _loop_case(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: tuple[dict[str, Any], str, str]) -> None:
+def _case(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: Case) -> None:
+    """The estimate of ``case`` (vramguard's loop, or TRL's SFTTrainer on meta) both ways: the same report, with
+    4 of the 8 layers run in each forward (a checkpointed one's recompute under no grad is not counted)."""
     from vramguard.estimate.run import run_estimate
+    from vramguard.estimate.trainer import run_trainer_estimate
 
-    fields, preset, target = case
+    fields, preset, target, trainer = case
     config = QLoRAConfig(model=deep(tmp_path, preset), **fields)
-    (full, full_calls), (priced, priced_calls) = _both_ways(
-        monkeypatch, lambda: run_estimate(config, steps=2, target=target)
-    )
-    # each forward runs 4 of the 8 layers (a checkpointed one's recompute under no grad is not counted)
+
+    def estimate() -> Any:
+        if trainer == "loop":
+            return run_estimate(config, steps=2, target=target)
+        return run_trainer_estimate(config, trainer, steps=2, target=target)
+
+    (full, full_calls), (priced, priced_calls) = _both_ways(monkeypatch, estimate)
     assert full_calls and priced_calls * LAYERS == full_calls * 4
     assert priced == full
 
 
-@pytest.mark.parametrize("case", list(LOOP_CASES))
+@pytest.mark.parametrize("case", list(CASES))
 def test_layers_priced_from_one_equal_every_layer_run(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: str
 ) -> None:
-    _loop_case(monkeypatch, tmp_path, LOOP_CASES[case])
+    _case(monkeypatch, tmp_path, CASES[case])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(SLOW_LOOP_CASES))
+@pytest.mark.parametrize("case", list(SLOW_CASES))
 def test_more_layers_priced_from_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: str) -> None:
-    _loop_case(monkeypatch, tmp_path, SLOW_LOOP_CASES[case])
-
-
-def _trainer_case(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fields: dict[str, Any]) -> None:
-    from vramguard.estimate.trainer import run_trainer_estimate
-
-    config = QLoRAConfig(model=deep(tmp_path, "tiny-llama"), **fields)
-    (full, full_calls), (priced, priced_calls) = _both_ways(
-        monkeypatch, lambda: run_trainer_estimate(config, "sft", steps=2, target="cuda")
-    )
-    assert full_calls and priced_calls * LAYERS == full_calls * 4
-    assert priced == full
-
-
-@pytest.mark.parametrize("case", list(TRAINER_CASES))
-def test_the_trainers_layers_are_priced_from_one(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: str
-) -> None:
-    """TRL's SFTTrainer on meta (the default trainer): the same report with 4 of its 8 layers run."""
-    _trainer_case(monkeypatch, tmp_path, TRAINER_CASES[case])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(SLOW_TRAINER_CASES))
-def test_more_of_the_trainers_layers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: str) -> None:
-    _trainer_case(monkeypatch, tmp_path, SLOW_TRAINER_CASES[case])
+    _case(monkeypatch, tmp_path, SLOW_CASES[case])
 
 
 def _built(tmp_path: Path, preset: str, layers: int = LAYERS, **config: Any) -> Any:

@@ -427,7 +427,9 @@ def _unseen() -> Iterator[None]:
 
 
 def _not_run(module: Any, args: Any) -> None:
-    raise RuntimeError("a decoder layer priced from another ran (vramguard.estimate.ghosts): an internal error")
+    raise RuntimeError(
+        "a decoder layer priced from another ran (vramguard.estimate.ghosts): an internal error"
+    )
 
 
 def _under(module: str, prefix: str) -> bool:

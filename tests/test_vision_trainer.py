@@ -192,8 +192,8 @@ def test_large_results_carry_no_value_and_change_no_byte(monkeypatch: pytest.Mon
     dropped: list[int] = []
     too_large = meta._too_large
 
-    def counted(t: object) -> bool:
-        large = too_large(t)
+    def counted(t: object, *inputs: set[int]) -> bool:
+        large = too_large(t, *inputs)
         dropped.extend([1] if large else [])
         return large
 

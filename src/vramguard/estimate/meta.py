@@ -809,7 +809,8 @@ class _RoutedValues(TorchDispatchMode):
         except (NotImplementedError, RuntimeError):  # a data-dependent shape (nonzero): the host result's
             self.answered += 1
             return tree_map(lambda h: self.give_as_made(h) if isinstance(h, torch.Tensor) else h, on_host())
-        if any(_too_large(o) for o in tensor_leaves(out)):  # no value (a 4-D attention mask), a written one lost
+        inputs = {t.untyped_storage()._cdata for t in metas}
+        if any(_too_large(o, inputs) for o in tensor_leaves(out)):  # no value (a 4-D attention mask), a written one lost
             for t in _written(func, args, kwargs):
                 self.values.pop(t, None)
             return out
@@ -856,12 +857,15 @@ rows x seq x seq attention mask, which only attention reads, and computing it on
 the embeddings). A data-dependent op that would read a value not kept raises, as meta does (never a wrong shape)."""
 
 
-def _too_large(t: Any) -> bool:
-    """Whether ``t`` (an op's result on meta) is a new storage over :data:`VALUED_BYTES`."""
+def _too_large(t: Any, inputs: frozenset[int] | set[int] = frozenset()) -> bool:
+    """Whether ``t`` (an op's result on meta) is a new storage over :data:`VALUED_BYTES`: not one of its op's
+    ``inputs``' storages (a view's, an in-place op's result). Inside ``__torch_dispatch__`` a view's output is not
+    yet marked a view (``_is_view()`` is False for ``view``, ``slice``, ``expand``: autograd marks it above the
+    mode), so the storage is the test."""
     return (
         isinstance(t, torch.Tensor)
         and t.device.type == META
-        and not t._is_view()
+        and t.untyped_storage()._cdata not in inputs
         and t.untyped_storage().nbytes() > VALUED_BYTES
     )
 

@@ -753,11 +753,13 @@ class _RoutedValues(TorchDispatchMode):
         self.values: Any = _Valued()
         self.inside = 0
         self.answered = 0
+        self.given_bytes = 0  # the largest storage given a value (the batch's pixels)
 
     def give(self, host: torch.Tensor) -> torch.Tensor:
         """A meta tensor with ``host``'s shape, strides and dtype, whose value is ``host``."""
         t = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=META)
         self.values[t] = host
+        self.given_bytes = max(self.given_bytes, host.untyped_storage().nbytes())
         return t
 
     def give_as_made(self, host: torch.Tensor) -> torch.Tensor:
@@ -773,6 +775,14 @@ class _RoutedValues(TorchDispatchMode):
         self.values[t] = host
         return t
 
+    def limit(self) -> int:
+        """The largest new storage a valued op's result gets a value for: :data:`VALUED_BYTES`, or the largest
+        tensor given a value if larger. What is made from the batch's own tensors elementwise is no larger
+        than they are (Idefics3 and SmolVLM find their real images from the pixels,
+        ``(pixel_values == 0.0).sum(...)`` of a bf16 copy, then index with them: 17 tiles of 364x364 a row, the
+        copy of 2 rows is 27 MB)."""
+        return max(VALUED_BYTES, self.given_bytes)
+
     def enter_experts(self, entering: bool) -> None:
         self.inside += 1 if entering else -1
 
@@ -785,7 +795,8 @@ class _RoutedValues(TorchDispatchMode):
         if not valued:
             out = func(*args, **kwargs)
             made = self.inside and not metas and isinstance(out, torch.Tensor) and out.device.type == META
-            if made and not (out.dtype.is_floating_point or out.dtype.is_complex) and not _too_large(out):
+            integral = made and not (out.dtype.is_floating_point or out.dtype.is_complex)
+            if integral and not _too_large(out, frozenset(), self.limit()):
                 with _disable_current_modes():  # a factory's int/bool
                     self.values[out] = func(*args, **{**kwargs, "device": torch.device("cpu")})
             return out
@@ -810,7 +821,8 @@ class _RoutedValues(TorchDispatchMode):
             self.answered += 1
             return tree_map(lambda h: self.give_as_made(h) if isinstance(h, torch.Tensor) else h, on_host())
         inputs = {t.untyped_storage()._cdata for t in metas}
-        if any(_too_large(o, inputs) for o in tensor_leaves(out)):  # no value (a 4-D attention mask), a written one lost
+        # no value (a 4-D attention mask), a written one lost
+        if any(_too_large(o, inputs, self.limit()) for o in tensor_leaves(out)):
             for t in _written(func, args, kwargs):
                 self.values.pop(t, None)
             return out
@@ -854,19 +866,20 @@ VALUED_BYTES = 1 << 24
 (rows, positions, grids, image-token masks, window indices) is rows x seq or patches long; what is larger is a
 rows x seq x seq attention mask, which only attention reads, and computing it on the host costs seconds (8 rows of
 8,192 tokens: 512 MiB, 1 s an op). A view keeps its base's value whatever its size (an image-token mask expanded to
-the embeddings). A data-dependent op that would read a value not kept raises, as meta does (never a wrong shape)."""
+the embeddings). A data-dependent op that would read a value not kept raises, as meta does (never a wrong shape).
+The limit is never below the largest tensor the batch gives (:meth:`_RoutedValues.limit`)."""
 
 
-def _too_large(t: Any, inputs: frozenset[int] | set[int] = frozenset()) -> bool:
-    """Whether ``t`` (an op's result on meta) is a new storage over :data:`VALUED_BYTES`: not one of its op's
-    ``inputs``' storages (a view's, an in-place op's result). Inside ``__torch_dispatch__`` a view's output is not
-    yet marked a view (``_is_view()`` is False for ``view``, ``slice``, ``expand``: autograd marks it above the
-    mode), so the storage is the test."""
+def _too_large(t: Any, inputs: frozenset[int] | set[int] = frozenset(), limit: int | None = None) -> bool:
+    """Whether ``t`` (an op's result on meta) is a new storage over ``limit`` (:data:`VALUED_BYTES`): not one of
+    its op's ``inputs``' storages (a view's, an in-place op's result). Inside ``__torch_dispatch__`` a view's
+    output is not yet marked a view (``_is_view()`` is False for ``view``, ``slice``, ``expand``: autograd marks
+    it above the mode), so the storage is the test."""
     return (
         isinstance(t, torch.Tensor)
         and t.device.type == META
         and t.untyped_storage()._cdata not in inputs
-        and t.untyped_storage().nbytes() > VALUED_BYTES
+        and t.untyped_storage().nbytes() > (VALUED_BYTES if limit is None else limit)
     )
 
 

@@ -242,10 +242,6 @@ class StorageTracker(TorchDispatchMode):
         with self._lock:
             return {key: self._live[key] for key, ref in self._refs.items() if marks.get(key) is not ref}
 
-    def alive(self, key: StorageKey, marks: dict[StorageKey, Any]) -> bool:
-        """Whether the storage ``marks`` followed under ``key`` is still counted."""
-        return key in marks and self._refs.get(key) is marks[key]
-
     def shadow(self, key: StorageKey, nbytes: int) -> None:
         """``nbytes`` counted by :meth:`add` leave when the counted storage ``key`` is freed (unless ``key`` is
         :attr:`held` then)."""

@@ -23,12 +23,14 @@ from vramguard.measure.tracker import StorageTracker
 from vramguard.workload.models import QLoRAConfig, presets
 
 LAYERS = 8
+VLM = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "vlm"
 SMALL = dict(seq_len=32, batch=1)
 WIDE = "tiny-llama:wide"
 """tiny-llama with a 4096-wide MLP: a layer's recompute in backward sets the step's peak (the real layer 2's span,
 the first of the identical ones: a copy's own highest point never tops a real neighbour's, which has the same
 climb from a higher start)."""
 
+VLM_ROWS = {"seq_len": 128, "batch": 2, "image_size": "56x56", "target_modules": "all-linear"}
 Case = tuple[dict[str, Any], str, str, str]
 """(config, preset, target, trainer: ``loop`` or ``sft``)."""
 
@@ -52,6 +54,8 @@ CASES: dict[str, Case] = {
         "cpu",
         "loop",
     ),  # q/k/v biases cast
+    # Qwen3-VL's DeepStack adds to the output of its first 3 text layers: layers 0..4 run, 5 and 6 priced from 4
+    "sft-qwen3-vl-deepstack": (VLM_ROWS, "vlm/tiny-qwen3-vl:deepstack", "cpu", "sft"),
     # the micro-batches' case: packing, checkpointing, dropout, through SFTTrainer
     "sft-checkpointing-packing-ga3": (
         MICRO_BATCH_CASES["sft-checkpointing-packing-ga3"],
@@ -98,6 +102,9 @@ SLOW_CASES: dict[str, Case] = {
         "loop",
     ),
     "sft": (SMALL, "tiny-llama", "cuda", "sft"),
+    "qwen2.5-vl-images": (VLM_ROWS, "vlm/tiny-qwen2.5-vl", "cuda", "loop"),
+    "llava-images": (VLM_ROWS, "vlm/tiny-llava", "cpu", "loop"),
+    "sft-idefics3-images": (VLM_ROWS, "vlm/tiny-idefics3", "cpu", "sft"),
     "sft-bf16-8bit-ga3": (
         {
             **SMALL,
@@ -113,14 +120,22 @@ SLOW_CASES: dict[str, Case] = {
 
 
 def deep(tmp_path: Path, preset: str, layers: int = LAYERS) -> str:
-    """A config.json of ``preset`` (``WIDE``: see it) with ``layers`` decoder layers."""
-    name, _, wide = preset.partition(":")
-    config = json.loads(presets()[name].read_text())
-    config["num_hidden_layers"] = layers
-    if wide:
-        config["intermediate_size"] = 4096
-    config.pop("layer_types", None)
-    path = tmp_path / f"{name}{wide}-{layers}.json"
+    """A config.json of ``preset`` (``WIDE``: see it; ``vlm/NAME``: fixtures/configs/vlm/NAME.json, its text
+    model's layers; ``:deepstack``: a Qwen3-VL tower of 3 blocks, each giving DeepStack's embedding to one of the
+    first 3 text layers, as the 8B's does) with ``layers`` decoder layers."""
+    name, _, variant = preset.partition(":")
+    if name.startswith("vlm/"):
+        config = json.loads((VLM / f"{name[4:]}.json").read_text())
+        text = config["text_config"]
+    else:
+        config = text = json.loads(presets()[name].read_text())
+    text["num_hidden_layers"] = layers
+    if variant == "wide":
+        text["intermediate_size"] = 4096
+    if variant == "deepstack":
+        config["vision_config"].update(depth=3, deepstack_visual_indexes=[0, 1, 2])
+    text.pop("layer_types", None)
+    path = tmp_path / f"{name.replace('/', '-')}{variant}-{layers}.json"
     path.write_text(json.dumps(config))
     return str(path)
 
@@ -152,7 +167,8 @@ def _both_ways(monkeypatch: pytest.MonkeyPatch, estimate: Any) -> list[tuple[str
 
 def _case(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: Case) -> None:
     """The estimate of ``case`` (vramguard's loop, or TRL's SFTTrainer on meta) both ways: the same report, with
-    4 of the 8 layers run in each forward (a checkpointed one's recompute under no grad is not counted)."""
+    4 of the 8 layers run in each forward, 6 after DeepStack's (a checkpointed one's recompute under no grad is
+    not counted)."""
     from vramguard.estimate.run import run_estimate
     from vramguard.estimate.trainer import run_trainer_estimate
 
@@ -165,7 +181,8 @@ def _case(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: Case) -> None:
         return run_trainer_estimate(config, trainer, steps=2, target=target)
 
     (full, full_calls), (priced, priced_calls) = _both_ways(monkeypatch, estimate)
-    assert full_calls and priced_calls * LAYERS == full_calls * 4
+    run = 6 if preset.endswith(":deepstack") else 4  # layers 0..4 and 7, else 0..2 and 7
+    assert full_calls and priced_calls * LAYERS == full_calls * run
     assert priced == full
 
 
@@ -296,6 +313,7 @@ def test_a_loop_that_reads_per_layer_config_by_index_runs_every_layer(
 
     from transformers.models.gemma3n import modeling_gemma3n
     from transformers.models.llama import modeling_llama
+    from transformers.models.qwen3_vl import modeling_qwen3_vl
 
     monkeypatch.delenv(ALL_LAYERS, raising=False)
 
@@ -311,7 +329,12 @@ def test_a_loop_that_reads_per_layer_config_by_index_runs_every_layer(
     assert layers is not None
     assert signature(layers[1][3]) == signature(layers[1][2])  # a NoPE layer looks like a RoPE one
     assert eligible(q, None, []) is None
-    assert ghosts._loop_reads(inspect.getsource(modeling_llama.LlamaModel.forward)) == frozenset()
+    assert ghosts._loop_reads(inspect.getsource(modeling_llama.LlamaModel.forward)) == (
+        frozenset(),
+        frozenset(),
+    )
+    qwen3_vl = inspect.getsource(modeling_qwen3_vl.Qwen3VLTextModel.forward)  # DeepStack's first layers
+    assert ghosts._loop_reads(qwen3_vl) == (frozenset(), frozenset({"deepstack_visual_embeds"}))
     assert ghosts._loop_reads(inspect.getsource(modeling_gemma3n.Gemma3nTextModel.forward)) is None
 
 

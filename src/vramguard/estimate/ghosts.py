@@ -4,8 +4,10 @@ A decoder of L identical layers (every layer the same modules, parameter shapes,
 the same ops in every layer but the first and the last: layer k's forward frees layer k-1's output where
 layer k-1's frees k-2's, keeps what it saves until its own backward, and its backward frees the gradient
 layer k+1 passed it and passes one on. The estimate runs layers 0, 1, 2 and L-1 (the decoder's loop takes
-the slice of the layers it runs) and prices layers 3..L-2 from layer 2, in the tracker's count
-(:meth:`vramguard.measure.tracker.StorageTracker.add`):
+the slice of the layers it runs, or iterates over them) and prices layers 3..L-2 from layer 2, in the
+tracker's count (:meth:`vramguard.measure.tracker.StorageTracker.add`); where the loop treats leading layers
+apart (Qwen3-VL's DeepStack: :data:`LEADING`), those and one more run, and the layer after them is the one
+priced from. A vision-language model's text layers are priced so (its tower runs whole):
 
 * a *span* is layer 2's forward (from its call to the call of the next layer run) and its backward (from the
   gradient of its output to that of its input, the recompute of a checkpointed layer inside): the bytes live
@@ -24,9 +26,9 @@ the slice of the layers it runs) and prices layers 3..L-2 from layer 2, in the t
   ledger's report gets layer 2's records under each copy's name.
 
 Not used (the step runs every layer) where any of this is not known to hold: an allocation log (it lists
-every storage), a vision-language model, a mixture of experts, activation offloading, Liger, another method
-than QLoRA, a sharded or multi-device step, fewer than :data:`MIN_LAYERS` layers, a decoder whose loop is not
-``self.layers[: self.config.num_hidden_layers]`` or whose loop uses a layer's index but to read a config list
+every storage), a mixture of experts, activation offloading, Liger, another method than QLoRA, a sharded or
+multi-device step, fewer than :data:`MIN_LAYERS` layers, a decoder whose loop is over none of :data:`LOOPS` or
+whose loop uses a layer's index but to read a config list or a :data:`LEADING` sequence
 whose items for layers 1..L-1 are alike (``enumerate`` counts the layers run: Granite SWA's per-layer RoPE
 theta, Gemma 4's first shared-KV layer), a config list of one item a layer that differs over layers 1..L-1
 (a layer may read it by its ``layer_idx``), layers that differ, a counter that cannot add; or with
@@ -59,47 +61,63 @@ MIN_LAYERS = 8
 """Fewer layers than this run whole: the four run are most of them."""
 
 RUN = 2
-"""The layer whose spans stand for the ones not run (layers 0, 1, 2 and the last run)."""
+"""The layer whose spans stand for the ones not run (layers 0, 1, 2 and the last run), unless the loop treats
+leading layers apart (:data:`LEADING`): then the first layer after them and the one after that."""
 
-LOOP = "self.layers[: self.config.num_hidden_layers]"
-"""The decoder loop the layers not run are taken out of (its slice of the layers)."""
+LEADING: dict[str, Callable[[Any], int]] = {
+    # Qwen3-VL's text model adds one DeepStack visual embedding to the output of each of its first layers
+    "deepstack_visual_embeds": lambda config: len(config.vision_config.deepstack_visual_indexes),
+}
+"""A sequence the decoder's loop indexes by the layer's index (``X[i]``, ``i in range(len(X))``) -> how many
+leading layers it reaches, from the model's config: those layers run, and so does the next (whose gradient ends
+the backward span of the layer priced from). A loop that indexes another runs every layer."""
+
+LOOPS = ("self.layers[: self.config.num_hidden_layers]", "self.layers")
+"""What a decoder's loop may iterate over (plain or in ``enumerate``) for the layers not run to be taken out of it
+(the slice of the layers, or the layers themselves: Qwen2-VL's and Qwen2.5-VL's text models)."""
 
 
 def decoder_of(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] | None:
-    """(qualified name, module list) of ``model``'s decoder layers where its decoder loops over
-    :data:`LOOP`; None otherwise."""
+    """(qualified name, module list) of ``model``'s decoder layers: a ``ModuleList`` called ``layers`` of
+    ``config.num_hidden_layers`` modules whose owner's config is the model's text config (a vision tower's
+    layers are not these) and whose ``forward`` loops over one of :data:`LOOPS`; None otherwise."""
+    top = getattr(model, "config", None)
+    text = top.get_text_config() if hasattr(top, "get_text_config") else top
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.ModuleList) or name.rsplit(".", 1)[-1] != "layers":
             continue
         parent = model.get_submodule(name.rpartition(".")[0])
         config = getattr(parent, "config", None)
-        if getattr(config, "num_hidden_layers", None) != len(module):
+        if config is not text or getattr(config, "num_hidden_layers", None) != len(module):
             continue
         try:
             source = inspect.getsource(type(parent).forward)
         except (OSError, TypeError):
-            return None
-        return (name, module) if LOOP in source else None
+            continue
+        if _loop_reads(source) is not None:
+            return name, module
     return None
 
 
-def _loop_reads(source: str) -> frozenset[str] | None:
-    """The config lists the decoder's loop (:data:`LOOP`) reads at a layer's index (``self.config.X[i]`` in
-    ``for i, layer in enumerate(LOOP)``): their names (none for a loop without the index); None where the loop
-    uses the index any other way (``i == self.first_kv_shared_layer_idx``, ``per_layer_inputs[:, :, i]``) or
-    is not found. Its layers run, ``i`` counts the layers run (0, 1, 2, 3), not their places in the model."""
+def _loop_reads(source: str) -> tuple[frozenset[str], frozenset[str]] | None:
+    """What the decoder's loop (over one of :data:`LOOPS`) reads at a layer's index ``i`` (``for i, layer in
+    enumerate(self.layers)``): the config lists (``self.config.X[i]``) and the local sequences (``X[i]``, ``i in
+    range(len(X))``: :data:`LEADING`'s), each set empty for a loop without the index; None where the loop uses the
+    index any other way (``i == self.first_kv_shared_layer_idx``, ``per_layer_inputs[:, :, i]``) or is not found.
+    Its layers run, ``i`` counts the layers run (0, 1, 2, 3), not their places in the model."""
     try:
         tree = ast.parse(textwrap.dedent(source))
     except SyntaxError:
         return None
-    loop = ast.unparse(ast.parse(LOOP, mode="eval").body)
-    names: set[str] = set()
+    loops = {ast.unparse(ast.parse(loop, mode="eval").body) for loop in LOOPS}
+    lists: set[str] = set()
+    local: set[str] = set()
     found = False
     for node in ast.walk(tree):
-        if not isinstance(node, ast.For) or loop not in ast.unparse(node.iter):
+        if not isinstance(node, ast.For) or not _iterates(node.iter, loops):
             continue
         found = True
-        if isinstance(node.target, ast.Name) and ast.unparse(node.iter) == loop:
+        if isinstance(node.target, ast.Name) and ast.unparse(node.iter) in loops:
             continue
         it, target = node.iter, node.target
         if not (
@@ -107,29 +125,63 @@ def _loop_reads(source: str) -> frozenset[str] | None:
             and ast.unparse(it.func) == "enumerate"
             and len(it.args) == 1
             and not it.keywords
-            and ast.unparse(it.args[0]) == loop
+            and ast.unparse(it.args[0]) in loops
             and isinstance(target, ast.Tuple)
             and len(target.elts) == 2
             and all(isinstance(e, ast.Name) for e in target.elts)
         ):
             return None
         index = target.elts[0].id  # type: ignore[attr-defined]
-        read: set[int] = set()
+        read: set[int] = set()  # the index's Name nodes in an allowed use
         for sub in ast.walk(node):
-            if (
-                isinstance(sub, ast.Subscript)
-                and isinstance(sub.slice, ast.Name)
-                and sub.slice.id == index
-                and isinstance(sub.value, ast.Attribute)
-                and ast.unparse(sub.value.value) == "self.config"
-            ):
-                read.add(id(sub.slice))
-                names.add(sub.value.attr)
+            if isinstance(sub, ast.Subscript) and isinstance(sub.slice, ast.Name) and sub.slice.id == index:
+                if isinstance(sub.value, ast.Attribute) and ast.unparse(sub.value.value) == "self.config":
+                    read.add(id(sub.slice))
+                    lists.add(sub.value.attr)
+                elif isinstance(sub.value, ast.Name):
+                    read.add(id(sub.slice))
+                    local.add(sub.value.id)
+            name = _below_len(sub, index)
+            if name is not None:
+                read.add(id(sub.left))  # type: ignore[attr-defined]
+                local.add(name)
         for sub in ast.walk(node):
             other = sub is not target.elts[0] and id(sub) not in read
             if isinstance(sub, ast.Name) and sub.id == index and other:
                 return None
-    return frozenset(names) if found else None
+    return (frozenset(lists), frozenset(local)) if found else None
+
+
+def _below_len(node: ast.AST, index: str) -> str | None:
+    """``X`` where ``node`` is ``index in range(len(X))``, else None."""
+    if not (
+        isinstance(node, ast.Compare)
+        and isinstance(node.left, ast.Name)
+        and node.left.id == index
+        and len(node.ops) == 1
+        and isinstance(node.ops[0], ast.In)
+    ):
+        return None
+    bound = node.comparators[0]
+    if (
+        isinstance(bound, ast.Call)
+        and ast.unparse(bound.func) == "range"
+        and len(bound.args) == 1
+        and isinstance(bound.args[0], ast.Call)
+        and ast.unparse(bound.args[0].func) == "len"
+        and len(bound.args[0].args) == 1
+        and isinstance(bound.args[0].args[0], ast.Name)
+    ):
+        return bound.args[0].args[0].id
+    return None
+
+
+def _iterates(node: ast.expr, loops: set[str]) -> bool:
+    """Whether a ``for`` loop's iterable is one of ``loops`` or uses one (``enumerate(self.layers)``,
+    ``zip(self.layers, ...)``: the latter not taken, see :func:`_loop_reads`)."""
+    return any(
+        ast.unparse(sub) in loops for sub in ast.walk(node) if isinstance(sub, (ast.Attribute, ast.Subscript))
+    )
 
 
 def _per_layer_alike(config: Any, layers: int, reads: frozenset[str]) -> bool:
@@ -182,13 +234,14 @@ def signature(layer: torch.nn.Module) -> tuple[Any, ...]:
     return tuple(parts)
 
 
-def eligible(q: Any, events: Any, counters: list[Any]) -> tuple[str, torch.nn.ModuleList] | None:
-    """The decoder whose layers 3..L-2 are priced from layer 2 in ``q``'s meta step, or None where the step
-    must run them (see the module)."""
+def eligible(q: Any, events: Any, counters: list[Any]) -> tuple[str, torch.nn.ModuleList, int] | None:
+    """(name, layers, the layer priced from: :data:`RUN` or later, see :data:`LEADING`) of the decoder whose
+    layers after that one but the last are priced from it in ``q``'s meta step, or None where the step must run
+    them (see the module)."""
     if os.environ.get(ALL_LAYERS, "") not in ("", "0") or events is not None:
         return None
     config = q.config
-    if getattr(q, "image_values", None) is not None or config.offload_activations or config.use_liger_kernel:
+    if config.offload_activations or config.use_liger_kernel:
         return None
     if config.method != "qlora" or str(getattr(q, "device", "meta")) != "meta":
         return None
@@ -199,23 +252,26 @@ def eligible(q: Any, events: Any, counters: list[Any]) -> tuple[str, torch.nn.Mo
     if not all(hasattr(c, "counts") and hasattr(c, "add") for c in counters):
         return None
     found = decoder_of(model)
-    if found is None or len(found[1]) < MIN_LAYERS:
+    if found is None:
         return None
-    layers = found[1]
-    if any("experts" in name for name, _ in layers[RUN].named_modules()):
-        return None
-    parent = model.get_submodule(found[0].rpartition(".")[0])
+    name, layers = found
+    parent = model.get_submodule(name.rpartition(".")[0])
     reads = _loop_reads(inspect.getsource(type(parent).forward))
-    if reads is None or not _per_layer_alike(parent.config, len(layers), reads):
+    if reads is None or any(local not in LEADING for local in reads[1]):
+        return None
+    run = max([RUN, *(LEADING[local](model.config) + 1 for local in reads[1])])
+    if len(layers) < max(MIN_LAYERS, run + 4) or not _per_layer_alike(parent.config, len(layers), reads[0]):
+        return None
+    if any("experts" in n for n, _ in layers[run].named_modules()):
         return None
     first = signature(layers[1])
     if any(signature(layer) != first for layer in list(layers)[2:]):
         return None
-    return found
+    return name, layers, run
 
 
 def _runs_some(cls: type, run: frozenset[int]) -> type:
-    """``cls`` (a ``ModuleList``) whose slices hold only the layers in ``run`` (by identity)."""
+    """``cls`` (a ``ModuleList``) whose slices and iteration hold only the layers in ``run`` (by identity)."""
 
     class RunsSome(cls):  # type: ignore[misc, valid-type]
         def __getitem__(self, idx: Any) -> Any:
@@ -223,6 +279,9 @@ def _runs_some(cls: type, run: frozenset[int]) -> type:
                 kept = [m for m in list(self._modules.values())[idx] if id(m) in run]
                 return torch.nn.ModuleList(kept)
             return super().__getitem__(idx)
+
+        def __iter__(self) -> Iterator[torch.nn.Module]:
+            return (m for m in self._modules.values() if id(m) in run)
 
     RunsSome.__name__ = RunsSome.__qualname__ = cls.__name__
     return RunsSome
@@ -274,11 +333,12 @@ class GhostLayers:
         layers: torch.nn.ModuleList,
         tracker: Callable[[], MemoryTracker | None],
         counters: list[Any],
+        run: int = RUN,
     ) -> None:
-        self.prefix, self.layers, self.tracker_of = prefix, layers, tracker
+        self.prefix, self.layers, self.tracker_of, self.run = prefix, layers, tracker, run
         self.counters = [c for c in counters if hasattr(c, "counts")]
         self.last = len(layers) - 1
-        self.copies = len(layers) - 4  # layers 3..L-2
+        self.copies = self.last - run - 1  # layers run+1..L-2
         self.forward: _Span | None = None
         self.backward: _Span | None = None
         self.output: frozenset[StorageKey] = frozenset()
@@ -291,14 +351,14 @@ class GhostLayers:
         """Inside: the decoder's loop runs layers 0, 1, :data:`RUN` and the last, and the hooks price the others
         (a layer not run that is called anyway is an internal error); after it, every layer runs again."""
         layers = self.layers
-        run = frozenset(id(layers[i]) for i in (0, 1, RUN, self.last))
+        run = frozenset(id(layers[i]) for i in (*range(self.run + 1), self.last))
         original = type(layers)
         handles = [
-            layers[RUN].register_forward_pre_hook(self._forward_begins),
-            layers[RUN].register_forward_hook(self._forward_output),
+            layers[self.run].register_forward_pre_hook(self._forward_begins),
+            layers[self.run].register_forward_hook(self._forward_output),
             layers[self.last].register_forward_pre_hook(self._forward_ends),
-            layers[RUN - 1].register_forward_hook(self._input_made),
-            *(layers[i].register_forward_pre_hook(_not_run) for i in range(RUN + 1, self.last)),
+            layers[self.run - 1].register_forward_hook(self._input_made),
+            *(layers[i].register_forward_pre_hook(_not_run) for i in range(self.run + 1, self.last)),
         ]
         layers.__class__ = _runs_some(original, run)
         try:
@@ -349,10 +409,10 @@ class GhostLayers:
         """A parameter or buffer layer :data:`RUN`'s forward replaced by another dtype (bitsandbytes' Linear4bit
         casts its bias to the input's dtype on its first call), replaced so on layers 3..L-2 too: the new
         storages' bytes were counted with the span's copies, and the model's weights are read from it."""
-        run = self.layers[RUN]
+        run = self.layers[self.run]
         theirs = {**dict(run.named_parameters()), **dict(run.named_buffers())}
         with _unseen():
-            for i in range(RUN + 1, self.last):
+            for i in range(self.run + 1, self.last):
                 layer = self.layers[i]
                 for name, t in (*layer.named_parameters(), *layer.named_buffers()):
                     if t.dtype != theirs[name].dtype:
@@ -377,7 +437,7 @@ class GhostLayers:
         if span is None:
             return
         source = span.source
-        layer = self.layers[RUN]
+        layer = self.layers[self.run]
         grads = {p.grad.untyped_storage()._cdata for p in layer.parameters() if p.grad is not None}
         made = span.end(self.copies, frozenset({grad.untyped_storage()._cdata, *grads}))
         source.held = frozenset()
@@ -388,9 +448,9 @@ class GhostLayers:
     def _gradients_of_copies(self, source: StorageTracker) -> None:
         """The gradients the backward's copies counted, made on layers 3..L-2's own parameters (the
         optimizer steps them): counted already, adopted, not added."""
-        named = dict(self.layers[RUN].named_parameters())
+        named = dict(self.layers[self.run].named_parameters())
         with _unseen():
-            for i in range(RUN + 1, self.last):
+            for i in range(self.run + 1, self.last):
                 for name, p in self.layers[i].named_parameters():
                     grad = named[name].grad
                     if grad is None or p.grad is not None:
@@ -403,8 +463,8 @@ class GhostLayers:
         """``report`` with layer :data:`RUN`'s records copied under each layer not run, and each storage saved
         in more layers than one (the rotary embedding's, the mask) also saved by the copies of layer
         :data:`RUN`'s nodes."""
-        run = f"{self.prefix}.{RUN}"
-        names = [f"{self.prefix}.{i}" for i in range(RUN + 1, self.last)]
+        run = f"{self.prefix}.{self.run}"
+        names = [f"{self.prefix}.{i}" for i in range(self.run + 1, self.last)]
         mine = [r for r in report.records if _under(r.module, run)]
         records = [_also_saved(r, run, names) for r in report.records]
         records += [_renamed(r, run, name) for name in names for r in mine]
@@ -483,5 +543,5 @@ def ghost_layers(
     found = eligible(q, events, counters)
     if found is None:
         return contextlib.nullcontext()
-    prefix, layers = found
-    return GhostLayers(prefix, layers, tracker, counters).running()
+    prefix, layers, run = found
+    return GhostLayers(prefix, layers, tracker, counters, run).running()

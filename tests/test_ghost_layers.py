@@ -338,6 +338,35 @@ def test_a_loop_that_reads_per_layer_config_by_index_runs_every_layer(
     assert ghosts._loop_reads(inspect.getsource(modeling_gemma3n.Gemma3nTextModel.forward)) is None
 
 
+def test_a_deepstack_loop_without_a_vision_config_runs_every_layer(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Cohere Compass's text model (``cohere_compass_text``, a causal LM of its own) loops over its layers as
+    Qwen3-VL's does, indexing ``deepstack_visual_embeds``, but its config has no vision config to tell how many
+    leading layers that reaches: the step runs every layer (the estimate raised AttributeError)."""
+    configuration = pytest.importorskip("transformers.models.cohere_compass.configuration_cohere_compass")
+    from vramguard.estimate.meta import build_meta
+
+    monkeypatch.delenv(ALL_LAYERS, raising=False)
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    text = configuration.CohereCompassTextConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1024,
+        rope_parameters={"full_attention": rope, "sliding_attention": rope},
+    )
+    path = tmp_path / "cohere-compass-text.json"
+    path.write_text(json.dumps(text.to_dict()))
+    q_config = QLoRAConfig(model=str(path), **SMALL).resolved()
+    q = build_meta(q_config, q_config.spec)
+    assert ghosts.decoder_of(q.model) is not None  # its loop reads deepstack_visual_embeds[i]
+    assert eligible(q, None, []) is None
+
+
 @pytest.mark.slow
 def test_nope_layers_report_equal(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The Granite SWA model with NoPE layers: the same report both ways (priced from one, the rotary

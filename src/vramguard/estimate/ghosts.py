@@ -64,13 +64,22 @@ RUN = 2
 """The layer whose spans stand for the ones not run (layers 0, 1, 2 and the last run), unless the loop treats
 leading layers apart (:data:`LEADING`): then the first layer after them and the one after that."""
 
-LEADING: dict[str, Callable[[Any], int]] = {
+def _deepstack_layers(config: Any) -> int | None:
+    """How many leading text layers get a DeepStack embedding: one per index of the vision config's
+    ``deepstack_visual_indexes``; None where the config has none (Cohere Compass's text model alone,
+    ``cohere_compass_text``, whose loop is Qwen3-VL's)."""
+    indexes = getattr(getattr(config, "vision_config", None), "deepstack_visual_indexes", None)
+    return None if indexes is None else len(indexes)
+
+
+LEADING: dict[str, Callable[[Any], int | None]] = {
     # Qwen3-VL's text model adds one DeepStack visual embedding to the output of each of its first layers
-    "deepstack_visual_embeds": lambda config: len(config.vision_config.deepstack_visual_indexes),
+    "deepstack_visual_embeds": _deepstack_layers,
 }
 """A sequence the decoder's loop indexes by the layer's index (``X[i]``, ``i in range(len(X))``) -> how many
 leading layers it reaches, from the model's config: those layers run, and so does the next (whose gradient ends
-the backward span of the layer priced from). A loop that indexes another runs every layer."""
+the backward span of the layer priced from). A loop that indexes another, or one whose count the config does not
+tell (None), runs every layer."""
 
 LOOPS = ("self.layers[: self.config.num_hidden_layers]", "self.layers")
 """What a decoder's loop may iterate over (plain or in ``enumerate``) for the layers not run to be taken out of it
@@ -259,7 +268,10 @@ def eligible(q: Any, events: Any, counters: list[Any]) -> tuple[str, torch.nn.Mo
     reads = _loop_reads(inspect.getsource(type(parent).forward))
     if reads is None or any(local not in LEADING for local in reads[1]):
         return None
-    run = max([RUN, *(LEADING[local](model.config) + 1 for local in reads[1])])
+    leading = [LEADING[local](model.config) for local in reads[1]]
+    if None in leading:
+        return None
+    run = max([RUN, *(n + 1 for n in leading if n is not None)])
     if len(layers) < max(MIN_LAYERS, run + 4) or not _per_layer_alike(parent.config, len(layers), reads[0]):
         return None
     if any("experts" in n for n, _ in layers[run].named_modules()):

@@ -64,6 +64,7 @@ RUN = 2
 """The layer whose spans stand for the ones not run (layers 0, 1, 2 and the last run), unless the loop treats
 leading layers apart (:data:`LEADING`): then the first layer after them and the one after that."""
 
+
 def _deepstack_layers(config: Any) -> int | None:
     """How many leading text layers get a DeepStack embedding: one per index of the vision config's
     ``deepstack_visual_indexes``; None where the config has none (Cohere Compass's text model alone,

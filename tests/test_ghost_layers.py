@@ -30,6 +30,14 @@ WIDE = "tiny-llama:wide"
 the first of the identical ones: a copy's own highest point never tops a real neighbour's, which has the same
 climb from a higher start)."""
 
+DIMS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+"""The shapes of the small configs built here (Granite SWA's, Cohere Compass's text model)."""
 VLM_ROWS = {"seq_len": 128, "batch": 2, "image_size": "56x56", "target_modules": "all-linear"}
 Case = tuple[dict[str, Any], str, str, str]
 """(config, preset, target, trainer: ``loop`` or ``sft``)."""
@@ -280,11 +288,7 @@ def _granite_swa(tmp_path: Path, theta: list[float]) -> str:
 
     config = GraniteSWAConfig(
         vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **DIMS,
         max_position_embeddings=512,
         bos_token_id=1,
         eos_token_id=1,
@@ -350,11 +354,7 @@ def test_a_deepstack_loop_without_a_vision_config_runs_every_layer(
     monkeypatch.delenv(ALL_LAYERS, raising=False)
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     text = configuration.CohereCompassTextConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **DIMS,
         head_dim=16,
         vocab_size=1024,
         rope_parameters={"full_attention": rope, "sliding_attention": rope},

@@ -52,6 +52,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from vramguard.measure.ledger import LedgerReport, SavedRecord, report_hook
 from vramguard.measure.storage import StorageKey
 from vramguard.measure.tracker import FrameStats, MemoryTracker, StorageTracker
+from vramguard.workload.training import repeatable
 
 ALL_LAYERS = "VRAMGUARD_ALL_LAYERS"
 """Set (to anything but empty or 0), a meta step runs every decoder layer (the reference of
@@ -258,8 +259,7 @@ def eligible(q: Any, events: Any, counters: list[Any]) -> tuple[str, torch.nn.Mo
     model = q.model
     if hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync"):
         return None
-    counters = [c for c in counters if c is not None and not (isinstance(c, dict) and not c)]
-    if not all(hasattr(c, "counts") and hasattr(c, "add") for c in counters):
+    if repeatable(counters) is None:
         return None
     found = decoder_of(model)
     if found is None:
@@ -349,7 +349,7 @@ class GhostLayers:
         run: int = RUN,
     ) -> None:
         self.prefix, self.layers, self.tracker_of, self.run = prefix, layers, tracker, run
-        self.counters = [c for c in counters if hasattr(c, "counts")]
+        self.counters = repeatable(counters) or []
         self.last = len(layers) - 1
         self.copies = self.last - run - 1  # layers run+1..L-2
         self.forward: _Span | None = None

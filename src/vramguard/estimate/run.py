@@ -37,7 +37,7 @@ from vramguard.units import format_bytes
 from vramguard.workload.models import ModelSpec, QLoRAConfig, QLoRAModel, packed_lengths
 from vramguard.workload.routing import META_RUNS, ROUTINGS, bounds_line, eager_top_k
 from vramguard.workload.routing import figures as routing_figures_of
-from vramguard.workload.training import PHASES, Repeats, StepResult, make_optimizer, run_steps
+from vramguard.workload.training import PHASES, Repeats, StepResult, make_optimizer, repeatable, run_steps
 
 MiB = 1 << 20
 
@@ -498,10 +498,8 @@ def step_repeats(
     model = q.model
     if hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync") or request.device != META:
         return None
-    counters = [c for c in counters if c is not None and not (isinstance(c, dict) and not c)]  # saw nothing
-    if not all(hasattr(c, "counts") and hasattr(c, "add") for c in counters):
-        return None
-    return Repeats(tracker, counters)
+    counting = repeatable(counters)
+    return None if counting is None else Repeats(tracker, counting)
 
 
 def meta_source(device: str, target: str) -> StorageTracker:

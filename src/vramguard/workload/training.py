@@ -68,6 +68,15 @@ class Repeats:
         self._before = None
 
 
+def repeatable(counters: list[Any]) -> list[Any] | None:
+    """The counters of a step's contexts that count (``counts``/``add``: the forced decisions, autocast's), the
+    ones that saw nothing (None, an empty dict: a technique's context with nothing to do) left out; None where
+    one cannot add (Liger's), so a span of the step cannot be priced from another (:class:`Repeats`, the
+    identical layers of :mod:`vramguard.estimate.ghosts`)."""
+    kept = [c for c in counters if c is not None and not (isinstance(c, dict) and not c)]
+    return kept if all(hasattr(c, "counts") and hasattr(c, "add") for c in kept) else None
+
+
 def optimizer_on(name: str, device: str) -> str:
     """The optimizer ``name`` runs as on ``device``: the paged one's state needs CUDA's unified memory, so
     elsewhere (meta, the CPU) it runs as ``adamw-8bit``, the same state with none of it paged."""

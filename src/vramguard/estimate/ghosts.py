@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from vramguard.measure.ledger import LedgerReport, SavedRecord, report_hook
+from vramguard.measure.ledger import LedgerReport, SavedRecord, replaced, report_hook
 from vramguard.measure.storage import StorageKey
 from vramguard.measure.tracker import FrameStats, MemoryTracker, StorageTracker
 from vramguard.workload.training import repeatable
@@ -336,8 +336,8 @@ class _Span:
 
 
 class GhostLayers:
-    """The context of a meta step in which ``layers`` (named ``prefix``) run only 0, 1, :data:`RUN` and the
-    last; ``tracker``: the step's tracker when it runs (a trainer's callback makes it at ``train()``);
+    """The context of a meta step in which ``layers`` (named ``prefix``) run only 0..``run`` (:data:`RUN`, or
+    later: :data:`LEADING`) and the last; ``tracker``: the step's tracker when it runs (a trainer's callback makes it at ``train()``);
     ``counters``: the step's contexts' counters (``counts``/``add``). See the module."""
 
     def __init__(
@@ -356,12 +356,11 @@ class GhostLayers:
         self.backward: _Span | None = None
         self.output: frozenset[StorageKey] = frozenset()
         self.kept: frozenset[StorageKey] = frozenset()  # what the forward span made and held at its end
-        self.ran = 0  # forward spans priced
 
     # the context ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def running(self) -> Iterator[GhostLayers]:
-        """Inside: the decoder's loop runs layers 0, 1, :data:`RUN` and the last, and the hooks price the others
+        """Inside: the decoder's loop runs layers 0..``run`` and the last, and the hooks price the others
         (a layer not run that is called anyway is an internal error); after it, every layer runs again."""
         layers = self.layers
         run = frozenset(id(layers[i]) for i in (*range(self.run + 1), self.last))
@@ -393,7 +392,9 @@ class GhostLayers:
         if torch._C._current_graph_task_id() != -1:
             return
         if self.backward is not None:
-            raise RuntimeError("a forward began inside layer 2's backward span (vramguard.estimate.ghosts)")
+            raise RuntimeError(
+                "a forward began inside a priced layer's backward span (vramguard.estimate.ghosts)"
+            )
         tracker = self._tracking()
         if tracker is not None:
             self.forward = _Span(tracker, self.counters)
@@ -416,11 +417,10 @@ class GhostLayers:
         for key, nbytes in kept.items():
             span.source.shadow(key, self.copies * nbytes)
         self._casts_of_copies()
-        self.ran += 1
 
     def _casts_of_copies(self) -> None:
-        """A parameter or buffer layer :data:`RUN`'s forward replaced by another dtype (bitsandbytes' Linear4bit
-        casts its bias to the input's dtype on its first call), replaced so on layers 3..L-2 too: the new
+        """A parameter or buffer the priced layer's forward replaced by another dtype (bitsandbytes' Linear4bit
+        casts its bias to the input's dtype on its first call), replaced so on the layers not run too: the new
         storages' bytes were counted with the span's copies, and the model's weights are read from it."""
         run = self.layers[self.run]
         theirs = {**dict(run.named_parameters()), **dict(run.named_buffers())}
@@ -459,7 +459,7 @@ class GhostLayers:
         self._gradients_of_copies(source)
 
     def _gradients_of_copies(self, source: StorageTracker) -> None:
-        """The gradients the backward's copies counted, made on layers 3..L-2's own parameters (the
+        """The gradients the backward's copies counted, made on the layers not run's own parameters (the
         optimizer steps them): counted already, adopted, not added."""
         named = dict(self.layers[self.run].named_parameters())
         with _unseen():
@@ -473,9 +473,9 @@ class GhostLayers:
 
     # the ledger --------------------------------------------------------------------------------
     def _records(self, report: LedgerReport) -> LedgerReport:
-        """``report`` with layer :data:`RUN`'s records copied under each layer not run, and each storage saved
-        in more layers than one (the rotary embedding's, the mask) also saved by the copies of layer
-        :data:`RUN`'s nodes."""
+        """``report`` with the priced layer's records copied under each layer not run, and each storage saved
+        in more layers than one (the rotary embedding's, the mask) also saved by the copies of that layer's
+        nodes."""
         run = f"{self.prefix}.{self.run}"
         names = [f"{self.prefix}.{i}" for i in range(self.run + 1, self.last)]
         mine = [r for r in report.records if _under(r.module, run)]
@@ -513,15 +513,9 @@ def _rename(value: str | None, run: str, name: str) -> str | None:
     return name + value[len(run) :] if value is not None and _under(value, run) else value
 
 
-def _copy(record: SavedRecord, **values: Any) -> SavedRecord:
-    copy = object.__new__(SavedRecord)
-    copy.__dict__.update({**vars(record), **values})
-    return copy
-
-
 def _renamed(record: SavedRecord, run: str, name: str) -> SavedRecord:
     """``record`` of layer ``run`` as the layer ``name`` not run has it."""
-    return _copy(
+    return replaced(
         record,
         module=_rename(record.module, run, name),
         owner=_rename(record.owner, run, name),
@@ -541,7 +535,7 @@ def _also_saved(record: SavedRecord, run: str, names: list[str]) -> SavedRecord:
     at = inside[-1] + 1
     nodes = tuple(record.also_saved_by[i] for name in names for i in inside)
     modules = tuple(_rename(record.saved_in[i], run, name) or "" for name in names for i in inside)
-    return _copy(
+    return replaced(
         record,
         also_saved_by=record.also_saved_by[:at] + nodes + record.also_saved_by[at:],
         saved_in=record.saved_in[:at] + modules + record.saved_in[at:],

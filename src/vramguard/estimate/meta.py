@@ -870,16 +870,16 @@ the embeddings). A data-dependent op that would read a value not kept raises, as
 The limit is never below the largest tensor the batch gives (:meth:`_RoutedValues.limit`)."""
 
 
-def _too_large(t: Any, inputs: frozenset[int] | set[int] = frozenset(), limit: int | None = None) -> bool:
-    """Whether ``t`` (an op's result on meta) is a new storage over ``limit`` (:data:`VALUED_BYTES`): not one of
-    its op's ``inputs``' storages (a view's, an in-place op's result). Inside ``__torch_dispatch__`` a view's
-    output is not yet marked a view (``_is_view()`` is False for ``view``, ``slice``, ``expand``: autograd marks
-    it above the mode), so the storage is the test."""
+def _too_large(t: Any, inputs: frozenset[int] | set[int], limit: int) -> bool:
+    """Whether ``t`` (an op's result on meta) is a new storage over ``limit`` (:meth:`_RoutedValues.limit`):
+    not one of its op's ``inputs``' storages (a view's, an in-place op's result). Inside ``__torch_dispatch__``
+    a view's output is not yet marked a view (``_is_view()`` is False for ``view``, ``slice``, ``expand``:
+    autograd marks it above the mode), so the storage is the test."""
     return (
         isinstance(t, torch.Tensor)
         and t.device.type == META
         and t.untyped_storage()._cdata not in inputs
-        and t.untyped_storage().nbytes() > (VALUED_BYTES if limit is None else limit)
+        and t.untyped_storage().nbytes() > limit
     )
 
 

@@ -814,6 +814,11 @@ class SavedTensorLedger:
 _RECORD_FIELDS = frozenset(f.name for f in fields(SavedRecord))
 
 
+def replaced(record: SavedRecord, **values: Any) -> SavedRecord:
+    """``record`` with ``values`` in place of its own (a cheap ``dataclasses.replace``, see :func:`_record`)."""
+    return _record(**{**vars(record), **values})
+
+
 def _record(**values: Any) -> SavedRecord:
     """``SavedRecord(**values)`` with every field given, made the way ``dataclasses.replace`` copies are
     not: its frozen ``__init__`` sets each field through ``object.__setattr__``, which for the hundreds of
